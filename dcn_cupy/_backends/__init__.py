@@ -1,0 +1,29 @@
+"""Backends: one module per kind of device, all with the same small interface.
+
+A backend module provides, for native arrays (NumPy for ``cpu``, CuPy for ``cuda``) that are
+C-contiguous, batched (``B >= 1``), of one dtype, with ``geom`` a ``ConvGeometry``:
+
+``conv_forward(x, weight, offset, mask, bias, geom) -> y``
+    ``y = deform_conv(x)``, shape ``geom.y_shape``; bias added when not None.
+``conv_backward_input(grad_output, weight, offset, mask, bias, geom) -> grad_x``
+    The adjoint of ``conv_forward`` in ``x`` (shape ``geom.x_shape``), plus bias per channel
+    when not None: this is also the transposed convolution's forward.
+``conv_backward_params(grad_output, x, weight, offset, mask, geom, need_weight, need_offset, need_mask)``
+    ``(grad_weight, grad_offset, grad_mask)``, each None unless asked for.
+``device_context(device_id)``
+    A context manager that makes the device current.
+
+``offset`` and ``mask`` may be None (no offset: the integer grid; no mask: 1). Backends never
+see foreign arrays and never re-validate; they never write into their arguments.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_BACKENDS = {"cpu": "dcn_cupy._backends.cpu", "cuda": "dcn_cupy._backends.cuda"}
+
+
+def get_backend(device: str):
+    """The backend module serving arrays on ``device`` ("cpu" or "cuda")."""
+    return importlib.import_module(_BACKENDS[device])
