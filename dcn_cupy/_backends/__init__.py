@@ -27,3 +27,14 @@ _BACKENDS = {"cpu": "dcn_cupy._backends.cpu", "cuda": "dcn_cupy._backends.cuda"}
 def get_backend(device: str):
     """The backend module serving arrays on ``device`` ("cpu" or "cuda")."""
     return importlib.import_module(_BACKENDS[device])
+
+
+def cuda_source_dir():
+    """The folder of the CUDA sources: ``dcn_cupy/cuda`` when installed, ``cuda/`` in a checkout."""
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / "cuda", package.parent / "cuda"):
+        if candidate.is_dir() and any(candidate.glob("*.cu")):
+            return candidate
+    raise FileNotFoundError(f"CUDA sources not found in {package / 'cuda'} or {package.parent / 'cuda'}")
