@@ -128,9 +128,9 @@ def fix_sequence_arg(arg, ndim: int, name: str, minimum: int) -> Tuple[int, ...]
         values = tuple(_as_int(v, name) for v in arg)
     else:
         values = (_as_int(arg, name),) * ndim
-    for v in values:
-        if v < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {values if len(values) > 1 else v}")
+    if min(values) < minimum:
+        got = values if isinstance(arg, (list, tuple)) else values[0]
+        raise ValueError(f"{name} must be >= {minimum}, got {got}")
     return values
 
 
@@ -169,7 +169,7 @@ def _groups_from_channels(channels: int, per_group: int, name: str, per_group_te
 
 def _check_divides(total: int, total_name: str, groups: int, groups_name: str) -> None:
     if total % groups:
-        raise ValueError(f"{total_name}={total} must be divisible by {groups_name}={groups}")
+        raise ValueError(f"{total_name}={total} must be divisible by {groups_name} = {groups}")
 
 
 def _check_batched_arg(shape, name: str, batched: bool, batch: int, channels_text: str,

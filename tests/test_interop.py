@@ -1,0 +1,70 @@
+"""Arrays from NumPy, PyTorch and JAX come back in their own library, dtype and shape."""
+
+import numpy as np
+import pytest
+
+import dcn_cupy
+from dcn_cupy._interop import BFLOAT16, to_native
+
+from cases import ARGUMENTS, random_case, relative_error
+
+
+def _torch_case(dtype_name):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(1)
+    case = random_case(rng, 2, False)
+    dtype = getattr(torch, dtype_name)
+    return torch, case, case.arrays(lambda a: torch.from_numpy(a).to(dtype))
+
+
+@pytest.mark.parametrize("dtype_name", ["float64", "float32", "float16", "bfloat16"])
+def test_torch_cpu_tensors_round_trip(dtype_name):
+    torch, case, tensors = _torch_case(dtype_name)
+    out = case.forward(**tensors, **case.params)
+    assert isinstance(out, torch.Tensor) and out.dtype == getattr(torch, dtype_name) and out.device.type == "cpu"
+    tol = {"float64": 1e-10, "float32": 1e-4, "float16": 5e-3, "bfloat16": 3e-2}[dtype_name]
+    assert relative_error(out.double().numpy(), case.reference()) < tol
+    grads = case.backward(torch.ones_like(out), **tensors, **case.params)
+    for name in ARGUMENTS:
+        g = getattr(grads, name)
+        assert isinstance(g, torch.Tensor) and g.dtype == out.dtype and g.shape == tensors[name].shape
+
+
+def test_torch_zero_copy_import():
+    torch = pytest.importorskip("torch")
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    native, origin = to_native(t, "input")
+    assert isinstance(native, np.ndarray) and origin.library == "torch"
+    assert native.ctypes.data == t.data_ptr()
+    b = torch.arange(4, dtype=torch.bfloat16)
+    native, origin = to_native(b, "input")
+    assert native.dtype == BFLOAT16 and native.ctypes.data == b.data_ptr()
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_jax_cpu_arrays_round_trip(dtype_name):
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    rng = np.random.default_rng(2)
+    case = random_case(rng, 1, True)
+    dtype = getattr(jnp, dtype_name)
+    arrays = case.arrays(lambda a: jnp.asarray(a, dtype=dtype))
+    out = case.forward(**arrays, **case.params)
+    assert isinstance(out, jax.Array) and out.dtype == dtype
+    tol = 1e-4 if dtype_name == "float32" else 3e-2
+    assert relative_error(np.asarray(out, dtype=np.float64), case.reference()) < tol
+    grads = case.backward(jnp.ones_like(out), **arrays, **case.params)
+    assert all(isinstance(getattr(grads, n), jax.Array) and getattr(grads, n).shape == arrays[n].shape
+               for n in ARGUMENTS)
+    y = dcn_cupy.mask_sigmoid(arrays["mask"])
+    assert isinstance(y, jax.Array) and y.dtype == dtype
+
+
+def test_mask_activations_keep_library():
+    torch = pytest.importorskip("torch")
+    m = torch.randn(2, 18, 3, 3, dtype=torch.float64)
+    y = dcn_cupy.mask_softmax2d(m, 3)
+    assert isinstance(y, torch.Tensor)
+    torch.testing.assert_close(y.view(2, 2, 9, 3, 3).sum(2), torch.ones(2, 2, 3, 3, dtype=torch.float64))
+    g = dcn_cupy.mask_softmax_backward(torch.randn_like(y), y, 3)
+    assert isinstance(g, torch.Tensor) and g.shape == m.shape
