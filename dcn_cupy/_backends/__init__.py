@@ -12,6 +12,9 @@ C-contiguous, batched (``B >= 1``), of one dtype, with ``geom`` a ``ConvGeometry
     ``(grad_weight, grad_offset, grad_mask)``, each None unless asked for.
 ``device_context(device_id)``
     A context manager that makes the device current.
+``xp``
+    The array module of its native arrays (``numpy`` or ``cupy``), used by ``_api`` for the
+    element-wise work (bias gradient, mask activations).
 
 ``offset`` and ``mask`` may be None (no offset: the integer grid; no mask: 1). Backends never
 see foreign arrays and never re-validate; they never write into their arguments.
