@@ -1,0 +1,264 @@
+"""CPU benchmark: dcn_cupy's Numba backend against torchvision's CPU kernel and a dense conv.
+
+Shape of DESIGN.md section 5: B=2, C 64->64, 56x56, 3x3, padding 1, offsets and masks
+(DCNv2), float32, NumPy arrays. Times the forward and the forward+backward (the backward is
+``deform_conv2d_backward`` for all five gradients); each measurement is the median of
+``--repeats`` runs after ``--warmup`` runs (the Numba JIT compilation is excluded). When they
+import, torchvision's ``deform_conv2d`` and ``torch.nn.functional.conv2d`` are timed the same
+way. Prints a table and writes JSON (``--json``, default ``benchmarks/cpu.json``).
+
+    python benchmarks/cpu.py [--repeats 7] [--json out.json]
+    python -m dcn_cupy bench          # the same on a machine without a CUDA device
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path and (HERE.parent / "dcn_cupy").is_dir():
+    sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
+
+# torchvision on a 2-core machine, and a dense torch conv2d, at this shape (DESIGN.md section 5).
+DESIGN_TORCHVISION_MS = {"forward": 68.0, "forward+backward": 648.0}
+DESIGN_SPEEDUP = {"forward": 2.0, "forward+backward": 5.0}
+
+
+def _time(fn, warmup: int, repeats: int) -> list:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - tic) * 1e3)
+    return times
+
+
+def _inputs(args):
+    rng = np.random.default_rng(args.seed)
+    b, c_in, c_out, size, k = args.batch, args.in_channels, args.out_channels, args.size, 3
+    out = size  # padding 1, stride 1
+    f32 = np.float32
+    return {
+        "input": rng.standard_normal((b, c_in, size, size)).astype(f32),
+        "weight": (rng.standard_normal((c_out, c_in, k, k)) / np.sqrt(c_in * k * k)).astype(f32),
+        "offset": rng.uniform(-2.0, 2.0, (b, 2 * k * k, out, out)).astype(f32),
+        "mask": rng.uniform(0.0, 1.0, (b, k * k, out, out)).astype(f32),
+        "bias": rng.standard_normal(c_out).astype(f32),
+        "grad_output": rng.standard_normal((b, c_out, out, out)).astype(f32),
+    }
+
+
+def _bench_dcn_cupy(data, args) -> list:
+    import dcn_cupy
+
+    x, w, off, m, bias, gy = (data[k] for k in ("input", "weight", "offset", "mask", "bias", "grad_output"))
+
+    def forward():
+        return dcn_cupy.deform_conv2d(x, w, off, m, bias, padding=1)
+
+    def forward_backward():
+        dcn_cupy.deform_conv2d(x, w, off, m, bias, padding=1)
+        return dcn_cupy.deform_conv2d_backward(gy, x, w, off, m, bias, padding=1)
+
+    results = []
+    tic = time.perf_counter()
+    forward_backward()  # JIT compilation (or loading Numba's cache), excluded from the timings
+    print(f"  dcn_cupy first call (JIT compile / cache load): {time.perf_counter() - tic:.1f} s", flush=True)
+    for mode, fn in (("forward", forward), ("forward+backward", forward_backward)):
+        results.append(_result("dcn_cupy", mode, _time(fn, args.warmup, args.repeats)))
+    return results
+
+
+def _bench_torch(data, args) -> list:
+    try:
+        import torch
+    except Exception as error:
+        print(f"  torch not importable ({type(error).__name__}: {error}): skipping torch and torchvision")
+        return []
+    results = []
+    t = {k: torch.from_numpy(v.copy()) for k, v in data.items()}
+
+    def leaves(*names):
+        return [t[n].clone().requires_grad_(True) for n in names]
+
+    try:
+        from torchvision.ops import deform_conv2d as tv_deform_conv2d
+    except Exception as error:
+        print(f"  torchvision not importable ({type(error).__name__}: {str(error).splitlines()[0]}): skipping it")
+        tv_deform_conv2d = None
+
+    if tv_deform_conv2d is not None:
+        def tv_forward():
+            with torch.no_grad():
+                return tv_deform_conv2d(t["input"], t["offset"], t["weight"], t["bias"], padding=(1, 1), mask=t["mask"])
+
+        def tv_forward_backward():
+            x, off, w, bias, m = leaves("input", "offset", "weight", "bias", "mask")
+            y = tv_deform_conv2d(x, off, w, bias, padding=(1, 1), mask=m)
+            y.backward(t["grad_output"])
+            return x.grad
+
+        for mode, fn in (("forward", tv_forward), ("forward+backward", tv_forward_backward)):
+            results.append(_result("torchvision deform_conv2d", mode, _time(fn, args.warmup, args.repeats)))
+
+    def dense_forward():
+        with torch.no_grad():
+            return torch.nn.functional.conv2d(t["input"], t["weight"], t["bias"], padding=1)
+
+    def dense_forward_backward():
+        x, w, bias = leaves("input", "weight", "bias")
+        y = torch.nn.functional.conv2d(x, w, bias, padding=1)
+        y.backward(t["grad_output"])
+        return x.grad
+
+    for mode, fn in (("forward", dense_forward), ("forward+backward", dense_forward_backward)):
+        results.append(_result("torch conv2d (dense)", mode, _time(fn, args.warmup, args.repeats)))
+    return results
+
+
+def _result(library: str, mode: str, times: list) -> dict:
+    return {"library": library, "mode": mode, "median_ms": statistics.median(times), "min_ms": min(times),
+            "times_ms": times}
+
+
+def _environment() -> dict:
+    import numba
+
+    env = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "numpy": np.__version__,
+        "numba": numba.__version__,
+        "numba_threads": numba.get_num_threads(),
+    }
+    try:
+        import dcn_cupy
+        from dcn_cupy._backends import cpu
+
+        env["dcn_cupy"] = dcn_cupy.__version__
+        env["numba_threading"] = cpu.threading_layer()
+    except Exception:
+        pass
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+        env["torch_threads"] = torch.get_num_threads()
+        import torchvision
+
+        env["torchvision"] = torchvision.__version__
+    except Exception:
+        pass
+    return env
+
+
+def _numba_threads() -> int:
+    import numba
+
+    return numba.get_num_threads()
+
+
+def _print_table(results: list) -> None:
+    by = {(r["library"], r["mode"]): r for r in results}
+    tv = {mode: by.get(("torchvision deform_conv2d", mode)) for mode in ("forward", "forward+backward")}
+    headers = ("library", "mode", "median ms", "min ms", "speed-up vs torchvision")
+    rows = []
+    for r in results:
+        ref = tv[r["mode"]]
+        speedup = f"{ref['median_ms'] / r['median_ms']:.2f}x" if ref else "-"
+        rows.append((r["library"], r["mode"], f"{r['median_ms']:.2f}", f"{r['min_ms']:.2f}", speedup))
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def _print_targets(results: list, args) -> None:
+    if (args.batch, args.in_channels, args.out_channels, args.size) != (2, 64, 64, 56):
+        return
+    print()
+    print("DESIGN.md targets (torchvision measured on a 2-core machine: forward 68 ms, forward+backward 648 ms):")
+    threads = _numba_threads()
+    if threads != 2:
+        print(f"  (the targets are for 2 cores; this run used {threads} Numba threads)")
+    for mode in ("forward", "forward+backward"):
+        mine = next((r for r in results if r["library"] == "dcn_cupy" and r["mode"] == mode), None)
+        if mine is None:
+            continue
+        limit = DESIGN_TORCHVISION_MS[mode] / DESIGN_SPEEDUP[mode]
+        verdict = "met" if mine["median_ms"] <= limit else "NOT met"
+        print(f"  {mode:<17} {mine['median_ms']:8.2f} ms  target <= {limit:.1f} ms "
+              f"({DESIGN_SPEEDUP[mode]:g}x faster than {DESIGN_TORCHVISION_MS[mode]:g} ms): {verdict}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks/cpu.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--in-channels", type=int, default=64)
+    parser.add_argument("--out-channels", type=int, default=64)
+    parser.add_argument("--size", type=int, default=56, help="input height = width")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed runs after the first call (default 2)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs; the median is reported (default 7)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="Numba (and torch) thread count (default: Numba's default)")
+    parser.add_argument("--no-torch", action="store_true", help="skip torch and torchvision")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=str(HERE / "cpu.json"), help="output JSON path (default benchmarks/cpu.json)")
+    args = parser.parse_args(argv)
+
+    import numba
+
+    if args.threads:
+        numba.set_num_threads(args.threads)
+    threads = numba.get_num_threads()
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+    except Exception:
+        pass
+    print(f"dcn_cupy CPU benchmark: B={args.batch}, C {args.in_channels}->{args.out_channels}, "
+          f"{args.size}x{args.size}, 3x3, padding 1, offsets+mask, float32; "
+          f"median of {args.repeats} after {args.warmup} warm-up runs", flush=True)
+    print(f"  Numba threads: {threads} (os.cpu_count() = {os.cpu_count()})", flush=True)
+
+    data = _inputs(args)
+    results = _bench_dcn_cupy(data, args)
+    if not args.no_torch:
+        results += _bench_torch(data, args)
+
+    print()
+    _print_table(results)
+    _print_targets(results, args)
+
+    report = {
+        "benchmark": "cpu",
+        "config": {"batch": args.batch, "in_channels": args.in_channels, "out_channels": args.out_channels,
+                   "size": [args.size, args.size], "kernel_size": [3, 3], "padding": 1, "offset": True,
+                   "mask": True, "bias": True, "dtype": "float32", "warmup": args.warmup, "repeats": args.repeats},
+        "environment": _environment(),
+        "results": results,
+    }
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

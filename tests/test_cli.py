@@ -1,0 +1,137 @@
+"""The command line: ``python -m dcn_cupy info / check / bench``."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dcn_cupy import __main__ as cli
+from dcn_cupy._backends import cpu
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_info_mentions_numba_and_cpu_backend(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "numba" in out.lower()
+    assert "threads" in out
+    assert "dcn_cupy" in out and "NumPy" in out and "ml_dtypes" in out
+    assert "Backends:" in out
+    assert "  cpu " in out
+    if not cli.cuda_devices():
+        assert "cuda  none" in out
+
+
+def test_check_cpu_passes(capsys):
+    assert cli.main(["check", "--device", "cpu", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    for name in ("deform_conv1d forward", "deform_conv3d grad offset", "deform_conv_transpose2d grad mask",
+                 "deform_conv_transpose3d forward", "mask_softmax2d grad", "mask_sigmoid grad"):
+        assert name in out
+    assert "MISMATCH" not in out and "ERROR" not in out
+    assert "passed" in out
+    assert "max rel. error" in out  # the summary table
+
+
+def test_check_reports_a_wrong_forward(monkeypatch, capsys):
+    original = cpu.conv_forward
+
+    def wrong(x, weight, offset, mask, bias, geom):
+        y = original(x, weight, offset, mask, bias, geom)
+        return y + np.asarray(1e-3, dtype=y.dtype)
+
+    monkeypatch.setattr(cpu, "conv_forward", wrong)
+    assert cli.main(["check", "--device", "cpu", "-k", "deform_conv2d forward"]) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH" in out
+    assert "FAILED" in out
+    table = out.split("max rel. error", 1)[1]
+    assert "deform_conv2d forward" in table and "MISMATCH" in table
+
+
+def test_check_reports_a_wrong_gradient_and_an_exception(monkeypatch, capsys):
+    original = cpu.conv_backward_params
+
+    def wrong(*args, **kwargs):
+        grad_w, grad_off, grad_m = original(*args, **kwargs)
+        return grad_w, None if grad_off is None else grad_off * 1.01, grad_m
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(cpu, "conv_backward_params", wrong)
+    assert cli.main(["check", "--device", "cpu", "-k", "deform_conv1d grad offset"]) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH" in out
+
+    monkeypatch.setattr(cpu, "conv_backward_input", broken)
+    assert cli.main(["check", "--device", "cpu", "-k", "deform_conv_transpose1d forward float64"]) == 1
+    out = capsys.readouterr().out
+    assert "ERROR" in out and "kernel exploded" in out
+
+
+def test_check_unavailable_backend_or_no_match(capsys):
+    if not cli.cuda_devices():
+        assert cli.main(["check", "--device", "cuda"]) == 2
+        assert "not available" in capsys.readouterr().err
+    assert cli.main(["check", "--device", "cpu", "-k", "no such case"]) == 2
+
+
+def test_no_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main([])
+    assert excinfo.value.code == 2
+
+
+def test_bench_falls_back_to_cpu(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(cli, "cuda_devices", lambda: [])
+    folder = tmp_path / "benchmarks"
+    folder.mkdir()
+    (folder / "cpu.py").write_text("def main(argv=None):\n    print('cpu bench', argv)\n    return 0\n")
+    monkeypatch.setattr(cli, "benchmarks_dir", lambda: folder)
+    assert cli.main(["bench", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu bench ['--repeats', '1']" in out
+
+    # A GPU but no gpu.py: say so and fall back to the CPU benchmark.
+    monkeypatch.setattr(cli, "cuda_devices", lambda: [(0, "Fake GPU", "9.0")])
+    assert cli.main(["bench"]) == 0
+    out = capsys.readouterr().out
+    assert "gpu.py is missing" in out and "cpu bench" in out
+
+    (folder / "gpu.py").write_text("def main(argv=None):\n    print('gpu bench', argv)\n    return 3\n")
+    assert cli.main(["bench", "-x"]) == 3
+    assert "gpu bench ['-x']" in capsys.readouterr().out
+
+    monkeypatch.setattr(cli, "benchmarks_dir", lambda: tmp_path / "nowhere")
+    assert cli.main(["bench"]) == 2
+    assert "not installed with the package" in capsys.readouterr().err
+
+
+def test_real_cpu_benchmark_smoke(tmp_path, capsys):
+    """benchmarks/cpu.py at a tiny shape: prints a table and writes JSON."""
+    import json
+
+    out_json = tmp_path / "cpu.json"
+    module = cli._load_script(REPO / "benchmarks" / "cpu.py", "_test_cpu_benchmark")
+    assert module.main(["--batch", "1", "--in-channels", "4", "--out-channels", "4", "--size", "8",
+                        "--warmup", "0", "--repeats", "2", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "Numba threads" in out and "median ms" in out
+    report = json.loads(out_json.read_text())
+    modes = {(r["library"], r["mode"]) for r in report["results"]}
+    assert ("dcn_cupy", "forward") in modes and ("dcn_cupy", "forward+backward") in modes
+
+
+def test_module_entry_point_runs_as_subprocess(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    command = [sys.executable, "-m", "dcn_cupy", "check", "--device", "cpu", "-k", "mask_sigmoid"]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "mask_sigmoid grad" in result.stdout and "passed" in result.stdout
+    result = subprocess.run(command[:3], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "usage" in result.stderr
