@@ -208,20 +208,31 @@ def _offset_mask_grads(x, column_grads, mask, has_mask, n_mask_groups, index, we
             o_row = (g * taps + t) * ndim
             row = c * taps + t
             for q in range(positions):
+                # One pass over the corners gives the sampled value and its slope along each axis.
+                value = 0.0
+                slope0 = 0.0
+                slope1 = 0.0
+                slope2 = 0.0
+                for k in range(corners):
+                    v = x[b, c, index[b, g, t, q, k]]
+                    value += weight[b, g, t, q, k] * v
+                    if want_offset:
+                        slope0 += dweight[b, g, t, q, k, 0] * v
+                        if ndim >= 2:
+                            slope1 += dweight[b, g, t, q, k, 1] * v
+                        if ndim == 3:
+                            slope2 += dweight[b, g, t, q, k, 2] * v
                 grad = column_grads[b, row, q]
                 if want_mask:
-                    value = 0.0
-                    for k in range(corners):
-                        value += weight[b, g, t, q, k] * x[b, c, index[b, g, t, q, k]]
                     grad_mask[b, m_row, q] += grad * value
                 if want_offset:
                     if has_mask:
                         grad *= mask[b, m_row, q]
-                    for a in range(ndim):
-                        slope = 0.0
-                        for k in range(corners):
-                            slope += dweight[b, g, t, q, k, a] * x[b, c, index[b, g, t, q, k]]
-                        grad_offset[b, o_row + a, q] += grad * slope
+                    grad_offset[b, o_row, q] += grad * slope0
+                    if ndim >= 2:
+                        grad_offset[b, o_row + 1, q] += grad * slope1
+                    if ndim == 3:
+                        grad_offset[b, o_row + 2, q] += grad * slope2
 
 
 # ---------------------------------------------------------------------------------------------
