@@ -202,37 +202,34 @@ def _offset_mask_grads(x, column_grads, mask, has_mask, n_mask_groups, index, we
     for job in prange(batch * taps):  # each job owns the entries of tap t of sample b
         b = job // taps
         t = job % taps
+        # corner_grads[g, q, k] = sum over the channels c of offset group g of
+        # grad_column[c] * mask * x[c, corner k]; the offset gradient is then one dot product
+        # with the corner weights' slopes per position, not one per channel.
+        corner_grads = np.zeros((n_offset_groups if want_offset else 1, positions, corners))
         for c in range(channels):
             g = c // (channels // n_offset_groups)
             m_row = (c // (channels // n_mask_groups)) * taps + t if has_mask else 0
-            o_row = (g * taps + t) * ndim
             row = c * taps + t
             for q in range(positions):
-                # One pass over the corners gives the sampled value and its slope along each axis.
+                grad = column_grads[b, row, q]
+                scaled = grad * mask[b, m_row, q] if has_mask else grad
                 value = 0.0
-                slope0 = 0.0
-                slope1 = 0.0
-                slope2 = 0.0
                 for k in range(corners):
                     v = x[b, c, index[b, g, t, q, k]]
                     value += weight[b, g, t, q, k] * v
                     if want_offset:
-                        slope0 += dweight[b, g, t, q, k, 0] * v
-                        if ndim >= 2:
-                            slope1 += dweight[b, g, t, q, k, 1] * v
-                        if ndim == 3:
-                            slope2 += dweight[b, g, t, q, k, 2] * v
-                grad = column_grads[b, row, q]
+                        corner_grads[g, q, k] += scaled * v
                 if want_mask:
                     grad_mask[b, m_row, q] += grad * value
-                if want_offset:
-                    if has_mask:
-                        grad *= mask[b, m_row, q]
-                    grad_offset[b, o_row, q] += grad * slope0
-                    if ndim >= 2:
-                        grad_offset[b, o_row + 1, q] += grad * slope1
-                    if ndim == 3:
-                        grad_offset[b, o_row + 2, q] += grad * slope2
+        if want_offset:
+            for g in range(n_offset_groups):
+                o_row = (g * taps + t) * ndim
+                for q in range(positions):
+                    for a in range(ndim):
+                        total = 0.0
+                        for k in range(corners):
+                            total += dweight[b, g, t, q, k, a] * corner_grads[g, q, k]
+                        grad_offset[b, o_row + a, q] = total
 
 
 # ---------------------------------------------------------------------------------------------
