@@ -133,6 +133,9 @@ def to_native(array, name: str):
 
 
 def _import(xp, array, library: str, name: str):
+    if library == "torch":
+        # DLPack carries no lazy negation/conjugation bits: materialise them first.
+        array = array.resolve_neg().resolve_conj()
     try:
         return xp.from_dlpack(array)
     except (BufferError, TypeError, ValueError, RuntimeError) as error:

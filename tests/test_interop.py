@@ -68,3 +68,10 @@ def test_mask_activations_keep_library():
     torch.testing.assert_close(y.view(2, 2, 9, 3, 3).sum(2), torch.ones(2, 2, 3, 3, dtype=torch.float64))
     g = dcn_cupy.mask_softmax_backward(torch.randn_like(y), y, 3)
     assert isinstance(g, torch.Tensor) and g.shape == m.shape
+
+
+def test_torch_lazy_negation_is_honoured():
+    torch = pytest.importorskip("torch")
+    m = torch.randn(2, 9, 3, 3, dtype=torch.float64)
+    negated = torch._neg_view(m)
+    torch.testing.assert_close(dcn_cupy.mask_sigmoid(negated, 1.0), torch.sigmoid(-m))
