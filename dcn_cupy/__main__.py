@@ -1,4 +1,4 @@
-"""Command line: ``python -m dcn_cupy {info,check,bench}`` (also installed as ``dcn-cupy``).
+"""Command line: ``python -m dcn_cupy {info,check,demo,bench}`` (also installed as ``dcn-cupy``).
 
 ``info``
     Versions of dcn_cupy and its dependencies, the optional frameworks that import, and the
@@ -7,6 +7,9 @@
     Runs every public operation and gradient on every available backend against
     :mod:`dcn_cupy.reference` (forwards in every dtype, gradients against float64 finite
     differences of the reference) and prints a table; exits with 1 on any mismatch.
+``demo [ARGS...]``
+    Trains a small network with a deformable convolution on scikit-learn's digits using only
+    the explicit forward/backward functions, and compares it with a plain convolution.
 ``bench [ARGS...]``
     ``benchmarks/gpu.py`` on a CUDA machine, else ``benchmarks/cpu.py``, found next to the
     package in a source checkout; ARGS are handed to the benchmark's ``main``.
@@ -556,7 +559,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m dcn_cupy",
         description="dcn_cupy: framework-neutral deformable convolutions.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{info,check,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{info,check,bench,demo}")
     sub.required = True
     sub.add_parser("info", help="versions, optional frameworks and available backends")
     check = sub.add_parser("check", help="check every operation and gradient against the reference")
@@ -569,6 +572,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="benchmarks/gpu.py on a CUDA machine, else benchmarks/cpu.py "
                                  "(further arguments go to the benchmark; try `bench --help`)",
                    add_help=False)
+    sub.add_parser("demo", help="train a small deformable CNN on scikit-learn's digits with the explicit "
+                                "forward/backward functions (try `demo --help`)", add_help=False)
     return parser
 
 
@@ -577,6 +582,9 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":  # everything after `bench` belongs to the benchmark
         return _bench(argv[1:])
+    if argv and argv[0] == "demo":  # everything after `demo` belongs to the demo
+        from . import _demo
+        return _demo.main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "info":
         return _info(args)

@@ -281,7 +281,8 @@ def mask_softmax_backward(grad_output, output, kernel_size):
         grad_output: gradient of the loss with respect to the softmax output,
             shape ``(B, G_m*K, *Q)`` (or unbatched).
         output: the softmax output of the forward call, same shape.
-        kernel_size (int or tuple): the kernel size used in the forward call.
+        kernel_size (int or tuple): the kernel size used in the forward call. An int means
+            ``N = output.ndim - 2`` (a batched mask); pass a tuple for an unbatched one.
 
     Returns:
         ``output * (grad_output - sum_taps(grad_output * output))``, same shape.
