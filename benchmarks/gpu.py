@@ -1,0 +1,386 @@
+"""GPU benchmark: dcn_cupy against torchvision.ops.deform_conv2d and dense cuDNN conv2d.
+
+All in one process, on one GPU, same shapes, each timed with CUDA events (warm-up first,
+median of several repeats of a loop of launches):
+
+* 2D, DCNv2 (offset + mask), 3x3, padding 1: B=8 C 256->256 56x56, and B=32 C 64->64 56x56;
+  dcn_cupy, torchvision's deform_conv2d and torch's dense conv2d;
+* 3D, B=2 C 32->32 32^3, 3x3x3, padding 1, offset + mask: dcn_cupy only (forward,
+  forward+backward and the transposed forward).
+
+Precisions: fp32 (strict: TF32 off everywhere), tf32 (float32 data, TF32 GEMMs / cuDNN),
+fp16, bf16. "fwd+bwd" is the forward plus every gradient (input, weight, offset, mask, bias;
+input, weight, bias for the dense conv). "peak" is the peak memory allocated during the call
+beyond what was allocated before it (inputs excluded, outputs and workspace included), read
+off CuPy's pool (dcn_cupy, through a memory hook) or torch's allocator statistics.
+
+Usage: ``python benchmarks/gpu.py [--quick] [--json PATH] [--only 2d|3d]``; ``main(argv)`` is
+what ``python -m dcn_cupy bench`` calls. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+
+
+# ---------------------------------------------------------------------------------------------
+# timing and memory
+
+
+def _time_cupy(fn, warmup: int, repeats: int, inner: int) -> float:
+    import cupy
+    for _ in range(warmup):
+        fn()
+    cupy.cuda.Device().synchronize()
+    times = []
+    for _ in range(repeats):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        for _ in range(inner):
+            fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / inner)
+    return statistics.median(times)
+
+
+def _time_torch(fn, warmup: int, repeats: int, inner: int) -> float:
+    import torch
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / inner)
+    return statistics.median(times)
+
+
+def _peak_cupy(fn) -> float:
+    """Peak bytes held in CuPy's pool by ``fn`` beyond what was held before, in MiB."""
+    import cupy
+    from cupy.cuda import memory_hook
+
+    class Peak(memory_hook.MemoryHook):
+        name = "DcnPeakHook"
+
+        def __init__(self):
+            self.current = self.peak = 0
+
+        def malloc_postprocess(self, **kw):
+            self.current += kw["mem_size"]
+            self.peak = max(self.peak, self.current)
+
+        def free_postprocess(self, **kw):
+            self.current -= kw["mem_size"]
+
+    cupy.cuda.Device().synchronize()
+    hook = Peak()
+    with hook:
+        result = fn()
+        cupy.cuda.Device().synchronize()
+    del result
+    return hook.peak / 2**20
+
+
+def _peak_torch(fn) -> float:
+    import torch
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del result
+    return peak / 2**20
+
+
+# ---------------------------------------------------------------------------------------------
+# precision switches
+
+
+def _set_precision(precision: str):
+    """Data dtype for the precision, with TF32 switched on only for 'tf32' (torch and dcn_cupy)."""
+    import torch
+    from dcn_cupy._backends import cuda as dcn_cuda
+    tf32 = precision == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    dcn_cuda.ALLOW_TF32 = tf32
+    return {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+
+
+# ---------------------------------------------------------------------------------------------
+# cases
+
+
+def _make_inputs(shape, dtype, seed=0):
+    """torch CUDA tensors x, w, b, offset, mask, grad_output for a 'same' 3^N convolution."""
+    import torch
+    B, C_in, C_out, spatial = shape["B"], shape["C_in"], shape["C_out"], shape["S"]
+    n = len(spatial)
+    k = (3,) * n
+    K = 3 ** n
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+
+    def randn(*s, scale=1.0):
+        return (torch.randn(*s, generator=g, device=dev, dtype=torch.float32) * scale).to(dtype)
+
+    x = randn(B, C_in, *spatial)
+    w = randn(C_out, C_in, *k, scale=1.0 / math.sqrt(C_in * K))
+    b = randn(C_out)
+    off = randn(B, n * K, *spatial, scale=1.0)
+    msk = torch.rand(B, K, *spatial, generator=g, device=dev, dtype=torch.float32).to(dtype)
+    gy = randn(B, C_out, *spatial)
+    return x, w, b, off, msk, gy
+
+
+def _as_cupy(*tensors):
+    return tuple(_torch_to_cupy(t) for t in tensors)
+
+
+def _torch_to_cupy(t):
+    import cupy
+    import torch
+    if t.dtype == torch.bfloat16:
+        from dcn_cupy._interop import BFLOAT16
+        return cupy.from_dlpack(t.detach().view(torch.int16)).view(BFLOAT16)
+    return cupy.from_dlpack(t.detach())
+
+
+def bench_dcn(shape, precision, args, transposed_too=False):
+    import cupy
+    import dcn_cupy
+    dtype = _set_precision(precision)
+    x, w, b, off, msk, gy = _as_cupy(*_make_inputs(shape, dtype))
+    n = len(shape["S"])
+    fwd = getattr(dcn_cupy, f"deform_conv{n}d")
+    bwd = getattr(dcn_cupy, f"deform_conv{n}d_backward")
+
+    def forward():
+        return fwd(x, w, off, msk, b, padding=1)
+
+    def forward_backward():
+        y = forward()
+        return y, bwd(gy, x, w, off, msk, b, padding=1)
+
+    from dcn_cupy import _geometry
+    from dcn_cupy._backends import cuda as backend
+    geom, _ = _geometry.conv_geometry(x.shape, w.shape, off.shape, msk.shape, b.shape, padding=1)
+
+    def forward_backward_fused():
+        # the backend's one-pass backward (shares the column-grad GEMM between the input and
+        # the offset/mask gradients); the bias gradient as _api computes it
+        y = backend.conv_forward(x, w, off, msk, b, geom)
+        grads = backend.conv_backward(gy, x, w, off, msk, geom)
+        return y, grads, gy.sum(axis=(0,) + tuple(range(2, gy.ndim)), dtype=cupy.float32)
+
+    row = {"impl": "dcn_cupy"}
+    row["fwd_ms"] = _time_cupy(forward, args.warmup, args.repeats, args.inner)
+    row["fwdbwd_ms"] = _time_cupy(forward_backward, args.warmup, args.repeats, max(1, args.inner // 2))
+    if hasattr(backend, "conv_backward"):
+        row["fwdbwd_fused_ms"] = _time_cupy(forward_backward_fused, args.warmup, args.repeats,
+                                            max(1, args.inner // 2))
+    row["fwd_peak_mib"] = _peak_cupy(forward)
+    row["fwdbwd_peak_mib"] = _peak_cupy(forward_backward)
+    rows = [row]
+    if transposed_too:
+        tfwd = getattr(dcn_cupy, f"deform_conv_transpose{n}d")
+        wt = cupy.ascontiguousarray(w.swapaxes(0, 1)) if shape["C_in"] == shape["C_out"] else w
+
+        def transposed():
+            return tfwd(x, wt, off, msk, b, padding=1)
+
+        rows.append({"impl": "dcn_cupy transposed", "fwd_ms": _time_cupy(transposed, args.warmup, args.repeats, args.inner),
+                     "fwd_peak_mib": _peak_cupy(transposed)})
+    return rows
+
+
+def bench_torchvision(shape, precision, args):
+    import torch
+    from torchvision.ops import deform_conv2d
+    dtype = _set_precision(precision)
+    x, w, b, off, msk, gy = _make_inputs(shape, dtype)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b, off, msk)]
+
+    def forward():
+        with torch.no_grad():
+            return deform_conv2d(x, off, w, b, padding=1, mask=msk)
+
+    def forward_backward():
+        for t in leaves:
+            t.grad = None
+        y = deform_conv2d(leaves[0], leaves[3], leaves[1], leaves[2], padding=1, mask=leaves[4])
+        y.backward(gy)
+        return y
+
+    row = {"impl": "torchvision"}
+    row["fwd_ms"] = _time_torch(forward, args.warmup, args.repeats, args.inner)
+    row["fwdbwd_ms"] = _time_torch(forward_backward, args.warmup, args.repeats, max(1, args.inner // 2))
+    row["fwd_peak_mib"] = _peak_torch(forward)
+    row["fwdbwd_peak_mib"] = _peak_torch(forward_backward)
+    return [row]
+
+
+def bench_dense(shape, precision, args):
+    import torch
+    import torch.nn.functional as F
+    dtype = _set_precision(precision)
+    torch.backends.cudnn.benchmark = True
+    x, w, b, off, msk, gy = _make_inputs(shape, dtype)
+    conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[len(shape["S"])]
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+
+    def forward():
+        with torch.no_grad():
+            return conv(x, w, b, padding=1)
+
+    def forward_backward():
+        for t in leaves:
+            t.grad = None
+        y = conv(leaves[0], leaves[1], leaves[2], padding=1)
+        y.backward(gy)
+        return y
+
+    row = {"impl": "dense conv (cuDNN)"}
+    row["fwd_ms"] = _time_torch(forward, args.warmup, args.repeats, args.inner)
+    row["fwdbwd_ms"] = _time_torch(forward_backward, args.warmup, args.repeats, max(1, args.inner // 2))
+    row["fwd_peak_mib"] = _peak_torch(forward)
+    row["fwdbwd_peak_mib"] = _peak_torch(forward_backward)
+    return [row]
+
+
+SHAPES = [
+    {"name": "2D B=8 C256->256 56x56 3x3", "B": 8, "C_in": 256, "C_out": 256, "S": (56, 56)},
+    {"name": "2D B=32 C64->64 56x56 3x3", "B": 32, "C_in": 64, "C_out": 64, "S": (56, 56)},
+    {"name": "3D B=2 C32->32 32^3 3x3x3", "B": 2, "C_in": 32, "C_out": 32, "S": (32, 32, 32)},
+]
+
+
+def _device_name() -> str:
+    import cupy
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
+    name = props["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def _fmt(value, spec="{:8.3f}"):
+    return spec.format(value) if isinstance(value, (int, float)) else f"{str(value):>8}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks/gpu.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--json", default="bench_gpu.json", help="where to write the results (JSON)")
+    parser.add_argument("--only", choices=("2d", "3d"), default=None)
+    parser.add_argument("--precisions", default=",".join(PRECISIONS))
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--inner", type=int, default=10)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.warmup, args.repeats, args.inner = 2, 3, 4
+    import cupy
+    import torch
+    import dcn_cupy
+    try:
+        import torchvision
+        tv_version = torchvision.__version__
+    except Exception:
+        tv_version = None
+    precisions = [p for p in args.precisions.split(",") if p]
+    shapes = [s for s in SHAPES if args.only is None or s["name"].lower().startswith(args.only)]
+    meta = {
+        "device": _device_name(), "dcn_cupy": dcn_cupy.__version__, "cupy": cupy.__version__,
+        "torch": torch.__version__, "torchvision": tv_version, "python": platform.python_version(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"), "warmup": args.warmup, "repeats": args.repeats,
+        "inner": args.inner,
+    }
+    results = []
+    for shape in shapes:
+        is2d = len(shape["S"]) == 2
+        for precision in precisions:
+            benches = [("dcn_cupy", lambda s=shape, p=precision: bench_dcn(s, p, args, transposed_too=not is2d))]
+            if is2d:
+                if tv_version is not None:
+                    benches.append(("torchvision", lambda s=shape, p=precision: bench_torchvision(s, p, args)))
+                benches.append(("dense", lambda s=shape, p=precision: bench_dense(s, p, args)))
+            for label, bench in benches:
+                try:
+                    rows = bench()
+                except Exception as error:
+                    rows = [{"impl": label, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"}]
+                    traceback.print_exc(file=sys.stderr)
+                for row in rows:
+                    row.update(shape=shape["name"], precision=precision)
+                    results.append(row)
+                    print(f"  {shape['name']:<28} {precision:<5} {row['impl']:<20} "
+                          f"fwd {_fmt(row.get('fwd_ms', '-'))} ms  fwd+bwd {_fmt(row.get('fwdbwd_ms', '-'))} ms"
+                          f"  (one-pass backward: {_fmt(row.get('fwdbwd_fused_ms', '-'))} ms)"
+                          + (f"  {row['error']}" if "error" in row else ""), flush=True)
+                import gc
+                gc.collect()
+                cupy.get_default_memory_pool().free_all_blocks()
+                torch.cuda.empty_cache()
+    _set_precision("fp32")
+
+    # speedups of dcn_cupy against the others, per shape and precision
+    by_key = {(r["shape"], r["precision"], r["impl"]): r for r in results}
+    for r in results:
+        if r["impl"] != "dcn_cupy" or "fwd_ms" not in r:
+            continue
+        for other, tag in (("torchvision", "tv"), ("dense conv (cuDNN)", "dense")):
+            o = by_key.get((r["shape"], r["precision"], other))
+            if o and "fwd_ms" in o:
+                r[f"fwd_speedup_vs_{tag}"] = o["fwd_ms"] / r["fwd_ms"]
+                r[f"fwdbwd_speedup_vs_{tag}"] = o["fwdbwd_ms"] / r["fwdbwd_ms"]
+                r[f"fwd_peak_ratio_vs_{tag}"] = r["fwd_peak_mib"] / max(o["fwd_peak_mib"], 1e-9)
+                r[f"fwdbwd_peak_ratio_vs_{tag}"] = r["fwdbwd_peak_mib"] / max(o["fwdbwd_peak_mib"], 1e-9)
+
+    print()
+    print(f"device: {meta['device']}; cupy {meta['cupy']}, torch {meta['torch']}, torchvision {tv_version}; "
+          f"median of {args.repeats} x {args.inner} launches (CUDA events)")
+    header = (f"| {'shape':<27} | {'prec':<4} | {'impl':<20} | {'fwd ms':>8} | {'fwd+bwd ms':>10} | "
+              f"{'fwd peak MiB':>12} | {'f+b peak MiB':>12} | {'vs tv fwd':>9} | {'vs tv f+b':>9} | "
+              f"{'vs dense fwd':>12} | {'vs dense f+b':>12} |")
+    print(header)
+    print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
+    for r in results:
+        def f(key, width, spec="{:.3f}"):
+            v = r.get(key)
+            return (spec.format(v) if isinstance(v, (int, float)) else "-").rjust(width)
+        if "error" in r:
+            print(f"| {r['shape']:<27} | {r['precision']:<4} | {r['impl']:<20} | error: {r['error']}")
+            continue
+        print(f"| {r['shape']:<27} | {r['precision']:<4} | {r['impl']:<20} | {f('fwd_ms', 8)} | {f('fwdbwd_ms', 10)} | "
+              f"{f('fwd_peak_mib', 12, '{:.0f}')} | {f('fwdbwd_peak_mib', 12, '{:.0f}')} | "
+              f"{f('fwd_speedup_vs_tv', 9, '{:.2f}x')} | {f('fwdbwd_speedup_vs_tv', 9, '{:.2f}x')} | "
+              f"{f('fwd_speedup_vs_dense', 12, '{:.2f}x')} | {f('fwdbwd_speedup_vs_dense', 12, '{:.2f}x')} |")
+    print("(vs X = X's time / dcn_cupy's time: above 1 means dcn_cupy is faster)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"meta": meta, "results": results}, fh, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

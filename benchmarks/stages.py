@@ -1,0 +1,98 @@
+"""Time the CUDA backend's stages and kernel variants separately (for NOTES-gpu.md).
+
+    python benchmarks/stages.py [--shape 8,256,56] [--dtypes float16,float32]
+
+Prints, per dtype: the forward and the one-pass backward with each kernel variant
+(CHANNEL_CHUNK = 0 (one thread per channel), auto, fixed sizes; FUSE_COL2IM on/off), and the
+time of each stage (im2col, GEMMs, layout kernels, col2im, grouped backward kernel) alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cupy  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dcn_cupy import _geometry  # noqa: E402
+from dcn_cupy._backends import cuda as be  # noqa: E402
+from dcn_cupy._interop import BFLOAT16  # noqa: E402
+from gpu import _time_cupy  # noqa: E402
+
+DTYPES = {"float16": np.float16, "bfloat16": BFLOAT16, "float32": np.float32, "float64": np.float64}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="8,256,56", help="B,C,H (C_in = C_out, HxW, 3x3, padding 1)")
+    parser.add_argument("--dtypes", default="float16,float32")
+    parser.add_argument("--ndim", type=int, default=2)
+    args = parser.parse_args(argv)
+    B, C, H = (int(v) for v in args.shape.split(","))
+    n = args.ndim
+    K = 3 ** n
+    rng = cupy.random.default_rng(0)
+    t = lambda f, inner=10: _time_cupy(f, 2, 5, inner)  # noqa: E731
+    for name in args.dtypes.split(","):
+        dtype = DTYPES[name]
+        x = rng.standard_normal((B, C) + (H,) * n, dtype=cupy.float32).astype(dtype)
+        w = (rng.standard_normal((C, C) + (3,) * n, dtype=cupy.float32) / (C * K) ** 0.5).astype(dtype)
+        off = rng.standard_normal((B, n * K) + (H,) * n, dtype=cupy.float32).astype(dtype)
+        msk = rng.random((B, K) + (H,) * n, dtype=cupy.float32).astype(dtype)
+        gy = rng.standard_normal((B, C) + (H,) * n, dtype=cupy.float32).astype(dtype)
+        geom, _ = _geometry.conv_geometry(x.shape, w.shape, off.shape, msk.shape, None, padding=1)
+        print(f"== {name}: B={B} C={C}->{C} {'x'.join([str(H)] * n)} 3^{n}, offset+mask, "
+              f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+        for kernel, chunk in (("per_channel", None), ("chunked", None), ("chunked", 8), ("tiled", None)):
+            be.IM2COL_KERNEL = be.COL2IM_KERNEL = kernel
+            be.CHANNEL_CHUNK = chunk
+            fwd = t(lambda: be.conv_forward(x, w, off, msk, None, geom))
+            row = f"  {kernel:>11} chunk={str(chunk):>4}: forward {fwd:7.3f} ms"
+            for fuse in (True, False):
+                be.FUSE_COL2IM = fuse
+                bwd = t(lambda: be.conv_backward(gy, x, w, off, msk, geom), 4)
+                row += f" | backward(all, fuse={fuse!s:5}) {bwd:7.3f} ms"
+            print(row, flush=True)
+        be.IM2COL_KERNEL = be.COL2IM_KERNEL = "tiled"
+        be.CHANNEL_CHUNK, be.FUSE_COL2IM = None, False
+        bi = t(lambda: be.conv_backward_input(gy, w, off, msk, None, geom), 4)
+        bp = t(lambda: be.conv_backward_params(gy, x, w, off, msk, geom, True, True, True), 4)
+        print(f"  separate calls (as _api makes them): backward_input {bi:.3f} ms + backward_params {bp:.3f} ms")
+        # stages alone
+        sh = be._Shape(geom, x.dtype)
+        kern = sh.kernels(B)
+        cols = cupy.empty((1, C * K, B * H ** n), dtype=dtype)
+        outb = cupy.empty((1, C, B * H ** n), dtype=sh.acc)
+        # random operands: zeros would skip the scatter's atomics (and time nothing)
+        cg = rng.standard_normal((1, C * K, B * H ** n), dtype=cupy.float32).astype(sh.acc)
+        gyc = rng.standard_normal((1, C, B * H ** n), dtype=cupy.float32).astype(dtype)
+        gw = cupy.zeros((1, C, C * K), dtype=sh.acc)
+        gx = cupy.zeros(x.shape, dtype=sh.acc)
+        goff, gm = cupy.empty_like(off), cupy.empty_like(msk)
+        wr = w.reshape(1, C, C * K)
+        stages = {}
+        for kernel in ("per_channel", "chunked", "tiled"):
+            be.IM2COL_KERNEL = be.COL2IM_KERNEL = kernel
+            stages[f"im2col {kernel}"] = t(lambda: sh.im2col(kern, x, off, msk, cols, B))
+            stages[f"col2im {kernel}"] = t(lambda: sh.col2im(kern, cg, off, msk, gx, B))
+        be.IM2COL_KERNEL = be.COL2IM_KERNEL = "tiled"
+        stages["gemm forward W@cols"] = t(lambda: be._gemm(wr, cols, outb))
+        stages["gemm W^T@gy"] = t(lambda: be._gemm(wr, gyc, cg, trans_a=True))
+        stages["gemm gy@cols^T"] = t(lambda: be._gemm(gyc, cols, gw, trans_b=True, beta=1.0))
+        stages["batch_to_columns"] = t(lambda: sh.to_columns(kern, gy, gyc, B))
+        stages["grouped (input+offset+mask)"] = t(lambda: sh.grouped(kern, (True, True, True), 1, cg, x, off, msk,
+                                                                     gx, goff, gm, B))
+        stages["grouped (offset+mask)"] = t(lambda: sh.grouped(kern, (False, True, True), 1, cg, x, off, msk,
+                                                               None, goff, gm, B))
+        for k, v in stages.items():
+            print(f"  {k:<32} {v:8.3f} ms")
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main()
