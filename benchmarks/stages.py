@@ -60,9 +60,9 @@ def main(argv=None):
             print(row, flush=True)
         be.IM2COL_KERNEL = be.COL2IM_KERNEL = "tiled"
         be.CHANNEL_CHUNK, be.FUSE_COL2IM = None, False
-        bi = t(lambda: be.conv_backward_input(gy, w, off, msk, None, geom), 4)
-        bp = t(lambda: be.conv_backward_params(gy, x, w, off, msk, geom, True, True, True), 4)
-        print(f"  separate calls (as _api makes them): backward_input {bi:.3f} ms + backward_params {bp:.3f} ms")
+        bi = t(lambda: be.conv_backward(gy, None, w, off, msk, geom, True, False, False, False), 4)
+        bp = t(lambda: be.conv_backward(gy, x, w, off, msk, geom, False, True, True, True), 4)
+        print(f"  separate calls: backward to input {bi:.3f} ms + backward to parameters {bp:.3f} ms")
         # stages alone
         sh = be._Shape(geom, x.dtype)
         kern = sh.kernels(B)

@@ -12,7 +12,7 @@ convolution's primitives by duality (design section 1):
 
 from __future__ import annotations
 
-import contextlib
+import math
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -127,11 +127,10 @@ def _conv_backward(ndim, grad_output, input, weight, offset, mask, bias, stride,
         if geom.batch == 0:
             grads.update(_empty_batch_gradients(xp, dtype, geom, wanted))
         else:
-            if "input" in wanted:
-                grads["input"] = call.backend.conv_backward_input(gy, w, off, msk, None, geom)
-            if wanted & {"weight", "offset", "mask"}:
-                grads["weight"], grads["offset"], grads["mask"] = call.backend.conv_backward_params(
-                    gy, x, w, off, msk, geom, "weight" in wanted, "offset" in wanted, "mask" in wanted,
+            if wanted & {"input", "weight", "offset", "mask"}:
+                grads["input"], grads["weight"], grads["offset"], grads["mask"] = call.backend.conv_backward(
+                    gy, x, w, off, msk, geom,
+                    "input" in wanted, "weight" in wanted, "offset" in wanted, "mask" in wanted,
                 )
             if "bias" in wanted:
                 grads["bias"] = _channel_sum(xp, gy, dtype)
@@ -154,11 +153,11 @@ def _transpose_forward(ndim, input, weight, offset, mask, bias, stride, padding,
     with call.device():
         if geom.batch == 0:
             return call.result(xp.empty(geom.x_shape, dtype=dtype), batched)
-        y = call.backend.conv_backward_input(
-            call.contiguous("input", batched), xp.ascontiguousarray(n["weight"]),
-            call.contiguous("offset", batched), call.contiguous("mask", batched),
-            n["bias"], geom,
-        )
+        y = call.backend.conv_backward(
+            call.contiguous("input", batched), None, xp.ascontiguousarray(n["weight"]),
+            call.contiguous("offset", batched), call.contiguous("mask", batched), geom,
+            True, False, False, False, bias=n["bias"],
+        )[0]
     return call.result(y, batched)
 
 
@@ -187,8 +186,8 @@ def _transpose_backward(ndim, grad_output, input, weight, offset, mask, bias, st
             if "input" in wanted:
                 grads["input"] = call.backend.conv_forward(gy, w, off, msk, None, geom)
             if wanted & {"weight", "offset", "mask"}:
-                grads["weight"], grads["offset"], grads["mask"] = call.backend.conv_backward_params(
-                    z, gy, w, off, msk, geom, "weight" in wanted, "offset" in wanted, "mask" in wanted,
+                _, grads["weight"], grads["offset"], grads["mask"] = call.backend.conv_backward(
+                    z, gy, w, off, msk, geom, False, "weight" in wanted, "offset" in wanted, "mask" in wanted,
                 )
             if "bias" in wanted:
                 grads["bias"] = _channel_sum(xp, gy, dtype)
@@ -292,7 +291,7 @@ def mask_softmax_backward(grad_output, output, kernel_size):
     if tuple(g.shape) != tuple(y.shape):
         raise ValueError(f"grad_output must have the output's shape {tuple(y.shape)}, got {tuple(g.shape)}")
     view = _grouped_view(y.shape, kernel_size, _mask_ndim(y.shape, kernel_size, None), "output")
-    xp, dtype = call.xp, call.origin.dtype
+    dtype = call.origin.dtype
     with call.device():
         yv = y.reshape(view).astype(compute_dtype(dtype))
         gv = g.reshape(view).astype(compute_dtype(dtype))
@@ -303,7 +302,7 @@ def mask_softmax_backward(grad_output, output, kernel_size):
 def _check_scale(scale) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"scale must be a real number, got {type(scale).__name__} {scale!r}")
-    if not np.isfinite(scale):
+    if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     return float(scale)
 

@@ -54,21 +54,21 @@ def test_check_reports_a_wrong_forward(monkeypatch, capsys):
 
 
 def test_check_reports_a_wrong_gradient_and_an_exception(monkeypatch, capsys):
-    original = cpu.conv_backward_params
+    original = cpu.conv_backward
 
     def wrong(*args, **kwargs):
-        grad_w, grad_off, grad_m = original(*args, **kwargs)
-        return grad_w, None if grad_off is None else grad_off * 1.01, grad_m
+        grad_x, grad_w, grad_off, grad_m = original(*args, **kwargs)
+        return grad_x, grad_w, None if grad_off is None else grad_off * 1.01, grad_m
 
     def broken(*args, **kwargs):
         raise RuntimeError("kernel exploded")
 
-    monkeypatch.setattr(cpu, "conv_backward_params", wrong)
+    monkeypatch.setattr(cpu, "conv_backward", wrong)
     assert cli.main(["check", "--device", "cpu", "-k", "deform_conv1d grad offset"]) == 1
     out = capsys.readouterr().out
     assert "MISMATCH" in out
 
-    monkeypatch.setattr(cpu, "conv_backward_input", broken)
+    monkeypatch.setattr(cpu, "conv_backward", broken)
     assert cli.main(["check", "--device", "cpu", "-k", "deform_conv_transpose1d forward float64"]) == 1
     out = capsys.readouterr().out
     assert "ERROR" in out and "kernel exploded" in out

@@ -5,11 +5,12 @@ C-contiguous, batched (``B >= 1``), of one dtype, with ``geom`` a ``ConvGeometry
 
 ``conv_forward(x, weight, offset, mask, bias, geom) -> y``
     ``y = deform_conv(x)``, shape ``geom.y_shape``; bias added when not None.
-``conv_backward_input(grad_output, weight, offset, mask, bias, geom) -> grad_x``
-    The adjoint of ``conv_forward`` in ``x`` (shape ``geom.x_shape``), plus bias per channel
-    when not None: this is also the transposed convolution's forward.
-``conv_backward_params(grad_output, x, weight, offset, mask, geom, need_weight, need_offset, need_mask)``
-    ``(grad_weight, grad_offset, grad_mask)``, each None unless asked for.
+``conv_backward(grad_output, x, weight, offset, mask, geom, need_input, need_weight, need_offset, need_mask, bias=None)``
+    ``(grad_x, grad_weight, grad_offset, grad_mask)`` in one pass over the batch, each None
+    unless asked for (offset/mask gradients also when that argument is None); ``x`` may be None
+    when only ``grad_x`` is wanted. ``grad_x`` is the adjoint of ``conv_forward`` in ``x``
+    (shape ``geom.x_shape``), plus ``bias`` per channel when given: with ``need_input`` alone
+    this is the transposed convolution's forward.
 ``device_context(device_id)``
     A context manager that makes the device current.
 ``xp``
@@ -33,11 +34,21 @@ def get_backend(device: str):
 
 
 def cuda_source_dir():
-    """The folder of the CUDA sources: ``dcn_cupy/cuda`` when installed, ``cuda/`` in a checkout."""
+    """The folder of the CUDA sources (``.cu``/``.cuh``).
+
+    Installed: ``dcn_cupy/cuda`` (pyproject maps the repository's ``cuda/`` there); from a
+    checkout: ``<repo>/cuda``. The environment variable ``DCN_CUPY_CUDA_SOURCES`` overrides both.
+    """
+    import os
     from pathlib import Path
 
     package = Path(__file__).resolve().parent.parent
-    for candidate in (package / "cuda", package.parent / "cuda"):
-        if candidate.is_dir() and any(candidate.glob("*.cu")):
-            return candidate
-    raise FileNotFoundError(f"CUDA sources not found in {package / 'cuda'} or {package.parent / 'cuda'}")
+    override = os.environ.get("DCN_CUPY_CUDA_SOURCES")
+    candidates = ([Path(override)] if override else []) + [package / "cuda", package.parent / "cuda"]
+    for folder in candidates:
+        if folder.is_dir() and any(folder.glob("*.cu")):
+            return folder
+    raise FileNotFoundError(
+        f"dcn_cupy's CUDA sources (*.cu) were not found in any of {[str(c) for c in candidates]}; "
+        f"set DCN_CUPY_CUDA_SOURCES to their folder"
+    )

@@ -329,51 +329,48 @@ def conv_forward(x, weight, offset, mask, bias, geom):
     return y.astype(x.dtype, copy=False)
 
 
-def conv_backward_input(grad_output, weight, offset, mask, bias, geom):
+def conv_backward(grad_output, x, weight, offset, mask, geom, need_input=True, need_weight=True, need_offset=True,
+                  need_mask=True, bias=None):
+    """Every requested gradient in one pass over the batch: the plan and the column gradients
+    are shared by the input, offset and mask gradients. ``x`` may be None when only the input
+    gradient is wanted; ``bias`` is added to the input gradient (the transposed forward)."""
     dtype = compute_dtype(grad_output.dtype)
-    w = _grouped_weight(weight, geom, dtype)
-    grad_x = np.zeros((geom.batch, geom.in_channels, geom.input_size), dtype=dtype)
-    for part in _chunks(geom, dtype.itemsize):
-        off = None if offset is None else offset[part]
-        plan = _Plan(geom.with_batch(part.stop - part.start), off, False, dtype)
-        m, has_mask, mask_groups = _mask_args(None if mask is None else mask[part], geom, dtype)
-        cols = _column_grads(grad_output[part], w, geom, dtype)
-        _col2im(cols, m, has_mask, mask_groups, plan.index, plan.weight, grad_x[part])
-    grad_x = grad_x.reshape(geom.x_shape)
-    _add_bias(grad_x, bias, geom.ndim)
-    return grad_x.astype(grad_output.dtype, copy=False)
-
-
-def conv_backward_params(grad_output, x, weight, offset, mask, geom, need_weight, need_offset, need_mask):
-    dtype = compute_dtype(x.dtype)
+    out_dtype = grad_output.dtype
     need_offset = need_offset and offset is not None
     need_mask = need_mask and mask is not None
     w = _grouped_weight(weight, geom, dtype)
+    grad_x = np.zeros((geom.batch, geom.in_channels, geom.input_size), dtype=dtype) if need_input else None
     grad_w = np.zeros(w.shape, dtype=np.float64) if need_weight else None
-    grad_off = np.zeros((geom.batch, geom.offset_groups * geom.kernel_volume * geom.ndim, geom.output_size),
-                        dtype=np.float64) if need_offset else None
-    grad_m = np.zeros((geom.batch, geom.mask_groups * geom.kernel_volume, geom.output_size),
-                      dtype=np.float64) if need_mask else None
+    grad_off = np.zeros(geom.offset_shape[:2] + (geom.output_size,), np.float64) if need_offset else None
+    grad_m = np.zeros(geom.mask_shape[:2] + (geom.output_size,), np.float64) if need_mask else None
     for part in _chunks(geom, dtype.itemsize, want_dweight=need_offset):
         batch = part.stop - part.start
         off = None if offset is None else offset[part]
         msk = None if mask is None else mask[part]
         plan = _Plan(geom.with_batch(batch), off, need_offset, dtype)
+        m, has_mask, mask_groups = _mask_args(msk, geom, dtype)
         if need_weight:
             columns = _columns(x[part], msk, plan, geom, dtype)
             cols = columns.reshape(batch, geom.groups, -1, geom.output_size)
             gy = _flat(grad_output[part], batch, dtype).reshape(batch, geom.groups, geom.out_channels_per_group, -1)
             grad_w += np.matmul(gy, cols.transpose(0, 1, 3, 2)).sum(axis=0)
+        if not (need_input or need_offset or need_mask):
+            continue
+        column_grads = _column_grads(grad_output[part], w, geom, dtype)
+        if need_input:
+            _col2im(column_grads, m, has_mask, mask_groups, plan.index, plan.weight, grad_x[part])
         if need_offset or need_mask:
-            m, has_mask, mask_groups = _mask_args(msk, geom, dtype)
             _offset_mask_grads(
-                _flat(x[part], batch, dtype), _column_grads(grad_output[part], w, geom, dtype), m, has_mask,
-                mask_groups, plan.index, plan.weight, plan.dweight, geom.ndim, need_offset, need_mask,
+                _flat(x[part], batch, dtype), column_grads, m, has_mask, mask_groups, plan.index, plan.weight,
+                plan.dweight, geom.ndim, need_offset, need_mask,
                 grad_off[part] if need_offset else np.zeros((1, 1, 1)),
                 grad_m[part] if need_mask else np.zeros((1, 1, 1)),
             )
-    out_dtype = x.dtype
+    if need_input:
+        grad_x = grad_x.reshape(geom.x_shape)
+        _add_bias(grad_x, bias, geom.ndim)
     return (
+        None if grad_x is None else grad_x.astype(out_dtype, copy=False),
         None if grad_w is None else grad_w.reshape(geom.weight_shape).astype(out_dtype),
         None if grad_off is None else grad_off.reshape(geom.offset_shape).astype(out_dtype),
         None if grad_m is None else grad_m.reshape(geom.mask_shape).astype(out_dtype),

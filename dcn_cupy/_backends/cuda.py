@@ -15,8 +15,7 @@ Per batch chunk of ``Bc`` samples (chunks bound the workspace by ``WORKSPACE_LIM
              of column grads times the sample's derivative (offset) or the sample (mask): no
              atomics. Offset groups and mask groups are independent.
 * ``conv_backward`` does all of it in one pass over the batch, sharing the grad_output layout
-  change and the column-grad GEMM; ``conv_backward_input`` / ``conv_backward_params`` (the
-  backend interface) are thin wrappers over it.
+  change and the column-grad GEMM between the gradients that are asked for.
 
 Half types (float16, bfloat16) are stored as such in the columns and GEMM operands; the
 GEMMs compute and write float32 (cuBLAS compute type 32F), every kernel computes in float32
@@ -41,6 +40,7 @@ import numpy as np
 import cupy
 
 from .._interop import BFLOAT16, compute_dtype
+from . import cuda_source_dir
 
 xp = cupy
 
@@ -104,24 +104,6 @@ def device_context(device_id: int):
 
 # ---------------------------------------------------------------------------------------------
 # Sources, compilation and module cache
-
-
-def cuda_source_dir() -> Path:
-    """The folder holding the ``.cu``/``.cuh`` sources.
-
-    Installed: ``dcn_cupy/cuda`` (pyproject maps the repository's ``cuda/`` there); from a
-    checkout: ``<repo>/cuda``. ``DCN_CUPY_CUDA_SOURCES`` overrides both.
-    """
-    override = os.environ.get("DCN_CUPY_CUDA_SOURCES")
-    package = Path(__file__).resolve().parent.parent
-    candidates = ([Path(override)] if override else []) + [package / "cuda", package.parent / "cuda"]
-    for folder in candidates:
-        if (folder / _MAIN_SOURCE).is_file():
-            return folder
-    raise FileNotFoundError(
-        f"dcn_cupy's CUDA sources ({_MAIN_SOURCE}) were not found in any of "
-        f"{[str(c) for c in candidates]}; set DCN_CUPY_CUDA_SOURCES to their folder"
-    )
 
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
@@ -561,15 +543,6 @@ def conv_backward(grad_output, x, weight, offset, mask, geom, need_input=True, n
             grad_w = out
         grad_w = grad_w.reshape(geom.weight_shape)
     return grad_x, grad_w, grad_off, grad_m
-
-
-def conv_backward_input(grad_output, weight, offset, mask, bias, geom):
-    return conv_backward(grad_output, None, weight, offset, mask, geom, True, False, False, False, bias=bias)[0]
-
-
-def conv_backward_params(grad_output, x, weight, offset, mask, geom, need_weight, need_offset, need_mask):
-    return conv_backward(grad_output, x, weight, offset, mask, geom, False, need_weight, need_offset,
-                         need_mask)[1:]
 
 
 def describe() -> str:
