@@ -431,7 +431,7 @@ def build_cases(backends: list, seed: int) -> list:
     """Every check case for the given backends (a fresh seeded generator per backend)."""
     cases = []
     for backend in backends:
-        dtypes = ["float64", "float32"] + (["float16", "bfloat16"] if backend == "cuda" else [])
+        dtypes = ["float64", "float32", "float16", "bfloat16"]
         rng = np.random.default_rng(seed)
         dev = _Device(backend)
         cases += _conv_cases(backend, dev, rng, dtypes)
@@ -533,10 +533,14 @@ def _bench(argv: list) -> int:
     script = None
     if cuda_devices():
         gpu = folder / "gpu.py"
-        if gpu.is_file():
-            script = ("GPU", gpu)
-        else:
+        if not gpu.is_file():
             print(f"A CUDA device is visible but {gpu} is missing: falling back to the CPU benchmark.", flush=True)
+        elif importlib.util.find_spec("torch") is None:
+            # gpu.py measures torchvision and cuDNN side by side and builds its inputs with torch.
+            print("A CUDA device is visible but PyTorch is not installed, which the GPU benchmark needs: "
+                  "falling back to the CPU benchmark.", flush=True)
+        else:
+            script = ("GPU", gpu)
     else:
         print("No CUDA device visible (or CuPy missing): running the CPU benchmark.", flush=True)
     if script is None:

@@ -100,7 +100,7 @@ def _conv_forward(ndim, input, weight, offset, mask, bias, stride, padding, dila
         y = call.backend.conv_forward(
             call.contiguous("input", batched), xp.ascontiguousarray(n["weight"]),
             call.contiguous("offset", batched), call.contiguous("mask", batched),
-            n["bias"], geom,
+            call.contiguous("bias", True), geom,
         )
     return call.result(y, batched)
 
@@ -156,7 +156,7 @@ def _transpose_forward(ndim, input, weight, offset, mask, bias, stride, padding,
         y = call.backend.conv_backward(
             call.contiguous("input", batched), None, xp.ascontiguousarray(n["weight"]),
             call.contiguous("offset", batched), call.contiguous("mask", batched), geom,
-            True, False, False, False, bias=n["bias"],
+            True, False, False, False, bias=call.contiguous("bias", True),
         )[0]
     return call.result(y, batched)
 
@@ -238,11 +238,15 @@ def _gradients(call: _Call, grads: dict, batched: bool) -> Gradients:
 # mask activations
 
 
-def _mask_ndim(mask_shape, kernel_size, ndim: Optional[int]) -> int:
+def _mask_ndim(mask_shape, kernel_size, ndim: Optional[int], name: str = "mask") -> int:
+    """N of a mask activation: given, else len(kernel_size) for a tuple, else mask.ndim - 2."""
     if ndim is not None:
         return ndim
     if isinstance(kernel_size, (tuple, list)):
         return len(kernel_size)
+    if len(mask_shape) not in (3, 4, 5):
+        raise ValueError(f"{name} must be 3-D, 4-D or 5-D (B, G_m*K, *Q) with an int kernel_size "
+                         f"(pass a tuple for an unbatched mask), got shape {tuple(mask_shape)}")
     return len(mask_shape) - 2
 
 
@@ -290,7 +294,7 @@ def mask_softmax_backward(grad_output, output, kernel_size):
     y, g = call.native["output"], call.native["grad_output"]
     if tuple(g.shape) != tuple(y.shape):
         raise ValueError(f"grad_output must have the output's shape {tuple(y.shape)}, got {tuple(g.shape)}")
-    view = _grouped_view(y.shape, kernel_size, _mask_ndim(y.shape, kernel_size, None), "output")
+    view = _grouped_view(y.shape, kernel_size, _mask_ndim(y.shape, kernel_size, None, "output"), "output")
     dtype = call.origin.dtype
     with call.device():
         yv = y.reshape(view).astype(compute_dtype(dtype))

@@ -17,6 +17,10 @@ from typing import Optional, Sequence, Tuple
 
 __all__ = [
     "ConvGeometry",
+    "conv_output_size",
+    "conv_transpose_output_size",
+    "spatial_ndim",
+    "check_groups",
     "conv_geometry",
     "conv_transpose_geometry",
     "fix_sequence_arg",
@@ -154,6 +158,16 @@ def normalise_wrt(wrt, given: dict) -> frozenset:
     return frozenset(name for name in names if given[name])
 
 
+def conv_output_size(size, kernel, stride, padding, dilation):
+    """``Q = (S + 2p - d(k - 1) - 1) // s + 1`` along one axis (plain ints or symbolic sizes)."""
+    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def conv_transpose_output_size(size, kernel, stride, padding, dilation, output_padding):
+    """``out = (S - 1)s - 2p + d(k - 1) + 1 + op`` along one axis (plain ints or symbolic sizes)."""
+    return (size - 1) * stride - 2 * padding + dilation * (kernel - 1) + 1 + output_padding
+
+
 def _check_ndim(shape, expected: int, name: str, layout: str) -> None:
     if len(shape) != expected:
         raise ValueError(f"{name} must be {expected}-D {layout}, got shape {tuple(shape)}")
@@ -194,20 +208,26 @@ def _hyper_parameters(ndim, stride, padding, dilation):
     )
 
 
-def _spatial_ndim(weight_shape, ndim: Optional[int]) -> int:
+def spatial_ndim(weight_shape, ndim: Optional[int],
+                 layout: str = "(C_out, C_in/groups, *kernel_size)", operation: str = "convolution") -> int:
+    """N read off the weight (1, 2 or 3), or checked against the ``ndim`` of an Nd function."""
     n = len(weight_shape) - 2
     if ndim is None:
         if n not in (1, 2, 3):
-            raise ValueError(
-                f"weight must be 3-D, 4-D or 5-D (C_out, C_in/groups, *kernel_size), got shape {tuple(weight_shape)}"
-            )
+            raise ValueError(f"weight must be 3-D, 4-D or 5-D {layout}, got shape {tuple(weight_shape)}")
         return n
     if n != ndim:
         raise ValueError(
-            f"weight must be {ndim + 2}-D (C_out, C_in/groups, *kernel_size) for a {ndim}D convolution, "
-            f"got shape {tuple(weight_shape)}"
+            f"weight must be {ndim + 2}-D {layout} for a {ndim}D {operation}, got shape {tuple(weight_shape)}"
         )
     return ndim
+
+
+def check_groups(groups) -> int:
+    groups = _as_int(groups, "groups")
+    if groups < 1:
+        raise ValueError(f"groups must be >= 1, got {groups}")
+    return groups
 
 
 def _split_batch(input_shape, ndim: int, name: str = "input"):
@@ -242,10 +262,8 @@ def conv_geometry(input_shape: Sequence[int], weight_shape: Sequence[int], offse
                   mask_shape=None, bias_shape=None, stride=1, padding=0, dilation=1, groups=1,
                   ndim: Optional[int] = None) -> Tuple[ConvGeometry, bool]:
     """Validate a deform_convNd call; return its geometry and whether the input was batched."""
-    ndim = _spatial_ndim(weight_shape, ndim)
-    groups = _as_int(groups, "groups")
-    if groups < 1:
-        raise ValueError(f"groups must be >= 1, got {groups}")
+    ndim = spatial_ndim(weight_shape, ndim)
+    groups = check_groups(groups)
     stride, padding, dilation = _hyper_parameters(ndim, stride, padding, dilation)
     batched, batch, (in_channels, *spatial) = _split_batch(input_shape, ndim)
     spatial = tuple(spatial)
@@ -263,9 +281,9 @@ def conv_geometry(input_shape: Sequence[int], weight_shape: Sequence[int], offse
         raise ValueError(f"channel counts must be positive, got C_in={in_channels}, C_out={out_channels}")
     out_shape = []
     for a in range(ndim):
-        span = dilation[a] * (kernel[a] - 1) + 1
-        q = (spatial[a] + 2 * padding[a] - span) // stride[a] + 1
+        q = conv_output_size(spatial[a], kernel[a], stride[a], padding[a], dilation[a])
         if q < 1:
+            span = dilation[a] * (kernel[a] - 1) + 1
             raise ValueError(
                 f"output size along spatial axis {a} must be >= 1, got {q} "
                 f"(input size {spatial[a]} + 2*padding {padding[a]} < dilated kernel size {span})"
@@ -291,21 +309,8 @@ def conv_transpose_geometry(input_shape, weight_shape, offset_shape=None, mask_s
     transposed output, its output grid the transposed input grid) and whether the input was
     batched.
     """
-    if weight_shape is not None and ndim is None:
-        n = len(weight_shape) - 2
-        if n not in (1, 2, 3):
-            raise ValueError(
-                f"weight must be 3-D, 4-D or 5-D (C_in, C_out/groups, *kernel_size), got shape {tuple(weight_shape)}"
-            )
-        ndim = n
-    elif len(weight_shape) - 2 != ndim:
-        raise ValueError(
-            f"weight must be {ndim + 2}-D (C_in, C_out/groups, *kernel_size) for a {ndim}D transposed "
-            f"convolution, got shape {tuple(weight_shape)}"
-        )
-    groups = _as_int(groups, "groups")
-    if groups < 1:
-        raise ValueError(f"groups must be >= 1, got {groups}")
+    ndim = spatial_ndim(weight_shape, ndim, "(C_in, C_out/groups, *kernel_size)", "transposed convolution")
+    groups = check_groups(groups)
     stride, padding, dilation = _hyper_parameters(ndim, stride, padding, dilation)
     output_padding = fix_sequence_arg(output_padding, ndim, "output_padding", 0)
     for a in range(ndim):
@@ -330,7 +335,8 @@ def conv_transpose_geometry(input_shape, weight_shape, offset_shape=None, mask_s
         raise ValueError(f"channel counts must be positive, got C_in={in_channels}, C_out={out_channels}")
     out_shape = []
     for a in range(ndim):
-        size = (spatial[a] - 1) * stride[a] - 2 * padding[a] + dilation[a] * (kernel[a] - 1) + 1 + output_padding[a]
+        size = conv_transpose_output_size(spatial[a], kernel[a], stride[a], padding[a], dilation[a],
+                                          output_padding[a])
         if size < 1:
             raise ValueError(f"output size along spatial axis {a} must be >= 1, got {size}")
         out_shape.append(size)

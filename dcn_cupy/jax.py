@@ -414,10 +414,8 @@ def _conv_entry(ndim, transposed, input, weight, offset, mask, bias, stride, pad
     arrays, _ = _check_arrays(dict(input=input, weight=weight, offset=offset, mask=mask, bias=bias))
     x, w, off, m, b = (arrays[n] for n in _NAMES)
     if ndim is None:
-        ndim = w.ndim - 2
-        if ndim not in (1, 2, 3):
-            what = "(C_in, C_out/groups, *kernel_size)" if transposed else "(C_out, C_in/groups, *kernel_size)"
-            raise ValueError(f"weight must be 3-D, 4-D or 5-D {what}, got shape {tuple(w.shape)}")
+        what = "(C_in, C_out/groups, *kernel_size)" if transposed else "(C_out, C_in/groups, *kernel_size)"
+        ndim = _geometry.spatial_ndim(tuple(w.shape), None, what)
     cfg = _ConvConfig(
         ndim, transposed,
         _geometry.fix_sequence_arg(stride, ndim, "stride", 1),

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import operator
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -53,11 +52,9 @@ _NAMES = _geometry.GRADIENT_NAMES  # ("input", "weight", "offset", "mask", "bias
 
 
 def _native(t: Optional[Tensor]) -> Optional[Tensor]:
-    """A tensor the core accepts: detached (the core refuses tensors that require grad),
-    without lazy negation (DLPack export ignores torch's negative bit) and C-contiguous."""
-    if t is None:
-        return None
-    return t.detach().resolve_neg().resolve_conj().contiguous()
+    """The tensor detached: the core refuses tensors that require grad (its interop resolves
+    torch's lazy negation and makes arrays contiguous)."""
+    return None if t is None else t.detach()
 
 
 @contextlib.contextmanager
@@ -124,7 +121,7 @@ def _deform_conv_fake(input, weight, offset, mask, bias, stride, padding, dilati
     n = weight.dim() - 2
     lead = [input.shape[0]] if input.dim() == n + 2 else []
     spatial = input.shape[input.dim() - n:]
-    out = [(spatial[a] + 2 * padding[a] - dilation[a] * (weight.shape[2 + a] - 1) - 1) // stride[a] + 1
+    out = [_geometry.conv_output_size(spatial[a], weight.shape[2 + a], stride[a], padding[a], dilation[a])
            for a in range(n)]
     return input.new_empty(lead + [weight.shape[0]] + out)
 
@@ -202,8 +199,8 @@ def _deform_conv_transpose_fake(input, weight, offset, mask, bias, stride, paddi
     n = weight.dim() - 2
     lead = [input.shape[0]] if input.dim() == n + 2 else []
     spatial = input.shape[input.dim() - n:]
-    out = [(spatial[a] - 1) * stride[a] - 2 * padding[a] + dilation[a] * (weight.shape[2 + a] - 1) + 1
-           + output_padding[a] for a in range(n)]
+    out = [_geometry.conv_transpose_output_size(spatial[a], weight.shape[2 + a], stride[a], padding[a],
+                                                dilation[a], output_padding[a]) for a in range(n)]
     return input.new_empty(lead + [weight.shape[1] * groups] + out)
 
 
@@ -328,7 +325,8 @@ def _check_tensor(t, name: str, optional: bool = True) -> None:
 
 
 def _autocast(tensors):
-    """Under torch.autocast, float32 arguments become the autocast dtype (as for F.conv2d)."""
+    """Under torch.autocast, floating arguments other than float64 become the autocast dtype
+    (as for F.conv2d)."""
     device_type = tensors[0].device.type
     if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
         return tensors
@@ -337,51 +335,31 @@ def _autocast(tensors):
             for t in tensors]
 
 
-def _spatial_ndim(weight: Tensor, ndim: Optional[int], layout: str) -> int:
-    n = weight.dim() - 2
-    if ndim is None:
-        if n not in (1, 2, 3):
-            raise ValueError(f"weight must be 3-D, 4-D or 5-D {layout}, got shape {tuple(weight.shape)}")
-        return n
-    if n != ndim:
-        raise ValueError(f"weight must be {ndim + 2}-D {layout} for a {ndim}D operation, "
-                         f"got shape {tuple(weight.shape)}")
-    return ndim
-
-
-def _groups(groups) -> int:
-    if isinstance(groups, bool):
-        raise TypeError(f"groups must be an int, got bool {groups!r}")
-    try:
-        return operator.index(groups)
-    except TypeError:
-        raise TypeError(f"groups must be an int, got {type(groups).__name__} {groups!r}") from None
-
-
 def _deform_conv(ndim, input, weight, offset, mask, bias, stride, padding, dilation, groups):
     for name, t in (("input", input), ("weight", weight), ("offset", offset), ("mask", mask), ("bias", bias)):
         _check_tensor(t, name, optional=name not in ("input", "weight"))
-    n = _spatial_ndim(weight, ndim, "(C_out, C_in/groups, *kernel_size)")
+    n = _geometry.spatial_ndim(tuple(weight.shape), ndim)
     stride = list(_geometry.fix_sequence_arg(stride, n, "stride", 1))
     padding = list(_geometry.fix_sequence_arg(padding, n, "padding", 0))
     dilation = list(_geometry.fix_sequence_arg(dilation, n, "dilation", 1))
     input, weight, offset, mask, bias = _autocast([input, weight, offset, mask, bias])
     return torch.ops.dcn_cupy.deform_conv(input, weight, offset, mask, bias, stride, padding, dilation,
-                                          _groups(groups))
+                                          _geometry.check_groups(groups))
 
 
 def _deform_conv_transpose(ndim, input, weight, offset, mask, bias, stride, padding, output_padding,
                            dilation, groups):
     for name, t in (("input", input), ("weight", weight), ("offset", offset), ("mask", mask), ("bias", bias)):
         _check_tensor(t, name, optional=name not in ("input", "weight"))
-    n = _spatial_ndim(weight, ndim, "(C_in, C_out/groups, *kernel_size)")
+    n = _geometry.spatial_ndim(tuple(weight.shape), ndim, "(C_in, C_out/groups, *kernel_size)",
+                               "transposed convolution")
     stride = list(_geometry.fix_sequence_arg(stride, n, "stride", 1))
     padding = list(_geometry.fix_sequence_arg(padding, n, "padding", 0))
     output_padding = list(_geometry.fix_sequence_arg(output_padding, n, "output_padding", 0))
     dilation = list(_geometry.fix_sequence_arg(dilation, n, "dilation", 1))
     input, weight, offset, mask, bias = _autocast([input, weight, offset, mask, bias])
     return torch.ops.dcn_cupy.deform_conv_transpose(input, weight, offset, mask, bias, stride, padding,
-                                                    output_padding, dilation, _groups(groups))
+                                                    output_padding, dilation, _geometry.check_groups(groups))
 
 
 def deform_conv(input, weight, offset=None, mask=None, bias=None, stride=1, padding=0, dilation=1, groups=1):
@@ -438,8 +416,7 @@ def deform_conv_transpose3d(input, weight, offset=None, mask=None, bias=None, st
 
 def _mask_softmax(ndim, mask, kernel_size):
     _check_tensor(mask, "mask", optional=False)
-    if ndim is None:
-        ndim = len(kernel_size) if isinstance(kernel_size, (tuple, list)) else mask.dim() - 2
+    ndim = _api._mask_ndim(tuple(mask.shape), kernel_size, ndim)
     kernel = list(_geometry.normalise_kernel_size(kernel_size, ndim))
     (mask,) = _autocast([mask])
     return torch.ops.dcn_cupy.mask_softmax(mask, kernel)
@@ -545,9 +522,7 @@ class _DeformConvNd(nn.Module):
                  output_padding, groups: int, bias: bool, padding_mode: str, device=None, dtype=None) -> None:
         super().__init__()
         n = self._ndim
-        groups = _groups(groups)
-        if groups < 1:
-            raise ValueError(f"groups must be >= 1, got {groups}")
+        groups = _geometry.check_groups(groups)
         if in_channels < 1 or out_channels < 1:
             raise ValueError(f"in_channels and out_channels must be positive, got {in_channels} and {out_channels}")
         if in_channels % groups:
@@ -660,8 +635,9 @@ class _DeformConvTransposeBase(_DeformConvNd):
             raise ValueError(f"output_size must have {n} or {input.dim()} elements, got {len(output_size)}")
         result = []
         for a in range(n):
-            smallest = ((input.shape[input.dim() - n + a] - 1) * self.stride[a] - 2 * self.padding[a]
-                        + self.dilation[a] * (self.kernel_size[a] - 1) + 1)
+            smallest = _geometry.conv_transpose_output_size(
+                input.shape[input.dim() - n + a], self.kernel_size[a], self.stride[a], self.padding[a],
+                self.dilation[a], 0)
             largest = smallest + max(self.stride[a], self.dilation[a]) - 1
             if not smallest <= output_size[a] <= largest:
                 raise ValueError(f"requested an output size of {output_size}, but valid sizes along axis {a} "
@@ -767,7 +743,8 @@ class _PackedMixin:
         n, K = self._ndim, math.prod(self.kernel_size)
         split = self.out_channels if self._transposed else self.in_channels
         split_name = "out_channels" if self._transposed else "in_channels"
-        offset_groups, mask_groups = _groups(offset_groups), _groups(mask_groups)
+        offset_groups = _geometry._as_int(offset_groups, "offset_groups")
+        mask_groups = _geometry._as_int(mask_groups, "mask_groups")
         for name, value in (("offset_groups", offset_groups), ("mask_groups", mask_groups)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

@@ -141,6 +141,11 @@ def test_mask_activation_errors():
         dcn_cupy.mask_softmax2d(arr(2, 10, 4, 4), 3)
     with pytest.raises(ValueError, match=r"mask must be 4-D \(B, G_m\*K, \*Q\) or 3-D \(G_m\*K, \*Q\), got shape \(9,\)"):
         dcn_cupy.mask_softmax2d(arr(9), 3)
+    with pytest.raises(ValueError, match=r"mask must be 3-D, 4-D or 5-D \(B, G_m\*K, \*Q\) with an int kernel_size "
+                                         r".* got shape \(9, 4\)"):
+        dcn_cupy.mask_softmax(arr(9, 4), 3)
+    with pytest.raises(ValueError, match=r"output must be 3-D, 4-D or 5-D .* got shape \(9, 4\)"):
+        dcn_cupy.mask_softmax_backward(arr(9, 4), arr(9, 4), 3)
     with pytest.raises(ValueError, match="kernel_size must be >= 1, got 0"):
         dcn_cupy.mask_softmax2d(arr(2, 9, 4, 4), 0)
     with pytest.raises(ValueError, match=r"grad_output must have the output's shape \(2, 9, 4, 4\), got \(2, 9, 4\)"):
