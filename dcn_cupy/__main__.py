@@ -31,6 +31,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from dcn_cupy._geometry import conv_output_size
+
 __all__ = ["main"]
 
 
@@ -188,8 +190,7 @@ def _make_config(rng, ndim: int, transposed: bool, batch: int = 2) -> _Config:
         weight_shape = (c_in, c_out // groups) + kernel
     else:
         c_in, c_out, groups, g_o, g_m, size, kernel, stride, padding, dilation = _CONV_SPECS[ndim]
-        grid = tuple((size[a] + 2 * padding[a] - dilation[a] * (kernel[a] - 1) - 1) // stride[a] + 1
-                     for a in range(ndim))
+        grid = tuple(conv_output_size(size[a], kernel[a], stride[a], padding[a], dilation[a]) for a in range(ndim))
         weight_shape = (c_out, c_in // groups) + kernel
     volume = int(np.prod(kernel))
     arrays = {
