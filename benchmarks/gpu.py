@@ -23,14 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import statistics
 import sys
 import time
 import traceback
-
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 
@@ -100,8 +97,15 @@ def _peak_cupy(fn) -> float:
     return hook.peak / 2**20
 
 
-def _peak_torch(fn) -> float:
+def _peak_torch(fn, leaves=()) -> float:
+    """Peak bytes allocated by torch during ``fn`` beyond what was allocated before, in MiB.
+
+    The ``.grad`` of ``leaves`` (left by a timing loop) are dropped first: the baseline then
+    excludes them and the gradients the call allocates count in its peak.
+    """
     import torch
+    for t in leaves:
+        t.grad = None
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -154,16 +158,8 @@ def _make_inputs(shape, dtype, seed=0):
 
 
 def _as_cupy(*tensors):
-    return tuple(_torch_to_cupy(t) for t in tensors)
-
-
-def _torch_to_cupy(t):
-    import cupy
-    import torch
-    if t.dtype == torch.bfloat16:
-        from dcn_cupy._interop import BFLOAT16
-        return cupy.from_dlpack(t.detach().view(torch.int16)).view(BFLOAT16)
-    return cupy.from_dlpack(t.detach())
+    from dcn_cupy._interop import to_native
+    return tuple(to_native(t, f"benchmark tensor {i}")[0] for i, t in enumerate(tensors))
 
 
 def bench_dcn(shape, precision, args, transposed_too=False):
@@ -182,29 +178,17 @@ def bench_dcn(shape, precision, args, transposed_too=False):
         y = forward()
         return y, bwd(gy, x, w, off, msk, b, padding=1)
 
-    from dcn_cupy import _geometry
-    from dcn_cupy._backends import cuda as backend
-    geom, _ = _geometry.conv_geometry(x.shape, w.shape, off.shape, msk.shape, b.shape, padding=1)
-
-    def forward_backward_fused():
-        # the backend's one-pass backward (shares the column-grad GEMM between the input and
-        # the offset/mask gradients); the bias gradient as _api computes it
-        y = backend.conv_forward(x, w, off, msk, b, geom)
-        grads = backend.conv_backward(gy, x, w, off, msk, geom)
-        return y, grads, gy.sum(axis=(0,) + tuple(range(2, gy.ndim)), dtype=cupy.float32)
-
     row = {"impl": "dcn_cupy"}
     row["fwd_ms"] = _time_cupy(forward, args.warmup, args.repeats, args.inner)
     row["fwdbwd_ms"] = _time_cupy(forward_backward, args.warmup, args.repeats, max(1, args.inner // 2))
-    if hasattr(backend, "conv_backward"):
-        row["fwdbwd_fused_ms"] = _time_cupy(forward_backward_fused, args.warmup, args.repeats,
-                                            max(1, args.inner // 2))
     row["fwd_peak_mib"] = _peak_cupy(forward)
     row["fwdbwd_peak_mib"] = _peak_cupy(forward_backward)
     rows = [row]
     if transposed_too:
         tfwd = getattr(dcn_cupy, f"deform_conv_transpose{n}d")
-        wt = cupy.ascontiguousarray(w.swapaxes(0, 1)) if shape["C_in"] == shape["C_out"] else w
+        # w (C_out, C_in, *k) -> (C_in, C_out, *k): the transposed layout (C_in, C_out/groups, *k),
+        # groups = 1, taking x's C_in channels to C_out (b's length)
+        wt = cupy.ascontiguousarray(w.swapaxes(0, 1))
 
         def transposed():
             return tfwd(x, wt, off, msk, b, padding=1)
@@ -235,8 +219,8 @@ def bench_torchvision(shape, precision, args):
     row = {"impl": "torchvision"}
     row["fwd_ms"] = _time_torch(forward, args.warmup, args.repeats, args.inner)
     row["fwdbwd_ms"] = _time_torch(forward_backward, args.warmup, args.repeats, max(1, args.inner // 2))
-    row["fwd_peak_mib"] = _peak_torch(forward)
-    row["fwdbwd_peak_mib"] = _peak_torch(forward_backward)
+    row["fwd_peak_mib"] = _peak_torch(forward, leaves)
+    row["fwdbwd_peak_mib"] = _peak_torch(forward_backward, leaves)
     return [row]
 
 
@@ -263,8 +247,8 @@ def bench_dense(shape, precision, args):
     row = {"impl": "dense conv (cuDNN)"}
     row["fwd_ms"] = _time_torch(forward, args.warmup, args.repeats, args.inner)
     row["fwdbwd_ms"] = _time_torch(forward_backward, args.warmup, args.repeats, max(1, args.inner // 2))
-    row["fwd_peak_mib"] = _peak_torch(forward)
-    row["fwdbwd_peak_mib"] = _peak_torch(forward_backward)
+    row["fwd_peak_mib"] = _peak_torch(forward, leaves)
+    row["fwdbwd_peak_mib"] = _peak_torch(forward_backward, leaves)
     return [row]
 
 
@@ -334,7 +318,6 @@ def main(argv=None) -> int:
                     results.append(row)
                     print(f"  {shape['name']:<28} {precision:<5} {row['impl']:<20} "
                           f"fwd {_fmt(row.get('fwd_ms', '-'))} ms  fwd+bwd {_fmt(row.get('fwdbwd_ms', '-'))} ms"
-                          f"  (one-pass backward: {_fmt(row.get('fwdbwd_fused_ms', '-'))} ms)"
                           + (f"  {row['error']}" if "error" in row else ""), flush=True)
                 import gc
                 gc.collect()

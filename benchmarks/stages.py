@@ -1,10 +1,10 @@
-"""Time the CUDA backend's stages and kernel variants separately (for NOTES-gpu.md).
+"""Time the CUDA backend's stages separately (for NOTES-gpu.md).
 
-    python benchmarks/stages.py [--shape 8,256,56] [--dtypes float16,float32]
+    python benchmarks/stages.py [--shape 8,256,56] [--dtypes float16,float32] [--ndim 2]
 
-Prints, per dtype: the forward and the one-pass backward with each kernel variant
-(CHANNEL_CHUNK = 0 (one thread per channel), auto, fixed sizes; FUSE_COL2IM on/off), and the
-time of each stage (im2col, GEMMs, layout kernels, col2im, grouped backward kernel) alone.
+Prints, per dtype: the forward, the one-pass backward (all gradients), the backward to the
+input and to the parameters as separate calls, and the time of each stage (im2col, GEMMs,
+layout kernel, tiled col2im, grouped offset/mask-gradient kernel) alone.
 """
 
 from __future__ import annotations
@@ -48,18 +48,9 @@ def main(argv=None):
         geom, _ = _geometry.conv_geometry(x.shape, w.shape, off.shape, msk.shape, None, padding=1)
         print(f"== {name}: B={B} C={C}->{C} {'x'.join([str(H)] * n)} 3^{n}, offset+mask, "
               f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
-        for kernel, chunk in (("per_channel", None), ("chunked", None), ("chunked", 8), ("tiled", None)):
-            be.IM2COL_KERNEL = be.COL2IM_KERNEL = kernel
-            be.CHANNEL_CHUNK = chunk
-            fwd = t(lambda: be.conv_forward(x, w, off, msk, None, geom))
-            row = f"  {kernel:>11} chunk={str(chunk):>4}: forward {fwd:7.3f} ms"
-            for fuse in (True, False):
-                be.FUSE_COL2IM = fuse
-                bwd = t(lambda: be.conv_backward(gy, x, w, off, msk, geom), 4)
-                row += f" | backward(all, fuse={fuse!s:5}) {bwd:7.3f} ms"
-            print(row, flush=True)
-        be.IM2COL_KERNEL = be.COL2IM_KERNEL = "tiled"
-        be.CHANNEL_CHUNK, be.FUSE_COL2IM = None, False
+        fwd = t(lambda: be.conv_forward(x, w, off, msk, None, geom))
+        bwd = t(lambda: be.conv_backward(gy, x, w, off, msk, geom), 4)
+        print(f"  forward {fwd:.3f} ms | one-pass backward (all gradients) {bwd:.3f} ms", flush=True)
         bi = t(lambda: be.conv_backward(gy, None, w, off, msk, geom, True, False, False, False), 4)
         bp = t(lambda: be.conv_backward(gy, x, w, off, msk, geom, False, True, True, True), 4)
         print(f"  separate calls: backward to input {bi:.3f} ms + backward to parameters {bp:.3f} ms")
@@ -76,19 +67,13 @@ def main(argv=None):
         goff, gm = cupy.empty_like(off), cupy.empty_like(msk)
         wr = w.reshape(1, C, C * K)
         stages = {}
-        for kernel in ("per_channel", "chunked", "tiled"):
-            be.IM2COL_KERNEL = be.COL2IM_KERNEL = kernel
-            stages[f"im2col {kernel}"] = t(lambda: sh.im2col(kern, x, off, msk, cols, B))
-            stages[f"col2im {kernel}"] = t(lambda: sh.col2im(kern, cg, off, msk, gx, B))
-        be.IM2COL_KERNEL = be.COL2IM_KERNEL = "tiled"
+        stages["im2col"] = t(lambda: sh.im2col(kern, x, off, msk, cols, B))
+        stages["col2im (tiled)"] = t(lambda: sh.col2im(kern, cg, off, msk, gx, B))
         stages["gemm forward W@cols"] = t(lambda: be._gemm(wr, cols, outb))
         stages["gemm W^T@gy"] = t(lambda: be._gemm(wr, gyc, cg, trans_a=True))
         stages["gemm gy@cols^T"] = t(lambda: be._gemm(gyc, cols, gw, trans_b=True, beta=1.0))
         stages["batch_to_columns"] = t(lambda: sh.to_columns(kern, gy, gyc, B))
-        stages["grouped (input+offset+mask)"] = t(lambda: sh.grouped(kern, (True, True, True), 1, cg, x, off, msk,
-                                                                     gx, goff, gm, B))
-        stages["grouped (offset+mask)"] = t(lambda: sh.grouped(kern, (False, True, True), 1, cg, x, off, msk,
-                                                               None, goff, gm, B))
+        stages["grouped (offset+mask)"] = t(lambda: sh.grouped(kern, (True, True), 1, cg, x, off, msk, goff, gm, B))
         for k, v in stages.items():
             print(f"  {k:<32} {v:8.3f} ms")
         cupy.get_default_memory_pool().free_all_blocks()

@@ -147,8 +147,8 @@ struct Corners {
 
 // The box of input positions reached by the regular (offset-free) sampling positions of the
 // consecutive output positions [q_first, q_last], widened by `halo` on every side and clipped
-// to the grid. The tiled kernels stage one channel's box in shared memory; corners outside it
-// (offsets larger than the halo) go straight to global memory. dcn_cupy/_backends/cuda.py
+// to the grid. The tiled col2im accumulates one channel's box in shared memory; corners outside
+// it (offsets larger than the halo) go straight to global memory. dcn_cupy/_backends/cuda.py
 // mirrors this computation (_max_box_volume) to size the shared memory.
 template <int N, typename I>
 struct TileBox {

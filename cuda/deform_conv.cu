@@ -8,7 +8,12 @@
 // The GEMMs (cuBLAS, from Python) see the columns as (G, C/G*K, Bc*Q).
 //
 // Template parameters: T storage type, I index type (int or long long), N spatial dims.
-// Arithmetic type A = Traits<T>::acc. Every kernel is a grid-stride loop over its outputs.
+// Arithmetic type A = Traits<T>::acc. Every kernel is a grid-stride loop over its outputs
+// (deform_col2im_tiled: a block-stride loop over its (b, c, tile) blocks).
+//
+// Kernels: deform_im2col (forward and weight gradient), deform_col2im_tiled (input gradient),
+// deform_backward_grouped (offset and mask gradients), and the layout/cast kernels
+// batch_to_columns, columns_to_batch, finalize.
 
 #include "dcn_common.cuh"
 
@@ -61,274 +66,13 @@ __global__ void deform_im2col(const T* __restrict__ x, const T* __restrict__ off
     }
 }
 
-// grad_x[b, c, corner] += weight * mask * column_grads[c*K + t, b*Q + q] (atomics; grad_x is
-// float32 for float16/bfloat16/float32 and float64 for float64). The adjoint of im2col.
-template <typename T, typename I, int N>
-__global__ void deform_col2im(const typename Traits<T>::acc* __restrict__ column_grads,
-                              const T* __restrict__ offset, const T* __restrict__ mask,
-                              typename Traits<T>::acc* __restrict__ grad_x, const Geom<N> g,
-                              const int batch, const int channels, const int offset_groups,
-                              const int mask_groups) {
-    typedef typename Traits<T>::acc A;
-    const I Q = dcn::prod_size<N, I>(g.out_size);
-    const I S = dcn::prod_size<N, I>(g.in_size);
-    const int K = (int)dcn::prod_size<N, I>(g.ksize);
-    const I BQ = (I)batch * Q;
-    const I total = (I)channels * BQ;
-    for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
-        const I q = idx % Q;
-        const I bc = idx / Q;
-        const int b = (int)(bc % batch);
-        const int c = (int)(bc / batch);
-        int qc[N];
-        dcn::unravel<N, I>(q, g.out_size, qc);
-        A* plane = grad_x + ((I)b * channels + c) * S;
-        const T* off = nullptr;
-        if (offset != nullptr) {
-            const int go = c / (channels / offset_groups);
-            off = offset + ((I)b * offset_groups + go) * (I)K * N * Q + q;
-        }
-        const T* msk = nullptr;
-        if (mask != nullptr) {
-            const int gm = c / (channels / mask_groups);
-            msk = mask + ((I)b * mask_groups + gm) * (I)K * Q + q;
-        }
-        const A* col = column_grads + (I)c * K * BQ + (I)b * Q + q;
-        int tc[N];
-#pragma unroll
-        for (int a = 0; a < N; ++a) tc[a] = 0;
-        for (int t = 0; t < K; ++t) {
-            A v = col[(I)t * BQ];
-            if (msk != nullptr) v *= Traits<T>::load(msk[(I)t * Q]);
-            if (v != A(0)) {
-                A pos[N];
-                dcn::tap_position<T, A, I, N>(g, qc, tc, off == nullptr ? nullptr : off + (I)t * N * Q, Q, pos);
-                dcn::Corners<A, I, N> cr;
-                cr.compute(pos, g.in_size);
-                if (cr.valid) {
-#pragma unroll
-                    for (int k = 0; k < (1 << N); ++k) {
-                        if (cr.ok[k]) dcn::atomic_accumulate(plane + cr.index[k], cr.weight[k] * v);
-                    }
-                }
-            }
-            dcn::next_tap<N>(tc, g.ksize);
-        }
-    }
-}
-
-// Channel-looping variants: one thread per (channel chunk, b, q). For each tap the position
-// and its corners are computed once (again only when the offset group changes) and reused by
-// the chunk's channels, which saves the per-channel offset loads and index arithmetic.
-template <typename T, typename I, int N>
-__global__ void deform_im2col_cl(const T* __restrict__ x, const T* __restrict__ offset,
-                                 const T* __restrict__ mask, T* __restrict__ columns,
-                                 const Geom<N> g, const int batch, const int channels,
-                                 const int offset_groups, const int mask_groups, const int chunk) {
-    typedef typename Traits<T>::acc A;
-    const I Q = dcn::prod_size<N, I>(g.out_size);
-    const I S = dcn::prod_size<N, I>(g.in_size);
-    const int K = (int)dcn::prod_size<N, I>(g.ksize);
-    const I BQ = (I)batch * Q;
-    const int chunks = (channels + chunk - 1) / chunk;
-    const I total = (I)chunks * BQ;
-    const int per_offset_group = offset != nullptr ? channels / offset_groups : channels;
-    const int per_mask_group = mask != nullptr ? channels / mask_groups : channels;
-    for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
-        const I q = idx % Q;
-        const I rest = idx / Q;
-        const int b = (int)(rest % batch);
-        const int c_begin = (int)(rest / batch) * chunk;
-        const int c_end = min(channels, c_begin + chunk);
-        int qc[N];
-        dcn::unravel<N, I>(q, g.out_size, qc);
-        const T* xb = x + (I)b * channels * S;
-        T* col = columns + (I)b * Q + q;
-        int tc[N];
-#pragma unroll
-        for (int a = 0; a < N; ++a) tc[a] = 0;
-        for (int t = 0; t < K; ++t) {
-            dcn::Corners<A, I, N> cr;
-            int current_go = -1, current_gm = -1;
-            A m = A(1);
-            for (int c = c_begin; c < c_end; ++c) {
-                const int go = c / per_offset_group;
-                if (go != current_go) {
-                    current_go = go;
-                    const T* off = offset == nullptr ? nullptr
-                        : offset + (((I)b * offset_groups + go) * K + t) * (I)N * Q + q;
-                    A pos[N];
-                    dcn::tap_position<T, A, I, N>(g, qc, tc, off, Q, pos);
-                    cr.compute(pos, g.in_size);
-                }
-                if (mask != nullptr) {
-                    const int gm = c / per_mask_group;
-                    if (gm != current_gm) {
-                        current_gm = gm;
-                        m = Traits<T>::load(mask[(((I)b * mask_groups + gm) * K + t) * Q + q]);
-                    }
-                }
-                A v = A(0);
-                if (cr.valid) {
-                    const T* plane = xb + (I)c * S;
-#pragma unroll
-                    for (int k = 0; k < (1 << N); ++k) {
-                        if (cr.ok[k]) v += cr.weight[k] * Traits<T>::load(plane[cr.index[k]]);
-                    }
-                }
-                col[((I)c * K + t) * BQ] = Traits<T>::store(v * m);
-            }
-            dcn::next_tap<N>(tc, g.ksize);
-        }
-    }
-}
-
-template <typename T, typename I, int N>
-__global__ void deform_col2im_cl(const typename Traits<T>::acc* __restrict__ column_grads,
-                                 const T* __restrict__ offset, const T* __restrict__ mask,
-                                 typename Traits<T>::acc* __restrict__ grad_x, const Geom<N> g,
-                                 const int batch, const int channels, const int offset_groups,
-                                 const int mask_groups, const int chunk) {
-    typedef typename Traits<T>::acc A;
-    const I Q = dcn::prod_size<N, I>(g.out_size);
-    const I S = dcn::prod_size<N, I>(g.in_size);
-    const int K = (int)dcn::prod_size<N, I>(g.ksize);
-    const I BQ = (I)batch * Q;
-    const int chunks = (channels + chunk - 1) / chunk;
-    const I total = (I)chunks * BQ;
-    const int per_offset_group = offset != nullptr ? channels / offset_groups : channels;
-    const int per_mask_group = mask != nullptr ? channels / mask_groups : channels;
-    for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
-        const I q = idx % Q;
-        const I rest = idx / Q;
-        const int b = (int)(rest % batch);
-        const int c_begin = (int)(rest / batch) * chunk;
-        const int c_end = min(channels, c_begin + chunk);
-        int qc[N];
-        dcn::unravel<N, I>(q, g.out_size, qc);
-        A* gxb = grad_x + (I)b * channels * S;
-        const A* col = column_grads + (I)b * Q + q;
-        int tc[N];
-#pragma unroll
-        for (int a = 0; a < N; ++a) tc[a] = 0;
-        for (int t = 0; t < K; ++t) {
-            dcn::Corners<A, I, N> cr;
-            int current_go = -1, current_gm = -1;
-            A m = A(1);
-            for (int c = c_begin; c < c_end; ++c) {
-                const int go = c / per_offset_group;
-                if (go != current_go) {
-                    current_go = go;
-                    const T* off = offset == nullptr ? nullptr
-                        : offset + (((I)b * offset_groups + go) * K + t) * (I)N * Q + q;
-                    A pos[N];
-                    dcn::tap_position<T, A, I, N>(g, qc, tc, off, Q, pos);
-                    cr.compute(pos, g.in_size);
-                }
-                if (!cr.valid) continue;
-                if (mask != nullptr) {
-                    const int gm = c / per_mask_group;
-                    if (gm != current_gm) {
-                        current_gm = gm;
-                        m = Traits<T>::load(mask[(((I)b * mask_groups + gm) * K + t) * Q + q]);
-                    }
-                }
-                const A v = col[((I)c * K + t) * BQ] * m;
-                if (v != A(0)) {
-                    A* plane = gxb + (I)c * S;
-#pragma unroll
-                    for (int k = 0; k < (1 << N); ++k) {
-                        if (cr.ok[k]) dcn::atomic_accumulate(plane + cr.index[k], cr.weight[k] * v);
-                    }
-                }
-            }
-            dcn::next_tap<N>(tc, g.ksize);
-        }
-    }
-}
-
-// Tiled variants: one block per (b, c, tile of blockDim.x consecutive output positions). The
-// channel's input box around the tile's sampling positions is staged in shared memory
-// (`cap` elements of A at most; larger boxes use global memory directly): im2col gathers from
-// it instead of scattered global loads, col2im accumulates into it with shared-memory
-// atomics and flushes it once, turning K*2^N global atomics per position into about one per
-// box element.
-template <typename T, typename I, int N>
-__global__ void deform_im2col_tiled(const T* __restrict__ x, const T* __restrict__ offset,
-                                    const T* __restrict__ mask, T* __restrict__ columns,
-                                    const Geom<N> g, const int batch, const int channels,
-                                    const int offset_groups, const int mask_groups, const int halo,
-                                    const int cap) {
-    typedef typename Traits<T>::acc A;
-    extern __shared__ __align__(16) unsigned char dcn_smem[];
-    A* box = reinterpret_cast<A*>(dcn_smem);
-    const I Q = dcn::prod_size<N, I>(g.out_size);
-    const I S = dcn::prod_size<N, I>(g.in_size);
-    const int K = (int)dcn::prod_size<N, I>(g.ksize);
-    const I BQ = (I)batch * Q;
-    const I L = (I)blockDim.x;
-    const I tiles = (Q + L - 1) / L;
-    const I blocks = tiles * channels * batch;
-    for (I blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
-        const I tile = blk % tiles;
-        const I rest = blk / tiles;
-        const int c = (int)(rest % channels);
-        const int b = (int)(rest / channels);
-        const I q_first = tile * L;
-        const I q_last = min(Q, q_first + L) - 1;
-        dcn::TileBox<N, I> tb;
-        tb.compute(g, q_first, q_last, halo);
-        const bool use_box = tb.volume > 0 && tb.volume <= (I)cap;
-        const T* plane = x + ((I)b * channels + c) * S;
-        if (use_box) {
-            for (I e = threadIdx.x; e < tb.volume; e += L) box[e] = Traits<T>::load(plane[tb.grid_index(e, g.in_size)]);
-        }
-        __syncthreads();
-        const I q = q_first + threadIdx.x;
-        if (q <= q_last) {
-            int qc[N];
-            dcn::unravel<N, I>(q, g.out_size, qc);
-            const T* off = nullptr;
-            if (offset != nullptr) {
-                const int go = c / (channels / offset_groups);
-                off = offset + ((I)b * offset_groups + go) * (I)K * N * Q + q;
-            }
-            const T* msk = nullptr;
-            if (mask != nullptr) {
-                const int gm = c / (channels / mask_groups);
-                msk = mask + ((I)b * mask_groups + gm) * (I)K * Q + q;
-            }
-            T* col = columns + (I)c * K * BQ + (I)b * Q + q;
-            int tc[N];
-#pragma unroll
-            for (int a = 0; a < N; ++a) tc[a] = 0;
-            for (int t = 0; t < K; ++t) {
-                A pos[N];
-                dcn::tap_position<T, A, I, N>(g, qc, tc, off == nullptr ? nullptr : off + (I)t * N * Q, Q, pos);
-                A v = A(0);
-                int lo[N];
-                A frac[N];
-                if (dcn::locate<A, N>(pos, g.in_size, lo, frac)) {
-#pragma unroll
-                    for (int k = 0; k < (1 << N); ++k) {
-                        int cc[N];
-                        A w;
-                        if (dcn::corner<A, N>(k, lo, frac, g.in_size, cc, w)) {
-                            const I e = use_box ? tb.offset_of(cc) : (I)-1;
-                            const A val = e >= 0 ? box[e] : Traits<T>::load(plane[dcn::flat_index<N, I>(cc, g.in_size)]);
-                            v += w * val;
-                        }
-                    }
-                }
-                if (msk != nullptr) v *= Traits<T>::load(msk[(I)t * Q]);
-                col[(I)t * BQ] = Traits<T>::store(v);
-                dcn::next_tap<N>(tc, g.ksize);
-            }
-        }
-        __syncthreads();
-    }
-}
-
+// The adjoint of im2col: grad_x[b, c, corner] += weight * mask * column_grads[c*K + t, b*Q + q]
+// (grad_x is float32 for float16/bfloat16/float32 and float64 for float64).
+// One block per (b, c, tile of blockDim.x consecutive output positions). The channel's input
+// box around the tile's sampling positions is staged in shared memory (`cap` elements of A at
+// most; larger boxes use global memory directly): the block accumulates into it with
+// shared-memory atomics and flushes it once, turning K*2^N global atomics per position into
+// about one per box element; corners outside the box use global atomics.
 template <typename T, typename I, int N>
 __global__ void deform_col2im_tiled(const typename Traits<T>::acc* __restrict__ column_grads,
                                     const T* __restrict__ offset, const T* __restrict__ mask,
@@ -423,14 +167,10 @@ __global__ void deform_col2im_tiled(const typename Traits<T>::acc* __restrict__ 
 //   grad_mask[b, gm*K + t, q]           = sum_c cg * sample
 // with cg = column_grads[c*K + t, b*Q + q]. Each channel samples at the position of ITS
 // offset group and is weighted by ITS mask group, so G_o and G_m are independent.
-//
-// With WANT_INPUT the same pass also scatters the column grads into grad_x (col2im fused in:
-// one read of the column grads, one corner computation per offset group and tap).
-template <typename T, typename I, int N, bool WANT_INPUT, bool WANT_OFFSET, bool WANT_MASK>
+template <typename T, typename I, int N, bool WANT_OFFSET, bool WANT_MASK>
 __global__ void deform_backward_grouped(const typename Traits<T>::acc* __restrict__ column_grads,
                                         const T* __restrict__ x, const T* __restrict__ offset,
                                         const T* __restrict__ mask,
-                                        typename Traits<T>::acc* __restrict__ grad_x,
                                         T* __restrict__ grad_offset, T* __restrict__ grad_mask,
                                         const Geom<N> g, const int batch, const int channels,
                                         const int offset_groups, const int mask_groups,
@@ -478,21 +218,10 @@ __global__ void deform_backward_grouped(const typename Traits<T>::acc* __restric
             if (!cr.valid) continue;
             const A cg = column_grads[((I)c * K + t) * BQ + (I)b * Q + q];
             A m = A(1);
-            if (mask != nullptr && (WANT_INPUT || WANT_OFFSET)) {
+            if (mask != nullptr && WANT_OFFSET) {
                 const int gm = c / per_mask_group;
                 m = Traits<T>::load(mask[(((I)b * mask_groups + gm) * K + t) * Q + q]);
             }
-            if (WANT_INPUT) {
-                const A gv = cg * m;
-                if (gv != A(0)) {
-                    A* gplane = grad_x + ((I)b * channels + c) * S;
-#pragma unroll
-                    for (int k = 0; k < (1 << N); ++k) {
-                        if (cr.ok[k]) dcn::atomic_accumulate(gplane + cr.index[k], cr.weight[k] * gv);
-                    }
-                }
-            }
-            if (!(WANT_OFFSET || WANT_MASK)) continue;
             const T* plane = x + ((I)b * channels + c) * S;
             A v[1 << N];
 #pragma unroll

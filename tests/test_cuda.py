@@ -291,27 +291,22 @@ def test_chunked_batch_equals_one_chunk(transposed, monkeypatch):
         assert relative_error(host(getattr(g, name)), host(getattr(whole_g, name))) < 1e-12, name
 
 
-KERNEL_VARIANTS = {
-    "tiled": dict(IM2COL_KERNEL="tiled", COL2IM_KERNEL="tiled", FUSE_COL2IM=False),
-    "tiled-halo0": dict(IM2COL_KERNEL="tiled", COL2IM_KERNEL="tiled", FUSE_COL2IM=False, TILE_HALO=0),
-    "tiled-no-smem": dict(IM2COL_KERNEL="tiled", COL2IM_KERNEL="tiled", FUSE_COL2IM=False, TILE_SMEM_BYTES=0),
-    "tiled-fused": dict(IM2COL_KERNEL="tiled", COL2IM_KERNEL="tiled", FUSE_COL2IM=True),
-    "chunk3": dict(IM2COL_KERNEL="chunked", COL2IM_KERNEL="chunked", CHANNEL_CHUNK=3, FUSE_COL2IM=False),
-    "chunk64-fused": dict(IM2COL_KERNEL="chunked", COL2IM_KERNEL="chunked", CHANNEL_CHUNK=64, FUSE_COL2IM=True),
-    "per-channel": dict(IM2COL_KERNEL="per_channel", COL2IM_KERNEL="per_channel", FUSE_COL2IM=False),
+TILE_SETTINGS = {
+    "default": {},
+    "halo0": dict(TILE_HALO=0),
+    "no-smem": dict(TILE_SMEM_BYTES=0),
 }
 
 
-@pytest.mark.parametrize("variant", list(KERNEL_VARIANTS))
+@pytest.mark.parametrize("setting", list(TILE_SETTINGS))
 @pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])
 @pytest.mark.parametrize("ndim", [1, 2, 3])
-def test_kernel_variants(ndim, transposed, variant, monkeypatch):
-    """Every sampling/scatter kernel variant agrees with the reference and the CPU backend: tiled
-    (shared-memory box; with no halo most corners take the global path; with no shared memory
-    all do), channel-chunked (chunks crossing offset/mask group boundaries), one thread per
-    channel, and the input-gradient scatter fused into the offset/mask-gradient pass."""
+def test_tiled_scatter_settings(ndim, transposed, setting, monkeypatch):
+    """The tiled input-gradient scatter agrees with the reference and the CPU backend with its
+    shared-memory box (offsets larger than the halo reach corners outside it), with no halo
+    (most corners take the global path) and with no shared memory (all do)."""
     cuda = cuda_backend()
-    for name, value in KERNEL_VARIANTS[variant].items():
+    for name, value in TILE_SETTINGS[setting].items():
         monkeypatch.setattr(cuda, name, value)
     rng = np.random.default_rng(60 + 7 * ndim + transposed)
     case = random_case(rng, ndim, transposed, batch=2, channels_scale=3)

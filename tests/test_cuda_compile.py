@@ -84,6 +84,21 @@ def test_every_instantiation_compiles(toolchain, key):
     assert "warning" not in log.lower(), log
 
 
+def test_every_kernel_is_instantiated_and_launched():
+    """The source defines exactly the kernels the module instantiates, and the backend launches
+    each of them (no dead kernel variants)."""
+    pytest.importorskip("cupy")
+    import inspect
+
+    from dcn_cupy._backends import cuda
+    defined = set(re.findall(r"__global__\s+void\s+(\w+)\s*\(", cuda.module_source()))
+    for key in cuda.all_module_keys():
+        instantiated = {name.split("<", 1)[0] for name in cuda.name_expressions(*key)}
+        assert instantiated == defined, key
+    launched = set(re.findall(r'\bkern\.get\(\s*"(\w+)"', inspect.getsource(cuda)))
+    assert launched == defined
+
+
 def test_compile_error_names_the_real_file(toolchain):
     """A broken kernel is reported against cuda/<file> thanks to the #line directives."""
     nvrtc, _, cuda = toolchain

@@ -54,8 +54,11 @@ ALLOW_TF32 = None
 
 _BLOCK = 256
 _MAX_GRID = 1 << 20          # grid-stride loops cover the rest
+#: Kernels use 32-bit indices while every element count is at most this (else 64-bit): an
+#: index plus the grid stride (at most _MAX_GRID * _BLOCK = 2^28) then stays below 2^31.
 _INT32_SAFE = 2**30 - _BLOCK
-_INT32_MAX = 2**31 - 1  # index + grid stride must stay below 2^31 with 32-bit indices
+#: cuBLAS takes 32-bit sizes: the bound of every GEMM dimension (and so of a chunk's Bc*Q).
+_INT32_MAX = 2**31 - 1
 
 _CTYPES = {
     np.dtype(np.float16): "__half",
@@ -70,31 +73,19 @@ _CUDA_DTYPES = {
     np.dtype(np.float32): 0,    # CUDA_R_32F
     np.dtype(np.float64): 1,    # CUDA_R_64F
 }
-#: The (input, offset, mask) variants of the grouped backward kernel.
-_GRAD_VARIANTS = tuple((i, o, m) for i in ("false", "true") for o in ("false", "true") for m in ("false", "true")
-                       if o == "true" or m == "true")
+#: The (offset, mask) variants of the grouped offset/mask-gradient kernel.
+_GRAD_VARIANTS = (("true", "false"), ("false", "true"), ("true", "true"))
 
-#: Sampling (im2col) and scatter (col2im) kernels: "tiled" (a block per tile of output
-#: positions and channel, the channel's input box staged in shared memory), "chunked" (a
-#: thread per position and CHANNEL_CHUNK channels) or "per_channel" (a thread per position
-#: and channel).
-#: Measured on an H200 (benchmarks/NOTES-gpu.md): per_channel sampling is fastest (the x plane
-#: stays in L1), tiled scatter is fastest (shared-memory accumulation, one global atomic per
-#: box element instead of K*2^N per position).
-IM2COL_KERNEL = "per_channel"
-COL2IM_KERNEL = "tiled"
-#: Channels per thread of the "chunked" kernels (None: from the problem size).
-CHANNEL_CHUNK = None
-#: Scatter the input gradient in the same pass as the offset/mask gradients (instead of a
-#: separate col2im): saves a read of the column grads but needs global atomics.
-FUSE_COL2IM = False
-#: Halo (in input positions) of the tiled kernels' shared-memory box around the tile's
+# Sampling: deform_im2col, one thread per (channel, sample, position) (the x plane stays in
+# L1). Scatter: deform_col2im_tiled, a block per (sample, channel, tile of output positions)
+# accumulating into the channel's input box in shared memory, one global atomic per box
+# element instead of K*2^N per position. Other variants measured slower (NOTES-gpu.md).
+#: Halo (in input positions) of the tiled scatter's shared-memory box around the tile's
 #: regular sampling positions; corners outside the box use global memory.
 TILE_HALO = 3
-#: Upper bound of the tiled kernels' shared memory per block.
+#: Upper bound of the tiled scatter's shared memory per block.
 TILE_SMEM_BYTES = 48 * 1024
 _TILE = 256
-_TARGET_THREADS = 1 << 20
 _MAIN_SOURCE = "deform_conv.cu"
 
 
@@ -140,10 +131,8 @@ def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
     """Every kernel instantiation of one module (one dtype, one N, one index width)."""
     t = _CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
-    names = [f"{kernel}<{t}, {i}, {ndim}>" for kernel in
-             ("deform_im2col", "deform_col2im", "deform_im2col_cl", "deform_col2im_cl",
-              "deform_im2col_tiled", "deform_col2im_tiled")]
-    names += [f"deform_backward_grouped<{t}, {i}, {ndim}, {w}, {o}, {m}>" for w, o, m in _GRAD_VARIANTS]
+    names = [f"{kernel}<{t}, {i}, {ndim}>" for kernel in ("deform_im2col", "deform_col2im_tiled")]
+    names += [f"deform_backward_grouped<{t}, {i}, {ndim}, {o}, {m}>" for o, m in _GRAD_VARIANTS]
     names += [f"batch_to_columns<{t}, {i}>", f"columns_to_batch<{t}, {i}>", f"finalize<{t}, {i}>"]
     return tuple(names)
 
@@ -231,7 +220,7 @@ def _launch(kernel, total: int, args) -> None:
 
 
 def _max_box_volume(geom, tile: int, halo: int) -> int:
-    """The largest shared-memory box of the tiled kernels (mirrors TileBox in dcn_common.cuh)."""
+    """The largest shared-memory box of the tiled scatter (mirrors TileBox in dcn_common.cuh)."""
     Q = geom.output_size
     first = np.arange(0, Q, tile, dtype=np.int64)
     last = np.minimum(first + tile, Q) - 1
@@ -338,7 +327,7 @@ class _Shape:
         self.acc = compute_dtype(self.dtype)
         self.B, self.C, self.Co, self.G = geom.batch, geom.in_channels, geom.out_channels, geom.groups
         self.K, self.Q, self.S = geom.kernel_volume, geom.output_size, geom.input_size
-        self.Cg, self.Cog = self.C // self.G, self.Co // self.G
+        self.Cg, self.Cog = geom.in_channels_per_group, geom.out_channels_per_group
         self.Go, self.Gm = geom.offset_groups, geom.mask_groups
         self.struct = _geom_struct(geom)
         self._cap = None
@@ -359,51 +348,28 @@ class _Shape:
     def kernels(self, n: int) -> _Kernels:
         return _Kernels(self.dtype, self.geom.ndim, self.index64(n))
 
-    def channel_chunk(self, n: int) -> int:
-        if CHANNEL_CHUNK is not None:
-            return min(int(CHANNEL_CHUNK), self.C)
-        return max(1, min(self.C, 32, -(-self.C * n * self.Q // _TARGET_THREADS)))
+    def im2col(self, kern, x, offset, mask, columns, n: int) -> None:
+        _launch(kern.get("deform_im2col"), self.C * n * self.Q, (
+            x, offset, mask, columns, self.struct, np.int32(n), np.int32(self.C),
+            np.int32(max(self.Go, 1)), np.int32(max(self.Gm, 1)),
+        ))
 
-    def tile_launch(self, kernel, n: int, args) -> None:
-        """Launch a tiled kernel: a block per (b, c, tile), the box in dynamic shared memory."""
+    def col2im(self, kern, column_grads, offset, mask, grad_x, n: int) -> None:
+        """The tiled scatter: a block per (b, c, tile), the box in dynamic shared memory."""
         if self._cap is None:
             cap = min(_max_box_volume(self.geom, _TILE, int(TILE_HALO)), int(TILE_SMEM_BYTES) // self.acc.itemsize)
             self._cap = max(int(cap), 0)
         blocks = -(-self.Q // _TILE) * self.C * n
-        kernel((min(blocks, _MAX_GRID),), (_TILE,), args + (np.int32(TILE_HALO), np.int32(self._cap)),
-               shared_mem=self._cap * self.acc.itemsize)
+        kern.get("deform_col2im_tiled")((min(blocks, _MAX_GRID),), (_TILE,), (
+            column_grads, offset, mask, grad_x, self.struct, np.int32(n), np.int32(self.C),
+            np.int32(max(self.Go, 1)), np.int32(max(self.Gm, 1)), np.int32(TILE_HALO), np.int32(self._cap),
+        ), shared_mem=self._cap * self.acc.itemsize)
 
-    def im2col(self, kern, x, offset, mask, columns, n: int) -> None:
-        common = (x, offset, mask, columns, self.struct, np.int32(n), np.int32(self.C),
-                  np.int32(max(self.Go, 1)), np.int32(max(self.Gm, 1)))
-        if IM2COL_KERNEL == "tiled":
-            self.tile_launch(kern.get("deform_im2col_tiled"), n, common)
-            return
-        chunk = self.channel_chunk(n) if IM2COL_KERNEL == "chunked" else 0
-        if chunk <= 0:
-            _launch(kern.get("deform_im2col"), self.C * n * self.Q, common)
-        else:
-            chunks = -(-self.C // chunk)
-            _launch(kern.get("deform_im2col_cl"), chunks * n * self.Q, common + (np.int32(chunk),))
-
-    def col2im(self, kern, column_grads, offset, mask, grad_x, n: int) -> None:
-        common = (column_grads, offset, mask, grad_x, self.struct, np.int32(n), np.int32(self.C),
-                  np.int32(max(self.Go, 1)), np.int32(max(self.Gm, 1)))
-        if COL2IM_KERNEL == "tiled":
-            self.tile_launch(kern.get("deform_col2im_tiled"), n, common)
-            return
-        chunk = self.channel_chunk(n) if COL2IM_KERNEL == "chunked" else 0
-        if chunk <= 0:
-            _launch(kern.get("deform_col2im"), self.C * n * self.Q, common)
-        else:
-            chunks = -(-self.C // chunk)
-            _launch(kern.get("deform_col2im_cl"), chunks * n * self.Q, common + (np.int32(chunk),))
-
-    def grouped(self, kern, want, groups, column_grads, x, offset, mask, grad_x, grad_offset, grad_mask,
-                n: int) -> None:
+    def grouped(self, kern, want, groups, column_grads, x, offset, mask, grad_offset, grad_mask, n: int) -> None:
+        """The offset and/or mask gradients (``want`` = (offset, mask)) over ``groups`` groups."""
         flags = ", " + ", ".join("true" if w else "false" for w in want)
         _launch(kern.get("deform_backward_grouped", extra=flags), n * groups * self.K * self.Q, (
-            column_grads, x, offset, mask, grad_x, grad_offset, grad_mask, self.struct, np.int32(n),
+            column_grads, x, offset, mask, grad_offset, grad_mask, self.struct, np.int32(n),
             np.int32(self.C), np.int32(max(self.Go, 1)), np.int32(max(self.Gm, 1)), np.int32(groups),
         ))
 
@@ -434,10 +400,6 @@ def _finalize(src, bias, dst, channels: int, inner: int, dtype, ndim: int) -> No
     ))
 
 
-def _contiguous(array):
-    return None if array is None else cupy.ascontiguousarray(array)
-
-
 # ---------------------------------------------------------------------------------------------
 # The backend interface (see _backends/__init__.py)
 
@@ -445,10 +407,7 @@ def _contiguous(array):
 def conv_forward(x, weight, offset, mask, bias, geom):
     sh = _Shape(geom, x.dtype)
     y = cupy.empty(geom.y_shape, dtype=sh.dtype)
-    if sh.B == 0:
-        return y
     w = weight.reshape(sh.G, sh.Cog, sh.Cg * sh.K)
-    bias = _contiguous(bias)
     per_sample = sh.C * sh.K * sh.Q * sh.dtype.itemsize + sh.Co * sh.Q * sh.acc.itemsize
     bc = sh.chunk(per_sample)
     cols_buf = _buffer(sh.C * sh.K * bc * sh.Q, sh.dtype)
@@ -474,8 +433,9 @@ def conv_backward(grad_output, x, weight, offset, mask, geom, need_input=True, n
     Returns ``(grad_x, grad_weight, grad_offset, grad_mask)``, each None unless asked for
     (offset/mask gradients also None when that argument is None). ``bias`` (length C_in) is
     added to grad_x per channel: the transposed convolution's forward. Shares the grad_output
-    layout change and the column-grad GEMM between the input and the offset/mask gradients,
-    and scatters the input gradient in the same kernel as the offset/mask gradients.
+    layout change and the column-grad GEMM between the input and the offset/mask gradients;
+    the tiled col2im kernel scatters the input gradient, the grouped kernel computes the
+    offset/mask gradients from the same column grads.
     ``x`` may be None when neither the weight nor the offset/mask gradients are wanted.
     """
     sh = _Shape(geom, grad_output.dtype)
@@ -487,7 +447,7 @@ def conv_backward(grad_output, x, weight, offset, mask, geom, need_input=True, n
     grad_w = cupy.zeros((sh.G, sh.Cog, sh.Cg * sh.K), dtype=sh.acc) if need_weight else None
     grad_off = cupy.empty(geom.offset_shape, dtype=sh.dtype) if need_offset else None
     grad_m = cupy.empty(geom.mask_shape, dtype=sh.dtype) if need_mask else None
-    if sh.B > 0 and (need_weight or need_cgrad):
+    if need_weight or need_cgrad:
         w = weight.reshape(sh.G, sh.Cog, sh.Cg * sh.K)
         cols_elems = sh.C * sh.K * sh.Q
         per_sample = (sh.Co * sh.Q * sh.dtype.itemsize
@@ -512,29 +472,21 @@ def conv_backward(grad_output, x, weight, offset, mask, geom, need_input=True, n
                 continue
             cgrad = _view(cgrad_buf, (sh.G, sh.Cg * sh.K, n * sh.Q))
             _gemm(w, gy, cgrad, trans_a=True)
-            gx = _slice(grad_x, start, stop)
+            if need_input:
+                sh.col2im(kern, cgrad, off, msk, grad_x[start:stop], n)
             x_part = _slice(x, start, stop)
             g_off, g_m = _slice(grad_off, start, stop), _slice(grad_m, start, stop)
-            scatter_separately = need_input and not (need_om and FUSE_COL2IM)
-            if scatter_separately:
-                sh.col2im(kern, cgrad, off, msk, gx, n)
-            fused_input = need_input and not scatter_separately
             if need_offset:
                 with_mask = need_mask and sh.Go == sh.Gm
-                sh.grouped(kern, (fused_input, True, with_mask), sh.Go, cgrad, x_part, off, msk,
-                           gx if fused_input else None, g_off, g_m if with_mask else None, n)
+                sh.grouped(kern, (True, with_mask), sh.Go, cgrad, x_part, off, msk, g_off,
+                           g_m if with_mask else None, n)
                 if need_mask and not with_mask:
-                    sh.grouped(kern, (False, False, True), sh.Gm, cgrad, x_part, off, msk, None, None, g_m, n)
+                    sh.grouped(kern, (False, True), sh.Gm, cgrad, x_part, off, msk, None, g_m, n)
             elif need_mask:
-                sh.grouped(kern, (fused_input, False, True), sh.Gm, cgrad, x_part, off, msk,
-                           gx if fused_input else None, None, g_m, n)
-    elif sh.B == 0:
-        for g in (grad_off, grad_m):
-            if g is not None:
-                g.fill(0)
+                sh.grouped(kern, (False, True), sh.Gm, cgrad, x_part, off, msk, None, g_m, n)
     if grad_x is not None and (sh.acc != sh.dtype or bias is not None):
         out = grad_x if sh.acc == sh.dtype else cupy.empty(geom.x_shape, dtype=sh.dtype)
-        _finalize(grad_x, _contiguous(bias), out, sh.C, sh.S, sh.dtype, geom.ndim)
+        _finalize(grad_x, bias, out, sh.C, sh.S, sh.dtype, geom.ndim)
         grad_x = out
     if grad_w is not None:
         if sh.acc != sh.dtype:
@@ -543,18 +495,3 @@ def conv_backward(grad_output, x, weight, offset, mask, geom, need_input=True, n
             grad_w = out
         grad_w = grad_w.reshape(geom.weight_shape)
     return grad_x, grad_w, grad_off, grad_m
-
-
-def describe() -> str:
-    """The CUDA setup, for ``python -m dcn_cupy info``."""
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as error:  # no driver / no device
-        return f"cupy {cupy.__version__}: no CUDA device ({error})"
-    names = []
-    for device in range(count):
-        props = cupy.cuda.runtime.getDeviceProperties(device)
-        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-        names.append(f"{device}: {name} (sm_{props['major']}{props['minor']})")
-    return (f"cupy {cupy.__version__}, CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}, "
-            f"workspace limit {WORKSPACE_LIMIT_BYTES / 2**20:.0f} MiB; " + "; ".join(names))
