@@ -79,72 +79,6 @@ __device__ __forceinline__ void unravel(I q, const int (&size)[N], int (&coord)[
     }
 }
 
-// The 2^N interpolation corners of one sampling position, with everything needed both to
-// sample (weights) and to differentiate with respect to the position (dweights).
-//
-// Rules (DESIGN.md section 1): a position with any coordinate <= -1 or >= S_a, or a
-// non-finite coordinate, samples 0 and has zero gradients; otherwise the corners floor(P_a)
-// and floor(P_a)+1 are used and a corner outside [0, S_a-1] contributes 0. The range check
-// comes before any float->int conversion, so huge or non-finite offsets are never converted.
-template <typename A, typename I, int N>
-struct Corners {
-    static const int NC = 1 << N;
-    bool valid;            // position inside the open box (-1, S_a) on every axis
-    bool ok[NC];           // corner inside the grid
-    I index[NC];           // flat spatial index of the corner (0 where !ok)
-    A weight[NC];          // interpolation weight
-    A dweight[NC][N];      // d weight / d P_a
-
-    __device__ __forceinline__ void compute(const A (&pos)[N], const int (&size)[N]) {
-        valid = true;
-#pragma unroll
-        for (int a = 0; a < N; ++a) {
-            // NaN fails both comparisons.
-            valid = valid && (pos[a] > A(-1)) && (pos[a] < (A)size[a]);
-        }
-        int lo[N];
-        A frac[N];
-#pragma unroll
-        for (int a = 0; a < N; ++a) {
-            const A p = valid ? pos[a] : A(0);
-            const A fl = floor(p);
-            lo[a] = (int)fl;   // in [-1, S_a - 1]: safe
-            frac[a] = p - fl;
-        }
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            bool inside = valid;
-            I idx = 0;
-            A w = A(1);
-#pragma unroll
-            for (int a = 0; a < N; ++a) {
-                const int bit = (c >> (N - 1 - a)) & 1;
-                const int i = lo[a] + bit;
-                inside = inside && (i >= 0) && (i < size[a]);
-                idx = idx * (I)size[a] + (I)(i < 0 ? 0 : i);
-                w *= bit ? frac[a] : A(1) - frac[a];
-            }
-#pragma unroll
-            for (int a = 0; a < N; ++a) {
-                A dw = A(1);
-#pragma unroll
-                for (int b = 0; b < N; ++b) {
-                    const int bit = (c >> (N - 1 - b)) & 1;
-                    if (b == a) {
-                        dw *= bit ? A(1) : A(-1);
-                    } else {
-                        dw *= bit ? frac[b] : A(1) - frac[b];
-                    }
-                }
-                dweight[c][a] = inside ? dw : A(0);
-            }
-            ok[c] = inside;
-            index[c] = inside ? idx : (I)0;
-            weight[c] = inside ? w : A(0);
-        }
-    }
-};
-
 // The box of input positions reached by the regular (offset-free) sampling positions of the
 // consecutive output positions [q_first, q_last], widened by `halo` on every side and clipped
 // to the grid. The tiled col2im accumulates one channel's box in shared memory; corners outside
@@ -245,39 +179,83 @@ __device__ __forceinline__ I flat_index(const int (&coord)[N], const int (&size)
     return idx;
 }
 
+// The 2^N interpolation corners of one sampling position, with everything needed both to
+// sample (weights) and to differentiate with respect to the position (dweights).
+//
+// Rules (DESIGN.md section 1): a position with any coordinate <= -1 or >= S_a, or a
+// non-finite coordinate, samples 0 and has zero gradients; otherwise the corners floor(P_a)
+// and floor(P_a)+1 are used and a corner outside [0, S_a-1] contributes 0. The range check
+// comes before any float->int conversion, so huge or non-finite offsets are never converted.
+template <typename A, typename I, int N>
+struct Corners {
+    static const int NC = 1 << N;
+    bool valid;            // position inside the open box (-1, S_a) on every axis
+    bool ok[NC];           // corner inside the grid
+    I index[NC];           // flat spatial index of the corner (0 where !ok)
+    A weight[NC];          // interpolation weight
+    A dweight[NC][N];      // d weight / d P_a
+
+    __device__ __forceinline__ void compute(const A (&pos)[N], const int (&size)[N]) {
+        int lo[N] = {};
+        A frac[N] = {};  // stay 0 for a position that samples zero
+        valid = locate<A, N>(pos, size, lo, frac);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            int coord[N];
+            A w = A(0);
+            const bool inside = valid && corner<A, N>(c, lo, frac, size, coord, w);
+            ok[c] = inside;
+            index[c] = inside ? flat_index<N, I>(coord, size) : (I)0;
+            weight[c] = inside ? w : A(0);
+#pragma unroll
+            for (int a = 0; a < N; ++a) {
+                // d weight / d P_a: the other axes' weights times the sign of this axis' corner.
+                A dw = A(1);
+#pragma unroll
+                for (int b = 0; b < N; ++b) {
+                    const int bit = (c >> (N - 1 - b)) & 1;
+                    if (b == a) {
+                        dw *= bit ? A(1) : A(-1);
+                    } else {
+                        dw *= bit ? frac[b] : A(1) - frac[b];
+                    }
+                }
+                dweight[c][a] = inside ? dw : A(0);
+            }
+        }
+    }
+};
+
 // N-linear sample of one channel plane with zeros outside (forward only: no corner storage).
 template <typename T, typename A, typename I, int N>
 __device__ __forceinline__ A sample_plane(const T* __restrict__ plane, const A (&pos)[N],
                                           const int (&size)[N]) {
-#pragma unroll
-    for (int a = 0; a < N; ++a) {
-        if (!((pos[a] > A(-1)) && (pos[a] < (A)size[a]))) return A(0);
-    }
     int lo[N];
     A frac[N];
-#pragma unroll
-    for (int a = 0; a < N; ++a) {
-        const A fl = floor(pos[a]);
-        lo[a] = (int)fl;
-        frac[a] = pos[a] - fl;
-    }
+    if (!locate<A, N>(pos, size, lo, frac)) return A(0);
     A acc = A(0);
 #pragma unroll
     for (int c = 0; c < (1 << N); ++c) {
-        bool inside = true;
-        I idx = 0;
-        A w = A(1);
-#pragma unroll
-        for (int a = 0; a < N; ++a) {
-            const int bit = (c >> (N - 1 - a)) & 1;
-            const int i = lo[a] + bit;
-            inside = inside && (i >= 0) && (i < size[a]);
-            idx = idx * (I)size[a] + (I)i;
-            w *= bit ? frac[a] : A(1) - frac[a];
+        int coord[N];
+        A w;
+        if (corner<A, N>(c, lo, frac, size, coord, w)) {
+            acc += w * Traits<T>::load(plane[flat_index<N, I>(coord, size)]);
         }
-        if (inside) acc += w * Traits<T>::load(plane[idx]);
     }
     return acc;
+}
+
+// The offset and mask rows of channel c of sample b at output position q: offset[b, go(c), tap 0,
+// axis 0, q] and mask[b, gm(c), tap 0, q], taps and axes following at stride Q; null where the
+// argument is absent.
+template <typename T, typename I, int N>
+__device__ __forceinline__ void channel_rows(const T* offset, const T* mask, int b, int c, int channels,
+                                             int offset_groups, int mask_groups, int K, I Q, I q,
+                                             const T*& off, const T*& msk) {
+    off = offset == nullptr ? nullptr
+        : offset + ((I)b * offset_groups + c / (channels / offset_groups)) * (I)K * N * Q + q;
+    msk = mask == nullptr ? nullptr
+        : mask + ((I)b * mask_groups + c / (channels / mask_groups)) * (I)K * Q + q;
 }
 
 // Sampling position of tap `tap` (coordinates tc) at output coordinates qc, plus offsets.

@@ -41,16 +41,8 @@ __global__ void deform_im2col(const T* __restrict__ x, const T* __restrict__ off
         int qc[N];
         dcn::unravel<N, I>(q, g.out_size, qc);
         const T* plane = x + ((I)b * channels + c) * S;
-        const T* off = nullptr;
-        if (offset != nullptr) {
-            const int go = c / (channels / offset_groups);
-            off = offset + ((I)b * offset_groups + go) * (I)K * N * Q + q;
-        }
-        const T* msk = nullptr;
-        if (mask != nullptr) {
-            const int gm = c / (channels / mask_groups);
-            msk = mask + ((I)b * mask_groups + gm) * (I)K * Q + q;
-        }
+        const T *off, *msk;
+        dcn::channel_rows<T, I, N>(offset, mask, b, c, channels, offset_groups, mask_groups, K, Q, q, off, msk);
         T* col = columns + (I)c * K * BQ + (I)b * Q + q;
         int tc[N];
 #pragma unroll
@@ -108,16 +100,8 @@ __global__ void deform_col2im_tiled(const typename Traits<T>::acc* __restrict__ 
         if (q <= q_last) {
             int qc[N];
             dcn::unravel<N, I>(q, g.out_size, qc);
-            const T* off = nullptr;
-            if (offset != nullptr) {
-                const int go = c / (channels / offset_groups);
-                off = offset + ((I)b * offset_groups + go) * (I)K * N * Q + q;
-            }
-            const T* msk = nullptr;
-            if (mask != nullptr) {
-                const int gm = c / (channels / mask_groups);
-                msk = mask + ((I)b * mask_groups + gm) * (I)K * Q + q;
-            }
+            const T *off, *msk;
+            dcn::channel_rows<T, I, N>(offset, mask, b, c, channels, offset_groups, mask_groups, K, Q, q, off, msk);
             const A* col = column_grads + (I)c * K * BQ + (I)b * Q + q;
             int tc[N];
 #pragma unroll
