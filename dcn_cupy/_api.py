@@ -119,7 +119,8 @@ def _conv_backward(ndim, grad_output, input, weight, offset, mask, bias, stride,
     wanted = _geometry.normalise_wrt(wrt, _given(n))
     xp, dtype = call.xp, call.origin.dtype
     with call.device():
-        x = call.contiguous("input", batched)
+        # x is read only by the parameter gradients.
+        x = call.contiguous("input", batched) if wanted & {"weight", "offset", "mask"} else None
         w = xp.ascontiguousarray(n["weight"])
         off, msk = call.contiguous("offset", batched), call.contiguous("mask", batched)
         gy = call.contiguous("grad_output", batched)
@@ -175,7 +176,8 @@ def _transpose_backward(ndim, grad_output, input, weight, offset, mask, bias, st
     wanted = _geometry.normalise_wrt(wrt, _given(n))
     xp, dtype = call.xp, call.origin.dtype
     with call.device():
-        z = call.contiguous("input", batched)
+        # z is read only by the parameter gradients.
+        z = call.contiguous("input", batched) if wanted & {"weight", "offset", "mask"} else None
         w = xp.ascontiguousarray(n["weight"])
         off, msk = call.contiguous("offset", batched), call.contiguous("mask", batched)
         gy = call.contiguous("grad_output", batched)

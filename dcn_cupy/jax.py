@@ -519,8 +519,6 @@ def _softmax_entry(ndim, mask, kernel_size):
     arrays, _ = _check_arrays(dict(mask=mask))
     m = arrays["mask"]
     ndim = _api._mask_ndim(m.shape, kernel_size, ndim)
-    if ndim not in (1, 2, 3):
-        raise ValueError(f"mask must be 3-D, 4-D or 5-D (B, G_m*K, *Q), got shape {tuple(m.shape)}")
     kernel = _geometry.normalise_kernel_size(kernel_size, ndim)
     _api._grouped_view(m.shape, kernel, ndim, "mask")  # validate
     # The kernel is passed on as an N-tuple so that the backward cannot misread N.

@@ -10,6 +10,11 @@ from dcn_cupy._interop import BFLOAT16
 from cases import relative_error
 
 
+def central_difference(f, x, v, g, h=1e-6):
+    """d/dh <f(x + h v), g> by central differences."""
+    return (np.vdot(f(x + h * v), g) - np.vdot(f(x - h * v), g)) / (2 * h)
+
+
 @pytest.mark.parametrize("ndim, kernel_size", [(1, 3), (2, (3, 2)), (3, 2)])
 def test_mask_softmax_forward_and_backward(ndim, kernel_size):
     rng = np.random.default_rng(ndim)
@@ -22,9 +27,7 @@ def test_mask_softmax_forward_and_backward(ndim, kernel_size):
     g = rng.standard_normal(y.shape)
     grad = dcn_cupy.mask_softmax_backward(g, y, kernel_size)
     v = rng.standard_normal(mask.shape)
-    h = 1e-6
-    fd = (np.vdot(reference.mask_softmax(mask + h * v, kernel_size), g)
-          - np.vdot(reference.mask_softmax(mask - h * v, kernel_size), g)) / (2 * h)
+    fd = central_difference(lambda m: reference.mask_softmax(m, kernel_size), mask, v, g)
     assert np.vdot(grad, v) == pytest.approx(fd, rel=1e-6)
 
 
@@ -37,9 +40,7 @@ def test_mask_sigmoid_forward_and_backward(scale):
     g = rng.standard_normal(y.shape)
     grad = dcn_cupy.mask_sigmoid_backward(g, y, scale)
     v = rng.standard_normal(mask.shape)
-    h = 1e-6
-    fd = (np.vdot(reference.mask_sigmoid(mask + h * v, scale), g)
-          - np.vdot(reference.mask_sigmoid(mask - h * v, scale), g)) / (2 * h)
+    fd = central_difference(lambda m: reference.mask_sigmoid(m, scale), mask, v, g)
     assert np.vdot(grad, v) == pytest.approx(fd, rel=1e-6)
 
 
