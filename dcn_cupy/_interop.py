@@ -225,6 +225,8 @@ class _NumPy:
         return isinstance(array, (np.ndarray, np.generic))
 
     def to_native(self, array, name):
+        if type(array) is np.ndarray:
+            return array, "cpu", 0
         if not isinstance(array, np.ndarray):
             raise TypeError(f"{name} must be an array, got a NumPy scalar {array!r}")
         if isinstance(array, np.ma.MaskedArray):

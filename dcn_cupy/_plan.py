@@ -206,7 +206,7 @@ class Plan:
             native, dev, dev_id = lib.to_native(array, name)
             if native.shape != shape:
                 raise ValueError(f"{name} must have the plan's shape {shape}, got {tuple(native.shape)}")
-            if native.dtype != dtype:
+            if native.dtype is not dtype and native.dtype != dtype:
                 raise ValueError(f"{name} must have the plan's dtype {dtype.name}, got {np.dtype(native.dtype).name}")
             if dev != device or dev_id != device_id:
                 where = "cpu" if device == "cpu" else f"cuda:{device_id}"

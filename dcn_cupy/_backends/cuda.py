@@ -395,21 +395,22 @@ class _Chunk:
         self.start, self.stop, self.n = start, stop, stop - start
         self.rows = lo is not None
         self.lo, self.hi = lo, hi
-        sub = _sub_geometry(geom, self.n, lo, hi) if self.rows else geom.with_batch(self.n)
-        self.Q = sub.output_size
         self.first = not self.rows or lo == 0
         self.last = not self.rows or hi == geom.output_shape[0]
-        self.struct = _geom_struct(sub)
+        found = exe._grids.get((lo, hi))
+        if found is None:  # the Geom struct and scatter box of a (sub-)grid, once per distinct one
+            sub = _sub_geometry(geom, self.n, lo, hi) if self.rows else geom.with_batch(self.n)
+            cap = 0
+            if exe.needs_scatter:
+                cap = max(int(min(_max_box_volume(sub, _TILE, int(exe.halo)), int(exe.smem) // exe.acc.itemsize)), 0)
+            found = exe._grids[(lo, hi)] = (sub.output_size, _geom_struct(sub), cap)
+        self.Q, self.struct, self.cap = found
         n, C, Co, K, S = self.n, geom.in_channels, geom.out_channels, geom.kernel_volume, geom.input_size
         index64 = _index64(n * C * S, C * K * n * self.Q, n * Co * self.Q,
                            n * max(geom.offset_groups, 1) * K * geom.ndim * self.Q,
                            n * max(geom.mask_groups, 1) * K * self.Q)
         self.index = np.int64 if index64 else np.int32
         self.kernels = exe.kernels(index64)
-        self.cap = 0
-        if exe.needs_scatter:
-            cap = min(_max_box_volume(sub, _TILE, int(exe.halo)), int(exe.smem) // exe.acc.itemsize)
-            self.cap = max(int(cap), 0)
         self.i_n = np.int32(self.n)
         self.i_q = self.index(self.Q)
 
@@ -454,6 +455,7 @@ class _Executable:
         self.i_Go, self.i_Gm = np.int32(self.Go), np.int32(self.Gm)
         self.inner = self.Q // geom.output_shape[0]
         self._kernels = {}
+        self._grids = {}
 
     def kernels(self, index64: bool) -> dict:
         """Every kernel function of this executable for one index width (compiled here)."""
