@@ -79,7 +79,7 @@ def _time(call, busy=None, calls=50, repeats=7, finish=None) -> float:
     results = []
     for _ in range(repeats):
         if busy is not None:
-            busy(0.2)  # far longer than the calls take to enqueue
+            busy(0.05)  # far longer than the calls take to enqueue
         start = time.perf_counter()
         for _ in range(calls):
             call()
