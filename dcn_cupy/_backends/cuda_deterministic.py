@@ -8,9 +8,9 @@ built with ``deterministic=True`` choose it; ``cuda/im2col`` refuses those plans
 What is deterministic, and why:
 
 * column gradients ``W^T @ grad_y`` and the weight gradient ``grad_y @ columns^T``: cuBLAS
-  GEMMs, bitwise reproducible for a fixed problem on one GPU model (cuBLAS's atomics mode is
-  off by default); the weight gradient accumulates over the chunks in their fixed order
-  (``beta = 1``);
+  GEMMs, bitwise reproducible for a fixed problem on one GPU model with one stream active
+  (cuBLAS's documented guarantee; its atomics mode is off by default); the weight gradient
+  accumulates over the chunks in their fixed order (``beta = 1``);
 * offset and mask gradients: the grouped kernel of ``deform_conv.cu``, one thread per output
   element summing over channels in a fixed order, no atomics;
 * the input gradient (col2im), the only float-atomic scatter of the im2col path: here every
@@ -22,15 +22,20 @@ What is deterministic, and why:
   ``beta_b`` (``2^L >= prod(Q) * K`` with offsets, ``>= K`` without) stays below ``2^63``.
 
 Precision: each contribution is rounded with an absolute error of at most
-``2^(L - 60) * beta_b`` (``beta_b`` bounds the largest contribution of sample ``b``), i.e. 45
-bits relative to the largest possible contribution at 56x56 with a 3x3 kernel and offsets
-(``L = 15``), 57 bits without offsets. That is far below float32's (and so the half types')
-rounding; float64 results carry 40 to 50 correct bits relative to the largest contribution
-(float64 atomics: 53 bits relative to the running sums). The conversion back rounds once.
+``2^(L - 60) * beta_b`` (``beta_b`` bounds the largest contribution of sample ``b``): 2^-45
+``beta_b`` at 56x56 with a 3x3 kernel and offsets (``L = 15``), 2^-56 ``beta_b`` without
+offsets (``L = 4``). That is far below float32's (and so the half types') rounding; float64
+results keep about 45 bits relative to the largest possible contribution at that size (float64
+atomics: 53 bits relative to the running sums; the float64 tests' 1e-10 holds). The conversion
+back rounds once.
 Non-finite contributions set sticky per-element flags (+inf, -inf, both = NaN), applied by the
-finalize, so non-finite results are order-independent too. A float64 bound above about
-``2^900`` (grad_output, weight or mask near float64's range) underflows ``2^-E`` and loses
-the small contributions.
+finalize, so non-finite results are order-independent too. Limitation: a bound ``beta_b``
+beyond float64's range (float64 inputs whose maxima multiply past ~1e308) puts the
+contributions below the quantum ``2^-E_b``, and they are lost.
+
+Bitwise equality holds for one plan: its chunking (``WORKSPACE_LIMIT_BYTES``, part of the plan
+key) fixes the GEMMs' shapes and the weight gradient's order of summation; the scatter's launch
+configuration (grid, block, tile, shared-memory box and halo) does not change a bit.
 
 Cost against ``cuda/im2col``'s backward: two bound reductions (one read of grad_output and
 of the mask), 64-bit shared and global atomics instead of 32-bit float ones, and an 8-byte
