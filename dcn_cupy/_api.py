@@ -98,7 +98,8 @@ def _hyper_key(transposed, ndim, weight_shape, stride, padding, dilation, groups
             _geometry.fix_sequence_arg(output_padding, n, "output_padding", 0), groups)
 
 
-def _plan_of(transposed, ndim, natives, origin, stride, padding, dilation, groups, output_padding):
+def _plan_of(transposed, ndim, natives, origin, stride, padding, dilation, groups, output_padding,
+             deterministic=False):
     """The cached plan of a call's configuration (built, and so validated, on first use)."""
     x, w, off, msk, b = natives
     dtype, device = origin.dtype, origin.device
@@ -109,13 +110,14 @@ def _plan_of(transposed, ndim, natives, origin, stride, padding, dilation, group
         tf32 = settings = False
     forced = _backends.forced_algorithm()
     key = (transposed, ndim, x.shape, w.shape, None if off is None else off.shape, None if msk is None else msk.shape,
-           None if b is None else b.shape, hyper, dtype, device, origin.device_id, tf32, forced, settings)
+           None if b is None else b.shape, hyper, dtype, device, origin.device_id, tf32, forced, settings,
+           deterministic)
 
     def build():
         shapes = {"input": tuple(x.shape), "weight": tuple(w.shape), "offset": None if off is None else tuple(off.shape),
                   "mask": None if msk is None else tuple(msk.shape), "bias": None if b is None else tuple(b.shape)}
         return build_plan(transposed, ndim, shapes, dtype, device, origin.device_id, hyper[0], hyper[1], hyper[2],
-                          hyper[4], hyper[3], False, tf32, forced)
+                          hyper[4], hyper[3], deterministic, tf32, forced)
 
     return cached_plan(key, build)
 
@@ -135,9 +137,10 @@ def _on_device(plan, origin):
 
 
 def _forward(transposed, ndim, input, weight, offset, mask, bias, stride, padding, dilation, groups,
-             output_padding=0):
+             output_padding=0, deterministic=False):
     natives, origin = _natives(_FORWARD_NAMES, (input, weight, offset, mask, bias))
-    plan = _plan_of(transposed, ndim, natives, origin, stride, padding, dilation, groups, output_padding)
+    plan = _plan_of(transposed, ndim, natives, origin, stride, padding, dilation, groups, output_padding,
+                    bool(deterministic))
     context = _on_device(plan, origin)
     if context is None:
         y = plan._forward(natives)
@@ -148,9 +151,10 @@ def _forward(transposed, ndim, input, weight, offset, mask, bias, stride, paddin
 
 
 def _backward(transposed, ndim, grad_output, input, weight, offset, mask, bias, stride, padding, dilation, groups,
-              wrt, output_padding=0):
+              wrt, output_padding=0, deterministic=False):
     natives, origin = _natives(_BACKWARD_NAMES, (grad_output, input, weight, offset, mask, bias))
-    plan = _plan_of(transposed, ndim, natives[1:], origin, stride, padding, dilation, groups, output_padding)
+    plan = _plan_of(transposed, ndim, natives[1:], origin, stride, padding, dilation, groups, output_padding,
+                    bool(deterministic))
     gy = natives[0]
     if gy.shape != plan.output_shape:
         raise ValueError(f"grad_output must have the output's shape {tuple(plan.output_shape)}, got {tuple(gy.shape)}")
@@ -331,9 +335,9 @@ def _conv_backward_function(ndim: Optional[int]):
     def deform_conv_backward(grad_output: Array, input: Array, weight: Array, offset: Optional[Array] = None,
                              mask: Optional[Array] = None, bias: Optional[Array] = None, stride: IntOrTuple = 1,
                              padding: IntOrTuple = 0, dilation: IntOrTuple = 1, groups: int = 1, *,
-                             wrt: Optional[Collection[str]] = None) -> Gradients:
+                             wrt: Optional[Collection[str]] = None, deterministic: bool = False) -> Gradients:
         return _backward(False, ndim, grad_output, input, weight, offset, mask, bias, stride, padding, dilation,
-                         groups, wrt)
+                         groups, wrt, deterministic=deterministic)
     return deform_conv_backward
 
 
@@ -341,9 +345,9 @@ def _transpose_function(ndim: Optional[int]):
     def deform_conv_transpose(input: Array, weight: Array, offset: Optional[Array] = None,
                               mask: Optional[Array] = None, bias: Optional[Array] = None, stride: IntOrTuple = 1,
                               padding: IntOrTuple = 0, output_padding: IntOrTuple = 0, dilation: IntOrTuple = 1,
-                              groups: int = 1) -> Array:
+                              groups: int = 1, *, deterministic: bool = False) -> Array:
         return _forward(True, ndim, input, weight, offset, mask, bias, stride, padding, dilation, groups,
-                        output_padding)
+                        output_padding, deterministic)
     return deform_conv_transpose
 
 
@@ -353,9 +357,10 @@ def _transpose_backward_function(ndim: Optional[int]):
                                        bias: Optional[Array] = None, stride: IntOrTuple = 1,
                                        padding: IntOrTuple = 0, output_padding: IntOrTuple = 0,
                                        dilation: IntOrTuple = 1, groups: int = 1, *,
-                                       wrt: Optional[Collection[str]] = None) -> Gradients:
+                                       wrt: Optional[Collection[str]] = None,
+                                       deterministic: bool = False) -> Gradients:
         return _backward(True, ndim, grad_output, input, weight, offset, mask, bias, stride, padding, dilation,
-                         groups, wrt, output_padding)
+                         groups, wrt, output_padding, deterministic)
     return deform_conv_transpose_backward
 
 
@@ -430,6 +435,9 @@ Args:
     wrt (collection of str, optional): the gradients to compute, a subset of
         ``{{"input", "weight", "offset", "mask", "bias"}}``. None: every argument that was
         given. Only the requested work is done.
+    deterministic (bool): gradients bitwise identical from run to run (on CUDA, the input
+        gradient is accumulated in 64-bit fixed point instead of with float atomics; see
+        ``dcn_cupy._backends.cuda_deterministic`` for its precision). Default: False.
 
 Returns:
     Gradients: a named tuple ``(input, weight, offset, mask, bias)`` of arrays shaped like the
@@ -454,6 +462,8 @@ Args:
     output_padding (int or tuple): extra size added to one side of each output axis,
         ``0 <= output_padding < max(stride, dilation)``. Default: 0.
     groups (int): number of blocked connections. Default: 1.
+    deterministic (bool): a result bitwise identical from run to run (on CUDA, the scatter is
+        accumulated in 64-bit fixed point instead of with float atomics). Default: False.
 
 Shapes: ``K = {K}`` and, per spatial axis,
 ``out = (S - 1)*stride - 2*padding + dilation*(k - 1) + 1 + output_padding``.

@@ -246,7 +246,8 @@ class _NumbaExecutable:
         self._cpu = cpu            # the module: its entry points are looked up per call
         self.geom = spec.geom
         self.primitive = primitive
-        self.description = "cpu/numba: sampling plan + BLAS, chunked over the batch"
+        self.description = "cpu/numba: sampling plan + BLAS, chunked over the batch" + (
+            "; deterministic (no atomics: bitwise repeatable at any thread count)" if spec.deterministic else "")
 
     def run(self, args, out, workspace):
         cpu, geom = self._cpu, self.geom
@@ -264,6 +265,7 @@ class _NumbaExecutable:
 
 register(_NumbaBackend())
 register_lazy("cuda", "im2col", 0, "dcn_cupy._backends.cuda:BACKEND")
+register_lazy("cuda", "im2col-deterministic", -1, "dcn_cupy._backends.cuda_deterministic:BACKEND")
 
 
 def cuda_source_dir():

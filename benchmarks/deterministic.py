@@ -1,0 +1,113 @@
+"""GPU benchmark: the cost of ``deterministic=True`` (cuda/im2col-deterministic) on the backward.
+
+B=8, C 256->256, 56x56, 3x3, padding 1, DCNv2 (offset + mask), one process, one GPU, CuPy
+arrays, through plans (no per-call host validation). Rows:
+
+* ``backward``: every gradient (input, weight, offset, mask, bias), default vs deterministic;
+* ``backward input``: the input gradient alone (the scatter's share);
+* ``transposed forward``: the transposed convolution of the same sizes (a pure scatter).
+
+Times are medians of CUDA-event timed loops (warm-up first), in ms; "ratio" is deterministic
+over default (target: at most 1.3). "bitwise" says whether 3 deterministic runs gave the same
+bits (and, for information, whether 3 default runs did). Precisions: fp32 (strict, no TF32)
+and fp16.
+
+Usage: ``python benchmarks/deterministic.py [--quick]``.
+
+Measured on one NVIDIA H200 (2026-11-26, CuPy 14.2, CUDA 13), ms:
+
+    prec  what                 default  determ.  ratio  bitwise(det/default)
+    fp32  backward               3.179    3.766   1.18  True/False
+    fp32  backward input         1.856    2.293   1.24  True/False
+    fp32  transposed forward     1.879    2.291   1.22  True/False
+    fp16  backward               2.182    2.547   1.17  True/False
+    fp16  backward input         1.229    1.610   1.31  True/False
+    fp16  transposed forward     1.184    1.547   1.31  True/False
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+
+def _time(fn, warmup: int, repeats: int, inner: int) -> float:
+    import cupy
+    for _ in range(warmup):
+        fn()
+    cupy.cuda.Device().synchronize()
+    times = []
+    for _ in range(repeats):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        for _ in range(inner):
+            fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / inner)
+    return statistics.median(times)
+
+
+def _bits(result) -> tuple:
+    import cupy
+    arrays = result if isinstance(result, tuple) else (result,)
+    return tuple(None if a is None else cupy.asnumpy(a).tobytes() for a in arrays)
+
+
+def _inputs(dtype, B=8, C=256, H=56, W=56, seed=0):
+    import cupy
+    rng = cupy.random.default_rng(seed)
+    x = rng.standard_normal((B, C, H, W), dtype=cupy.float32).astype(dtype)
+    w = (rng.standard_normal((C, C, 3, 3), dtype=cupy.float32) / (C * 9) ** 0.5).astype(dtype)
+    b = rng.standard_normal((C,), dtype=cupy.float32).astype(dtype)
+    off = rng.standard_normal((B, 18, H, W), dtype=cupy.float32).astype(dtype)
+    msk = rng.random((B, 9, H, W), dtype=cupy.float32).astype(dtype)
+    gy = rng.standard_normal((B, C, H, W), dtype=cupy.float32).astype(dtype)
+    return x, w, b, off, msk, gy
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    args = parser.parse_args(argv)
+    import cupy
+    import numpy as np
+
+    import dcn_cupy
+    warmup, repeats, inner = (2, 3, 3) if args.quick else (3, 7, 5)
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+    name = name.decode() if isinstance(name, bytes) else name
+    rows = []
+    for precision, dtype in (("fp32", np.float32), ("fp16", np.float16)):
+        x, w, b, off, msk, gy = _inputs(dtype)
+        for what in ("backward", "backward input", "transposed forward"):
+            timings, bitwise = {}, {}
+            for deterministic in (False, True):
+                if what == "transposed forward":
+                    wt = cupy.ascontiguousarray(w.swapaxes(0, 1))
+                    p = dcn_cupy.plan(x, wt, off, msk, b, padding=1, transposed=True, deterministic=deterministic,
+                                      allow_tf32=False)
+
+                    def fn(p=p, wt=wt):
+                        return p.forward(x, wt, off, msk, b)
+                else:
+                    p = dcn_cupy.plan(x, w, off, msk, b, padding=1, deterministic=deterministic, allow_tf32=False)
+                    wrt = ("input",) if what == "backward input" else None
+
+                    def fn(p=p, wrt=wrt):
+                        return tuple(p.backward(gy, x, w, off, msk, b, wrt=wrt))
+                timings[deterministic] = _time(fn, warmup, repeats, inner)
+                bitwise[deterministic] = len({_bits(fn()) for _ in range(3)}) == 1
+                algorithm = p.algorithm
+            rows.append((precision, what, timings[False], timings[True], timings[True] / timings[False],
+                         bitwise[True], bitwise[False], algorithm))
+    print(f"deterministic mode cost on {name} (B=8 C256->256 56x56 3x3, offset+mask), ms")
+    print(f"{'prec':5} {'what':19} {'default':>8} {'determ.':>8} {'ratio':>6}  bitwise(det/default)")
+    for precision, what, t0, t1, ratio, bit1, bit0, _ in rows:
+        print(f"{precision:5} {what:19} {t0:8.3f} {t1:8.3f} {ratio:6.2f}  {bit1}/{bit0}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
