@@ -571,3 +571,31 @@ def test_model_on_second_device():
     for name, p in model.named_parameters():
         assert p.grad.device == torch.device("cuda", 1)
         torch.testing.assert_close(p.grad.cpu(), grads[name], rtol=1e-9, atol=1e-9, msg=name)
+
+
+def _deterministic_run(device):
+    args, params = _stream_case()
+    leaves = {k: v.to(device).float().requires_grad_() for k, v in args.items() if v is not None}
+    y = dct.deform_conv2d(**leaves, **params)
+    y.backward(torch.ones_like(y))
+    return y.detach(), {k: v.grad for k, v in leaves.items()}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, cuda_only])])
+def test_deterministic_algorithms(device):
+    # torch.use_deterministic_algorithms(True) asks the plans for deterministic algorithms; where
+    # none serves the backward, torch's convention: a RuntimeError that says so.
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        try:
+            first = _deterministic_run(device)
+        except RuntimeError as error:
+            assert device == "cuda" and "does not have a deterministic implementation" in str(error)
+            return
+        second = _deterministic_run(device)
+    finally:
+        torch.use_deterministic_algorithms(old)
+    assert torch.equal(first[0], second[0])
+    for name in first[1]:
+        assert torch.equal(first[1][name], second[1][name]), name

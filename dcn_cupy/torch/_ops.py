@@ -11,6 +11,7 @@ float32 for the half types, as the core does).
 
 from __future__ import annotations
 
+import warnings
 from typing import List, Optional, Sequence
 
 import torch
@@ -53,12 +54,26 @@ def _backward(transposed: bool, grad_output: Tensor, tensors: Sequence[Optional[
     wanted = [name for name, w, t in zip(NAMES, wrt, tensors) if w and t is not None]
     grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) if name in wanted else input.new_empty(0)
              for name, t in zip(NAMES, tensors)]
-    if wanted:
-        plan = _plans.plan_for(transposed, tensors, hyper)
-        out = {name: _runtime.native(g) for name, g in zip(NAMES, grads) if name in wanted}
-        with _runtime.cuda_scope(input):
-            plan.backward(_runtime.native(grad_output), *(_runtime.native(t) for t in tensors), wrt=wanted,
-                          out=out, workspace=_workspace(plan, input))
+    if not wanted:
+        return tuple(grads)
+    plan = _plans.plan_for(transposed, tensors, hyper)
+    args = [_runtime.native(grad_output)] + [_runtime.native(t) for t in tensors]
+    out = {name: _runtime.native(g) for name, g in zip(NAMES, grads) if name in wanted}
+    with _runtime.cuda_scope(input):
+        try:
+            plan.backward(*args, wrt=wanted, out=out, workspace=_workspace(plan, input))
+        except ValueError as error:
+            if not plan.deterministic:
+                raise
+            # No deterministic algorithm serves this backward: torch's convention.
+            op = "deform_conv_transpose_backward" if transposed else "deform_conv_backward"
+            message = (f"dcn_cupy::{op} does not have a deterministic implementation for this configuration "
+                       f"({error}), but you set 'torch.use_deterministic_algorithms(True)'")
+            if not torch.is_deterministic_algorithms_warn_only_enabled():
+                raise RuntimeError(message) from error
+            warnings.warn(message)
+            plan = _plans.plan_for(transposed, tensors, hyper, deterministic=False)
+            plan.backward(*args, wrt=wanted, out=out, workspace=_workspace(plan, input))
     return tuple(grads)
 
 

@@ -29,14 +29,17 @@ class _Spec(NamedTuple):
     dtype: np.dtype
 
 
-def plan_for(transposed: bool, tensors: Sequence[Optional[Tensor]], hyper):
-    """The plan of a call (``tensors`` = input, weight, offset, mask, bias)."""
+def plan_for(transposed: bool, tensors: Sequence[Optional[Tensor]], hyper, deterministic: Optional[bool] = None):
+    """The plan of a call (``tensors`` = input, weight, offset, mask, bias); ``deterministic``
+    None follows ``torch.are_deterministic_algorithms_enabled()``."""
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
     input = tensors[0]
     stride, padding, output_padding, dilation, groups = hyper
     where = "cpu" if input.device.type == "cpu" else f"cuda:{_runtime.device_index(input)}"
     shapes = tuple(None if t is None else tuple(t.shape) for t in tensors)
     return _plan(transposed, shapes, input.dtype, where, tuple(stride), tuple(padding), tuple(output_padding),
-                 tuple(dilation), groups, torch.are_deterministic_algorithms_enabled(), _runtime.allow_tf32(input))
+                 tuple(dilation), groups, deterministic, _runtime.allow_tf32(input))
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
