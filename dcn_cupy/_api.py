@@ -1,25 +1,22 @@
-"""Public functions: arguments -> geometry -> backend -> results.
+"""Public functions: arguments -> plan (cached) -> backend -> results.
 
-Each call turns its arrays into native ones (``_interop``), validates and normalises the
-hyper-parameters (``_geometry``), runs the backend of the data's device and hands the
-results back to the caller's library. The transposed convolution is built from the
-convolution's primitives by duality (design section 1):
-
-* transposed forward            = convolution backward-to-input (+ bias);
-* transposed backward-to-input  = convolution forward with the same offsets and mask;
-* transposed weight/offset/mask = the convolution's, with ``x`` and ``grad_output`` swapped.
+Each call turns its arrays into native ones (``_interop``: NumPy and CuPy as they are, torch
+zero-copy, DLPack for the rest), finds the plan of its configuration in a bounded, thread-safe
+cache (``_plan``: the geometry is validated when a plan is built, once) and runs it on the
+data's device and stream; results go back to the caller's library.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import NamedTuple, Optional
+from typing import Any, Collection, Optional, Sequence, Union
 
 import numpy as np
 
-from . import _geometry
-from ._backends import get_backend
-from ._interop import check_same_origin, compute_dtype, from_native, to_native
+from . import _backends, _geometry
+from ._interop import check_same_origin, compute_dtype, cupy_or_none, from_native, to_native
+from ._plan import Gradients, build_plan, cached_plan, default_allow_tf32
 
 __all__ = [
     "Gradients",
@@ -32,212 +29,149 @@ __all__ = [
     "mask_sigmoid", "mask_sigmoid_backward",
 ]
 
+#: Any array: NumPy, CuPy, torch, JAX, any DLPack producer or a raw DLPack capsule.
+Array = Any
+IntOrTuple = Union[int, Sequence[int]]
 
-class Gradients(NamedTuple):
-    """Gradients of a deformable convolution; an entry is None when it was not computed."""
-
-    input: object = None
-    weight: object = None
-    offset: object = None
-    mask: object = None
-    bias: object = None
+_FORWARD_NAMES = ("input", "weight", "offset", "mask", "bias")
+_BACKWARD_NAMES = ("grad_output",) + _FORWARD_NAMES
+_REQUIRED = frozenset(("input", "weight", "grad_output"))
 
 
-class _Call:
-    """The native arrays of one call, their common origin and the backend that serves them."""
+# ---------------------------------------------------------------------------------------------
+# arguments -> native arrays and the plan key
 
-    def __init__(self, arrays: dict):
-        natives, origins = {}, {}
-        for name, array in arrays.items():
-            natives[name], origins[name] = to_native(array, name)
-        reference = next(iter(arrays))
-        self.origin = check_same_origin(origins, reference)
-        self.backend = get_backend(self.origin.device)
-        self.xp = self.backend.xp
-        self.native = natives
 
-    def device(self):
-        return self.backend.device_context(self.origin.device_id)
-
-    def contiguous(self, name: str, batched: bool):
-        """The argument as a C-contiguous native array with a batch axis."""
-        array = self.native[name]
+def _natives(names, arrays):
+    """The native arrays of a call and their common origin (input's library, device, dtype)."""
+    natives, origins = [], {}
+    for name, array in zip(names, arrays):
         if array is None:
-            return None
-        if not batched:
-            array = array[None]
-        return self.xp.ascontiguousarray(array)
-
-    def result(self, array, batched: bool = True):
-        if array is None:
-            return None
-        if not batched:
-            array = array[0]
-        return from_native(array, self.origin)
+            if name in _REQUIRED:
+                raise TypeError(f"{name} must be an array, got None")
+            natives.append(None)
+            continue
+        native, origins[name] = to_native(array, name)
+        natives.append(native)
+    return natives, check_same_origin(origins, "input")
 
 
-def _channel_sum(xp, grad_output, dtype):
-    """Sum over batch and spatial axes (the bias gradient), accumulated in float32 or better."""
-    axes = (0,) + tuple(range(2, grad_output.ndim))
-    return xp.sum(grad_output, axis=axes, dtype=compute_dtype(dtype)).astype(dtype)
+def _plain(value) -> bool:
+    t = type(value)
+    if t is int:
+        return True
+    return (t is tuple or t is list) and all(type(v) is int for v in value)
 
 
-# ---------------------------------------------------------------------------------------------
-# deformable convolution
+def _hyper_key(transposed, ndim, weight_shape, stride, padding, dilation, groups, output_padding):
+    """The hyper-parameters as hashable values; anything but plain ints (and tuples of them)
+    is normalised first, with the geometry's messages for bad values."""
+    values = (stride, padding, dilation, output_padding)
+    if type(groups) is int and all(_plain(v) for v in values):
+        return tuple(tuple(v) if type(v) is list else v for v in values) + (groups,)
+    if transposed:
+        n = _geometry.spatial_ndim(weight_shape, ndim, "(C_in, C_out/groups, *kernel_size)", "transposed convolution")
+    else:
+        n = _geometry.spatial_ndim(weight_shape, ndim)
+    groups = _geometry.check_groups(groups)
+    return (_geometry.fix_sequence_arg(stride, n, "stride", 1), _geometry.fix_sequence_arg(padding, n, "padding", 0),
+            _geometry.fix_sequence_arg(dilation, n, "dilation", 1),
+            _geometry.fix_sequence_arg(output_padding, n, "output_padding", 0), groups)
 
 
-def _conv_forward(ndim, input, weight, offset, mask, bias, stride, padding, dilation, groups):
-    call = _Call({"input": input, "weight": weight, "offset": offset, "mask": mask, "bias": bias})
-    n = call.native
-    geom, batched = _geometry.conv_geometry(
-        n["input"].shape, n["weight"].shape, _shape(n["offset"]), _shape(n["mask"]), _shape(n["bias"]),
-        stride, padding, dilation, groups, ndim=ndim,
-    )
-    xp, dtype = call.xp, call.origin.dtype
-    with call.device():
-        if geom.batch == 0:
-            return call.result(xp.empty(geom.y_shape, dtype=dtype), batched)
-        y = call.backend.conv_forward(
-            call.contiguous("input", batched), xp.ascontiguousarray(n["weight"]),
-            call.contiguous("offset", batched), call.contiguous("mask", batched),
-            call.contiguous("bias", True), geom,
-        )
-    return call.result(y, batched)
+def _plan_of(transposed, ndim, natives, origin, stride, padding, dilation, groups, output_padding):
+    """The cached plan of a call's configuration (built, and so validated, on first use)."""
+    x, w, off, msk, b = natives
+    dtype, device = origin.dtype, origin.device
+    hyper = _hyper_key(transposed, ndim, w.shape, stride, padding, dilation, groups, output_padding)
+    if device == "cuda":
+        tf32, settings = default_allow_tf32(dtype, device), _backends.cuda_settings()
+    else:
+        tf32 = settings = False
+    forced = _backends.forced_algorithm()
+    key = (transposed, ndim, x.shape, w.shape, None if off is None else off.shape, None if msk is None else msk.shape,
+           None if b is None else b.shape, hyper, dtype, device, origin.device_id, tf32, forced, settings)
+
+    def build():
+        shapes = {"input": tuple(x.shape), "weight": tuple(w.shape), "offset": None if off is None else tuple(off.shape),
+                  "mask": None if msk is None else tuple(msk.shape), "bias": None if b is None else tuple(b.shape)}
+        return build_plan(transposed, ndim, shapes, dtype, device, origin.device_id, hyper[0], hyper[1], hyper[2],
+                          hyper[4], hyper[3], False, tf32, forced)
+
+    return cached_plan(key, build)
 
 
-def _conv_backward(ndim, grad_output, input, weight, offset, mask, bias, stride, padding, dilation,
-                   groups, wrt):
-    call = _Call({"input": input, "grad_output": grad_output, "weight": weight, "offset": offset,
-                  "mask": mask, "bias": bias})
-    n = call.native
-    geom, batched = _geometry.conv_geometry(
-        n["input"].shape, n["weight"].shape, _shape(n["offset"]), _shape(n["mask"]), _shape(n["bias"]),
-        stride, padding, dilation, groups, ndim=ndim,
-    )
-    expected = geom.y_shape if batched else geom.y_shape[1:]
-    _check_grad_output(n["grad_output"].shape, expected)
-    wanted = _geometry.normalise_wrt(wrt, _given(n))
-    xp, dtype = call.xp, call.origin.dtype
-    with call.device():
-        # x is read only by the parameter gradients.
-        x = call.contiguous("input", batched) if wanted & {"weight", "offset", "mask"} else None
-        w = xp.ascontiguousarray(n["weight"])
-        off, msk = call.contiguous("offset", batched), call.contiguous("mask", batched)
-        gy = call.contiguous("grad_output", batched)
-        grads = dict.fromkeys(_geometry.GRADIENT_NAMES)
-        if geom.batch == 0:
-            grads.update(_empty_batch_gradients(xp, dtype, geom, wanted))
-        else:
-            if wanted & {"input", "weight", "offset", "mask"}:
-                grads["input"], grads["weight"], grads["offset"], grads["mask"] = call.backend.conv_backward(
-                    gy, x, w, off, msk, geom,
-                    "input" in wanted, "weight" in wanted, "offset" in wanted, "mask" in wanted,
-                )
-            if "bias" in wanted:
-                grads["bias"] = _channel_sum(xp, gy, dtype)
-    return _gradients(call, grads, batched)
+def _on_device(plan, origin):
+    """The device (and the library's stream) current for a CUDA plan; None on the CPU."""
+    device = plan._device_ctx
+    if device is None:
+        return None
+    stream = origin.stream()
+    if isinstance(stream, contextlib.nullcontext):
+        return device
+    stack = contextlib.ExitStack()
+    stack.enter_context(device)
+    stack.enter_context(stream)
+    return stack
 
 
-# ---------------------------------------------------------------------------------------------
-# transposed deformable convolution
+def _forward(transposed, ndim, input, weight, offset, mask, bias, stride, padding, dilation, groups,
+             output_padding=0):
+    natives, origin = _natives(_FORWARD_NAMES, (input, weight, offset, mask, bias))
+    plan = _plan_of(transposed, ndim, natives, origin, stride, padding, dilation, groups, output_padding)
+    context = _on_device(plan, origin)
+    if context is None:
+        y = plan._forward(natives)
+    else:
+        with context:
+            y = plan._forward(natives)
+    return from_native(y, origin)
 
 
-def _transpose_forward(ndim, input, weight, offset, mask, bias, stride, padding, output_padding,
-                       dilation, groups):
-    call = _Call({"input": input, "weight": weight, "offset": offset, "mask": mask, "bias": bias})
-    n = call.native
-    geom, batched = _geometry.conv_transpose_geometry(
-        n["input"].shape, n["weight"].shape, _shape(n["offset"]), _shape(n["mask"]), _shape(n["bias"]),
-        stride, padding, output_padding, dilation, groups, ndim=ndim,
-    )
-    xp, dtype = call.xp, call.origin.dtype
-    with call.device():
-        if geom.batch == 0:
-            return call.result(xp.empty(geom.x_shape, dtype=dtype), batched)
-        y = call.backend.conv_backward(
-            call.contiguous("input", batched), None, xp.ascontiguousarray(n["weight"]),
-            call.contiguous("offset", batched), call.contiguous("mask", batched), geom,
-            True, False, False, False, bias=call.contiguous("bias", True),
-        )[0]
-    return call.result(y, batched)
-
-
-def _transpose_backward(ndim, grad_output, input, weight, offset, mask, bias, stride, padding,
-                        output_padding, dilation, groups, wrt):
-    call = _Call({"input": input, "grad_output": grad_output, "weight": weight, "offset": offset,
-                  "mask": mask, "bias": bias})
-    n = call.native
-    geom, batched = _geometry.conv_transpose_geometry(
-        n["input"].shape, n["weight"].shape, _shape(n["offset"]), _shape(n["mask"]), _shape(n["bias"]),
-        stride, padding, output_padding, dilation, groups, ndim=ndim,
-    )
-    expected = geom.x_shape if batched else geom.x_shape[1:]
-    _check_grad_output(n["grad_output"].shape, expected)
-    wanted = _geometry.normalise_wrt(wrt, _given(n))
-    xp, dtype = call.xp, call.origin.dtype
-    with call.device():
-        # z is read only by the parameter gradients.
-        z = call.contiguous("input", batched) if wanted & {"weight", "offset", "mask"} else None
-        w = xp.ascontiguousarray(n["weight"])
-        off, msk = call.contiguous("offset", batched), call.contiguous("mask", batched)
-        gy = call.contiguous("grad_output", batched)
-        grads = dict.fromkeys(_geometry.GRADIENT_NAMES)
-        if geom.batch == 0:
-            grads.update(_empty_batch_gradients(xp, dtype, geom, wanted, transposed=True))
-        else:
-            if "input" in wanted:
-                grads["input"] = call.backend.conv_forward(gy, w, off, msk, None, geom)
-            if wanted & {"weight", "offset", "mask"}:
-                _, grads["weight"], grads["offset"], grads["mask"] = call.backend.conv_backward(
-                    z, gy, w, off, msk, geom, False, "weight" in wanted, "offset" in wanted, "mask" in wanted,
-                )
-            if "bias" in wanted:
-                grads["bias"] = _channel_sum(xp, gy, dtype)
-    return _gradients(call, grads, batched)
-
-
-# ---------------------------------------------------------------------------------------------
-# helpers
-
-
-def _shape(array) -> Optional[tuple]:
-    return None if array is None else tuple(array.shape)
-
-
-def _given(natives: dict) -> dict:
-    return {name: natives[name] is not None for name in _geometry.GRADIENT_NAMES}
-
-
-def _check_grad_output(shape, expected) -> None:
-    if tuple(shape) != tuple(expected):
-        raise ValueError(f"grad_output must have the output's shape {tuple(expected)}, got {tuple(shape)}")
-
-
-def _empty_batch_gradients(xp, dtype, geom, wanted, transposed=False) -> dict:
-    """Gradients for a batch of 0: empty per-sample ones, zero parameter ones."""
-    shapes = {
-        "input": geom.y_shape if transposed else geom.x_shape,
-        "offset": geom.offset_shape,
-        "mask": geom.mask_shape,
-    }
-    grads = {name: xp.empty(shape, dtype=dtype) for name, shape in shapes.items() if name in wanted}
-    if "weight" in wanted:
-        grads["weight"] = xp.zeros(geom.weight_shape, dtype=dtype)
-    if "bias" in wanted:
-        channels = geom.in_channels if transposed else geom.out_channels
-        grads["bias"] = xp.zeros((channels,), dtype=dtype)
-    return grads
-
-
-def _gradients(call: _Call, grads: dict, batched: bool) -> Gradients:
-    per_sample = ("input", "offset", "mask")
-    return Gradients(**{
-        name: call.result(value, batched or name not in per_sample) for name, value in grads.items()
-    })
+def _backward(transposed, ndim, grad_output, input, weight, offset, mask, bias, stride, padding, dilation, groups,
+              wrt, output_padding=0):
+    natives, origin = _natives(_BACKWARD_NAMES, (grad_output, input, weight, offset, mask, bias))
+    plan = _plan_of(transposed, ndim, natives[1:], origin, stride, padding, dilation, groups, output_padding)
+    gy = natives[0]
+    if gy.shape != plan.output_shape:
+        raise ValueError(f"grad_output must have the output's shape {tuple(plan.output_shape)}, got {tuple(gy.shape)}")
+    wanted = plan._wanted(wrt)
+    context = _on_device(plan, origin)
+    if context is None:
+        grads = plan._backward(natives, wanted)
+    else:
+        with context:
+            grads = plan._backward(natives, wanted)
+    return Gradients(*(from_native(grads[name], origin) for name in _geometry.GRADIENT_NAMES))
 
 
 # ---------------------------------------------------------------------------------------------
 # mask activations
+
+
+class _Call:
+    """The native arrays of one element-wise call, their common origin and array module."""
+
+    def __init__(self, arrays: dict):
+        natives, origins = {}, {}
+        for name, array in arrays.items():
+            if array is None:
+                raise TypeError(f"{name} must be an array, got None")
+            natives[name], origins[name] = to_native(array, name)
+        self.origin = check_same_origin(origins, next(iter(arrays)))
+        self.xp = np if self.origin.device == "cpu" else cupy_or_none()
+        self.native = natives
+
+    def device(self):
+        if self.origin.device == "cpu":
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.xp.cuda.Device(self.origin.device_id))
+        stack.enter_context(self.origin.stream())
+        return stack
+
+    def result(self, array):
+        return from_native(array, self.origin)
 
 
 def _mask_ndim(mask_shape, kernel_size, ndim: Optional[int], name: str = "mask") -> int:
@@ -361,112 +295,73 @@ def mask_sigmoid_backward(grad_output, output, scale=2.0):
     return call.result(gx.astype(dtype))
 
 
+
 # ---------------------------------------------------------------------------------------------
-# public functions (docstrings are filled in below from one template per operation)
+# public functions: generated here, one factory per operation (docstrings from the templates below)
 
 
-def deform_conv(input, weight, offset=None, mask=None, bias=None, stride=1, padding=0, dilation=1, groups=1):
-    return _conv_forward(None, input, weight, offset, mask, bias, stride, padding, dilation, groups)
+def _conv_function(ndim: Optional[int]):
+    def deform_conv(input: Array, weight: Array, offset: Optional[Array] = None, mask: Optional[Array] = None,
+                    bias: Optional[Array] = None, stride: IntOrTuple = 1, padding: IntOrTuple = 0,
+                    dilation: IntOrTuple = 1, groups: int = 1) -> Array:
+        return _forward(False, ndim, input, weight, offset, mask, bias, stride, padding, dilation, groups)
+    return deform_conv
 
 
-def deform_conv1d(input, weight, offset=None, mask=None, bias=None, stride=1, padding=0, dilation=1, groups=1):
-    return _conv_forward(1, input, weight, offset, mask, bias, stride, padding, dilation, groups)
+def _conv_backward_function(ndim: Optional[int]):
+    def deform_conv_backward(grad_output: Array, input: Array, weight: Array, offset: Optional[Array] = None,
+                             mask: Optional[Array] = None, bias: Optional[Array] = None, stride: IntOrTuple = 1,
+                             padding: IntOrTuple = 0, dilation: IntOrTuple = 1, groups: int = 1, *,
+                             wrt: Optional[Collection[str]] = None) -> Gradients:
+        return _backward(False, ndim, grad_output, input, weight, offset, mask, bias, stride, padding, dilation,
+                         groups, wrt)
+    return deform_conv_backward
 
 
-def deform_conv2d(input, weight, offset=None, mask=None, bias=None, stride=1, padding=0, dilation=1, groups=1):
-    return _conv_forward(2, input, weight, offset, mask, bias, stride, padding, dilation, groups)
+def _transpose_function(ndim: Optional[int]):
+    def deform_conv_transpose(input: Array, weight: Array, offset: Optional[Array] = None,
+                              mask: Optional[Array] = None, bias: Optional[Array] = None, stride: IntOrTuple = 1,
+                              padding: IntOrTuple = 0, output_padding: IntOrTuple = 0, dilation: IntOrTuple = 1,
+                              groups: int = 1) -> Array:
+        return _forward(True, ndim, input, weight, offset, mask, bias, stride, padding, dilation, groups,
+                        output_padding)
+    return deform_conv_transpose
 
 
-def deform_conv3d(input, weight, offset=None, mask=None, bias=None, stride=1, padding=0, dilation=1, groups=1):
-    return _conv_forward(3, input, weight, offset, mask, bias, stride, padding, dilation, groups)
+def _transpose_backward_function(ndim: Optional[int]):
+    def deform_conv_transpose_backward(grad_output: Array, input: Array, weight: Array,
+                                       offset: Optional[Array] = None, mask: Optional[Array] = None,
+                                       bias: Optional[Array] = None, stride: IntOrTuple = 1,
+                                       padding: IntOrTuple = 0, output_padding: IntOrTuple = 0,
+                                       dilation: IntOrTuple = 1, groups: int = 1, *,
+                                       wrt: Optional[Collection[str]] = None) -> Gradients:
+        return _backward(True, ndim, grad_output, input, weight, offset, mask, bias, stride, padding, dilation,
+                         groups, wrt, output_padding)
+    return deform_conv_transpose_backward
 
 
-def deform_conv_backward(grad_output, input, weight, offset=None, mask=None, bias=None, stride=1, padding=0,
-                         dilation=1, groups=1, *, wrt=None):
-    return _conv_backward(None, grad_output, input, weight, offset, mask, bias, stride, padding, dilation,
-                          groups, wrt)
+def _mask_softmax_function(ndim: Optional[int]):
+    def mask_softmax(mask: Array, kernel_size: IntOrTuple) -> Array:
+        return _mask_softmax(ndim, mask, kernel_size)
+    return mask_softmax
 
 
-def deform_conv1d_backward(grad_output, input, weight, offset=None, mask=None, bias=None, stride=1, padding=0,
-                           dilation=1, groups=1, *, wrt=None):
-    return _conv_backward(1, grad_output, input, weight, offset, mask, bias, stride, padding, dilation,
-                          groups, wrt)
+def _generate():
+    factories = {
+        "deform_conv{}": _conv_function, "deform_conv{}_backward": _conv_backward_function,
+        "deform_conv_transpose{}": _transpose_function, "deform_conv_transpose{}_backward": _transpose_backward_function,
+        "mask_softmax{}": _mask_softmax_function,
+    }
+    for pattern, factory in factories.items():
+        for ndim in (None, 1, 2, 3):
+            name = pattern.format("" if ndim is None else f"{ndim}d")
+            function = factory(ndim)
+            function.__name__ = function.__qualname__ = name
+            function.__module__ = __name__
+            globals()[name] = function
 
 
-def deform_conv2d_backward(grad_output, input, weight, offset=None, mask=None, bias=None, stride=1, padding=0,
-                           dilation=1, groups=1, *, wrt=None):
-    return _conv_backward(2, grad_output, input, weight, offset, mask, bias, stride, padding, dilation,
-                          groups, wrt)
-
-
-def deform_conv3d_backward(grad_output, input, weight, offset=None, mask=None, bias=None, stride=1, padding=0,
-                           dilation=1, groups=1, *, wrt=None):
-    return _conv_backward(3, grad_output, input, weight, offset, mask, bias, stride, padding, dilation,
-                          groups, wrt)
-
-
-def deform_conv_transpose(input, weight, offset=None, mask=None, bias=None, stride=1, padding=0,
-                          output_padding=0, dilation=1, groups=1):
-    return _transpose_forward(None, input, weight, offset, mask, bias, stride, padding, output_padding,
-                              dilation, groups)
-
-
-def deform_conv_transpose1d(input, weight, offset=None, mask=None, bias=None, stride=1, padding=0,
-                            output_padding=0, dilation=1, groups=1):
-    return _transpose_forward(1, input, weight, offset, mask, bias, stride, padding, output_padding,
-                              dilation, groups)
-
-
-def deform_conv_transpose2d(input, weight, offset=None, mask=None, bias=None, stride=1, padding=0,
-                            output_padding=0, dilation=1, groups=1):
-    return _transpose_forward(2, input, weight, offset, mask, bias, stride, padding, output_padding,
-                              dilation, groups)
-
-
-def deform_conv_transpose3d(input, weight, offset=None, mask=None, bias=None, stride=1, padding=0,
-                            output_padding=0, dilation=1, groups=1):
-    return _transpose_forward(3, input, weight, offset, mask, bias, stride, padding, output_padding,
-                              dilation, groups)
-
-
-def deform_conv_transpose_backward(grad_output, input, weight, offset=None, mask=None, bias=None, stride=1,
-                                   padding=0, output_padding=0, dilation=1, groups=1, *, wrt=None):
-    return _transpose_backward(None, grad_output, input, weight, offset, mask, bias, stride, padding,
-                               output_padding, dilation, groups, wrt)
-
-
-def deform_conv_transpose1d_backward(grad_output, input, weight, offset=None, mask=None, bias=None, stride=1,
-                                     padding=0, output_padding=0, dilation=1, groups=1, *, wrt=None):
-    return _transpose_backward(1, grad_output, input, weight, offset, mask, bias, stride, padding,
-                               output_padding, dilation, groups, wrt)
-
-
-def deform_conv_transpose2d_backward(grad_output, input, weight, offset=None, mask=None, bias=None, stride=1,
-                                     padding=0, output_padding=0, dilation=1, groups=1, *, wrt=None):
-    return _transpose_backward(2, grad_output, input, weight, offset, mask, bias, stride, padding,
-                               output_padding, dilation, groups, wrt)
-
-
-def deform_conv_transpose3d_backward(grad_output, input, weight, offset=None, mask=None, bias=None, stride=1,
-                                     padding=0, output_padding=0, dilation=1, groups=1, *, wrt=None):
-    return _transpose_backward(3, grad_output, input, weight, offset, mask, bias, stride, padding,
-                               output_padding, dilation, groups, wrt)
-
-
-def mask_softmax(mask, kernel_size):
-    return _mask_softmax(None, mask, kernel_size)
-
-
-def mask_softmax1d(mask, kernel_size):
-    return _mask_softmax(1, mask, kernel_size)
-
-
-def mask_softmax2d(mask, kernel_size):
-    return _mask_softmax(2, mask, kernel_size)
-
-
-def mask_softmax3d(mask, kernel_size):
-    return _mask_softmax(3, mask, kernel_size)
+_generate()
 
 
 _SPATIAL = {1: ("L", "k_l"), 2: ("H, W", "k_h, k_w"), 3: ("D, H, W", "k_d, k_h, k_w")}
@@ -577,6 +472,7 @@ def _example(n: int) -> str:
         f"    >>> dcn_cupy.deform_conv{n}d(x, w, offset, mask).shape\n"
         f"    (4, 16, {grid})"
     )
+
 
 
 def _fill_docs():

@@ -283,12 +283,23 @@ def test_chunked_batch_equals_one_chunk(transposed, monkeypatch):
     gy = cupy.asarray(rng.standard_normal(case.reference().shape))
     whole_y = case.forward(**case.arrays(to_gpu()), **case.params)
     whole_g = case.backward(gy, **case.arrays(to_gpu()), **case.params)
-    monkeypatch.setattr(cuda, "WORKSPACE_LIMIT_BYTES", 1)  # one sample per chunk
-    y = case.forward(**case.arrays(to_gpu()), **case.params)
-    g = case.backward(gy, **case.arrays(to_gpu()), **case.params)
-    assert relative_error(host(y), host(whole_y)) < 1e-13
-    for name in ARGUMENTS:
-        assert relative_error(host(getattr(g, name)), host(getattr(whole_g, name))) < 1e-12, name
+    chunking = set()
+    for limit in (2**17, 2**15, 2**13, 2**12):  # from chunks of samples down to slabs of output rows
+        monkeypatch.setattr(cuda, "WORKSPACE_LIMIT_BYTES", limit)
+        try:
+            p = dcn_cupy.plan(**case.arrays(to_gpu()), **case.params, transposed=transposed)
+        except MemoryError:
+            continue
+        chunking.add("rows" if "output row" in str(p) else "samples")
+        y = case.forward(**case.arrays(to_gpu()), **case.params)
+        g = case.backward(gy, **case.arrays(to_gpu()), **case.params)
+        assert relative_error(host(y), host(whole_y)) < 1e-13, limit
+        for name in ARGUMENTS:
+            assert relative_error(host(getattr(g, name)), host(getattr(whole_g, name))) < 1e-12, (name, limit)
+    assert chunking == {"rows", "samples"}
+    monkeypatch.setattr(cuda, "WORKSPACE_LIMIT_BYTES", 1)
+    with pytest.raises(MemoryError, match=r"needs a workspace of at least \d+ bytes .* limit of 1 bytes"):
+        case.forward(**case.arrays(to_gpu()), **case.params)
 
 
 TILE_SETTINGS = {
@@ -335,8 +346,9 @@ def test_one_pass_backward_subsets_match_full(wanted):
                                       None, **case.params)
     gy = cupy.asarray(rng.standard_normal(geom.y_shape))
     flags = [name in wanted for name in ("input", "weight", "offset", "mask")]
-    got = cuda.conv_backward(gy, a["input"], a["weight"], a["offset"], a["mask"], geom, *flags)
-    full = cuda.conv_backward(gy, a["input"], a["weight"], a["offset"], a["mask"], geom, True, True, True, True)
+    got = cuda.conv_backward(gy, a["input"], a["weight"], a["offset"], a["mask"], geom, frozenset(wanted))
+    full = cuda.conv_backward(gy, a["input"], a["weight"], a["offset"], a["mask"], geom,
+                              frozenset(("input", "weight", "offset", "mask")))
     for g, ref, flag in zip(got, full, flags):
         if flag:
             assert relative_error(host(g), host(ref)) < 1e-12

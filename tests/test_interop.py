@@ -75,3 +75,89 @@ def test_torch_lazy_negation_is_honoured():
     m = torch.randn(2, 9, 3, 3, dtype=torch.float64)
     negated = torch._neg_view(m)
     torch.testing.assert_close(dcn_cupy.mask_sigmoid(negated, 1.0), torch.sigmoid(-m))
+
+
+# ---------------------------------------------------------------------------------------------
+# arrays the core refuses, with the argument's name; raw DLPack capsules
+
+
+def test_none_where_an_array_is_required():
+    w = np.zeros((2, 2, 3))
+    with pytest.raises(TypeError, match="input must be an array, got None"):
+        dcn_cupy.deform_conv1d(None, w)
+    with pytest.raises(TypeError, match="weight must be an array, got None"):
+        dcn_cupy.deform_conv1d(np.zeros((1, 2, 5)), None)
+    with pytest.raises(TypeError, match="grad_output must be an array, got None"):
+        dcn_cupy.deform_conv1d_backward(None, np.zeros((1, 2, 5)), w)
+    with pytest.raises(TypeError, match="mask must be an array, got None"):
+        dcn_cupy.mask_sigmoid(None)
+    with pytest.raises(TypeError, match="input must be an array or a shape/dtype spec, got None"):
+        dcn_cupy.plan(None, w)
+
+
+def test_big_endian_arrays_are_refused_with_the_byte_order():
+    x = np.zeros((1, 2, 5), dtype=">f8")
+    with pytest.raises(TypeError, match=r"input must be a native-byte-order array .* got the big-endian dtype '>f8'"):
+        dcn_cupy.deform_conv1d(x, np.zeros((2, 2, 3)))
+    with pytest.raises(TypeError, match=r"weight must be a native-byte-order array .* with weight.astype\('float64'\)"):
+        dcn_cupy.deform_conv1d(np.zeros((1, 2, 5)), np.zeros((2, 2, 3), dtype=">f8"))
+
+
+def test_masked_arrays_are_refused_with_the_reason():
+    x = np.ma.masked_array(np.zeros((1, 2, 5)), mask=np.zeros((1, 2, 5), bool))
+    with pytest.raises(TypeError, match=r"input is a numpy.ma.MaskedArray; dcn_cupy would ignore its mask"):
+        dcn_cupy.deform_conv1d(x, np.zeros((2, 2, 3)))
+
+
+def test_torch_meta_tensors_are_refused():
+    torch = pytest.importorskip("torch")
+    x = torch.zeros(1, 2, 5, device="meta", dtype=torch.float64)
+    with pytest.raises(TypeError, match="input is a torch meta tensor, which has no data"):
+        dcn_cupy.deform_conv1d(x, torch.zeros(2, 2, 3, dtype=torch.float64))
+    # as a spec, a meta tensor plans a configuration
+    p = dcn_cupy.plan(x, torch.zeros(2, 2, 3, dtype=torch.float64, device="meta"))
+    assert p.output_shape == (1, 2, 3) and p.device == "cpu"
+
+
+def test_raw_dlpack_capsules():
+    rng = np.random.default_rng(3)
+    case = random_case(rng, 1, False, mask=False, bias=False)
+    arrays = case.arrays()
+    capsules = {k: None if a is None else a.__dlpack__() for k, a in arrays.items()}
+    y = case.forward(**capsules, **case.params)
+    assert isinstance(y, np.ndarray) and relative_error(y, case.reference()) < 1e-12
+    torch = pytest.importorskip("torch")
+    mixed = {k: None if a is None else a.__dlpack__() for k, a in arrays.items()}
+    mixed["input"] = torch.from_numpy(arrays["input"])
+    y = case.forward(**mixed, **case.params)
+    assert isinstance(y, torch.Tensor)  # another argument names the library
+
+
+def test_registering_a_library():
+    from dcn_cupy import _interop
+
+    class Boxed:
+        def __init__(self, array):
+            self.array = array
+
+    class BoxLibrary:
+        name = "box"
+
+        def owns(self, array):
+            return isinstance(array, Boxed)
+
+        def to_native(self, array, name):
+            return array.array, "cpu", 0
+
+        def from_native(self, native, origin):
+            return Boxed(native)
+
+    library = BoxLibrary()
+    _interop.register_library(library)
+    try:
+        y = dcn_cupy.deform_conv1d(Boxed(np.ones((1, 1, 4))), Boxed(np.ones((1, 1, 2))))
+        assert isinstance(y, Boxed) and np.all(y.array == 2)
+    finally:
+        _interop._libraries.remove(library)
+        _interop._by_type.clear()
+        _interop._by_type[np.ndarray] = _interop._NUMPY

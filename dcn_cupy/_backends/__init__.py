@@ -1,36 +1,269 @@
-"""Backends: one module per kind of device, all with the same small interface.
+"""Backends: the typed contract every algorithm implements, and the registry plans choose from.
 
-A backend module provides, for native arrays (NumPy for ``cpu``, CuPy for ``cuda``) that are
-C-contiguous, batched (``B >= 1``), of one dtype, with ``geom`` a ``ConvGeometry``:
+A backend serves one kind of device (``"cpu"``, ``"cuda"``) with one algorithm (``"numba"``,
+``"im2col"``, ``"fused"``, ...). For a :class:`PlanSpec` (geometry, dtype, device, flags) and
+a *primitive*, it says whether it serves the configuration and builds an :class:`Executable`
+holding everything that does not change between calls. Two primitives exist:
 
-``conv_forward(x, weight, offset, mask, bias, geom) -> y``
-    ``y = deform_conv(x)``, shape ``geom.y_shape``; bias added when not None.
-``conv_backward(grad_output, x, weight, offset, mask, geom, need_input, need_weight, need_offset, need_mask, bias=None)``
-    ``(grad_x, grad_weight, grad_offset, grad_mask)`` in one pass over the batch, each None
-    unless asked for (offset/mask gradients also when that argument is None); ``x`` may be None
-    when only ``grad_x`` is wanted. ``grad_x`` is the adjoint of ``conv_forward`` in ``x``
-    (shape ``geom.x_shape``), plus ``bias`` per channel when given: with ``need_input`` alone
-    this is the transposed convolution's forward.
-``device_context(device_id)``
-    A context manager that makes the device current.
-``xp``
-    The array module of its native arrays (``numpy`` or ``cupy``), used by ``_api`` for the
-    element-wise work (bias gradient, mask activations).
+``"conv_forward"``
+    ``y = deform_conv(x) (+ bias)``; ``run(args, out, workspace)`` with ``args`` keys
+    ``input, weight, offset, mask, bias`` and ``out`` the output array (``geom.y_shape``).
+``"conv_backward"``
+    the gradients named in ``args["wanted"]`` (a frozenset of ``"input", "weight", "offset",
+    "mask"``); ``args`` keys ``grad_output, input`` (None when only the input gradient is
+    wanted), ``weight, offset, mask, bias`` (``bias``: C_in-long, added to the input gradient:
+    the transposed convolution's forward) and ``out`` a dict name -> array to fill
+    (``grad_input`` is ``out["input"]`` of shape ``geom.x_shape``, and so on).
 
-``offset`` and ``mask`` may be None (no offset: the integer grid; no mask: 1). Backends never
-see foreign arrays and never re-validate; they never write into their arguments.
+The transposed convolution is composed from these two in ``_plan`` (design section 1).
+Backends receive native arrays (NumPy / CuPy) that are validated, batched (``B >= 1``) and
+C-contiguous within each sample (the batch axis may have any stride, 0 included); they never
+re-validate and never write into their inputs. CUDA arrays are used on CuPy's current device
+and stream. ``offset``/``mask``/``bias`` may be None.
+
+A new algorithm is added by registering it, without editing the core::
+
+    from dcn_cupy._backends import register
+    register(MyFusedBackend())            # device "cuda", algorithm "fused", priority 10
+
+Backends whose module imports an optional library (CuPy) are registered lazily with
+:func:`register_lazy`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import threading
+from dataclasses import dataclass
+from typing import Optional, Protocol, runtime_checkable
 
-_BACKENDS = {"cpu": "dcn_cupy._backends.cpu", "cuda": "dcn_cupy._backends.cuda"}
+import numpy as np
+
+from .._geometry import ConvGeometry
+
+__all__ = ["PlanSpec", "Backend", "Executable", "PRIMITIVES", "register", "register_lazy", "unregister",
+           "candidates", "backend_named",
+           "get_backend", "use_algorithm", "forced_algorithm", "choose", "cuda_source_dir"]
+
+PRIMITIVES = ("conv_forward", "conv_backward")
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """What an executable is built for.
+
+    ``geom`` is the CONVOLUTION geometry (a transposed op uses the geometry of the convolution
+    it is the adjoint of).
+    """
+
+    geom: ConvGeometry
+    dtype: np.dtype
+    device: str              # "cpu" | "cuda"
+    device_id: int
+    deterministic: bool
+    allow_tf32: bool
+
+
+@runtime_checkable
+class Executable(Protocol):
+    workspace_bytes: int
+    description: str         # one line, e.g. "cuda/im2col: 2 chunks of 4 samples, 32-bit index"
+
+    def run(self, args: dict, out, workspace) -> None:
+        """Compute the primitive into ``out``; ``workspace`` is a 1-D uint8 buffer of at least
+        ``workspace_bytes`` bytes on the device, or None when ``workspace_bytes`` is 0."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    device: str              # "cpu" | "cuda"
+    algorithm: str           # "numba", "im2col", "fused", ...
+    priority: int            # higher wins among those that serve a primitive
+
+    def serves(self, spec: PlanSpec, primitive: str) -> Optional[str]:
+        """None when it serves ``primitive`` for ``spec``; else a one-line reason why not."""
+
+    def build(self, spec: PlanSpec, primitive: str) -> Executable:
+        """The executable of ``primitive`` for ``spec``."""
+
+
+# ---------------------------------------------------------------------------------------------
+# registry
+
+
+_registry: dict = {}         # "device/algorithm" -> backend
+_lock = threading.Lock()
+
+
+def register(backend) -> None:
+    """Register (or replace) the backend ``backend.device/backend.algorithm``."""
+    with _lock:
+        _registry[f"{backend.device}/{backend.algorithm}"] = backend
+
+
+def unregister(name: str) -> None:
+    """Remove the backend registered as ``"device/algorithm"`` (if any)."""
+    with _lock:
+        _registry.pop(name, None)
+
+
+class _Lazy:
+    """A backend whose module is imported on first use (``module:attribute``)."""
+
+    def __init__(self, device: str, algorithm: str, priority: int, target: str):
+        self.device, self.algorithm, self.priority, self._target = device, algorithm, priority, target
+        self._backend = None
+
+    def _load(self):
+        if self._backend is None:
+            module, attribute = self._target.split(":")
+            self._backend = getattr(importlib.import_module(module), attribute)
+        return self._backend
+
+    @property
+    def primitives(self):
+        return getattr(self._load(), "primitives", PRIMITIVES)
+
+    def serves(self, spec, primitive):
+        return self._load().serves(spec, primitive)
+
+    def build(self, spec, primitive):
+        return self._load().build(spec, primitive)
+
+
+def register_lazy(device: str, algorithm: str, priority: int, target: str) -> None:
+    """Register a backend object ``target`` (``"package.module:attribute"``) imported on first use."""
+    register(_Lazy(device, algorithm, priority, target))
+
+
+def candidates(device: str) -> list:
+    """The backends of ``device``, highest priority first."""
+    with _lock:
+        found = [b for b in _registry.values() if b.device == device]
+    return sorted(found, key=lambda b: -b.priority)
+
+
+def backend_named(name: str):
+    """The backend registered as ``"device/algorithm"``; ValueError naming the known ones."""
+    backend = _registry.get(name)
+    if backend is None:
+        raise ValueError(f"algorithm must be one of {sorted(_registry)}, got {name!r}")
+    return backend
+
+
+def choose(spec: PlanSpec, primitive: str, forced: Optional[str] = None):
+    """``(backend, None)`` of the backend that builds ``primitive`` for ``spec``, or
+    ``(None, reason)`` when none serves it.
+
+    A forced algorithm is used for every primitive it implements (a ValueError naming why
+    when it does not serve the configuration); other primitives are chosen automatically.
+    """
+    if forced is not None:
+        backend = backend_named(forced)
+        if backend.device != spec.device:
+            raise ValueError(f"algorithm {forced!r} runs on {backend.device} arrays, got arrays on {spec.device}")
+        if primitive in getattr(backend, "primitives", PRIMITIVES):
+            reason = backend.serves(spec, primitive)
+            if reason is not None:
+                raise ValueError(f"algorithm {forced!r} does not serve this {primitive}: {reason}")
+            return backend, None
+    reasons = []
+    for backend in candidates(spec.device):
+        if primitive not in getattr(backend, "primitives", PRIMITIVES):
+            continue
+        reason = backend.serves(spec, primitive)
+        if reason is None:
+            return backend, None
+        reasons.append(f"{backend.device}/{backend.algorithm}: {reason}")
+    return None, f"no algorithm serves {primitive} on {spec.device} (" + "; ".join(reasons or ["none registered"]) + ")"
+
+
+_forced = threading.local()
+
+
+@contextlib.contextmanager
+def use_algorithm(name: Optional[str]):
+    """Force ``name`` (e.g. ``"cuda/im2col"``) for plans built in this thread, the functional
+    API's included (it is part of their cache key). ``None`` restores the automatic choice."""
+    if name is not None:
+        backend_named(name)
+    previous = getattr(_forced, "name", None)
+    _forced.name = name
+    try:
+        yield
+    finally:
+        _forced.name = previous
+
+
+def forced_algorithm() -> Optional[str]:
+    """The algorithm forced by :func:`use_algorithm` in this thread, or None."""
+    return getattr(_forced, "name", None)
+
+
+_cuda_settings = None
+
+
+def cuda_settings() -> tuple:
+    """The CUDA backend's module settings (workspace limit, tile sizes), read when its
+    executables are built: part of the functional API's plan key, so that a changed setting
+    builds new plans."""
+    global _cuda_settings
+    if _cuda_settings is None:
+        _cuda_settings = importlib.import_module("dcn_cupy._backends.cuda").settings
+    return _cuda_settings()
 
 
 def get_backend(device: str):
-    """The backend module serving arrays on ``device`` ("cpu" or "cuda")."""
-    return importlib.import_module(_BACKENDS[device])
+    """The backend module of ``device`` (``cpu`` / ``cuda``): its ``xp`` and ``device_context``."""
+    return importlib.import_module(f"dcn_cupy._backends.{device}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the built-in backends
+
+
+class _NumbaBackend:
+    """``cpu/numba``: the Numba loops and BLAS GEMMs of ``cpu.py``."""
+
+    device = "cpu"
+    algorithm = "numba"
+    priority = 0
+    primitives = PRIMITIVES
+
+    def serves(self, spec, primitive):
+        return None
+
+    def build(self, spec, primitive):
+        return _NumbaExecutable(spec, primitive)
+
+
+class _NumbaExecutable:
+    workspace_bytes = 0
+
+    def __init__(self, spec, primitive):
+        from . import cpu
+        self._cpu = cpu            # the module: its entry points are looked up per call
+        self.geom = spec.geom
+        self.primitive = primitive
+        self.description = "cpu/numba: sampling plan + BLAS, chunked over the batch"
+
+    def run(self, args, out, workspace):
+        cpu, geom = self._cpu, self.geom
+        if self.primitive == "conv_forward":
+            y = cpu.conv_forward(args["input"], args["weight"], args["offset"], args["mask"], args["bias"], geom)
+            out[...] = y
+            return
+        grads = cpu.conv_backward(args["grad_output"], args["input"], args["weight"], args["offset"],
+                                  args["mask"], geom, args["wanted"], bias=args.get("bias"))
+        for name, value in zip(("input", "weight", "offset", "mask"), grads):
+            target = out.get(name)
+            if target is not None and value is not None:
+                target[...] = value
+
+
+register(_NumbaBackend())
+register_lazy("cuda", "im2col", 0, "dcn_cupy._backends.cuda:BACKEND")
 
 
 def cuda_source_dir():
@@ -44,11 +277,11 @@ def cuda_source_dir():
 
     package = Path(__file__).resolve().parent.parent
     override = os.environ.get("DCN_CUPY_CUDA_SOURCES")
-    candidates = ([Path(override)] if override else []) + [package / "cuda", package.parent / "cuda"]
-    for folder in candidates:
+    candidates_ = ([Path(override)] if override else []) + [package / "cuda", package.parent / "cuda"]
+    for folder in candidates_:
         if folder.is_dir() and any(folder.glob("*.cu")):
             return folder
     raise FileNotFoundError(
-        f"dcn_cupy's CUDA sources (*.cu) were not found in any of {[str(c) for c in candidates]}; "
+        f"dcn_cupy's CUDA sources (*.cu) were not found in any of {[str(c) for c in candidates_]}; "
         f"set DCN_CUPY_CUDA_SOURCES to their folder"
     )

@@ -356,14 +356,13 @@ def _conv_forward(x, weight, offset, mask, bias, geom):
     return y.astype(x.dtype, copy=False)
 
 
-def conv_backward(grad_output, x, weight, offset, mask, geom, need_input=True, need_weight=True, need_offset=True,
-                  need_mask=True, bias=None):
+def conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias=None):
     """Every requested gradient in one pass over the batch: the plan and the column gradients
     are shared by the input, offset and mask gradients. ``x`` may be None when only the input
     gradient is wanted; ``bias`` is added to the input gradient (the transposed forward)."""
     with _single_threaded_blas():
-        return _conv_backward(grad_output, x, weight, offset, mask, geom, need_input, need_weight, need_offset,
-                              need_mask, bias)
+        return _conv_backward(grad_output, x, weight, offset, mask, geom, "input" in wanted, "weight" in wanted,
+                              "offset" in wanted, "mask" in wanted, bias)
 
 
 def _conv_backward(grad_output, x, weight, offset, mask, geom, need_input, need_weight, need_offset, need_mask,

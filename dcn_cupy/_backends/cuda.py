@@ -1,31 +1,41 @@
-"""CUDA backend: hand-written kernels (``cuda/*.cu``, CuPy ``RawModule``) and cuBLAS GEMMs.
+"""CUDA backend ``cuda/im2col``: hand-written kernels (``cuda/*.cu``, CuPy ``RawModule``) and cuBLAS.
 
-Per batch chunk of ``Bc`` samples (chunks bound the workspace by ``WORKSPACE_LIMIT_BYTES``):
+Per chunk (chunks bound the workspace by ``WORKSPACE_LIMIT_BYTES``):
 
-* forward:   columns ``(G, C_in/G*K, Bc*Q)`` = deformable im2col (N-linear sample * mask);
+* forward:   columns ``(G, C_in/G*K, n*Q)`` = deformable im2col (N-linear sample * mask);
              ``y_g = W_g @ columns_g`` for all groups in ONE strided-batched GEMM (batch = G);
-             then ``(C_out, Bc*Q) -> (Bc, C_out, *Q)`` with the bias added.
+             then ``(C_out, n*Q) -> (n, C_out, *Q)`` with the bias added.
 * to input:  column grads ``= W_g^T @ grad_y_g`` (one batched GEMM), then col2im scatters them
              with atomics into a float32 (float64 for float64) buffer (through a shared-memory
              box per tile of output positions); this is also the transposed convolution's
              forward.
-* weight:    ``grad_W_g += grad_y_g @ columns_g^T`` (GEMM accumulating in float32/float64
-             across chunks, beta = 1).
+* weight:    ``grad_W_g += grad_y_g @ columns_g^T`` (GEMM accumulating across chunks, beta = 1).
 * offset, mask: one thread per (sample, group, tap, position) sums over the group's channels
-             of column grads times the sample's derivative (offset) or the sample (mask): no
-             atomics. Offset groups and mask groups are independent.
-* ``conv_backward`` does all of it in one pass over the batch, sharing the grad_output layout
-  change and the column-grad GEMM between the gradients that are asked for.
+             of column grads times the sample's derivative (offset) or the sample (mask).
+
+A chunk is ``n`` whole samples, or, when one sample's columns do not fit the limit, a slab of
+rows of the first output axis of one sample: the kernels see a sub-grid whose padding is
+shifted (``p' = p - first_row * stride``), and the slab's offsets, mask and outputs are staged
+through the workspace. A request whose smallest chunk does not fit is refused with a
+``MemoryError`` when the plan is built, before anything is allocated.
+
+Everything that does not change between calls is computed when the executable is built: the
+chunks, their ``Geom`` structs, the kernel functions (compiled then, never during a CUDA-graph
+capture), the tiled scatter's shared-memory box, the GEMM descriptors and the workspace
+layout. A call carves its buffers out of ONE workspace (the caller's, or one allocation from
+CuPy's current allocator), launches on CuPy's current stream (the cuBLAS handle is set to it
+before the GEMMs) and never synchronises with the host.
 
 Half types (float16, bfloat16) are stored as such in the columns and GEMM operands; the
-GEMMs compute and write float32 (cuBLAS compute type 32F), every kernel computes in float32
-and the gradient buffers that take atomics are float32, cast back once at the end.
-float32 GEMMs use TF32 only where CuPy's compute type for float32 is TF32 (``CUPY_TF32=1`` or
-``cupy._core._routines_linalg.set_compute_type``), or where ``ALLOW_TF32`` is set to True.
+GEMMs compute and write float32, every kernel computes in float32 and the buffers that take
+atomics are float32, cast back once at the end. float32 GEMMs use TF32 exactly when the
+plan's ``allow_tf32`` is set (the core API reads CuPy's setting when the plan is built; the
+torch adapter passes ``torch.backends.cuda.matmul.allow_tf32``).
 
-Kernels run on CuPy's current stream, on the current device (``_api`` makes the arrays'
-device current through ``device_context``). Modules are compiled by NVRTC on first use, one
-per (device, dtype, N, index width), and cached in memory here and on disk by CuPy.
+cuBLAS's own workspace: CuPy 14 does not expose ``cublasSetWorkspace``, so the GEMMs use
+cuBLAS's default workspace of the handle (allocated by cuBLAS when the stream is first set,
+outside a capture: the executable sets the stream of every call before its GEMMs, and a
+warm-up call before capturing makes the capture allocation-free).
 """
 
 from __future__ import annotations
@@ -33,31 +43,29 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
 from pathlib import Path
 
 import numpy as np
 
 import cupy
 
+from .._geometry import ConvGeometry
 from .._interop import BFLOAT16, compute_dtype
-from . import cuda_source_dir
+from . import PRIMITIVES, cuda_source_dir
 
 xp = cupy
 
-#: Upper bound, in bytes, of the per-chunk workspace (columns, column grads, GEMM outputs).
-#: The batch is split into chunks that fit; a single sample is never split.
+#: Upper bound, in bytes, of an executable's workspace (columns, column grads, GEMM outputs,
+#: staging). Read when a plan is built.
 WORKSPACE_LIMIT_BYTES = int(os.environ.get("DCN_CUPY_CUDA_WORKSPACE_BYTES", 256 * 2**20))
-
-#: None: float32 GEMMs follow CuPy's compute type for float32 (TF32 when CUPY_TF32=1);
-#: True / False: force TF32 on / off.
-ALLOW_TF32 = None
 
 _BLOCK = 256
 _MAX_GRID = 1 << 20          # grid-stride loops cover the rest
 #: Kernels use 32-bit indices while every element count is at most this (else 64-bit): an
 #: index plus the grid stride (at most _MAX_GRID * _BLOCK = 2^28) then stays below 2^31.
 _INT32_SAFE = 2**30 - _BLOCK
-#: cuBLAS takes 32-bit sizes: the bound of every GEMM dimension (and so of a chunk's Bc*Q).
+#: cuBLAS takes 32-bit sizes: the bound of every GEMM dimension (and so of a chunk's n*Q).
 _INT32_MAX = 2**31 - 1
 
 _CTYPES = {
@@ -87,6 +95,11 @@ TILE_HALO = 3
 TILE_SMEM_BYTES = 48 * 1024
 _TILE = 256
 _MAIN_SOURCE = "deform_conv.cu"
+
+
+def settings() -> tuple:
+    """The module settings an executable is built with (part of the functional API's plan key)."""
+    return (WORKSPACE_LIMIT_BYTES, TILE_HALO, TILE_SMEM_BYTES, _INT32_SAFE)
 
 
 def device_context(device_id: int):
@@ -181,21 +194,28 @@ def compile_options() -> tuple:
 
 _modules = {}
 _functions = {}
+_compile_lock = threading.Lock()
 
 
 def _function(name: str, dtype, ndim: int, index64: bool):
+    """The kernel ``name`` (a template instantiation) on the current device, compiled once."""
     device = cupy.cuda.runtime.getDevice()
     key = (device, name)
     fn = _functions.get(key)
     if fn is None:
-        mkey = (device, np.dtype(dtype).str, ndim, index64)
-        module = _modules.get(mkey)
-        if module is None:
-            module = cupy.RawModule(code=module_source(), options=compile_options(),
-                                    name_expressions=name_expressions(dtype, ndim, index64))
-            _modules[mkey] = module
-        fn = _functions[key] = module.get_function(name)
+        with _compile_lock:  # concurrent first use: one compilation per module
+            fn = _functions.get(key)
+            if fn is None:
+                mkey = (device, np.dtype(dtype).str, ndim, index64)
+                module = _modules.get(mkey)
+                if module is None:
+                    module = cupy.RawModule(code=module_source(), options=compile_options(),
+                                            name_expressions=name_expressions(dtype, ndim, index64))
+                    _modules[mkey] = module
+                fn = _functions[key] = module.get_function(name)
     return fn
+
+
 
 
 class _Kernels:
@@ -252,7 +272,7 @@ def _index64(*counts) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# GEMM: strided-batched over groups through cuBLAS
+# GEMM: strided-batched over groups through cuBLAS, described once
 
 
 def _cublas_module():
@@ -261,237 +281,505 @@ def _cublas_module():
     return cublas
 
 
-def _compute_type(a_dtype) -> int:
+def cupy_allows_tf32() -> bool:
+    """CuPy's compute type for float32 is TF32 (``CUPY_TF32=1`` or set_compute_type)."""
+    try:
+        from cupy._core import _routines_linalg as linalg
+        return linalg.get_compute_type(np.float32) == getattr(linalg, "COMPUTE_TYPE_TF32", 7)
+    except Exception:
+        return False
+
+
+def _compute_type(a_dtype, allow_tf32: bool) -> int:
     _cublas = _cublas_module()
     if a_dtype == np.float64:
         return _cublas.CUBLAS_COMPUTE_64F
-    if a_dtype == np.float32:
-        tf32 = ALLOW_TF32
-        if tf32 is None:
-            try:
-                from cupy._core import _routines_linalg as linalg
-                tf32 = linalg.get_compute_type(np.float32) == getattr(linalg, "COMPUTE_TYPE_TF32", 7)
-            except Exception:
-                tf32 = False
-        if tf32:
-            return _cublas.CUBLAS_COMPUTE_32F_FAST_TF32
+    if a_dtype == np.float32 and allow_tf32:
+        return _cublas.CUBLAS_COMPUTE_32F_FAST_TF32
     return _cublas.CUBLAS_COMPUTE_32F
 
 
-def _gemm(a, b, c, trans_a: bool = False, trans_b: bool = False, beta: float = 0.0) -> None:
-    """``c[g] = op(a[g]) @ op(b[g]) + beta * c[g]`` for C-contiguous 3-D arrays (batch = g).
+_SCALARS = {(np.float64, 0.0): np.array(0.0), (np.float64, 1.0): np.array(1.0),
+            (np.float32, 0.0): np.array(0.0, np.float32), (np.float32, 1.0): np.array(1.0, np.float32)}
 
-    ``a``/``b`` share a dtype; ``c`` is that dtype or float32 (half operands accumulate and
-    are written in float32).
-    """
+
+class _Gemm:
+    """``c[g] = op(a[g]) @ op(b[g]) + beta * c[g]`` over ``batch`` groups, C-contiguous row-major
+    operands of fixed shapes: every cuBLAS argument but the pointers is fixed here."""
+
+    def __init__(self, batch, m, n, k, a_dtype, c_dtype, trans_a=False, trans_b=False, beta=0.0, allow_tf32=False):
+        if max(m, n, k) > _INT32_MAX:
+            raise ValueError(
+                f"a GEMM of size {m}x{n}x{k} exceeds cuBLAS's 32-bit sizes: one sample's output grid "
+                f"(C_out/groups x prod(Q)) or columns (C_in/groups*K x prod(Q)) are too large"
+            )
+        cublas = _cublas_module()
+        self._call = cublas.gemmStridedBatchedEx
+        self._set_stream = cublas.setStream
+        compute = _compute_type(np.dtype(a_dtype), allow_tf32)
+        scalar = np.float64 if compute == cublas.CUBLAS_COMPUTE_64F else np.float32
+        self._alpha = _SCALARS[(scalar, 1.0)].ctypes.data
+        self._beta = _SCALARS[(scalar, float(beta))].ctypes.data
+        a_rows, a_cols = (k, m) if trans_a else (m, k)
+        b_rows, b_cols = (n, k) if trans_b else (k, n)
+        ta, tb = np.dtype(a_dtype), np.dtype(a_dtype)
+        # Row-major C (m x n) is column-major C^T (n x m) = op(B)^T op(A)^T.
+        self._head = (cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N,
+                      cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N, n, m, k, self._alpha)
+        self._b = (_CUDA_DTYPES[tb], b_cols, b_rows * b_cols)
+        self._a = (_CUDA_DTYPES[ta], a_cols, a_rows * a_cols)
+        self._c = (_CUDA_DTYPES[np.dtype(c_dtype)], n, m * n, batch, compute, cublas.CUBLAS_GEMM_DEFAULT)
+
+    def __call__(self, handle, a_ptr, b_ptr, c_ptr) -> None:
+        self._call(handle, *self._head, b_ptr, *self._b, a_ptr, *self._a, self._beta, c_ptr, *self._c)
+
+
+def _cublas_on_current_stream():
+    """CuPy's cuBLAS handle of the current device, set to CuPy's current stream."""
+    handle = cupy.cuda.device.get_cublas_handle()
+    _cublas_module().setStream(handle, cupy.cuda.get_current_stream().ptr)
+    return handle
+
+
+def _gemm(a, b, c, trans_a: bool = False, trans_b: bool = False, beta: float = 0.0, allow_tf32=None) -> None:
+    """One GEMM of 3-D C-contiguous arrays (benchmarks and tests; executables hold _Gemm's)."""
     batch, m, n = c.shape
     k = a.shape[1] if trans_a else a.shape[2]
-    assert a.shape[0] == b.shape[0] == batch and a.dtype == b.dtype
-    assert a.flags.c_contiguous and b.flags.c_contiguous and c.flags.c_contiguous
-    if max(m, n, k) > _INT32_MAX:
-        raise ValueError(
-            f"a GEMM of size {m}x{n}x{k} exceeds cuBLAS's 32-bit sizes: one sample's output grid "
-            f"(C_out/groups x prod(Q)) or columns (C_in/groups*K x prod(Q)) are too large"
-        )
-    _cublas = _cublas_module()
-    compute = _compute_type(a.dtype)
-    scalar = np.float64 if compute == _cublas.CUBLAS_COMPUTE_64F else np.float32
-    alpha = np.array(1.0, dtype=scalar)
-    beta_ = np.array(beta, dtype=scalar)
-    handle = cupy.cuda.device.get_cublas_handle()
-    # Row-major C (m x n) is column-major C^T (n x m) = op(B)^T op(A)^T.
-    _cublas.gemmStridedBatchedEx(
-        handle,
-        _cublas.CUBLAS_OP_T if trans_b else _cublas.CUBLAS_OP_N,
-        _cublas.CUBLAS_OP_T if trans_a else _cublas.CUBLAS_OP_N,
-        n, m, k,
-        alpha.ctypes.data,
-        b.data.ptr, _CUDA_DTYPES[np.dtype(b.dtype)], b.shape[2], b.shape[1] * b.shape[2],
-        a.data.ptr, _CUDA_DTYPES[np.dtype(a.dtype)], a.shape[2], a.shape[1] * a.shape[2],
-        beta_.ctypes.data,
-        c.data.ptr, _CUDA_DTYPES[np.dtype(c.dtype)], n, m * n,
-        batch, compute, _cublas.CUBLAS_GEMM_DEFAULT,
-    )
+    tf32 = cupy_allows_tf32() if allow_tf32 is None else allow_tf32
+    _Gemm(batch, m, n, k, a.dtype, c.dtype, trans_a, trans_b, beta, tf32)(
+        _cublas_on_current_stream(), a.data.ptr, b.data.ptr, c.data.ptr)
 
 
 # ---------------------------------------------------------------------------------------------
-# Building blocks over one batch chunk
+# chunks and the workspace layout
 
 
-class _Shape:
-    """Sizes of a geometry, used by every operation."""
+_ALIGN = 256
 
-    def __init__(self, geom, dtype):
-        self.geom = geom
-        self.dtype = np.dtype(dtype)
+
+class _Layout:
+    """Named, aligned slices of one workspace."""
+
+    def __init__(self):
+        self.size = 0
+        self.slots = {}
+
+    def add(self, name: str, count: int, dtype) -> None:
+        dtype = np.dtype(dtype)
+        self.slots[name] = (self.size, int(count), dtype)
+        self.size += -(-int(count) * dtype.itemsize // _ALIGN) * _ALIGN
+
+    def view(self, workspace, name: str, shape):
+        offset, _, dtype = self.slots[name]
+        count = math.prod(shape)
+        return workspace[offset:offset + count * dtype.itemsize].view(dtype).reshape(shape)
+
+
+def _sub_geometry(geom: ConvGeometry, n: int, lo: int, hi: int) -> ConvGeometry:
+    """The geometry of ``n`` samples restricted to rows ``lo:hi`` of the first output axis: the
+    padding shifts so that row ``lo`` becomes row 0 (it may go negative)."""
+    padding = (geom.padding[0] - lo * geom.stride[0],) + tuple(geom.padding[1:])
+    return ConvGeometry(geom.ndim, n, geom.in_channels, geom.out_channels, geom.groups, geom.offset_groups,
+                        geom.mask_groups, geom.kernel_size, geom.stride, padding, geom.dilation, geom.input_shape,
+                        (hi - lo,) + tuple(geom.output_shape[1:]))
+
+
+class _Chunk:
+    """One unit of work: samples ``start:stop`` (rows ``lo:hi`` of one sample when ``rows``)."""
+
+    __slots__ = ("start", "stop", "n", "rows", "lo", "hi", "Q", "struct", "index", "kernels", "cap", "first", "last",
+                 "i_n", "i_q")
+
+    def __init__(self, exe, start, stop, lo=None, hi=None):
+        geom = exe.geom
+        self.start, self.stop, self.n = start, stop, stop - start
+        self.rows = lo is not None
+        self.lo, self.hi = lo, hi
+        sub = _sub_geometry(geom, self.n, lo, hi) if self.rows else geom.with_batch(self.n)
+        self.Q = sub.output_size
+        self.first = not self.rows or lo == 0
+        self.last = not self.rows or hi == geom.output_shape[0]
+        self.struct = _geom_struct(sub)
+        n, C, Co, K, S = self.n, geom.in_channels, geom.out_channels, geom.kernel_volume, geom.input_size
+        index64 = _index64(n * C * S, C * K * n * self.Q, n * Co * self.Q,
+                           n * max(geom.offset_groups, 1) * K * geom.ndim * self.Q,
+                           n * max(geom.mask_groups, 1) * K * self.Q)
+        self.index = np.int64 if index64 else np.int32
+        self.kernels = exe.kernels(index64)
+        self.cap = 0
+        if exe.needs_scatter:
+            cap = min(_max_box_volume(sub, _TILE, int(exe.halo)), int(exe.smem) // exe.acc.itemsize)
+            self.cap = max(int(cap), 0)
+        self.i_n = np.int32(self.n)
+        self.i_q = self.index(self.Q)
+
+
+def _plan_chunks(geom, per_position: int, fixed: int, per_sample_fixed: int, limit: int, what: str):
+    """``(samples per chunk, rows per chunk)``: whole samples while one fits the limit, else
+    slabs of rows of the first output axis; a MemoryError when one row does not fit."""
+    Q = geom.output_size
+    per_sample = per_position * Q + per_sample_fixed
+    if fixed + per_sample <= limit:
+        n = min(geom.batch, (limit - fixed) // per_sample, _INT32_MAX // Q)
+        return max(1, n), None
+    inner = Q // geom.output_shape[0]
+    row = per_position * inner
+    need = fixed + per_sample_fixed + row
+    if need > limit:
+        raise MemoryError(
+            f"deformable convolution ({what}) needs a workspace of at least {need} bytes for one row of output "
+            f"positions of one sample, more than the limit of {limit} bytes (dcn_cupy._backends.cuda."
+            f"WORKSPACE_LIMIT_BYTES, environment variable DCN_CUPY_CUDA_WORKSPACE_BYTES)"
+        )
+    return 1, max(1, min((limit - fixed - per_sample_fixed) // row, geom.output_shape[0]))
+
+
+class _Executable:
+    """What forward and backward share: sizes, kernels, chunks and the workspace layout."""
+
+    needs_scatter = False
+
+    def __init__(self, spec):
+        geom = self.geom = spec.geom
+        self.spec = spec
+        self.dtype = np.dtype(spec.dtype)
         self.acc = compute_dtype(self.dtype)
+        self.device_id = spec.device_id
+        self.halo, self.smem, self.limit = int(TILE_HALO), int(TILE_SMEM_BYTES), int(WORKSPACE_LIMIT_BYTES)
         self.B, self.C, self.Co, self.G = geom.batch, geom.in_channels, geom.out_channels, geom.groups
         self.K, self.Q, self.S = geom.kernel_volume, geom.output_size, geom.input_size
         self.Cg, self.Cog = geom.in_channels_per_group, geom.out_channels_per_group
-        self.Go, self.Gm = geom.offset_groups, geom.mask_groups
-        self.struct = _geom_struct(geom)
-        self._cap = None
+        self.Go, self.Gm = max(geom.offset_groups, 1), max(geom.mask_groups, 1)
+        self.i_C, self.i_Co = np.int32(self.C), np.int32(self.Co)
+        self.i_Go, self.i_Gm = np.int32(self.Go), np.int32(self.Gm)
+        self.inner = self.Q // geom.output_shape[0]
+        self._kernels = {}
 
-    def chunk(self, per_sample_bytes: int) -> int:
-        """Samples per chunk: the workspace limit, and Bc*Q within cuBLAS's 32-bit sizes."""
-        limit = int(WORKSPACE_LIMIT_BYTES)
-        size = min(self.B, limit // max(int(per_sample_bytes), 1), _INT32_MAX // self.Q)
-        return max(1, size)
+    def kernels(self, index64: bool) -> dict:
+        """Every kernel function of this executable for one index width (compiled here)."""
+        found = self._kernels.get(index64)
+        if found is None:
+            kern = _Kernels(self.dtype, self.geom.ndim, index64)
+            found = {
+                "im2col": kern.get("deform_im2col"),
+                "col2im": kern.get("deform_col2im_tiled"),
+                "to_batch": kern.get("columns_to_batch", spatial=False),
+                "to_columns": kern.get("batch_to_columns", spatial=False),
+                "finalize": kern.get("finalize", spatial=False),
+            }
+            for o, m in _GRAD_VARIANTS:
+                found[(o == "true", m == "true")] = kern.get("deform_backward_grouped", extra=f", {o}, {m}")
+            self._kernels[index64] = found
+        return found
 
-    def index64(self, n: int) -> bool:
-        """Whether a chunk of n samples needs 64-bit indices in the kernels."""
-        return _index64(
-            n * self.C * self.S, self.C * self.K * n * self.Q, n * self.Co * self.Q,
-            n * max(self.Go, 1) * self.K * self.geom.ndim * self.Q, n * max(self.Gm, 1) * self.K * self.Q,
-        )
+    def _chunks(self, n, rows):
+        chunks = []
+        if rows is None:
+            for start in range(0, self.B, n):
+                chunks.append(_Chunk(self, start, min(start + n, self.B)))
+        else:
+            H = self.geom.output_shape[0]
+            for b in range(self.B):
+                for lo in range(0, H, rows):
+                    chunks.append(_Chunk(self, b, b + 1, lo, min(lo + rows, H)))
+        return chunks
 
-    def kernels(self, n: int) -> _Kernels:
-        return _Kernels(self.dtype, self.geom.ndim, self.index64(n))
+    def _describe(self, name, n, rows):
+        index = "64-bit" if any(c.index is np.int64 for c in self.chunks) else "32-bit"
+        if rows is None:
+            how = f"{len(self.chunks)} chunk(s) of up to {n} sample(s)"
+        else:
+            how = f"{len(self.chunks)} chunk(s) of up to {rows} output row(s) of one sample"
+        return (f"cuda/im2col {name}: {how}, {index} index, workspace {self.workspace_bytes} bytes "
+                f"(limit {self.limit})" + (", TF32 GEMMs" if self.spec.allow_tf32 and self.dtype == np.float32 else ""))
 
-    def im2col(self, kern, x, offset, mask, columns, n: int) -> None:
-        _launch(kern.get("deform_im2col"), self.C * n * self.Q, (
-            x, offset, mask, columns, self.struct, np.int32(n), np.int32(self.C),
-            np.int32(max(self.Go, 1)), np.int32(max(self.Gm, 1)),
-        ))
+    @staticmethod
+    def _samples(array, start, stop):
+        """Samples start:stop, C-contiguous (a chunk-sized copy only for an unusual batch stride)."""
+        part = array[start:stop]
+        return part if part.flags.c_contiguous else cupy.ascontiguousarray(part)
 
-    def col2im(self, kern, column_grads, offset, mask, grad_x, n: int) -> None:
-        """The tiled scatter: a block per (b, c, tile), the box in dynamic shared memory."""
-        if self._cap is None:
-            cap = min(_max_box_volume(self.geom, _TILE, int(TILE_HALO)), int(TILE_SMEM_BYTES) // self.acc.itemsize)
-            self._cap = max(int(cap), 0)
-        blocks = -(-self.Q // _TILE) * self.C * n
-        kern.get("deform_col2im_tiled")((min(blocks, _MAX_GRID),), (_TILE,), (
-            column_grads, offset, mask, grad_x, self.struct, np.int32(n), np.int32(self.C),
-            np.int32(max(self.Go, 1)), np.int32(max(self.Gm, 1)), np.int32(TILE_HALO), np.int32(self._cap),
-        ), shared_mem=self._cap * self.acc.itemsize)
+    def _launch(self, kernel, total, args):
+        if total > 0:
+            kernel((min((total + _BLOCK - 1) // _BLOCK, _MAX_GRID),), (_BLOCK,), args)
 
-    def grouped(self, kern, want, groups, column_grads, x, offset, mask, grad_offset, grad_mask, n: int) -> None:
-        """The offset and/or mask gradients (``want`` = (offset, mask)) over ``groups`` groups."""
-        flags = ", " + ", ".join("true" if w else "false" for w in want)
-        _launch(kern.get("deform_backward_grouped", extra=flags), n * groups * self.K * self.Q, (
-            column_grads, x, offset, mask, grad_offset, grad_mask, self.struct, np.int32(n),
-            np.int32(self.C), np.int32(max(self.Go, 1)), np.int32(max(self.Gm, 1)), np.int32(groups),
-        ))
-
-    def to_columns(self, kern, grad_y, out, n: int) -> None:
-        _launch(kern.get("batch_to_columns", spatial=False), n * self.Co * self.Q, (
-            grad_y, out, np.int32(n), np.int32(self.Co), kern.index(self.Q),
-        ))
-
-
-def _slice(array, start, stop):
-    return None if array is None else array[start:stop]
+    def _stage(self, ws, name, array, chunk, channels):
+        """A (1, channels, rows, ...) contiguous copy of one sample's rows lo:hi in the workspace."""
+        if array is None:
+            return None
+        shape = (1, channels, chunk.hi - chunk.lo) + tuple(self.geom.output_shape[1:])
+        staged = self.layout.view(ws, name, shape)
+        staged[...] = array[chunk.start:chunk.stop, :, chunk.lo:chunk.hi]
+        return staged
 
 
-def _buffer(size: int, dtype):
-    return cupy.empty(int(size), dtype=dtype)
+class _Forward(_Executable):
+    """``conv_forward``: im2col + one batched GEMM + layout/bias, per chunk."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        it, acc = self.dtype.itemsize, self.acc.itemsize
+        off_ch = self.geom.offset_groups * self.K * self.geom.ndim
+        m_ch = self.geom.mask_groups * self.K
+        per_position = self.C * self.K * it + self.Co * acc
+        n, rows = _plan_chunks(self.geom, per_position, 0, 0, self.limit, "forward")
+        if rows is not None:  # staging of offsets, mask and the output rows
+            per_position += (off_ch + m_ch + self.Co) * it
+            n, rows = _plan_chunks(self.geom, per_position, 0, 0, self.limit, "forward")
+        nq = n * self.Q if rows is None else rows * self.inner
+        layout = self.layout = _Layout()
+        layout.add("cols", self.C * self.K * nq, self.dtype)
+        layout.add("gemm", self.Co * nq, self.acc)
+        if rows is not None:
+            layout.add("offset", off_ch * nq, self.dtype)
+            layout.add("mask", m_ch * nq, self.dtype)
+            layout.add("y", self.Co * nq, self.dtype)
+        self.workspace_bytes = layout.size
+        with cupy.cuda.Device(self.device_id):
+            self.chunks = self._chunks(n, rows)
+        self.gemms = {}
+        for c in self.chunks:
+            if c.Q * c.n not in self.gemms:
+                self.gemms[c.Q * c.n] = _Gemm(self.G, self.Cog, c.n * c.Q, self.Cg * self.K, self.dtype, self.acc,
+                                              allow_tf32=spec.allow_tf32)
+        self.description = self._describe("forward", n, rows)
+
+    def run(self, args, out, ws):
+        x, w, offset, mask, bias = args["input"], args["weight"], args["offset"], args["mask"], args["bias"]
+        layout, C, G, K = self.layout, self.C, self.G, self.K
+        handle = _cublas_on_current_stream()
+        w_ptr = w.data.ptr
+        for c in self.chunks:
+            q = c.n * c.Q
+            cols = layout.view(ws, "cols", (G, self.Cg * K, q))
+            gout = layout.view(ws, "gemm", (G, self.Cog, q))
+            if c.rows:
+                off = self._stage(ws, "offset", offset, c, self.geom.offset_groups * K * self.geom.ndim)
+                msk = self._stage(ws, "mask", mask, c, self.geom.mask_groups * K)
+                target = layout.view(ws, "y", (1, self.Co, q))
+            else:
+                off = None if offset is None else self._samples(offset, c.start, c.stop)
+                msk = None if mask is None else self._samples(mask, c.start, c.stop)
+                target = out[c.start:c.stop]
+            k = c.kernels
+            self._launch(k["im2col"], C * q, (self._samples(x, c.start, c.stop), off, msk, cols, c.struct, c.i_n,
+                                              self.i_C, self.i_Go, self.i_Gm))
+            self.gemms[q](handle, w_ptr, cols.data.ptr, gout.data.ptr)
+            self._launch(k["to_batch"], self.Co * q, (gout, bias, target, c.i_n, self.i_Co, c.i_q))
+            if c.rows:
+                out[c.start:c.stop, :, c.lo:c.hi] = target.reshape((1, self.Co, c.hi - c.lo)
+                                                                   + tuple(self.geom.output_shape[1:]))
 
 
-def _view(buffer, shape):
-    return buffer[:math.prod(shape)].reshape(shape)
+class _Backward(_Executable):
+    """``conv_backward``: every requested gradient in one pass over the chunks."""
 
+    needs_scatter = True
 
-def _finalize(src, bias, dst, channels: int, inner: int, dtype, ndim: int) -> None:
-    """dst = cast(src + bias per channel); src may be dst."""
-    total = int(src.size)
-    kern = _Kernels(dtype, ndim, _index64(total))
-    _launch(kern.get("finalize", spatial=False), total, (
-        src, bias, dst, kern.index(total), np.int32(channels), kern.index(inner),
-    ))
+    def __init__(self, spec):
+        super().__init__(spec)
+        it, acc = self.dtype.itemsize, self.acc.itemsize
+        geom = self.geom
+        self.off_ch = geom.offset_groups * self.K * geom.ndim
+        self.m_ch = geom.mask_groups * self.K
+        half = self.acc != self.dtype
+        # gy columns + columns (weight) + column grads; grad_w in float32 for the half types
+        per_position = self.Co * it + self.C * self.K * (it + acc)
+        fixed = self.G * self.Cog * self.Cg * self.K * acc if half else 0
+        per_sample = self.C * self.S * acc if half else 0     # grad_x accumulated in float32
+        n, rows = _plan_chunks(geom, per_position, fixed, per_sample, self.limit, "backward")
+        if rows is not None:  # staging of offsets, mask and their gradients
+            per_position += 2 * (self.off_ch + self.m_ch) * it
+            n, rows = _plan_chunks(geom, per_position, fixed, per_sample, self.limit, "backward")
+        nq = n * self.Q if rows is None else rows * self.inner
+        layout = self.layout = _Layout()
+        layout.add("gy", self.Co * nq, self.dtype)
+        layout.add("cols", self.C * self.K * nq, self.dtype)
+        layout.add("cgrad", self.C * self.K * nq, self.acc)
+        if half:
+            layout.add("grad_w", self.G * self.Cog * self.Cg * self.K, self.acc)
+            layout.add("grad_x", n * self.C * self.S, self.acc)
+        if rows is not None:
+            for name, ch in (("offset", self.off_ch), ("mask", self.m_ch), ("grad_offset", self.off_ch),
+                             ("grad_mask", self.m_ch)):
+                layout.add(name, ch * nq, self.dtype)
+        self.workspace_bytes = layout.size
+        final = _index64(self.B * self.C * self.S, self.G * self.Cog * self.Cg * self.K)
+        with cupy.cuda.Device(self.device_id):
+            self.chunks = self._chunks(n, rows)
+            self.final = self.kernels(final)["finalize"]
+        self.final_index = np.int64 if final else np.int32
+        self.gemms = {}
+        for c in self.chunks:
+            q = c.n * c.Q
+            if q not in self.gemms:
+                self.gemms[q] = (
+                    _Gemm(self.G, self.Cog, self.Cg * self.K, q, self.dtype, self.acc, trans_b=True, beta=1.0,
+                          allow_tf32=spec.allow_tf32),                                    # grad_w += gy @ cols^T
+                    _Gemm(self.G, self.Cg * self.K, q, self.Cog, self.dtype, self.acc, trans_a=True,
+                          allow_tf32=spec.allow_tf32),                                    # cgrad = W^T @ gy
+                )
+        self.description = self._describe("backward", n, rows)
+
+    def run(self, args, out, ws):
+        gy_all, x, w = args["grad_output"], args["input"], args["weight"]
+        offset, mask, bias, wanted = args["offset"], args["mask"], args.get("bias"), args["wanted"]
+        need_input = "input" in wanted
+        need_weight = "weight" in wanted
+        need_offset = "offset" in wanted and offset is not None
+        need_mask = "mask" in wanted and mask is not None
+        need_cgrad = need_input or need_offset or need_mask
+        layout, geom, C, G, K = self.layout, self.geom, self.C, self.G, self.K
+        half = self.acc != self.dtype
+        grad_x = out.get("input") if need_input else None
+        grad_w = out.get("weight") if need_weight else None
+        grad_off = out.get("offset") if need_offset else None
+        grad_m = out.get("mask") if need_mask else None
+        if grad_w is not None:
+            w_acc = layout.view(ws, "grad_w", (G, self.Cog, self.Cg * K)) if half else grad_w.reshape(
+                G, self.Cog, self.Cg * K)
+            w_acc.fill(0)
+        if grad_x is not None and not half:
+            grad_x.fill(0)
+        handle = _cublas_on_current_stream()
+        w_ptr = w.data.ptr
+        spatial = tuple(geom.output_shape[1:])
+        for c in self.chunks:
+            q = c.n * c.Q
+            k = c.kernels
+            gemm_w, gemm_cgrad = self.gemms[q]
+            gy = layout.view(ws, "gy", (G, self.Cog, q))
+            if c.rows:
+                # one sample: (1, Co, rows, ...) is already the (Co, q) column layout
+                gy.reshape((1, self.Co, c.hi - c.lo) + spatial)[...] = gy_all[c.start:c.stop, :, c.lo:c.hi]
+                off = self._stage(ws, "offset", offset, c, self.off_ch)
+                msk = self._stage(ws, "mask", mask, c, self.m_ch)
+            else:
+                self._launch(k["to_columns"], self.Co * q, (self._samples(gy_all, c.start, c.stop), gy, c.i_n,
+                                                            self.i_Co, c.i_q))
+                off = None if offset is None else self._samples(offset, c.start, c.stop)
+                msk = None if mask is None else self._samples(mask, c.start, c.stop)
+            x_part = None if x is None else self._samples(x, c.start, c.stop)
+            if need_weight:
+                cols = layout.view(ws, "cols", (G, self.Cg * K, q))
+                self._launch(k["im2col"], C * q, (x_part, off, msk, cols, c.struct, c.i_n, self.i_C, self.i_Go,
+                                                  self.i_Gm))
+                gemm_w(handle, gy.data.ptr, cols.data.ptr, w_acc.data.ptr)
+            if not need_cgrad:
+                continue
+            cgrad = layout.view(ws, "cgrad", (G, self.Cg * K, q))
+            gemm_cgrad(handle, w_ptr, gy.data.ptr, cgrad.data.ptr)
+            if need_input:
+                if half:
+                    gx = layout.view(ws, "grad_x", (c.n, C, self.S))
+                    if c.first:
+                        gx.fill(0)
+                else:
+                    gx = grad_x[c.start:c.stop]
+                blocks = -(-c.Q // _TILE) * C * c.n
+                k["col2im"]((min(blocks, _MAX_GRID),), (_TILE,), (
+                    cgrad, off, msk, gx, c.struct, c.i_n, self.i_C, self.i_Go, self.i_Gm, np.int32(self.halo),
+                    np.int32(c.cap)), shared_mem=c.cap * self.acc.itemsize)
+                if half and c.last:
+                    total = c.n * C * self.S
+                    target = grad_x[c.start:c.stop]
+                    self._launch(self.final, total, (gx, bias, target, self.final_index(total), self.i_C,
+                                                     self.final_index(self.S)))
+            if need_offset or need_mask:
+                if c.rows:
+                    g_off = layout.view(ws, "grad_offset", (1, self.off_ch, q)) if need_offset else None
+                    g_m = layout.view(ws, "grad_mask", (1, self.m_ch, q)) if need_mask else None
+                else:
+                    g_off = None if grad_off is None else grad_off[c.start:c.stop]
+                    g_m = None if grad_m is None else grad_m[c.start:c.stop]
+                self._offset_mask(k, c, need_offset, need_mask, cgrad, x_part, off, msk, g_off, g_m)
+                if c.rows:
+                    rows = (1, None, c.hi - c.lo) + spatial
+                    if need_offset:
+                        grad_off[c.start:c.stop, :, c.lo:c.hi] = g_off.reshape(rows[:1] + (self.off_ch,) + rows[2:])
+                    if need_mask:
+                        grad_m[c.start:c.stop, :, c.lo:c.hi] = g_m.reshape(rows[:1] + (self.m_ch,) + rows[2:])
+        if grad_x is not None and not half and bias is not None:
+            total = self.B * C * self.S
+            self._launch(self.final, total, (grad_x, bias, grad_x, self.final_index(total), self.i_C,
+                                             self.final_index(self.S)))
+        if grad_w is not None and half:
+            total = grad_w.size
+            self._launch(self.final, total, (w_acc, None, grad_w, self.final_index(total), np.int32(1),
+                                             self.final_index(1)))
+
+    def _offset_mask(self, k, c, need_offset, need_mask, cgrad, x, off, msk, g_off, g_m):
+        """The grouped kernel over offset groups (with the mask when G_o == G_m), else mask groups."""
+        def launch(want, groups, go, gm):
+            self._launch(k[want], c.n * groups * self.K * c.Q, (
+                cgrad, x, off, msk, go, gm, c.struct, c.i_n, self.i_C, self.i_Go, self.i_Gm, np.int32(groups)))
+
+        if need_offset:
+            with_mask = need_mask and self.Go == self.Gm
+            launch((True, with_mask), self.Go, g_off, g_m if with_mask else None)
+            if need_mask and not with_mask:
+                launch((False, True), self.Gm, None, g_m)
+        elif need_mask:
+            launch((False, True), self.Gm, None, g_m)
 
 
 # ---------------------------------------------------------------------------------------------
-# The backend interface (see _backends/__init__.py)
+# the registered backend and module-level entry points
+
+
+class _Im2colBackend:
+    """``cuda/im2col``: deformable im2col/col2im kernels around cuBLAS GEMMs."""
+
+    device = "cuda"
+    algorithm = "im2col"
+    priority = 0
+    primitives = PRIMITIVES
+
+    def serves(self, spec, primitive):
+        if spec.dtype not in _CTYPES:
+            return f"dtype {spec.dtype} is not supported"
+        if primitive == "conv_backward" and spec.deterministic:
+            return ("its input gradient is scattered with floating-point atomics, whose order (and so "
+                    "rounding) varies from run to run")
+        return None
+
+    def build(self, spec, primitive):
+        return _Forward(spec) if primitive == "conv_forward" else _Backward(spec)
+
+    @staticmethod
+    def settings():
+        return settings()
+
+
+BACKEND = _Im2colBackend()
+
+
+def _spec(geom, dtype, allow_tf32=None):
+    from . import PlanSpec
+    tf32 = cupy_allows_tf32() if allow_tf32 is None else allow_tf32
+    return PlanSpec(geom, np.dtype(dtype), "cuda", cupy.cuda.runtime.getDevice(), False, bool(tf32))
 
 
 def conv_forward(x, weight, offset, mask, bias, geom):
-    sh = _Shape(geom, x.dtype)
-    y = cupy.empty(geom.y_shape, dtype=sh.dtype)
-    w = weight.reshape(sh.G, sh.Cog, sh.Cg * sh.K)
-    per_sample = sh.C * sh.K * sh.Q * sh.dtype.itemsize + sh.Co * sh.Q * sh.acc.itemsize
-    bc = sh.chunk(per_sample)
-    cols_buf = _buffer(sh.C * sh.K * bc * sh.Q, sh.dtype)
-    out_buf = _buffer(sh.Co * bc * sh.Q, sh.acc)
-    for start in range(0, sh.B, bc):
-        n = min(bc, sh.B - start)
-        kern = sh.kernels(n)
-        cols = _view(cols_buf, (sh.G, sh.Cg * sh.K, n * sh.Q))
-        sh.im2col(kern, x[start:start + n], _slice(offset, start, start + n), _slice(mask, start, start + n),
-                  cols, n)
-        out = _view(out_buf, (sh.G, sh.Cog, n * sh.Q))
-        _gemm(w, cols, out)
-        _launch(kern.get("columns_to_batch", spatial=False), n * sh.Co * sh.Q, (
-            out, bias, y[start:start + n], np.int32(n), np.int32(sh.Co), kern.index(sh.Q),
-        ))
+    """``y = deform_conv(x) (+ bias)`` for batched C-contiguous CuPy arrays (builds an executable
+    per call: tests and benchmarks; the library goes through plans)."""
+    exe = _Forward(_spec(geom, x.dtype))
+    y = cupy.empty(geom.y_shape, dtype=x.dtype)
+    ws = cupy.empty(exe.workspace_bytes, dtype=np.uint8)
+    exe.run({"input": x, "weight": weight, "offset": offset, "mask": mask, "bias": bias}, y, ws)
     return y
 
 
-def conv_backward(grad_output, x, weight, offset, mask, geom, need_input=True, need_weight=True,
-                  need_offset=True, need_mask=True, bias=None):
-    """Every requested gradient of the convolution in one pass over the batch.
-
-    Returns ``(grad_x, grad_weight, grad_offset, grad_mask)``, each None unless asked for
-    (offset/mask gradients also None when that argument is None). ``bias`` (length C_in) is
-    added to grad_x per channel: the transposed convolution's forward. Shares the grad_output
-    layout change and the column-grad GEMM between the input and the offset/mask gradients;
-    the tiled col2im kernel scatters the input gradient, the grouped kernel computes the
-    offset/mask gradients from the same column grads.
-    ``x`` may be None when neither the weight nor the offset/mask gradients are wanted.
-    """
-    sh = _Shape(geom, grad_output.dtype)
-    need_offset = bool(need_offset) and offset is not None
-    need_mask = bool(need_mask) and mask is not None
-    need_om = need_offset or need_mask
-    need_cgrad = need_input or need_om
-    grad_x = cupy.zeros(geom.x_shape, dtype=sh.acc) if need_input else None
-    grad_w = cupy.zeros((sh.G, sh.Cog, sh.Cg * sh.K), dtype=sh.acc) if need_weight else None
-    grad_off = cupy.empty(geom.offset_shape, dtype=sh.dtype) if need_offset else None
-    grad_m = cupy.empty(geom.mask_shape, dtype=sh.dtype) if need_mask else None
-    if need_weight or need_cgrad:
-        w = weight.reshape(sh.G, sh.Cog, sh.Cg * sh.K)
-        cols_elems = sh.C * sh.K * sh.Q
-        per_sample = (sh.Co * sh.Q * sh.dtype.itemsize
-                      + (cols_elems * sh.dtype.itemsize if need_weight else 0)
-                      + (cols_elems * sh.acc.itemsize if need_cgrad else 0))
-        bc = sh.chunk(per_sample)
-        gy_buf = _buffer(sh.Co * bc * sh.Q, sh.dtype)
-        cols_buf = _buffer(cols_elems * bc, sh.dtype) if need_weight else None
-        cgrad_buf = _buffer(cols_elems * bc, sh.acc) if need_cgrad else None
-        for start in range(0, sh.B, bc):
-            n = min(bc, sh.B - start)
-            stop = start + n
-            kern = sh.kernels(n)
-            gy = _view(gy_buf, (sh.G, sh.Cog, n * sh.Q))
-            sh.to_columns(kern, grad_output[start:stop], gy, n)
-            off, msk = _slice(offset, start, stop), _slice(mask, start, stop)
-            if need_weight:
-                cols = _view(cols_buf, (sh.G, sh.Cg * sh.K, n * sh.Q))
-                sh.im2col(kern, x[start:stop], off, msk, cols, n)
-                _gemm(gy, cols, grad_w, trans_b=True, beta=1.0)
-            if not need_cgrad:
-                continue
-            cgrad = _view(cgrad_buf, (sh.G, sh.Cg * sh.K, n * sh.Q))
-            _gemm(w, gy, cgrad, trans_a=True)
-            if need_input:
-                sh.col2im(kern, cgrad, off, msk, grad_x[start:stop], n)
-            x_part = _slice(x, start, stop)
-            g_off, g_m = _slice(grad_off, start, stop), _slice(grad_m, start, stop)
-            if need_offset:
-                with_mask = need_mask and sh.Go == sh.Gm
-                sh.grouped(kern, (True, with_mask), sh.Go, cgrad, x_part, off, msk, g_off,
-                           g_m if with_mask else None, n)
-                if need_mask and not with_mask:
-                    sh.grouped(kern, (False, True), sh.Gm, cgrad, x_part, off, msk, None, g_m, n)
-            elif need_mask:
-                sh.grouped(kern, (False, True), sh.Gm, cgrad, x_part, off, msk, None, g_m, n)
-    if grad_x is not None and (sh.acc != sh.dtype or bias is not None):
-        out = grad_x if sh.acc == sh.dtype else cupy.empty(geom.x_shape, dtype=sh.dtype)
-        _finalize(grad_x, bias, out, sh.C, sh.S, sh.dtype, geom.ndim)
-        grad_x = out
-    if grad_w is not None:
-        if sh.acc != sh.dtype:
-            out = cupy.empty(grad_w.shape, dtype=sh.dtype)
-            _finalize(grad_w, None, out, 1, 1, sh.dtype, geom.ndim)
-            grad_w = out
-        grad_w = grad_w.reshape(geom.weight_shape)
-    return grad_x, grad_w, grad_off, grad_m
+def conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias=None):
+    """``(grad_x, grad_weight, grad_offset, grad_mask)`` for the names in ``wanted`` (None for
+    the others, and for offset/mask when that argument is None)."""
+    dtype = grad_output.dtype
+    exe = _Backward(_spec(geom, dtype))
+    shapes = {"input": geom.x_shape, "weight": geom.weight_shape, "offset": geom.offset_shape,
+              "mask": geom.mask_shape}
+    wanted = frozenset(n for n in wanted if not (n == "offset" and offset is None) and not (n == "mask" and mask is None))
+    out = {name: cupy.empty(shapes[name], dtype=dtype) for name in wanted}
+    ws = cupy.empty(exe.workspace_bytes, dtype=np.uint8)
+    exe.run({"grad_output": grad_output, "input": x, "weight": weight, "offset": offset, "mask": mask,
+             "bias": bias, "wanted": wanted}, out, ws)
+    return tuple(out.get(name) for name in ("input", "weight", "offset", "mask"))

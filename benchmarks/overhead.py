@@ -1,0 +1,333 @@
+"""Host time per call on a tiny problem: what a call costs the CPU, not the GPU.
+
+B=1, C 16->16, 8x8, 3x3, DCNv2 (offset + mask), padding 1, float32. On a GPU the device is kept
+busy by a long kernel queued first, so that a call's time is its host time (validation,
+interop, launches); on the CPU the rows are the whole call (the problem is tiny). Each row
+times forward alone and forward+backward (every gradient), as the median over repeats of the
+mean over a batch of calls.
+
+    python benchmarks/overhead.py                 # every path this machine can run
+    python benchmarks/overhead.py --device cpu    # CPU rows only
+
+Paths whose library is missing (or has no GPU) are printed as skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import dcn_cupy  # noqa: E402
+
+B, C, H, K = 1, 16, 8, 3
+
+
+def _arrays(rng, dtype=np.float32):
+    return dict(
+        input=rng.standard_normal((B, C, H, H)).astype(dtype),
+        weight=(rng.standard_normal((C, C, K, K)) / (C * K * K) ** 0.5).astype(dtype),
+        offset=rng.standard_normal((B, 2 * K * K, H, H)).astype(dtype),
+        mask=rng.random((B, K * K, H, H)).astype(dtype),
+        bias=rng.standard_normal(C).astype(dtype),
+    )
+
+
+class _Busy:
+    """Keeps the GPU busy (a spinning kernel) while host time is measured."""
+
+    def __init__(self, kind):
+        self.kind = kind
+        if kind == "cupy":
+            import cupy
+            self.kernel = cupy.RawKernel(r'''
+            extern "C" __global__ void spin(long long cycles) {
+                long long start = clock64();
+                while (clock64() - start < cycles) { }
+            }''', "spin")
+
+    def __call__(self, seconds):
+        if self.kind == "cupy":
+            import cupy
+            rate = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["clockRate"] * 1e3
+            self.kernel((1,), (1,), (np.int64(seconds * rate),))
+        elif self.kind == "torch":
+            import torch
+            torch.cuda._sleep(int(seconds * 2e9))
+
+    def sync(self):
+        if self.kind == "cupy":
+            import cupy
+            cupy.cuda.get_current_stream().synchronize()
+        elif self.kind == "torch":
+            import torch
+            torch.cuda.synchronize()
+
+
+def _time(call, busy=None, calls=50, repeats=7, finish=None) -> float:
+    """Median over repeats of the mean host µs of ``calls`` calls."""
+    call()
+    call()
+    if busy is not None:
+        busy.sync()
+    results = []
+    for _ in range(repeats):
+        if busy is not None:
+            busy(0.2)  # far longer than the calls take to enqueue
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        elapsed = time.perf_counter() - start
+        if finish is not None:
+            finish()
+        if busy is not None:
+            busy.sync()
+        results.append(elapsed / calls * 1e6)
+    return statistics.median(results)
+
+
+# ---------------------------------------------------------------------------------------------
+# the paths: each returns (forward, forward+backward, busy) or raises _Skip
+
+
+class _Skip(Exception):
+    pass
+
+
+def _need(module):
+    try:
+        return __import__(module, fromlist=["_"])
+    except Exception as error:
+        raise _Skip(f"{module} is not importable ({type(error).__name__})") from None
+
+
+def _cupy():
+    cupy = _need("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise _Skip("no CUDA device")
+    except cupy.cuda.runtime.CUDARuntimeError:
+        raise _Skip("no CUDA device") from None
+    return cupy
+
+
+def _torch_cuda():
+    torch = _need("torch")
+    if not torch.cuda.is_available():
+        raise _Skip("torch has no CUDA")
+    return torch
+
+
+def path_plan(device, rng):
+    a = _arrays(rng)
+    busy = None
+    if device == "cuda":
+        cupy = _cupy()
+        a = {k: cupy.asarray(v) for k, v in a.items()}
+        busy = _Busy("cupy")
+    p = dcn_cupy.plan(**a, padding=1)
+    y = p.forward(**a)
+    gy = y.copy()
+    xp = np if device == "cpu" else __import__("cupy")
+    out = xp.empty_like(y)
+    ws = xp.empty(max(p.workspace_bytes, 1), np.uint8)
+    grads = {k: xp.empty_like(v) for k, v in a.items()}
+
+    def fwd():
+        p.forward(**a, out=out, workspace=ws)
+
+    def both():
+        p.forward(**a, out=out, workspace=ws)
+        p.backward(gy, **a, out=grads, workspace=ws)
+
+    return fwd, both, busy
+
+
+def path_functional(device, rng):
+    a = _arrays(rng)
+    busy = None
+    if device == "cuda":
+        cupy = _cupy()
+        a = {k: cupy.asarray(v) for k, v in a.items()}
+        busy = _Busy("cupy")
+    gy = dcn_cupy.deform_conv2d(**a, padding=1)
+
+    def fwd():
+        dcn_cupy.deform_conv2d(**a, padding=1)
+
+    def both():
+        dcn_cupy.deform_conv2d(**a, padding=1)
+        dcn_cupy.deform_conv2d_backward(gy, **a, padding=1)
+
+    return fwd, both, busy
+
+
+def _torch_tensors(device, rng, grad):
+    torch = _torch_cuda() if device == "cuda" else _need("torch")
+    t = {k: torch.from_numpy(v).to(device) for k, v in _arrays(rng).items()}
+    if grad:
+        for k in ("input", "weight", "offset", "mask", "bias"):
+            t[k].requires_grad_(True)
+    return torch, t
+
+
+def path_dcn_torch(device, rng):
+    _need("torch")
+    dt = _need("dcn_cupy.torch")
+    torch, t = _torch_tensors(device, rng, True)
+    busy = _Busy("torch") if device == "cuda" else None
+    gy = torch.ones(B, C, H, H, device=device)
+
+    def fwd():
+        with torch.no_grad():
+            dt.deform_conv2d(t["input"], t["weight"], t["offset"], t["mask"], t["bias"], padding=1)
+
+    def both():
+        y = dt.deform_conv2d(t["input"], t["weight"], t["offset"], t["mask"], t["bias"], padding=1)
+        y.backward(gy)
+
+    return fwd, both, busy
+
+
+def path_dcn_torch_graph(device, rng):
+    if device != "cuda":
+        raise _Skip("CUDA graphs need a GPU")
+    torch = _torch_cuda()
+    dt = _need("dcn_cupy.torch")
+    _, t = _torch_tensors(device, rng, True)
+    gy = torch.ones(B, C, H, H, device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            y = dt.deform_conv2d(t["input"], t["weight"], t["offset"], t["mask"], t["bias"], padding=1)
+            y.backward(gy)
+    torch.cuda.current_stream().wait_stream(side)
+    try:
+        g_fwd, g_both = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(g_fwd):
+            dt.deform_conv2d(t["input"], t["weight"], t["offset"], t["mask"], t["bias"], padding=1)
+        with torch.cuda.graph(g_both):
+            y = dt.deform_conv2d(t["input"], t["weight"], t["offset"], t["mask"], t["bias"], padding=1)
+            y.backward(gy)
+    except Exception as error:
+        raise _Skip(f"capture failed: {type(error).__name__}: {str(error)[:120]}") from None
+    return g_fwd.replay, g_both.replay, _Busy("torch")
+
+
+def path_jax_jit(device, rng):
+    jax = _need("jax")
+    jnp = _need("jax.numpy")
+    dj = _need("dcn_cupy.jax")
+    try:
+        target = jax.devices("gpu" if device == "cuda" else "cpu")[0]
+    except Exception:
+        raise _Skip(f"jax has no {device} device") from None
+    a = {k: jax.device_put(jnp.asarray(v), target) for k, v in _arrays(rng).items()}
+    names = ("input", "weight", "offset", "mask", "bias")
+
+    f = jax.jit(lambda *args: dj.deform_conv2d(*args, padding=1))
+    g = jax.jit(jax.grad(lambda *args: dj.deform_conv2d(*args, padding=1).sum(), argnums=(0, 1, 2, 3, 4)))
+    args = tuple(a[n] for n in names)
+
+    def fwd():
+        f(*args).block_until_ready()
+
+    def both():
+        jax.block_until_ready(g(*args))
+
+    return fwd, both, None
+
+
+def path_torchvision(device, rng):
+    torch = _torch_cuda() if device == "cuda" else _need("torch")
+    ops = _need("torchvision.ops")
+    _, t = _torch_tensors(device, rng, True)
+    busy = _Busy("torch") if device == "cuda" else None
+    gy = torch.ones(B, C, H, H, device=device)
+
+    def fwd():
+        with torch.no_grad():
+            ops.deform_conv2d(t["input"], t["offset"], t["weight"], t["bias"], padding=1, mask=t["mask"])
+
+    def both():
+        ops.deform_conv2d(t["input"], t["offset"], t["weight"], t["bias"], padding=1, mask=t["mask"]).backward(gy)
+
+    return fwd, both, busy
+
+
+def path_dense(device, rng):
+    torch = _torch_cuda() if device == "cuda" else _need("torch")
+    _, t = _torch_tensors(device, rng, True)
+    busy = _Busy("torch") if device == "cuda" else None
+    gy = torch.ones(B, C, H, H, device=device)
+    conv = torch.nn.functional.conv2d
+
+    def fwd():
+        with torch.no_grad():
+            conv(t["input"], t["weight"], t["bias"], padding=1)
+
+    def both():
+        conv(t["input"], t["weight"], t["bias"], padding=1).backward(gy)
+
+    return fwd, both, busy
+
+
+PATHS = [
+    ("plan (out=, workspace=)", path_plan, ("cuda", "cpu")),
+    ("functional API", path_functional, ("cuda", "cpu")),
+    ("dcn_cupy.torch eager", path_dcn_torch, ("cuda", "cpu")),
+    ("dcn_cupy.torch, torch.cuda.graph replay", path_dcn_torch_graph, ("cuda",)),
+    ("dcn_cupy.jax, jax.jit", path_jax_jit, ("cuda", "cpu")),
+    ("torchvision.ops.deform_conv2d", path_torchvision, ("cuda", "cpu")),
+    ("dense torch conv2d", path_dense, ("cuda", "cpu")),
+]
+
+_ARRAYS = {"plan (out=, workspace=)": {"cuda": "CuPy", "cpu": "NumPy"}, "functional API": {"cuda": "CuPy",
+                                                                                         "cpu": "NumPy"}}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("all", "cpu", "cuda"), default="all")
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+    devices = ("cuda", "cpu") if args.device == "all" else (args.device,)
+    where = {"cpu": "CPU"}
+    try:
+        import cupy
+        if "cuda" in devices and cupy.cuda.runtime.getDeviceCount():
+            where["cuda"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    except Exception:
+        pass
+    print(f"# host µs per call, B={B} C{C}->{C} {H}x{H} {K}x{K} DCNv2 float32 (GPU: {where.get('cuda', 'none')})")
+    print("| path | arrays | device | forward µs | forward+backward µs |")
+    print("| --- | --- | --- | ---: | ---: |")
+    for device in devices:
+        for name, make, serves in PATHS:
+            if device not in serves:
+                continue
+            label = _ARRAYS.get(name, {}).get(device, "torch" if "torch" in name or "conv2d" in name else "JAX")
+            rng = np.random.default_rng(0)
+            try:
+                fwd, both, busy = make(device, rng)
+                times = [_time(f, busy, args.calls, args.repeats) for f in (fwd, both)]
+            except _Skip as reason:
+                print(f"| {name} | {label} | {device} | skipped: {reason} | |", flush=True)
+                continue
+            except Exception as error:  # a path that fails is reported, not fatal
+                print(f"| {name} | {label} | {device} | error: {type(error).__name__}: {str(error)[:100]} | |",
+                      flush=True)
+                continue
+            print(f"| {name} | {label} | {where.get(device, device)} | {times[0]:.1f} | {times[1]:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

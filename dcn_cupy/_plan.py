@@ -1,0 +1,650 @@
+"""Plans: one configuration of a deformable convolution, validated once, executed many times.
+
+A :class:`Plan` holds everything that does not change between calls: the geometry, the
+executables the backends built for it (kernels, launch configurations, GEMM descriptors,
+chunking, workspace size) and the expected shape, dtype and device of every argument. A call
+only compares its arrays with those and runs the executables.
+
+The transposed convolution is composed from the convolution's two primitives by duality
+(design section 1):
+
+* transposed forward            = ``conv_backward`` to the input (+ bias);
+* transposed backward-to-input  = ``conv_forward`` with the same offsets and mask;
+* transposed weight/offset/mask = ``conv_backward``'s, with ``x`` and ``grad_output`` swapped.
+
+The functional API finds its plans in a bounded, thread-safe LRU cache (:func:`cached_plan`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from . import _backends, _geometry
+from ._interop import (_DLPACK, BFLOAT16, _by_type, _TORCH_DTYPES, check_dtype, compute_dtype, cupy_or_none,
+                       from_native, library_of)
+
+__all__ = ["Gradients", "Plan", "plan", "cached_plan", "clear_plan_cache", "PLAN_CACHE_SIZE"]
+
+_NAMES = ("input", "weight", "offset", "mask", "bias")
+_BACKWARD_NAMES = ("grad_output",) + _NAMES
+_CORE = frozenset(("input", "weight", "offset", "mask"))
+_PARAMS = frozenset(("weight", "offset", "mask"))
+_ONLY_INPUT = frozenset(("input",))
+
+
+class Gradients(NamedTuple):
+    """Gradients of a deformable convolution; an entry is None when it was not computed."""
+
+    input: object = None
+    weight: object = None
+    offset: object = None
+    mask: object = None
+    bias: object = None
+
+
+def _xp(device: str):
+    if device == "cpu":
+        return np
+    return cupy_or_none()
+
+
+def _sample_contiguous(xp, a):
+    """``a`` itself when every sample (axes 1..) is C-contiguous (any batch stride), else a copy."""
+    if a.flags.c_contiguous:
+        return a
+    expected = a.itemsize
+    shape, strides = a.shape, a.strides
+    for axis in range(len(shape) - 1, 0, -1):
+        if shape[axis] != 1 and strides[axis] != expected:
+            return xp.ascontiguousarray(a)
+        expected *= shape[axis]
+    return a
+
+
+def _contiguous(xp, a):
+    return a if a.flags.c_contiguous else xp.ascontiguousarray(a)
+
+
+def _channel_sum(xp, grad_output, dtype, out=None):
+    """Sum over batch and spatial axes (the bias gradient), accumulated in float32 or better."""
+    axes = (0,) + tuple(range(2, grad_output.ndim))
+    total = xp.sum(grad_output, axis=axes, dtype=compute_dtype(dtype))
+    if out is None:
+        return total.astype(dtype)
+    out[...] = total
+    return out
+
+
+class Plan:
+    """One configuration of :func:`dcn_cupy.deform_conv` (or its transpose), validated once.
+
+    Built by :func:`dcn_cupy.plan`. ``forward``/``backward`` take arrays of exactly the shapes,
+    dtype and device the plan was built for (a ``ValueError`` naming the argument otherwise)
+    and return results in ``input``'s library.
+
+    Attributes:
+        output_shape (tuple): the shape of the forward's result.
+        workspace_bytes (int): the size of the scratch buffer a call needs (0: none). Pass
+            ``workspace=`` a buffer at least this large to keep every allocation in the
+            caller's hands; otherwise each call allocates it from the current allocator.
+        algorithm (str): the algorithms chosen, e.g. ``"forward: cuda/im2col, backward: cuda/im2col"``.
+    """
+
+    def __init__(self, transposed: bool, geom, batched: bool, shapes: dict, dtype, device: str,
+                 device_id: int, deterministic: bool, allow_tf32: bool, algorithm: Optional[str]):
+        self.transposed = transposed
+        self.geom = geom
+        self.batched = batched
+        self.dtype = np.dtype(dtype)
+        self.device = device
+        self.device_id = device_id
+        self.deterministic = deterministic
+        self.allow_tf32 = allow_tf32
+        self.forced = algorithm
+        self._xp = _xp(device)
+        self._shapes = shapes
+        self._forward_shapes = tuple(shapes[n] for n in _NAMES)
+        out = geom.x_shape if transposed else geom.y_shape
+        self.output_shape = out if batched else out[1:]
+        self._batched_output = out
+        self._backward_shapes = (self.output_shape,) + self._forward_shapes
+        self._given = {name: shapes[name] is not None for name in _geometry.GRADIENT_NAMES}
+        self._default_wanted = _geometry.normalise_wrt(None, self._given)
+        self._wanted_cache = {}
+        self._device_ctx = None
+        if device == "cuda":
+            self._device_ctx = self._xp.cuda.Device(device_id)
+        self.spec = _backends.PlanSpec(geom, self.dtype, device, device_id, deterministic, allow_tf32)
+        # executables: primitive -> (backend name, executable) or (None, reason)
+        self._exec = {}
+        if geom.batch > 0:
+            for primitive in _backends.PRIMITIVES:
+                backend, reason = _backends.choose(self.spec, primitive, algorithm)
+                if backend is None:
+                    self._exec[primitive] = (None, reason)
+                else:
+                    self._exec[primitive] = (f"{backend.device}/{backend.algorithm}",
+                                             backend.build(self.spec, primitive))
+            needed = ("conv_backward",) if transposed else ("conv_forward",)
+            for primitive in needed:
+                if self._exec[primitive][0] is None:
+                    raise ValueError(self._exec[primitive][1])
+        self.workspace_bytes = max([int(e.workspace_bytes) for n, e in self._exec.values() if n is not None],
+                                   default=0)
+        fwd, bwd = ("conv_backward", "conv_forward") if transposed else ("conv_forward", "conv_backward")
+        self._fwd = self._exec.get(fwd, (None, None))[1]
+        self._bwd = self._exec.get("conv_backward", (None, None))
+        self._bwd_input = self._exec.get(bwd, (None, None)) if transposed else None
+
+    # -----------------------------------------------------------------------------------------
+    # description
+
+    def _name_of(self, primitive: str) -> str:
+        name, what = self._exec.get(primitive, (None, "empty batch: nothing runs"))
+        return name if name is not None else f"none ({what})"
+
+    @property
+    def algorithm(self) -> str:
+        if self.geom.batch == 0:
+            return "forward: none, backward: none (empty batch)"
+        if self.transposed:
+            forward = self._name_of("conv_backward")
+            parts = {self._name_of("conv_forward"), self._name_of("conv_backward")}
+            backward = " + ".join(sorted(parts))
+        else:
+            forward, backward = self._name_of("conv_forward"), self._name_of("conv_backward")
+        return f"forward: {forward}, backward: {backward}"
+
+    def __str__(self) -> str:
+        g = self.geom
+        op = "deform_conv_transpose" if self.transposed else "deform_conv"
+        where = "cpu" if self.device == "cpu" else f"cuda:{self.device_id}"
+        args = ", ".join(f"{n}={self._shapes[n]}" for n in _NAMES if self._shapes[n] is not None)
+        lines = [
+            f"dcn_cupy.Plan {op}{g.ndim}d on {where}, {self.dtype.name}: {args} -> {self.output_shape}",
+            f"  stride={g.stride} padding={g.padding} dilation={g.dilation} groups={g.groups} "
+            f"offset_groups={g.offset_groups} mask_groups={g.mask_groups}"
+            + (f" deterministic" if self.deterministic else "") + (" tf32" if self.allow_tf32 else ""),
+            f"  {self.algorithm}" + (f" (forced: {self.forced})" if self.forced else " (automatic: highest "
+                                     "priority algorithm that serves the configuration)"),
+        ]
+        use = ("conv_backward", "conv_forward") if self.transposed else ("conv_forward", "conv_backward")
+        roles = dict(zip(use, ("forward", "backward-to-input" if self.transposed else "backward")))
+        for primitive, (name, what) in self._exec.items():
+            role = roles[primitive] if not self.transposed or primitive == "conv_backward" else roles[primitive]
+            if name is None:
+                lines.append(f"  {primitive}: unavailable: {what}")
+            else:
+                lines.append(f"  {primitive} ({role}): {what.description}")
+        lines.append(f"  workspace: {self.workspace_bytes} bytes")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<{str(self).splitlines()[0]}; {self.algorithm}>"
+
+    # -----------------------------------------------------------------------------------------
+    # per-call checks (shapes, dtype, device and presence only)
+
+    def _natives(self, names, arrays, shapes):
+        natives = []
+        lib0 = None
+        first = None
+        dtype, device, device_id = self.dtype, self.device, self.device_id
+        for name, array, shape in zip(names, arrays, shapes):
+            if array is None:
+                if shape is not None and name not in ("input",):
+                    raise ValueError(f"{name} is missing: this plan was built with a {name} of shape {shape}")
+                natives.append(None)
+                continue
+            if shape is None:
+                raise ValueError(f"{name} must be None: this plan was built without {name}")
+            lib = _by_type.get(type(array)) or library_of(array)
+            native, dev, dev_id = lib.to_native(array, name)
+            if native.shape != shape:
+                raise ValueError(f"{name} must have the plan's shape {shape}, got {tuple(native.shape)}")
+            if native.dtype != dtype:
+                raise ValueError(f"{name} must have the plan's dtype {dtype.name}, got {np.dtype(native.dtype).name}")
+            if dev != device or dev_id != device_id:
+                where = "cpu" if device == "cpu" else f"cuda:{device_id}"
+                got = "cpu" if dev == "cpu" else f"cuda:{dev_id}"
+                raise ValueError(f"{name} must be on the plan's device {where}, got {got}")
+            if lib0 is None or lib0 is _DLPACK:
+                lib0, first = lib, name
+            elif lib is not lib0 and lib is not _DLPACK:
+                raise TypeError(f"{name} must come from the same library as {first} ({lib0.name}), got {lib.name}")
+            natives.append(native)
+        return natives, lib0
+
+    def _buffer(self, array, name: str, nbytes: int):
+        """A caller's buffer (out= or workspace=) as a native array, checked."""
+        lib = _by_type.get(type(array)) or library_of(array)
+        native, dev, dev_id = lib.to_native(array, name)
+        if dev != self.device or dev_id != self.device_id:
+            where = "cpu" if self.device == "cpu" else f"cuda:{self.device_id}"
+            raise ValueError(f"{name} must be on the plan's device {where}, got {dev if dev == 'cpu' else f'cuda:{dev_id}'}")
+        if not native.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous")
+        if nbytes is not None and native.nbytes < nbytes:
+            raise ValueError(f"{name} must hold at least {nbytes} bytes (plan.workspace_bytes), got {native.nbytes}")
+        return native
+
+    def _out(self, out, name: str, shape):
+        native = self._buffer(out, name, None)
+        if native.shape != shape or native.dtype != self.dtype:
+            raise ValueError(f"{name} must be a C-contiguous array of shape {shape} and dtype {self.dtype.name}, "
+                             f"got shape {tuple(native.shape)} and dtype {np.dtype(native.dtype).name}")
+        return native
+
+    def _workspace(self, workspace):
+        size = self.workspace_bytes
+        if workspace is None:
+            return self._xp.empty(size, dtype=np.uint8) if size else None
+        native = self._buffer(workspace, "workspace", size)
+        return native.reshape(-1).view(np.uint8)
+
+    def _context(self, lib):
+        if self._device_ctx is None:
+            return None
+        stream = getattr(lib, "stream", None)
+        return stream(self.device_id) if stream is not None else None
+
+    def _wanted(self, wrt):
+        if wrt is None:
+            return self._default_wanted
+        key = wrt if isinstance(wrt, (str, frozenset, tuple)) else None
+        if key is not None:
+            found = self._wanted_cache.get(key)
+            if found is not None:
+                return found
+        wanted = _geometry.normalise_wrt(wrt, self._given)
+        if key is not None and len(self._wanted_cache) < 64:
+            self._wanted_cache[key] = wanted
+        return wanted
+
+    # -----------------------------------------------------------------------------------------
+    # public calls
+
+    def forward(self, input, weight, offset=None, mask=None, bias=None, *, out=None, workspace=None):
+        """Run the operation; the result in ``input``'s library (or ``out``, filled and returned).
+
+        Args:
+            input, weight, offset, mask, bias: arrays of the plan's shapes, dtype and device;
+                offset/mask/bias exactly when the plan was built with them.
+            out (array, optional): receives the result (``plan.output_shape``, the plan's dtype
+                and device, C-contiguous).
+            workspace (array, optional): a C-contiguous buffer on the device of at least
+                ``plan.workspace_bytes`` bytes (any dtype).
+        """
+        if input is None:
+            raise ValueError(f"input is missing: this plan was built with an input of shape {self._shapes['input']}")
+        natives, lib = self._natives(_NAMES, (input, weight, offset, mask, bias), self._forward_shapes)
+        out_native = None if out is None else self._out(out, "out", self.output_shape)
+        device = self._device_ctx
+        if device is None:
+            y = self._forward(natives, out_native, workspace)
+        else:
+            stream = self._context(lib)
+            with device:
+                if stream is None:
+                    y = self._forward(natives, out_native, workspace)
+                else:
+                    with stream:
+                        y = self._forward(natives, out_native, workspace)
+        if out is not None:
+            return out
+        return lib.from_native(y, None) if lib is not _DLPACK else y
+
+    def backward(self, grad_output, input, weight, offset=None, mask=None, bias=None, *, wrt=None, out=None,
+                 workspace=None) -> Gradients:
+        """Gradients of the operation with respect to the arguments named in ``wrt``.
+
+        Args:
+            grad_output: gradient of the loss with respect to the output (``plan.output_shape``).
+            input, weight, offset, mask, bias: as in :meth:`forward`; ``input`` may be None when
+                only the input and bias gradients are wanted.
+            wrt (collection of str, optional): a subset of ``{"input", "weight", "offset", "mask",
+                "bias"}``; None: every argument the plan was built with.
+            out (mapping, optional): name -> array receiving that gradient (shaped like its
+                argument, C-contiguous); gradients not named are allocated.
+            workspace (array, optional): as in :meth:`forward`.
+
+        Returns:
+            Gradients: a named tuple ``(input, weight, offset, mask, bias)``; an entry is None
+            when not requested or when its argument was None.
+        """
+        wanted = self._wanted(wrt)
+        if input is None and wanted & _PARAMS:
+            raise ValueError(f"input is required for the gradients {sorted(wanted & _PARAMS)}, got None")
+        if grad_output is None:
+            raise ValueError(f"grad_output is missing: expected an array of shape {self.output_shape}")
+        natives, lib = self._natives(_BACKWARD_NAMES, (grad_output, input, weight, offset, mask, bias),
+                                     self._backward_shapes)
+        outs = None
+        if out is not None:
+            items = out._asdict().items() if isinstance(out, Gradients) else dict(out).items()
+            outs = {}
+            for name, array in items:
+                if array is None:
+                    continue
+                if name not in wanted:
+                    raise ValueError(f"out[{name!r}] given for a gradient that is not computed (wanted: {sorted(wanted)})")
+                outs[name] = self._out(array, f"out[{name!r}]", self._shapes[name])
+        device = self._device_ctx
+        if device is None:
+            grads = self._backward(natives, wanted, outs, workspace)
+        else:
+            stream = self._context(lib)
+            with device:
+                if stream is None:
+                    grads = self._backward(natives, wanted, outs, workspace)
+                else:
+                    with stream:
+                        grads = self._backward(natives, wanted, outs, workspace)
+        result = {}
+        for name, value in grads.items():
+            if value is None:
+                result[name] = None
+            elif out is not None and outs.get(name) is not None:
+                result[name] = out[name] if not isinstance(out, Gradients) else getattr(out, name)
+            else:
+                result[name] = value if lib is _DLPACK else lib.from_native(value, None)
+        return Gradients(**result)
+
+    # -----------------------------------------------------------------------------------------
+    # native execution (arrays checked; the device and stream are current)
+
+    def _batched(self, a):
+        return a if a is None or self.batched else a[None]
+
+    def _forward(self, natives, out=None, workspace=None):
+        xp = self._xp
+        x, w, off, msk, b = natives
+        y = out if out is not None else xp.empty(self.output_shape, dtype=self.dtype)
+        if self.geom.batch == 0:
+            return y
+        batched = self.batched
+        yb = y if batched else y[None]
+        x = _sample_contiguous(xp, x if batched else x[None])
+        w = _contiguous(xp, w)
+        if off is not None:
+            off = _sample_contiguous(xp, off if batched else off[None])
+        if msk is not None:
+            msk = _sample_contiguous(xp, msk if batched else msk[None])
+        if b is not None:
+            b = _contiguous(xp, b)
+        ws = self._workspace(workspace)
+        if self.transposed:
+            self._fwd.run({"grad_output": x, "input": None, "weight": w, "offset": off, "mask": msk, "bias": b,
+                           "wanted": _ONLY_INPUT}, {"input": yb}, ws)
+        else:
+            self._fwd.run({"input": x, "weight": w, "offset": off, "mask": msk, "bias": b}, yb, ws)
+        return y
+
+    def _backward(self, natives, wanted, outs=None, workspace=None) -> dict:
+        xp, dtype, geom = self._xp, self.dtype, self.geom
+        gy, x, w, off, msk, _ = natives
+        grads = dict.fromkeys(_geometry.GRADIENT_NAMES)
+        outs = outs or {}
+        if geom.batch == 0:
+            grads.update(self._empty_batch_gradients(wanted, outs))
+            return grads
+        for name in wanted:
+            if name == "bias":
+                continue
+            target = outs.get(name)
+            if target is None:
+                target = xp.empty(self._shapes[name], dtype=dtype)
+            grads[name] = target
+        batched = self.batched
+        if not batched:
+            gy = gy[None]
+            x = None if x is None else x[None]
+            off = None if off is None else off[None]
+            msk = None if msk is None else msk[None]
+        gy = _sample_contiguous(xp, gy)
+        w = _contiguous(xp, w)
+        if off is not None:
+            off = _sample_contiguous(xp, off)
+        if msk is not None:
+            msk = _sample_contiguous(xp, msk)
+        core = wanted & _CORE
+        ws = self._workspace(workspace) if core else None
+
+        def view(name):  # the batched view of a per-sample gradient
+            g = grads[name]
+            return g if batched or name == "weight" else g[None]
+
+        if not self.transposed:
+            if core:
+                name, executable = self._bwd
+                if name is None:
+                    raise ValueError(executable)
+                if core & _PARAMS:
+                    x = _sample_contiguous(xp, x)
+                else:
+                    x = None
+                executable.run({"grad_output": gy, "input": x, "weight": w, "offset": off, "mask": msk, "bias": None,
+                                "wanted": core}, {n: view(n) for n in core}, ws)
+        else:
+            # z (the transposed op's input) is the convolution's grad_output; gy its input.
+            if "input" in core:
+                name, executable = self._bwd_input
+                if name is None:
+                    raise ValueError(executable)
+                executable.run({"input": gy, "weight": w, "offset": off, "mask": msk, "bias": None},
+                               view("input"), ws)
+            params = core & _PARAMS
+            if params:
+                name, executable = self._bwd
+                if name is None:
+                    raise ValueError(executable)
+                z = _sample_contiguous(xp, x)
+                executable.run({"grad_output": z, "input": gy, "weight": w, "offset": off, "mask": msk, "bias": None,
+                                "wanted": params}, {n: view(n) for n in params}, ws)
+        if "bias" in wanted:
+            grads["bias"] = _channel_sum(xp, gy, dtype, outs.get("bias"))
+        return grads
+
+    def _empty_batch_gradients(self, wanted, outs) -> dict:
+        """Gradients for a batch of 0: empty per-sample ones, zero parameter ones."""
+        xp, grads = self._xp, {}
+        for name in wanted:
+            target = outs.get(name)
+            if target is None:
+                target = xp.empty(self._shapes[name], dtype=self.dtype)
+            if name in ("weight", "bias"):
+                target[...] = 0
+            grads[name] = target
+        return grads
+
+
+# ---------------------------------------------------------------------------------------------
+# building plans
+
+
+def _is_array(a) -> bool:
+    if isinstance(a, np.ndarray) or type(a).__name__ == "PyCapsule":
+        return True
+    if not hasattr(a, "__dlpack__"):
+        return False
+    device = getattr(a, "device", None)
+    return getattr(device, "type", None) != "meta"  # a torch meta tensor is a spec
+
+
+def _spec_dtype(dtype, name: str) -> np.dtype:
+    found = _TORCH_DTYPES.get(str(dtype))
+    if found is not None:
+        return found
+    if str(dtype) == "bfloat16":
+        return BFLOAT16
+    try:
+        return check_dtype(np.dtype(dtype), name)
+    except TypeError:
+        raise
+    except Exception:
+        raise TypeError(f"{name} must have dtype float16, bfloat16, float32 or float64, got {dtype}") from None
+
+
+def _parse_device(device) -> tuple:
+    text = str(device)
+    if text == "cpu":
+        return "cpu", 0
+    if text == "cuda":
+        cupy = cupy_or_none()
+        return "cuda", (cupy.cuda.runtime.getDevice() if cupy is not None else 0)
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return "cuda", int(text[5:])
+    raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+
+
+def default_allow_tf32(dtype, device: str) -> bool:
+    """CuPy's setting for float32 GEMMs (TF32 when ``CUPY_TF32=1`` or set_compute_type)."""
+    if device != "cuda" or dtype != np.float32:
+        return False
+    try:
+        from cupy._core import _routines_linalg as linalg
+        return linalg.get_compute_type(np.float32) == getattr(linalg, "COMPUTE_TYPE_TF32", 7)
+    except Exception:
+        return False
+
+
+def _geometry_of(transposed, ndim, shapes, stride, padding, dilation, groups, output_padding):
+    if transposed:
+        return _geometry.conv_transpose_geometry(
+            shapes["input"], shapes["weight"], shapes["offset"], shapes["mask"], shapes["bias"],
+            stride, padding, output_padding, dilation, groups, ndim=ndim)
+    return _geometry.conv_geometry(
+        shapes["input"], shapes["weight"], shapes["offset"], shapes["mask"], shapes["bias"],
+        stride, padding, dilation, groups, ndim=ndim)
+
+
+def build_plan(transposed, ndim, shapes, dtype, device, device_id, stride=1, padding=0, dilation=1, groups=1,
+               output_padding=0, deterministic=False, allow_tf32=None, algorithm=None) -> Plan:
+    """A plan from argument shapes (validated here, once)."""
+    geom, batched = _geometry_of(transposed, ndim, shapes, stride, padding, dilation, groups, output_padding)
+    if allow_tf32 is None:
+        allow_tf32 = default_allow_tf32(dtype, device)
+    return Plan(transposed, geom, batched, shapes, dtype, device, device_id, bool(deterministic), bool(allow_tf32),
+                algorithm)
+
+
+def plan(input, weight, offset=None, mask=None, bias=None, stride=1, padding=0, dilation=1, groups=1, *,
+         transposed=False, output_padding=0, deterministic=False, device=None, algorithm=None,
+         allow_tf32=None) -> Plan:
+    """Validate one configuration of a deformable convolution once; run it many times.
+
+    Args:
+        input, weight, offset, mask, bias: arrays (NumPy, CuPy, torch, JAX, any DLPack producer)
+            or shape/dtype specs (any object with ``.shape`` and ``.dtype``, e.g.
+            ``jax.ShapeDtypeStruct`` or a torch meta tensor). ``None`` means the argument is
+            absent in every call of the plan. Shapes are those of :func:`dcn_cupy.deform_conv`
+            (or :func:`dcn_cupy.deform_conv_transpose` with ``transposed=True``), batched or not.
+        stride, padding, dilation, groups, output_padding: as in the functional API
+            (``output_padding`` only with ``transposed=True``).
+        transposed (bool): plan the transposed convolution. Default: False.
+        deterministic (bool): only algorithms whose results are bitwise identical from run to
+            run. Default: False.
+        device (str, optional): ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; read off the arrays when
+            they are arrays, default ``"cpu"`` for specs.
+        algorithm (str, optional): force an algorithm, e.g. ``"cuda/im2col"`` or ``"cpu/numba"``
+            (a ``ValueError`` says why when it does not serve the configuration). None: the
+            highest-priority algorithm that serves it.
+        allow_tf32 (bool, optional): float32 GEMMs may use TF32. None: CuPy's setting at build
+            time (``CUPY_TF32=1``).
+
+    Returns:
+        Plan: with ``forward(...)``, ``backward(...)``, ``output_shape``, ``workspace_bytes``,
+        ``algorithm`` and a readable ``str(plan)``.
+
+    Example::
+
+        >>> import numpy as np, dcn_cupy
+        >>> x = np.zeros((2, 4, 8, 8), np.float32); w = np.zeros((6, 4, 3, 3), np.float32)
+        >>> p = dcn_cupy.plan(x, w, padding=1)
+        >>> p.output_shape
+        (2, 6, 8, 8)
+        >>> p.forward(x, w).shape
+        (2, 6, 8, 8)
+    """
+    arrays = dict(zip(_NAMES, (input, weight, offset, mask, bias)))
+    for name in ("input", "weight"):
+        if arrays[name] is None:
+            raise TypeError(f"{name} must be an array or a shape/dtype spec, got None")
+    shapes, dtypes, devices = {}, {}, {}
+    for name, a in arrays.items():
+        if a is None:
+            shapes[name] = None
+            continue
+        if _is_array(a):
+            lib = library_of(a)
+            native, dev, dev_id = lib.to_native(a, name)
+            shapes[name] = tuple(native.shape)
+            dtypes[name] = check_dtype(native.dtype, name)
+            devices[name] = (dev, dev_id)
+        else:
+            if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+                raise TypeError(f"{name} must be an array or an object with .shape and .dtype, "
+                                f"got {type(a).__module__}.{type(a).__name__}")
+            shapes[name] = tuple(int(d) for d in a.shape)
+            dtypes[name] = _spec_dtype(a.dtype, name)
+    dtype = dtypes["input"]
+    for name, d in dtypes.items():
+        if d != dtype:
+            raise TypeError(f"{name} must have the same dtype as input ({dtype.name}), got {d.name}")
+    if device is not None:
+        where = _parse_device(device)
+    elif devices:
+        where = devices.get("input") or next(iter(devices.values()))
+    else:
+        where = ("cpu", 0)
+    for name, d in devices.items():
+        if d != where:
+            raise ValueError(f"{name} must be on the plan's device {where[0]}"
+                             f"{'' if where[0] == 'cpu' else ':' + str(where[1])}, got {d[0]}"
+                             f"{'' if d[0] == 'cpu' else ':' + str(d[1])}")
+    if not transposed and output_padding not in (0, None) and output_padding != (0,) * len(shapes["weight"][2:]):
+        raise ValueError(f"output_padding applies to transposed=True only, got {output_padding!r}")
+    return build_plan(bool(transposed), None, shapes, dtype, where[0], where[1], stride, padding, dilation, groups,
+                      output_padding, deterministic, allow_tf32, algorithm)
+
+
+# ---------------------------------------------------------------------------------------------
+# the functional API's cache
+
+#: Most plans the functional API keeps (least recently used ones are dropped).
+PLAN_CACHE_SIZE = 256
+
+_cache: "OrderedDict" = OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def cached_plan(key, build) -> Plan:
+    """The plan of ``key``, built by ``build()`` on a miss (outside the lock: building may
+    compile kernels); concurrent first uses agree on one plan."""
+    with _cache_lock:
+        found = _cache.get(key)
+        if found is not None:
+            _cache.move_to_end(key)
+            return found
+    built = build()
+    with _cache_lock:
+        found = _cache.get(key)
+        if found is not None:
+            return found
+        _cache[key] = built
+        while len(_cache) > PLAN_CACHE_SIZE:
+            _cache.popitem(last=False)
+    return built
+
+
+def clear_plan_cache() -> None:
+    with _cache_lock:
+        _cache.clear()
+
+
+def plan_cache_size() -> int:
+    return len(_cache)

@@ -1,0 +1,310 @@
+"""Plans: validated once, checked cheaply per call, cached for the functional API, forceable."""
+
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import dcn_cupy
+from dcn_cupy import _backends, _plan
+from dcn_cupy._backends import use_algorithm
+
+from cases import ARGUMENTS, random_case, relative_error
+
+
+def _plan_of(case, arrays=None, **kw):
+    arrays = case.arrays() if arrays is None else arrays
+    params = dict(case.params)
+    return dcn_cupy.plan(**arrays, **params, transposed=case.transposed, **kw)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_plan_equals_functional_and_reference(ndim, transposed):
+    rng = np.random.default_rng(100 + ndim + 10 * transposed)
+    case = random_case(rng, ndim, transposed)
+    arrays = case.arrays()
+    p = _plan_of(case)
+    y = p.forward(**arrays)
+    assert y.shape == p.output_shape
+    np.testing.assert_array_equal(y, case.forward(**arrays, **case.params))
+    assert relative_error(y, case.reference()) < 1e-10
+    gy = rng.standard_normal(y.shape)
+    grads = p.backward(gy, **arrays)
+    expected = case.backward(gy, **arrays, **case.params)
+    for name in ARGUMENTS:
+        np.testing.assert_array_equal(getattr(grads, name), getattr(expected, name))
+    only = p.backward(gy, **arrays, wrt={"weight", "bias"})
+    assert only.input is None and only.offset is None and only.mask is None
+    np.testing.assert_array_equal(only.weight, expected.weight)
+
+
+def test_plan_from_specs_and_unbatched_arrays():
+    rng = np.random.default_rng(3)
+    case = random_case(rng, 2, False, batch=1)
+    arrays = {k: None if a is None else (a[0] if k in ("input", "offset", "mask") else a)
+              for k, a in case.arrays(lambda a: a.astype(np.float32)).items()}
+    specs = {k: None if a is None else SimpleNamespace(shape=a.shape, dtype=a.dtype) for k, a in arrays.items()}
+    p = dcn_cupy.plan(**specs, **case.params, device="cpu")
+    y = p.forward(**arrays)
+    assert y.shape == p.output_shape == case.reference().shape[1:] and y.dtype == np.float32
+    assert relative_error(y, case.reference()[0]) < 1e-4
+    g = p.backward(np.ones_like(y), **arrays)
+    assert g.input.shape == arrays["input"].shape and g.offset.shape == arrays["offset"].shape
+
+
+def _conv_plan():
+    x = np.zeros((2, 4, 8, 8))
+    w = np.zeros((6, 2, 3, 3))
+    off = np.zeros((2, 18, 6, 6))
+    return dcn_cupy.plan(x, w, off, None, np.zeros(6), groups=2), x, w, off
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x, w, o: dict(input=x[:1], weight=w, offset=o[:1], bias=np.zeros(6)),
+     r"input must have the plan's shape \(2, 4, 8, 8\), got \(1, 4, 8, 8\)"),
+    (lambda x, w, o: dict(input=x, weight=w.astype(np.float32), offset=o, bias=np.zeros(6)),
+     "weight must have the plan's dtype float64, got float32"),
+    (lambda x, w, o: dict(input=x, weight=w, offset=None, bias=np.zeros(6)),
+     r"offset is missing: this plan was built with a offset of shape \(2, 18, 6, 6\)"),
+    (lambda x, w, o: dict(input=x, weight=w, offset=o, mask=np.zeros((2, 9, 6, 6)), bias=np.zeros(6)),
+     "mask must be None: this plan was built without mask"),
+    (lambda x, w, o: dict(input=x, weight=w, offset=o, bias=np.zeros(5)),
+     r"bias must have the plan's shape \(6,\), got \(5,\)"),
+])
+def test_forward_mismatch_names_the_argument(call, message):
+    p, x, w, off = _conv_plan()
+    with pytest.raises(ValueError, match=message):
+        p.forward(**call(x, w, off))
+
+
+def test_backward_mismatch_and_library_mix():
+    p, x, w, off = _conv_plan()
+    with pytest.raises(ValueError, match=r"grad_output must have the plan's shape \(2, 6, 6, 6\), got \(2, 6, 6, 5\)"):
+        p.backward(np.zeros((2, 6, 6, 5)), x, w, off, None, np.zeros(6))
+    with pytest.raises(ValueError, match=r"input is required for the gradients \['offset', 'weight'\], got None"):
+        p.backward(np.zeros((2, 6, 6, 6)), None, w, off, None, np.zeros(6), wrt=("weight", "offset"))
+    g = p.backward(np.ones((2, 6, 6, 6)), None, w, off, None, np.zeros(6), wrt=("input", "bias"))
+    assert g.input.shape == x.shape and np.all(g.bias == 72)
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"weight must come from the same library as input \(numpy\), got torch"):
+        p.forward(x, torch.from_numpy(w), off, None, np.zeros(6))
+
+
+def test_out_receives_the_result():
+    rng = np.random.default_rng(5)
+    case = random_case(rng, 2, True)
+    arrays = case.arrays()
+    p = _plan_of(case)
+    out = np.full(p.output_shape, np.nan)
+    assert p.forward(**arrays, out=out) is out
+    assert relative_error(out, case.reference()) < 1e-10
+    with pytest.raises(ValueError, match=r"out must be a C-contiguous array of shape .* got shape"):
+        p.forward(**arrays, out=np.empty(p.output_shape[:-1] + (p.output_shape[-1] + 1,)))
+    with pytest.raises(ValueError, match="out must be C-contiguous"):
+        p.forward(**arrays, out=np.empty(p.output_shape[::-1]).T)
+    gy = rng.standard_normal(p.output_shape)
+    expected = p.backward(gy, **arrays)
+    grad_w = np.empty_like(arrays["weight"])
+    grad_b = np.empty_like(arrays["bias"])
+    got = p.backward(gy, **arrays, out={"weight": grad_w, "bias": grad_b})
+    assert got.weight is grad_w and got.bias is grad_b
+    np.testing.assert_array_equal(grad_w, expected.weight)
+    np.testing.assert_allclose(grad_b, expected.bias)
+    np.testing.assert_array_equal(got.offset, expected.offset)
+    with pytest.raises(ValueError, match=r"out\['weight'\] given for a gradient that is not computed"):
+        p.backward(gy, **arrays, wrt="input", out={"weight": grad_w})
+
+
+class _CountingBackend:
+    """cpu/counting: the Numba backend behind a workspace that must be passed to run()."""
+
+    device, algorithm, priority = "cpu", "counting", -1
+
+    def __init__(self):
+        self.calls = []
+        self.numba = _backends.backend_named("cpu/numba")
+
+    def serves(self, spec, primitive):
+        return None if spec.dtype == np.float64 else "float64 only"
+
+    def build(self, spec, primitive):
+        inner = self.numba.build(spec, primitive)
+        backend = self
+
+        class Executable:
+            workspace_bytes = 96
+            description = "cpu/counting: numba with a 96-byte workspace"
+
+            def run(self, args, out, workspace):
+                assert workspace.dtype == np.uint8 and workspace.ndim == 1 and workspace.nbytes >= 96
+                backend.calls.append((primitive, workspace.nbytes))
+                inner.run(args, out, workspace)
+
+        return Executable()
+
+
+@pytest.fixture
+def counting():
+    backend = _CountingBackend()
+    _backends.register(backend)
+    _plan.clear_plan_cache()
+    yield backend
+    _backends.unregister("cpu/counting")
+    _plan.clear_plan_cache()
+
+
+def test_workspace_and_forcing(counting):
+    rng = np.random.default_rng(6)
+    case = random_case(rng, 2, False)
+    arrays = case.arrays()
+    p = _plan_of(case, algorithm="cpu/counting")
+    assert p.workspace_bytes == 96 and p.algorithm == "forward: cpu/counting, backward: cpu/counting"
+    text = str(p)
+    assert "forced: cpu/counting" in text and "96-byte workspace" in text and "workspace: 96 bytes" in text
+    p.forward(**arrays)
+    p.forward(**arrays, workspace=np.empty(12, np.float64))
+    assert counting.calls == [("conv_forward", 96), ("conv_forward", 96)]
+    with pytest.raises(ValueError, match=r"workspace must hold at least 96 bytes \(plan.workspace_bytes\), got 88"):
+        p.forward(**arrays, workspace=np.empty(11, np.float64))
+    # automatic choice: the higher priority numba backend
+    assert "cpu/counting" not in _plan_of(case).algorithm
+    # use_algorithm reaches the functional API (part of its cache key)
+    with use_algorithm("cpu/counting"):
+        y = case.forward(**arrays, **case.params)
+    assert counting.calls[-1][0] == "conv_forward"
+    np.testing.assert_array_equal(y, p.forward(**arrays))
+    calls = len(counting.calls)
+    case.forward(**arrays, **case.params)
+    assert len(counting.calls) == calls  # not forced any more
+    with pytest.raises(ValueError, match="algorithm 'cpu/counting' does not serve this conv_forward: float64 only"):
+        _plan_of(case, arrays=case.arrays(lambda a: a.astype(np.float32)), algorithm="cpu/counting")
+
+
+def test_forcing_errors():
+    p, x, w, off = _conv_plan()
+    with pytest.raises(ValueError, match=r"algorithm must be one of \[.*'cpu/numba'.*\], got 'cpu/nothing'"):
+        dcn_cupy.plan(x, w, algorithm="cpu/nothing", groups=2)
+    with pytest.raises(ValueError, match="algorithm 'cuda/im2col' runs on cuda arrays, got arrays on cpu"):
+        dcn_cupy.plan(x, w, algorithm="cuda/im2col", groups=2)
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        with use_algorithm("gpu/none"):
+            pass
+
+
+def test_str_says_what_was_chosen_and_why():
+    p, *_ = _conv_plan()
+    text = str(p)
+    assert "deform_conv2d on cpu, float64" in text and "input=(2, 4, 8, 8)" in text and "-> (2, 6, 6, 6)" in text
+    assert "forward: cpu/numba, backward: cpu/numba" in text and "automatic" in text
+    assert "conv_forward (forward): cpu/numba" in text
+    assert p.workspace_bytes == 0
+
+
+def test_empty_batch():
+    p = dcn_cupy.plan(np.zeros((0, 2, 5)), np.ones((3, 2, 3)), bias=np.ones(3))
+    assert p.forward(np.zeros((0, 2, 5)), np.ones((3, 2, 3)), bias=np.ones(3)).shape == (0, 3, 3)
+    g = p.backward(np.zeros((0, 3, 3)), np.zeros((0, 2, 5)), np.ones((3, 2, 3)), bias=np.ones(3))
+    assert g.input.shape == (0, 2, 5) and np.all(g.weight == 0) and np.all(g.bias == 0)
+    assert "empty batch" in p.algorithm
+
+
+def test_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(_plan, "PLAN_CACHE_SIZE", 3)
+    _plan.clear_plan_cache()
+    w = np.ones((2, 1, 3))
+    for length in range(5, 12):
+        dcn_cupy.deform_conv1d(np.ones((1, 1, length)), w)
+    assert _plan.plan_cache_size() == 3
+    dcn_cupy.deform_conv1d(np.ones((1, 1, 11)), w)  # a hit keeps the size
+    assert _plan.plan_cache_size() == 3
+
+
+def test_concurrent_first_use_from_threads():
+    rng = np.random.default_rng(9)
+    case = random_case(rng, 2, True, batch=2)
+    arrays = case.arrays()
+    expected = case.reference()
+    _plan.clear_plan_cache()
+    results, errors = [None] * 8, []
+    barrier = threading.Barrier(8)
+
+    def work(i):
+        try:
+            barrier.wait()
+            results[i] = case.forward(**arrays, **case.params)
+        except Exception as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for y in results:
+        np.testing.assert_array_equal(y, results[0])
+    assert relative_error(results[0], expected) < 1e-10
+    assert _plan.plan_cache_size() == 1
+
+
+def test_functional_hyper_parameters_are_validated_before_the_cache():
+    x, w = np.zeros((1, 2, 6, 6)), np.zeros((2, 2, 3, 3))
+    dcn_cupy.deform_conv2d(x, w, stride=1)
+    with pytest.raises(TypeError, match="stride must be an int, got bool"):
+        dcn_cupy.deform_conv2d(x, w, stride=True)
+    assert dcn_cupy.deform_conv2d(x, w, stride=[1, 2]).shape == (1, 2, 4, 2)
+    assert dcn_cupy.deform_conv2d(x, w, stride=np.int64(2)).shape == (1, 2, 2, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: capture of plan.forward / plan.backward in a CUDA graph through CuPy's stream capture
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])
+def test_plan_cupy_stream_capture(transposed):
+    cupy = pytest.importorskip("cupy")
+    rng = np.random.default_rng(20 + transposed)
+    case = random_case(rng, 2, transposed, batch=3)
+    a = case.arrays(lambda v: cupy.asarray(v.astype(np.float32)))
+    p = _plan_of(case, arrays=a)
+    gy = cupy.asarray(rng.standard_normal(p.output_shape).astype(np.float32))
+    eager_y = p.forward(**a)
+    eager_g = p.backward(gy, **a)
+    out = cupy.empty(p.output_shape, np.float32)
+    grads = {n: cupy.empty_like(v) for n, v in a.items() if v is not None}
+    workspace = cupy.empty(max(p.workspace_bytes, 1), np.uint8)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        p.forward(**a, out=out, workspace=workspace)          # warm-up: the pool holds what a call takes
+        p.backward(gy, **a, out=grads, workspace=workspace)
+        stream.synchronize()
+        out.fill(0)
+        for g in grads.values():
+            g.fill(0)
+        stream.begin_capture()
+        p.forward(**a, out=out, workspace=workspace)
+        p.backward(gy, **a, out=grads, workspace=workspace)
+        graph = stream.end_capture()
+        graph.launch()
+        stream.synchronize()
+    assert relative_error(cupy.asnumpy(out), cupy.asnumpy(eager_y)) < 1e-6
+    for name, g in grads.items():
+        assert relative_error(cupy.asnumpy(g), cupy.asnumpy(getattr(eager_g, name))) < 1e-5, name
+    out.fill(0)
+    graph.launch(stream)
+    stream.synchronize()
+    assert relative_error(cupy.asnumpy(out), cupy.asnumpy(eager_y)) < 1e-6
+
+
+@pytest.mark.gpu
+def test_plan_on_cupy_matches_cpu_and_str():
+    cupy = pytest.importorskip("cupy")
+    rng = np.random.default_rng(31)
+    case = random_case(rng, 3, False, batch=2)
+    p = _plan_of(case, arrays=case.arrays(cupy.asarray))
+    assert p.algorithm.startswith("forward: cuda/im2col") and "cuda/im2col:" in str(p)
+    y = p.forward(**case.arrays(cupy.asarray))
+    assert relative_error(cupy.asnumpy(y), case.reference()) < 1e-10
