@@ -132,10 +132,6 @@ class _Plans:
 @functools.lru_cache(maxsize=256)
 def _plans(cfg: "_ConvConfig", specs: tuple) -> _Plans:
     """Shared by the forward's and the backward's traces of a configuration."""
-    import dcn_cupy
-
-    if not hasattr(dcn_cupy, "plan"):  # TEMPORARY until the plans branch is merged
-        return None
     return _Plans(cfg, specs)
 
 
@@ -158,8 +154,7 @@ def _conv_forward_impl(cfg: _ConvConfig, x, w, off, m, b):
     def into(natives, outs):
         plans.of(natives[0]).forward(*natives, out=outs[0])
 
-    (y,) = dispatch(call, args, tuple(_PER_SAMPLE[n] for n in _NAMES), [out_shape], (True,), x.dtype,
-                     into=None if plans is None else into)
+    (y,) = dispatch(call, args, tuple(_PER_SAMPLE[n] for n in _NAMES), [out_shape], (True,), x.dtype, into=into)
     return y if batched else y[0]
 
 
@@ -184,8 +179,7 @@ def _conv_backward_impl(cfg: _ConvConfig, g, x, w, off, m, b, wanted: tuple):
 
     per_sample = tuple(_PER_SAMPLE[n] for n in ("grad_output",) + _NAMES)
     out_shapes = [(1,) + values[n].shape if (_PER_SAMPLE[n] and not batched) else values[n].shape for n in order]
-    outs = dispatch(call, args, per_sample, out_shapes, tuple(_PER_SAMPLE[n] for n in order), x.dtype,
-                    into=None if plans is None else into)
+    outs = dispatch(call, args, per_sample, out_shapes, tuple(_PER_SAMPLE[n] for n in order), x.dtype, into=into)
     results = dict(zip(order, outs))
     return tuple(
         None if n not in results else (results[n] if batched or not _PER_SAMPLE[n] else results[n][0])

@@ -47,8 +47,6 @@ def _plan(transposed, shapes, dtype, where, stride, padding, output_padding, dil
           allow_tf32):
     import dcn_cupy
 
-    if not hasattr(dcn_cupy, "plan"):  # TEMPORARY until the plans branch is merged
-        return _ApiPlan(transposed, shapes, stride, padding, output_padding, dilation, groups)
     specs = [None if s is None else _Spec(s, _runtime.numpy_dtype(dtype)) for s in shapes]
     kwargs = dict(transposed=True, output_padding=output_padding) if transposed else {}
     return dcn_cupy.plan(*specs, stride, padding, dilation, groups, device=where, deterministic=deterministic,
@@ -58,31 +56,3 @@ def _plan(transposed, shapes, dtype, where, stride, padding, output_padding, dil
 def clear_plan_cache() -> None:
     _plan.cache_clear()
 
-
-class _ApiPlan:  # TEMPORARY stand-in for dcn_cupy.plan until the plans branch is merged
-    workspace_bytes = 0
-
-    def __init__(self, transposed, shapes, stride, padding, output_padding, dilation, groups):
-        from .. import _api, _geometry
-        self.api = _api
-        self.transposed = transposed
-        self.kw = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
-        if transposed:
-            self.kw["output_padding"] = output_padding
-            geom, batched = _geometry.conv_transpose_geometry(*shapes, stride, padding, output_padding, dilation,
-                                                              groups)
-            out = geom.x_shape
-        else:
-            geom, batched = _geometry.conv_geometry(*shapes, stride, padding, dilation, groups)
-            out = geom.y_shape
-        self.output_shape = out if batched else out[1:]
-
-    def forward(self, *args, out, workspace=None):
-        f = self.api.deform_conv_transpose if self.transposed else self.api.deform_conv
-        out[...] = f(*args, **self.kw)
-
-    def backward(self, *args, wrt, out, workspace=None):
-        f = self.api.deform_conv_transpose_backward if self.transposed else self.api.deform_conv_backward
-        grads = f(*args, wrt=wrt, **self.kw)
-        for name, array in out.items():
-            array[...] = getattr(grads, name)
