@@ -32,6 +32,10 @@ _NUMPY_DTYPES = {
 }
 
 
+#: What native() also views: workspaces are uint8 tensors.
+_VIEW_DTYPES = {**_NUMPY_DTYPES, torch.uint8: np.dtype(np.uint8)}
+
+
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     """The NumPy dtype of a supported torch dtype (TypeError otherwise)."""
     found = _NUMPY_DTYPES.get(dtype)
@@ -55,7 +59,7 @@ def native(t: Optional[torch.Tensor]):
         return None
     if t.is_neg():
         t = t.resolve_neg()
-    dtype = numpy_dtype(t.dtype)
+    dtype = _VIEW_DTYPES.get(t.dtype) or numpy_dtype(t.dtype)
     if t.device.type == "cpu":
         t = t.detach()
         if dtype == BFLOAT16:
@@ -113,8 +117,11 @@ def _cupy_stream(cupy, index: int):
     ptr = _current_raw_stream(index)
     stream = _streams.get((index, ptr))
     if stream is None:
-        with cupy.cuda.Device(index):
-            stream = cupy.cuda.Stream.from_external(_StreamHandle(ptr))
+        if ptr == 0:  # torch's default stream is the legacy default stream, CuPy's null stream
+            stream = cupy.cuda.Stream.null
+        else:
+            with cupy.cuda.Device(index):
+                stream = cupy.cuda.Stream.from_external(_StreamHandle(ptr))
         if len(_streams) > 64:  # streams come and go (e.g. one per CUDA-graph capture)
             _streams.clear()
         _streams[(index, ptr)] = stream
