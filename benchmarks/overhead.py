@@ -79,7 +79,7 @@ def _time(call, busy=None, calls=50, repeats=7, finish=None) -> float:
     results = []
     for _ in range(repeats):
         if busy is not None:
-            busy(0.2)  # far longer than the calls take to enqueue
+            busy(0.05)  # far longer than the calls take to enqueue
         start = time.perf_counter()
         for _ in range(calls):
             call()
@@ -279,7 +279,70 @@ def path_dense(device, rng):
     return fwd, both, busy
 
 
+class _NoopBackend:
+    """``cpu/noop``: serves everything and computes nothing: the rows using it time the
+    library's own host layer (interop, checks, plan cache, dispatch) without any kernel."""
+
+    device, algorithm, priority = "cpu", "noop", -100
+
+    def serves(self, spec, primitive):
+        return None
+
+    def build(self, spec, primitive):
+        class Executable:
+            workspace_bytes = 0
+            description = "cpu/noop: nothing"
+
+            def run(self, args, out, workspace):
+                pass
+
+        return Executable()
+
+
+def _noop():
+    from dcn_cupy import _backends
+    _backends.register(_NoopBackend())
+    return _backends
+
+
+def path_plan_layer(device, rng):
+    _noop()
+    a = _arrays(rng)
+    p = dcn_cupy.plan(**a, padding=1, algorithm="cpu/noop")
+    gy = np.zeros(p.output_shape, np.float32)
+    out = np.empty(p.output_shape, np.float32)
+    grads = {k: np.empty_like(v) for k, v in a.items()}
+
+    def fwd():
+        p.forward(**a, out=out)
+
+    def both():
+        p.forward(**a, out=out)
+        p.backward(gy, **a, out=grads)
+
+    return fwd, both, None
+
+
+def path_functional_layer(device, rng):
+    backends = _noop()
+    a = _arrays(rng)
+    gy = np.zeros((B, C, H, H), np.float32)
+
+    backends._forced.name = "cpu/noop"  # use_algorithm("cpu/noop") for the row (main resets it)
+
+    def fwd():
+        dcn_cupy.deform_conv2d(**a, padding=1)
+
+    def both():
+        dcn_cupy.deform_conv2d(**a, padding=1)
+        dcn_cupy.deform_conv2d_backward(gy, **a, padding=1)
+
+    return fwd, both, None
+
+
 PATHS = [
+    ("plan, host layer only (no-op backend)", path_plan_layer, ("cpu",)),
+    ("functional API, host layer only (no-op backend)", path_functional_layer, ("cpu",)),
     ("plan (out=, workspace=)", path_plan, ("cuda", "cpu")),
     ("functional API", path_functional, ("cuda", "cpu")),
     ("dcn_cupy.torch eager", path_dcn_torch, ("cuda", "cpu")),
@@ -289,8 +352,8 @@ PATHS = [
     ("dense torch conv2d", path_dense, ("cuda", "cpu")),
 ]
 
-_ARRAYS = {"plan (out=, workspace=)": {"cuda": "CuPy", "cpu": "NumPy"}, "functional API": {"cuda": "CuPy",
-                                                                                         "cpu": "NumPy"}}
+_NATIVE = {"cuda": "CuPy", "cpu": "NumPy"}
+_ARRAYS = {name: _NATIVE for name, *_ in PATHS[:4]}
 
 
 def main(argv=None):
@@ -326,6 +389,9 @@ def main(argv=None):
                 print(f"| {name} | {label} | {device} | error: {type(error).__name__}: {str(error)[:100]} | |",
                       flush=True)
                 continue
+            finally:
+                from dcn_cupy import _backends
+                _backends._forced.name = None
             print(f"| {name} | {label} | {where.get(device, device)} | {times[0]:.1f} | {times[1]:.1f} |", flush=True)
 
 

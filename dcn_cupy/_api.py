@@ -15,7 +15,8 @@ from typing import Any, Collection, Optional, Sequence, Union
 import numpy as np
 
 from . import _backends, _geometry
-from ._interop import check_same_origin, compute_dtype, cupy_or_none, from_native, to_native
+from ._interop import (_DLPACK, _SUPPORTED, ArrayOrigin, _by_type, check_dtype, check_same_origin, compute_dtype,
+                       cupy_or_none, from_native, library_of, to_native)
 from ._plan import Gradients, build_plan, cached_plan, default_allow_tf32
 
 __all__ = [
@@ -44,16 +45,31 @@ _REQUIRED = frozenset(("input", "weight", "grad_output"))
 
 def _natives(names, arrays):
     """The native arrays of a call and their common origin (input's library, device, dtype)."""
-    natives, origins = [], {}
+    natives, seen = [], []
+    first = None
     for name, array in zip(names, arrays):
         if array is None:
             if name in _REQUIRED:
                 raise TypeError(f"{name} must be an array, got None")
             natives.append(None)
             continue
-        native, origins[name] = to_native(array, name)
+        lib = _by_type.get(type(array)) or library_of(array)
+        native, device, device_id = lib.to_native(array, name)
         natives.append(native)
-    return natives, check_same_origin(origins, "input")
+        where = (lib, device, device_id, native.dtype)
+        seen.append((name, where))
+        if first is None:
+            first = where
+        elif where != first:
+            first = False  # a mixed call: the full check below names the argument
+    if first is False or first[3] not in _SUPPORTED or first[0] is _DLPACK:
+        origins = {}
+        for name, (lib, device, device_id, dtype) in seen:
+            check_dtype(dtype, name)
+            origins[name] = ArrayOrigin(lib.name, device, device_id, np.dtype(dtype), lib)
+        return natives, check_same_origin(origins, "input")
+    lib, device, device_id, dtype = first
+    return natives, ArrayOrigin(lib.name, device, device_id, dtype, lib)
 
 
 def _plain(value) -> bool:
@@ -66,6 +82,9 @@ def _plain(value) -> bool:
 def _hyper_key(transposed, ndim, weight_shape, stride, padding, dilation, groups, output_padding):
     """The hyper-parameters as hashable values; anything but plain ints (and tuples of them)
     is normalised first, with the geometry's messages for bad values."""
+    if type(stride) is int and type(padding) is int and type(dilation) is int and type(groups) is int \
+            and type(output_padding) is int:
+        return stride, padding, dilation, output_padding, groups
     values = (stride, padding, dilation, output_padding)
     if type(groups) is int and all(_plain(v) for v in values):
         return tuple(tuple(v) if type(v) is list else v for v in values) + (groups,)

@@ -225,6 +225,8 @@ class _NumPy:
         return isinstance(array, (np.ndarray, np.generic))
 
     def to_native(self, array, name):
+        if type(array) is np.ndarray:
+            return array, "cpu", 0
         if not isinstance(array, np.ndarray):
             raise TypeError(f"{name} must be an array, got a NumPy scalar {array!r}")
         if isinstance(array, np.ma.MaskedArray):
@@ -250,7 +252,7 @@ class _CuPy:
         cupy = cupy_or_none()
         if cupy is None or not isinstance(array, cupy.ndarray):
             raise TypeError(f"{name} must be an array, got {type(array).__module__}.{type(array).__name__}")
-        return array, "cuda", array.device.id
+        return array, "cuda", array.data.device_id
 
     def from_native(self, native, origin):
         return native

@@ -46,6 +46,13 @@ class Gradients(NamedTuple):
     bias: object = None
 
 
+def _unavailable(reason):
+    """Raise why a primitive has no executable: its MemoryError, or a ValueError."""
+    if isinstance(reason, BaseException):
+        raise type(reason)(*reason.args)
+    raise ValueError(reason)
+
+
 def _xp(device: str):
     if device == "cpu":
         return np
@@ -122,17 +129,23 @@ class Plan:
         # executables: primitive -> (backend name, executable) or (None, reason)
         self._exec = {}
         if geom.batch > 0:
+            needed = "conv_backward" if transposed else "conv_forward"
             for primitive in _backends.PRIMITIVES:
                 backend, reason = _backends.choose(self.spec, primitive, algorithm)
                 if backend is None:
+                    if primitive == needed:
+                        raise ValueError(reason)
                     self._exec[primitive] = (None, reason)
-                else:
-                    self._exec[primitive] = (f"{backend.device}/{backend.algorithm}",
-                                             backend.build(self.spec, primitive))
-            needed = ("conv_backward",) if transposed else ("conv_forward",)
-            for primitive in needed:
-                if self._exec[primitive][0] is None:
-                    raise ValueError(self._exec[primitive][1])
+                    continue
+                try:
+                    executable = backend.build(self.spec, primitive)
+                except MemoryError as error:
+                    if primitive == needed:
+                        raise
+                    # the forward fits, the backward does not: refused when it is called
+                    self._exec[primitive] = (None, error)
+                    continue
+                self._exec[primitive] = (f"{backend.device}/{backend.algorithm}", executable)
         self.workspace_bytes = max([int(e.workspace_bytes) for n, e in self._exec.values() if n is not None],
                                    default=0)
         fwd, bwd = ("conv_backward", "conv_forward") if transposed else ("conv_forward", "conv_backward")
@@ -206,7 +219,7 @@ class Plan:
             native, dev, dev_id = lib.to_native(array, name)
             if native.shape != shape:
                 raise ValueError(f"{name} must have the plan's shape {shape}, got {tuple(native.shape)}")
-            if native.dtype != dtype:
+            if native.dtype is not dtype and native.dtype != dtype:
                 raise ValueError(f"{name} must have the plan's dtype {dtype.name}, got {np.dtype(native.dtype).name}")
             if dev != device or dev_id != device_id:
                 where = "cpu" if device == "cpu" else f"cuda:{device_id}"
@@ -422,7 +435,7 @@ class Plan:
             if core:
                 name, executable = self._bwd
                 if name is None:
-                    raise ValueError(executable)
+                    _unavailable(executable)
                 if core & _PARAMS:
                     x = _sample_contiguous(xp, x)
                 else:
@@ -434,14 +447,14 @@ class Plan:
             if "input" in core:
                 name, executable = self._bwd_input
                 if name is None:
-                    raise ValueError(executable)
+                    _unavailable(executable)
                 executable.run({"input": gy, "weight": w, "offset": off, "mask": msk, "bias": None},
                                view("input"), ws)
             params = core & _PARAMS
             if params:
                 name, executable = self._bwd
                 if name is None:
-                    raise ValueError(executable)
+                    _unavailable(executable)
                 z = _sample_contiguous(xp, x)
                 executable.run({"grad_output": z, "input": gy, "weight": w, "offset": off, "mask": msk, "bias": None,
                                 "wanted": params}, {n: view(n) for n in params}, ws)

@@ -305,6 +305,60 @@ def test_plan_on_cupy_matches_cpu_and_str():
     rng = np.random.default_rng(31)
     case = random_case(rng, 3, False, batch=2)
     p = _plan_of(case, arrays=case.arrays(cupy.asarray))
-    assert p.algorithm.startswith("forward: cuda/im2col") and "cuda/im2col:" in str(p)
+    assert p.algorithm.startswith("forward: cuda/im2col") and "cuda/im2col forward: 1 chunk(s)" in str(p)
     y = p.forward(**case.arrays(cupy.asarray))
     assert relative_error(cupy.asnumpy(y), case.reference()) < 1e-10
+
+
+class _NoBackwardBackend:
+    """cpu/nobackward: numba's forward; its backward needs more memory than there is."""
+
+    device, algorithm, priority = "cpu", "nobackward", -1
+
+    def __init__(self):
+        self.numba = _backends.backend_named("cpu/numba")
+
+    def serves(self, spec, primitive):
+        return None
+
+    def build(self, spec, primitive):
+        if primitive == "conv_backward":
+            raise MemoryError("needs a workspace of at least 10**12 bytes, more than the limit")
+        return self.numba.build(spec, primitive)
+
+
+def test_a_backward_that_cannot_fit_is_refused_when_called():
+    _backends.register(_NoBackwardBackend())
+    try:
+        rng = np.random.default_rng(12)
+        case = random_case(rng, 1, False)
+        arrays = case.arrays()
+        p = _plan_of(case, algorithm="cpu/nobackward")
+        assert relative_error(p.forward(**arrays), case.reference()) < 1e-10
+        assert "backward: none (needs a workspace" in p.algorithm and "unavailable" in str(p)
+        with pytest.raises(MemoryError, match="needs a workspace of at least"):
+            p.backward(np.ones(p.output_shape), **arrays)
+        g = p.backward(np.ones(p.output_shape), **arrays, wrt="bias")  # no executable needed
+        assert g.bias is not None
+        # transposed: the forward is conv_backward, so the plan itself is refused
+        tcase = random_case(rng, 1, True)
+        with pytest.raises(MemoryError, match="needs a workspace of at least"):
+            _plan_of(tcase, algorithm="cpu/nobackward")
+    finally:
+        _backends.unregister("cpu/nobackward")
+
+
+def test_cuda_chunking_rules():
+    """Whole samples while one fits the limit, else slabs of output rows; else a MemoryError."""
+    cuda = pytest.importorskip("dcn_cupy._backends.cuda")
+    from dcn_cupy import _geometry
+    geom, _ = _geometry.conv_geometry((4, 3, 9, 7), (5, 3, 3, 3), None, None, None, 1, 1, 1, 1)  # Q = 9x7
+    per_position = 100
+    assert cuda._plan_chunks(geom, per_position, 0, 0, 10**9, "forward") == (4, None)
+    assert cuda._plan_chunks(geom, per_position, 1000, 0, 1000 + 2 * 6300, "forward") == (2, None)
+    assert cuda._plan_chunks(geom, per_position, 0, 0, 6299, "forward") == (1, 8)   # 8 rows of 7 positions
+    assert cuda._plan_chunks(geom, per_position, 0, 0, 700, "forward") == (1, 1)
+    with pytest.raises(MemoryError, match=r"needs a workspace of at least 800 bytes .* limit of 799 bytes"):
+        cuda._plan_chunks(geom, per_position, 100, 0, 799, "forward")
+    sub = cuda._sub_geometry(geom, 1, 3, 6)
+    assert sub.output_shape == (3, 7) and sub.padding == (1 - 3, 1)

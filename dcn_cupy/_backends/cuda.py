@@ -303,6 +303,75 @@ _SCALARS = {(np.float64, 0.0): np.array(0.0), (np.float64, 1.0): np.array(1.0),
             (np.float32, 0.0): np.array(0.0, np.float32), (np.float32, 1.0): np.array(1.0, np.float32)}
 
 
+#: Bytes of the plan's workspace handed to cuBLAS (cublasSetWorkspace) for its GEMMs, so that
+#: cuBLAS never allocates, in a CUDA-graph capture included.
+CUBLAS_WORKSPACE_BYTES = 8 * 2**20
+
+_libcublas = None
+_handles = threading.local()
+
+
+def _cublas_library():
+    """libcublas through ctypes: CuPy's binding refuses every cuBLAS call during a stream
+    capture, and does not expose cublasSetWorkspace."""
+    global _libcublas
+    if _libcublas is None:
+        import ctypes
+        _cublas_module()  # loads the library CuPy uses (so the soname below resolves to it)
+        lib = None
+        for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so", "cublas64_13.dll", "cublas64_12.dll"):
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        if lib is None:
+            from cuda import pathfinder
+            lib = ctypes.CDLL(pathfinder.load_nvidia_dynamic_lib("cublas").abs_path)
+        p, i, i64, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_size_t
+        lib.cublasCreate_v2.argtypes = [ctypes.POINTER(p)]
+        lib.cublasSetStream_v2.argtypes = [p, p]
+        lib.cublasSetWorkspace_v2.argtypes = [p, p, u64]
+        lib.cublasGemmStridedBatchedEx.argtypes = [p, i, i, i, i, i, p, p, i, i, i64, p, i, i, i64, p, p, i, i, i64, i,
+                                                   i, i]
+        for fn in (lib.cublasCreate_v2, lib.cublasSetStream_v2, lib.cublasSetWorkspace_v2,
+                   lib.cublasGemmStridedBatchedEx):
+            fn.restype = i
+        _libcublas = lib
+    return _libcublas
+
+
+def _check(status: int, what: str) -> None:
+    if status:
+        raise RuntimeError(f"cuBLAS {what} failed with status {status}")
+
+
+def _own_handle(device_id: int) -> int:
+    """dcn_cupy's cuBLAS handle of this thread and device (created once, outside any capture;
+    CuPy's shared handle is left alone)."""
+    table = getattr(_handles, "table", None)
+    if table is None:
+        table = _handles.table = {}
+    handle = table.get(device_id)
+    if handle is None:
+        import ctypes
+        raw = ctypes.c_void_p()
+        with cupy.cuda.Device(device_id):
+            _check(_cublas_library().cublasCreate_v2(ctypes.byref(raw)), "cublasCreate")
+        handle = table[device_id] = raw.value
+    return handle
+
+
+def _prepare_cublas(device_id: int, workspace_ptr: int, workspace_bytes: int) -> int:
+    """The handle, on CuPy's current stream, with the plan's workspace (set after the stream:
+    cublasSetStream resets the workspace)."""
+    lib = _cublas_library()
+    handle = _own_handle(device_id)
+    _check(lib.cublasSetStream_v2(handle, cupy.cuda.get_current_stream().ptr), "cublasSetStream")
+    _check(lib.cublasSetWorkspace_v2(handle, workspace_ptr, workspace_bytes), "cublasSetWorkspace")
+    return handle
+
+
 class _Gemm:
     """``c[g] = op(a[g]) @ op(b[g]) + beta * c[g]`` over ``batch`` groups, C-contiguous row-major
     operands of fixed shapes: every cuBLAS argument but the pointers is fixed here."""
@@ -314,31 +383,26 @@ class _Gemm:
                 f"(C_out/groups x prod(Q)) or columns (C_in/groups*K x prod(Q)) are too large"
             )
         cublas = _cublas_module()
-        self._call = cublas.gemmStridedBatchedEx
-        self._set_stream = cublas.setStream
+        self._call = _cublas_library().cublasGemmStridedBatchedEx
         compute = _compute_type(np.dtype(a_dtype), allow_tf32)
         scalar = np.float64 if compute == cublas.CUBLAS_COMPUTE_64F else np.float32
-        self._alpha = _SCALARS[(scalar, 1.0)].ctypes.data
-        self._beta = _SCALARS[(scalar, float(beta))].ctypes.data
+        alpha = _SCALARS[(scalar, 1.0)].ctypes.data
+        beta_ = _SCALARS[(scalar, float(beta))].ctypes.data
         a_rows, a_cols = (k, m) if trans_a else (m, k)
         b_rows, b_cols = (n, k) if trans_b else (k, n)
-        ta, tb = np.dtype(a_dtype), np.dtype(a_dtype)
+        t = _CUDA_DTYPES[np.dtype(a_dtype)]
         # Row-major C (m x n) is column-major C^T (n x m) = op(B)^T op(A)^T.
         self._head = (cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N,
-                      cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N, n, m, k, self._alpha)
-        self._b = (_CUDA_DTYPES[tb], b_cols, b_rows * b_cols)
-        self._a = (_CUDA_DTYPES[ta], a_cols, a_rows * a_cols)
+                      cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N, n, m, k, alpha)
+        self._b = (t, b_cols, b_rows * b_cols)
+        self._a = (t, a_cols, a_rows * a_cols)
+        self._beta = beta_
         self._c = (_CUDA_DTYPES[np.dtype(c_dtype)], n, m * n, batch, compute, cublas.CUBLAS_GEMM_DEFAULT)
 
     def __call__(self, handle, a_ptr, b_ptr, c_ptr) -> None:
-        self._call(handle, *self._head, b_ptr, *self._b, a_ptr, *self._a, self._beta, c_ptr, *self._c)
-
-
-def _cublas_on_current_stream():
-    """CuPy's cuBLAS handle of the current device, set to CuPy's current stream."""
-    handle = cupy.cuda.device.get_cublas_handle()
-    _cublas_module().setStream(handle, cupy.cuda.get_current_stream().ptr)
-    return handle
+        status = self._call(handle, *self._head, b_ptr, *self._b, a_ptr, *self._a, self._beta, c_ptr, *self._c)
+        if status:
+            _check(status, "cublasGemmStridedBatchedEx")
 
 
 def _gemm(a, b, c, trans_a: bool = False, trans_b: bool = False, beta: float = 0.0, allow_tf32=None) -> None:
@@ -346,8 +410,8 @@ def _gemm(a, b, c, trans_a: bool = False, trans_b: bool = False, beta: float = 0
     batch, m, n = c.shape
     k = a.shape[1] if trans_a else a.shape[2]
     tf32 = cupy_allows_tf32() if allow_tf32 is None else allow_tf32
-    _Gemm(batch, m, n, k, a.dtype, c.dtype, trans_a, trans_b, beta, tf32)(
-        _cublas_on_current_stream(), a.data.ptr, b.data.ptr, c.data.ptr)
+    handle = _prepare_cublas(cupy.cuda.runtime.getDevice(), None, 0)
+    _Gemm(batch, m, n, k, a.dtype, c.dtype, trans_a, trans_b, beta, tf32)(handle, a.data.ptr, b.data.ptr, c.data.ptr)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,6 +427,9 @@ class _Layout:
     def __init__(self):
         self.size = 0
         self.slots = {}
+
+    def ptr(self, base: int, name: str) -> int:
+        return base + self.slots[name][0]
 
     def add(self, name: str, count: int, dtype) -> None:
         dtype = np.dtype(dtype)
@@ -395,21 +462,22 @@ class _Chunk:
         self.start, self.stop, self.n = start, stop, stop - start
         self.rows = lo is not None
         self.lo, self.hi = lo, hi
-        sub = _sub_geometry(geom, self.n, lo, hi) if self.rows else geom.with_batch(self.n)
-        self.Q = sub.output_size
         self.first = not self.rows or lo == 0
         self.last = not self.rows or hi == geom.output_shape[0]
-        self.struct = _geom_struct(sub)
+        found = exe._grids.get((lo, hi))
+        if found is None:  # the Geom struct and scatter box of a (sub-)grid, once per distinct one
+            sub = _sub_geometry(geom, self.n, lo, hi) if self.rows else geom.with_batch(self.n)
+            cap = 0
+            if exe.needs_scatter:
+                cap = max(int(min(_max_box_volume(sub, _TILE, int(exe.halo)), int(exe.smem) // exe.acc.itemsize)), 0)
+            found = exe._grids[(lo, hi)] = (sub.output_size, _geom_struct(sub), cap)
+        self.Q, self.struct, self.cap = found
         n, C, Co, K, S = self.n, geom.in_channels, geom.out_channels, geom.kernel_volume, geom.input_size
         index64 = _index64(n * C * S, C * K * n * self.Q, n * Co * self.Q,
                            n * max(geom.offset_groups, 1) * K * geom.ndim * self.Q,
                            n * max(geom.mask_groups, 1) * K * self.Q)
         self.index = np.int64 if index64 else np.int32
         self.kernels = exe.kernels(index64)
-        self.cap = 0
-        if exe.needs_scatter:
-            cap = min(_max_box_volume(sub, _TILE, int(exe.halo)), int(exe.smem) // exe.acc.itemsize)
-            self.cap = max(int(cap), 0)
         self.i_n = np.int32(self.n)
         self.i_q = self.index(self.Q)
 
@@ -434,6 +502,53 @@ def _plan_chunks(geom, per_position: int, fixed: int, per_sample_fixed: int, lim
     return 1, max(1, min((limit - fixed - per_sample_fixed) // row, geom.output_shape[0]))
 
 
+#: Replay the recorded launches of a call whose pointers equal the previous call's (the
+#: common case: same buffers, or the allocator handing back the same blocks); False launches
+#: through CuPy arrays every call.
+REPLAY = True
+_BLOCK1 = (_BLOCK,)
+
+
+def _u64(pointer: int):
+    return np.uint64(pointer)
+
+
+def _ptr(array) -> int:
+    return 0 if array is None else array.data.ptr
+
+
+def _at(pointer: int, offset: int):
+    """A device pointer argument ``pointer + offset``; None (a null pointer) for an absent array."""
+    return None if not pointer else np.uint64(pointer + offset)
+
+
+def _grid(total: int) -> tuple:
+    return (min((total + _BLOCK - 1) // _BLOCK, _MAX_GRID),)
+
+
+def _plain_batch(*arrays) -> bool:
+    """Every array C-contiguous, batch axis included (pointer arithmetic over samples holds)."""
+    for a in arrays:
+        if a is not None and not a.flags.c_contiguous:
+            return False
+    return True
+
+
+def _replay(ops, handle) -> None:
+    """Run recorded launches: 0 kernel, 1 GEMM, 2 memset (on CuPy's current stream)."""
+    stream = None
+    for op in ops:
+        kind = op[0]
+        if kind == 0:
+            op[1](op[2], op[3], op[4], shared_mem=op[5])
+        elif kind == 1:
+            op[1](handle, op[2], op[3], op[4])
+        else:
+            if stream is None:
+                stream = cupy.cuda.get_current_stream().ptr
+            cupy.cuda.runtime.memsetAsync(op[1], 0, op[2], stream)
+
+
 class _Executable:
     """What forward and backward share: sizes, kernels, chunks and the workspace layout."""
 
@@ -454,6 +569,10 @@ class _Executable:
         self.i_Go, self.i_Gm = np.int32(self.Go), np.int32(self.Gm)
         self.inner = self.Q // geom.output_shape[0]
         self._kernels = {}
+        self._grids = {}
+        # cuBLAS's workspace, carved from the plan's (a quarter of the limit at most)
+        self.cublas_bytes = min(int(CUBLAS_WORKSPACE_BYTES), self.limit // 4) // _ALIGN * _ALIGN
+        self._cache = None
 
     def kernels(self, index64: bool) -> dict:
         """Every kernel function of this executable for one index width (compiled here)."""
@@ -493,6 +612,9 @@ class _Executable:
         return (f"cuda/im2col {name}: {how}, {index} index, workspace {self.workspace_bytes} bytes "
                 f"(limit {self.limit})" + (", TF32 GEMMs" if self.spec.allow_tf32 and self.dtype == np.float32 else ""))
 
+    def _cublas(self, ws):
+        return _prepare_cublas(self.device_id, ws.data.ptr + self.layout.slots["cublas"][0], self.cublas_bytes)
+
     @staticmethod
     def _samples(array, start, stop):
         """Samples start:stop, C-contiguous (a chunk-sized copy only for an unusual batch stride)."""
@@ -522,12 +644,15 @@ class _Forward(_Executable):
         off_ch = self.geom.offset_groups * self.K * self.geom.ndim
         m_ch = self.geom.mask_groups * self.K
         per_position = self.C * self.K * it + self.Co * acc
-        n, rows = _plan_chunks(self.geom, per_position, 0, 0, self.limit, "forward")
+        fixed = self.cublas_bytes
+        n, rows = _plan_chunks(self.geom, per_position, fixed, 0, self.limit, "forward")
         if rows is not None:  # staging of offsets, mask and the output rows
             per_position += (off_ch + m_ch + self.Co) * it
-            n, rows = _plan_chunks(self.geom, per_position, 0, 0, self.limit, "forward")
+            n, rows = _plan_chunks(self.geom, per_position, fixed, 0, self.limit, "forward")
+        self.rows = rows
         nq = n * self.Q if rows is None else rows * self.inner
         layout = self.layout = _Layout()
+        layout.add("cublas", self.cublas_bytes, np.uint8)
         layout.add("cols", self.C * self.K * nq, self.dtype)
         layout.add("gemm", self.Co * nq, self.acc)
         if rows is not None:
@@ -546,8 +671,34 @@ class _Forward(_Executable):
 
     def run(self, args, out, ws):
         x, w, offset, mask, bias = args["input"], args["weight"], args["offset"], args["mask"], args["bias"]
+        handle = self._cublas(ws)
+        if REPLAY and self.rows is None and _plain_batch(x, offset, mask):
+            key = (x.data.ptr, w.data.ptr, _ptr(offset), _ptr(mask), _ptr(bias), out.data.ptr, ws.data.ptr)
+            cached = self._cache  # (key, ops), read and replaced as one object: safe across threads
+            if cached is None or cached[0] != key:
+                cached = self._cache = (key, self._record(*key))
+            _replay(cached[1], handle)
+        else:
+            self._direct(x, w, offset, mask, bias, out, ws, handle)
+
+    def _record(self, x, w, offset, mask, bias, out, ws):
+        """The launches of a call on these pointers (contiguous batch, no staging)."""
+        ops, it = [], self.dtype.itemsize
+        C, Co, Q, S, K = self.C, self.Co, self.Q, self.S, self.K
+        off_ch, m_ch = self.geom.offset_groups * K * self.geom.ndim, self.geom.mask_groups * K
+        cols, gout = self.layout.ptr(ws, "cols"), self.layout.ptr(ws, "gemm")
+        for c in self.chunks:
+            q, k = c.n * c.Q, c.kernels
+            ops.append((0, k["im2col"], _grid(C * q), _BLOCK1, (
+                _u64(x + c.start * C * S * it), _at(offset, c.start * off_ch * Q * it),
+                _at(mask, c.start * m_ch * Q * it), _u64(cols), c.struct, c.i_n, self.i_C, self.i_Go, self.i_Gm), 0))
+            ops.append((1, self.gemms[q], w, cols, gout))
+            ops.append((0, k["to_batch"], _grid(Co * q), _BLOCK1, (
+                _u64(gout), _at(bias, 0), _u64(out + c.start * Co * Q * it), c.i_n, self.i_Co, c.i_q), 0))
+        return ops
+
+    def _direct(self, x, w, offset, mask, bias, out, ws, handle):
         layout, C, G, K = self.layout, self.C, self.G, self.K
-        handle = _cublas_on_current_stream()
         w_ptr = w.data.ptr
         for c in self.chunks:
             q = c.n * c.Q
@@ -585,14 +736,16 @@ class _Backward(_Executable):
         half = self.acc != self.dtype
         # gy columns + columns (weight) + column grads; grad_w in float32 for the half types
         per_position = self.Co * it + self.C * self.K * (it + acc)
-        fixed = self.G * self.Cog * self.Cg * self.K * acc if half else 0
+        fixed = self.cublas_bytes + (self.G * self.Cog * self.Cg * self.K * acc if half else 0)
         per_sample = self.C * self.S * acc if half else 0     # grad_x accumulated in float32
         n, rows = _plan_chunks(geom, per_position, fixed, per_sample, self.limit, "backward")
         if rows is not None:  # staging of offsets, mask and their gradients
             per_position += 2 * (self.off_ch + self.m_ch) * it
             n, rows = _plan_chunks(geom, per_position, fixed, per_sample, self.limit, "backward")
+        self.rows = rows
         nq = n * self.Q if rows is None else rows * self.inner
         layout = self.layout = _Layout()
+        layout.add("cublas", self.cublas_bytes, np.uint8)
         layout.add("gy", self.Co * nq, self.dtype)
         layout.add("cols", self.C * self.K * nq, self.dtype)
         layout.add("cgrad", self.C * self.K * nq, self.acc)
@@ -622,6 +775,91 @@ class _Backward(_Executable):
         self.description = self._describe("backward", n, rows)
 
     def run(self, args, out, ws):
+        gy, x, w = args["grad_output"], args["input"], args["weight"]
+        offset, mask, bias, wanted = args["offset"], args["mask"], args.get("bias"), args["wanted"]
+        handle = self._cublas(ws)
+        if REPLAY and self.rows is None and _plain_batch(gy, x, offset, mask):
+            key = (gy.data.ptr, _ptr(x), w.data.ptr, _ptr(offset), _ptr(mask), _ptr(bias), ws.data.ptr, wanted,
+                   _ptr(out.get("input")), _ptr(out.get("weight")), _ptr(out.get("offset")), _ptr(out.get("mask")))
+            cached = self._cache  # (key, ops), read and replaced as one object: safe across threads
+            if cached is None or cached[0] != key:
+                cached = self._cache = (key, self._record(*key))
+            _replay(cached[1], handle)
+        else:
+            self._direct(args, out, ws, handle)
+
+    def _record(self, gy, x, w, offset, mask, bias, ws, wanted, grad_x, grad_w, grad_off, grad_m):
+        """The launches of a call on these pointers (contiguous batch, no staging)."""
+        need_input, need_weight = bool(grad_x), bool(grad_w)
+        need_offset, need_mask = bool(grad_off) and bool(offset), bool(grad_m) and bool(mask)
+        need_cgrad = need_input or need_offset or need_mask
+        ops, it, acc = [], self.dtype.itemsize, self.acc.itemsize
+        half = self.acc != self.dtype
+        B, C, Co, Q, S, K, G = self.B, self.C, self.Co, self.Q, self.S, self.K, self.G
+        layout = self.layout
+        gy_cols, cols, cgrad = layout.ptr(ws, "gy"), layout.ptr(ws, "cols"), layout.ptr(ws, "cgrad")
+        w_size = G * self.Cog * self.Cg * K
+        if need_weight:
+            w_acc = layout.ptr(ws, "grad_w") if half else grad_w
+            ops.append((2, w_acc, w_size * acc))
+        if need_input and not half:
+            ops.append((2, grad_x, B * C * S * it))
+        for c in self.chunks:
+            q, k = c.n * c.Q, c.kernels
+            gemm_w, gemm_cgrad = self.gemms[q]
+            ops.append((0, k["to_columns"], _grid(Co * q), _BLOCK1, (
+                _u64(gy + c.start * Co * Q * it), _u64(gy_cols), c.i_n, self.i_Co, c.i_q), 0))
+            x_part = _at(x, c.start * C * S * it)
+            off = _at(offset, c.start * self.off_ch * Q * it)
+            msk = _at(mask, c.start * self.m_ch * Q * it)
+            if need_weight:
+                ops.append((0, k["im2col"], _grid(C * q), _BLOCK1, (
+                    x_part, off, msk, _u64(cols), c.struct, c.i_n, self.i_C, self.i_Go, self.i_Gm), 0))
+                ops.append((1, gemm_w, gy_cols, cols, w_acc))
+            if not need_cgrad:
+                continue
+            ops.append((1, gemm_cgrad, w, gy_cols, cgrad))
+            if need_input:
+                if half:
+                    gx = layout.ptr(ws, "grad_x")
+                    ops.append((2, gx, c.n * C * S * acc))
+                else:
+                    gx = grad_x + c.start * C * S * it
+                blocks = -(-c.Q // _TILE) * C * c.n
+                ops.append((0, k["col2im"], (min(blocks, _MAX_GRID),), (_TILE,), (
+                    _u64(cgrad), off, msk, _u64(gx), c.struct, c.i_n, self.i_C, self.i_Go, self.i_Gm,
+                    np.int32(self.halo), np.int32(c.cap)), c.cap * self.acc.itemsize))
+                if half:
+                    total = c.n * C * S
+                    ops.append((0, self.final, _grid(total), _BLOCK1, (
+                        _u64(gx), _at(bias, 0), _u64(grad_x + c.start * C * S * it), self.final_index(total),
+                        self.i_C, self.final_index(S)), 0))
+            if need_offset or need_mask:
+                g_off = _at(grad_off if need_offset else None, c.start * self.off_ch * Q * it)
+                g_m = _at(grad_m if need_mask else None, c.start * self.m_ch * Q * it)
+
+                def grouped(want, groups, go, gm):
+                    ops.append((0, k[want], _grid(c.n * groups * K * c.Q), _BLOCK1, (
+                        _u64(cgrad), x_part, off, msk, go, gm, c.struct, c.i_n, self.i_C, self.i_Go, self.i_Gm,
+                        np.int32(groups)), 0))
+
+                if need_offset:
+                    with_mask = need_mask and self.Go == self.Gm
+                    grouped((True, with_mask), self.Go, g_off, g_m if with_mask else None)
+                    if need_mask and not with_mask:
+                        grouped((False, True), self.Gm, None, g_m)
+                else:
+                    grouped((False, True), self.Gm, None, g_m)
+        if need_input and not half and bias is not None:
+            total = B * C * S
+            ops.append((0, self.final, _grid(total), _BLOCK1, (
+                _u64(grad_x), _u64(bias), _u64(grad_x), self.final_index(total), self.i_C, self.final_index(S)), 0))
+        if need_weight and half:
+            ops.append((0, self.final, _grid(w_size), _BLOCK1, (
+                _u64(w_acc), None, _u64(grad_w), self.final_index(w_size), np.int32(1), self.final_index(1)), 0))
+        return ops
+
+    def _direct(self, args, out, ws, handle):
         gy_all, x, w = args["grad_output"], args["input"], args["weight"]
         offset, mask, bias, wanted = args["offset"], args["mask"], args.get("bias"), args["wanted"]
         need_input = "input" in wanted
@@ -641,7 +879,6 @@ class _Backward(_Executable):
             w_acc.fill(0)
         if grad_x is not None and not half:
             grad_x.fill(0)
-        handle = _cublas_on_current_stream()
         w_ptr = w.data.ptr
         spatial = tuple(geom.output_shape[1:])
         for c in self.chunks:
