@@ -142,6 +142,8 @@ def bench_jax(host, repeats, inner):
 
     import dcn_cupy.jax as dj
 
+    if jax.devices()[0].platform != "gpu":
+        raise RuntimeError(f"JAX runs on {jax.devices()[0].platform}, not on the GPU")
     args = [jnp.asarray(host[k]) for k in ("input", "weight", "offset", "mask", "bias")]
     grad = jnp.asarray(host["grad"])
 
@@ -154,7 +156,7 @@ def bench_jax(host, repeats, inner):
     def run():
         out[:] = [step(*args)]
 
-    return _time(run, lambda: jax.block_until_ready(out), repeats, inner), jax.devices()[0]
+    return _time(run, lambda: jax.block_until_ready(out), repeats, inner)
 
 
 def main(argv=None) -> int:
@@ -175,20 +177,22 @@ def main(argv=None) -> int:
           f"3x3 DCNv2, float32 strict; ms per iteration (wall clock)")
     base, plan = bench_plan(host, opts.repeats, opts.inner)
     print(f"plan: {plan.algorithm}, workspace {plan.workspace_bytes} bytes")
-    rows = [("plan forward+backward (CuPy arrays)", base)]
-    rows.append(("dcn_cupy.torch deform_conv2d forward+backward", bench_torch_functional(host, opts.repeats,
-                                                                                           opts.inner)))
-    rows.append(("dcn_cupy.torch PackedDeformConv2d training step", bench_torch_packed(opts.repeats, opts.inner)))
-    rows.append(("  the same step as a CUDA graph replay", bench_torch_packed_graph(opts.repeats, opts.inner)))
+    paths = [
+        ("dcn_cupy.torch deform_conv2d forward+backward", lambda: bench_torch_functional(host, opts.repeats, opts.inner)),
+        ("dcn_cupy.torch PackedDeformConv2d training step", lambda: bench_torch_packed(opts.repeats, opts.inner)),
+        ("  the same step as a CUDA graph replay", lambda: bench_torch_packed_graph(opts.repeats, opts.inner)),
+    ]
     if not opts.no_jax:
+        paths.append(("dcn_cupy.jax jit(grad), all five gradients", lambda: bench_jax(host, opts.repeats, opts.inner)))
+    width = max(len(label) for label, _ in paths) + 2
+    print(f"{'plan forward+backward (CuPy arrays)':<{width}}  {base:8.3f} ms  1.00x plan")
+    for label, run in paths:  # one failing path (no JAX GPU, a capture error) does not hide the others
         try:
-            jax_ms, device = bench_jax(host, opts.repeats, opts.inner)
-            rows.append((f"dcn_cupy.jax jit(grad) ({device.platform})", jax_ms))
-        except Exception as error:  # JAX without a GPU, or no JAX: report, go on
-            print(f"jax: skipped ({type(error).__name__}: {error})")
-    width = max(len(r[0]) for r in rows)
-    for label, ms in rows:
-        print(f"{label:<{width}}  {ms:8.3f} ms  {ms / base:5.2f}x plan")
+            ms = run()
+        except Exception as error:
+            print(f"{label:<{width}}  failed: {type(error).__name__}: {error}")
+            continue
+        print(f"{label:<{width}}  {ms:8.3f} ms  {ms / base:5.2f}x plan", flush=True)
     return 0
 
 
