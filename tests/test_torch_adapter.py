@@ -227,6 +227,28 @@ def _opcheck(op, args):
     assert set(result.values()) == {"SUCCESS"}, result
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])
+def test_eager_path_equals_the_registered_op(transposed):
+    # Eager calls run an autograd.Function that skips the dispatcher; traced calls the op.
+    if transposed:
+        a, p = transpose_case(2, **TRANSPOSE_CASES["2d"][1])
+        op, hyper = torch.ops.dcn_cupy.deform_conv_transpose, ([2, 1], [0, 1], [1, 0], [1, 2], 1)
+        fn = dct.deform_conv_transpose2d
+    else:
+        a, p = conv_case(2, **CONV_CASES["2d"][1])
+        op, hyper = torch.ops.dcn_cupy.deform_conv, ([1, 2], [1, 0], [2, 1], 2)
+        fn = dct.deform_conv2d
+    results = []
+    for path in ("eager", "op"):
+        leaves = {k: v.clone().requires_grad_() for k, v in a.items()}
+        y = fn(**leaves, **p) if path == "eager" else op(*leaves.values(), *hyper)
+        assert (type(y.grad_fn).__name__ == "EagerConvBackward") == (path == "eager")
+        y.backward(torch.ones_like(y))
+        results.append([y.detach()] + [leaves[k].grad for k in NAMES])
+    for eager, op_result in zip(*results):
+        torch.testing.assert_close(eager, op_result, rtol=0, atol=0)
+
+
 def test_opcheck_deform_conv_ops():
     ops = torch.ops.dcn_cupy
     n, kwargs = CONV_CASES["2d"]

@@ -2,8 +2,9 @@
 
 Every operation and its backward are registered as ``torch.library.custom_op``\\ s in the
 ``dcn_cupy`` namespace (``torch.ops.dcn_cupy.*``), with fake (meta) kernels, so that
-``torch.compile`` traces forward and backward graphs through them. Each op holds a plan
-(:func:`dcn_cupy.plan`) per configuration and runs it on views of the tensors (no DLPack):
+``torch.compile`` traces forward and backward graphs through them; eager calls run the same
+implementation as a ``torch.autograd.Function``, without the custom-op dispatcher's host time.
+Each configuration has a plan (:func:`dcn_cupy.plan`), run on views of the tensors (no DLPack):
 
 * outputs, gradients and workspaces are allocated by torch's caching allocator on the tensor's
   device, so ``torch.cuda.memory_allocated`` counts them and CUDA graphs keep them in their pool;

@@ -16,6 +16,7 @@ from typing import List, Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .. import _api, _geometry
 from . import _plans, _runtime
@@ -209,6 +210,33 @@ def _transpose_autograd(ctx, grad_output):
 
 
 deform_conv_transpose.register_autograd(_transpose_autograd, setup_context=_conv_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# eager calls: the same implementation without the custom-op dispatcher
+
+
+class EagerConv(torch.autograd.Function):
+    """What an eager call of a convolution runs: ``_forward``/``_backward`` as an autograd
+    Function, which skips the custom-op dispatcher's layers (tens of microseconds of host time
+    per call). Tracing (``torch.compile``, ``torch.export``, ``torch.jit.trace``) and tensor
+    subclasses (fake tensors) go through the registered ops instead.
+    ``EagerConv.apply(transposed, hyper, input, weight, offset, mask, bias)``."""
+
+    @staticmethod
+    def forward(ctx, transposed, hyper, input, weight, offset, mask, bias):
+        tensors = (input, weight, offset, mask, bias)
+        ctx.save_for_backward(*tensors)
+        ctx.transposed, ctx.hyper = transposed, hyper
+        return _forward(transposed, tensors, hyper)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        tensors = ctx.saved_tensors
+        wanted = _wanted(ctx.needs_input_grad[2:], tensors)
+        grads = _backward(ctx.transposed, grad_output, tensors, ctx.hyper, wanted)
+        return (None, None) + _empty_to_none(grads, wanted)
 
 
 # ---------------------------------------------------------------------------------------------

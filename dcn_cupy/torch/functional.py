@@ -56,15 +56,28 @@ def _autocast(tensors: List[Optional[Tensor]]) -> List[Optional[Tensor]]:
             for t in tensors]
 
 
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _eager(*tensors) -> bool:
+    """Whether a call runs eagerly on plain tensors (then it skips the custom-op dispatcher;
+    tracers and tensor subclasses such as fake tensors take the registered ops)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    return all(t is None or type(t) in _PLAIN for t in tensors)
+
+
 def _deform_conv(ndim, input, weight, offset, mask, bias, stride, padding, dilation, groups) -> Tensor:
     _check_tensors(input, weight, offset, mask, bias)
     n = _geometry.spatial_ndim(tuple(weight.shape), ndim)
     stride = list(_geometry.fix_sequence_arg(stride, n, "stride", 1))
     padding = list(_geometry.fix_sequence_arg(padding, n, "padding", 0))
     dilation = list(_geometry.fix_sequence_arg(dilation, n, "dilation", 1))
+    groups = _geometry.check_groups(groups)
     input, weight, offset, mask, bias = _autocast([input, weight, offset, mask, bias])
-    return torch.ops.dcn_cupy.deform_conv(input, weight, offset, mask, bias, stride, padding, dilation,
-                                          _geometry.check_groups(groups))
+    if _eager(input, weight, offset, mask, bias):
+        return _ops.EagerConv.apply(False, (stride, padding, (), dilation, groups), input, weight, offset, mask, bias)
+    return torch.ops.dcn_cupy.deform_conv(input, weight, offset, mask, bias, stride, padding, dilation, groups)
 
 
 def _deform_conv_transpose(ndim, input, weight, offset, mask, bias, stride, padding, output_padding,
@@ -76,9 +89,13 @@ def _deform_conv_transpose(ndim, input, weight, offset, mask, bias, stride, padd
     padding = list(_geometry.fix_sequence_arg(padding, n, "padding", 0))
     output_padding = list(_geometry.fix_sequence_arg(output_padding, n, "output_padding", 0))
     dilation = list(_geometry.fix_sequence_arg(dilation, n, "dilation", 1))
+    groups = _geometry.check_groups(groups)
     input, weight, offset, mask, bias = _autocast([input, weight, offset, mask, bias])
+    if _eager(input, weight, offset, mask, bias):
+        return _ops.EagerConv.apply(True, (stride, padding, output_padding, dilation, groups), input, weight, offset,
+                                    mask, bias)
     return torch.ops.dcn_cupy.deform_conv_transpose(input, weight, offset, mask, bias, stride, padding,
-                                                    output_padding, dilation, _geometry.check_groups(groups))
+                                                    output_padding, dilation, groups)
 
 
 def _mask_softmax(ndim, mask, kernel_size) -> Tensor:
