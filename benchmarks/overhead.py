@@ -383,10 +383,12 @@ def main(argv=None):
                 fwd, both, busy = make(device, rng)
                 times = [_time(f, busy, args.calls, args.repeats) for f in (fwd, both)]
             except _Skip as reason:
-                print(f"| {name} | {label} | {device} | skipped: {reason} | |", flush=True)
+                text = " ".join(str(reason).split())
+                print(f"| {name} | {label} | {device} | skipped: {text} | |", flush=True)
                 continue
             except Exception as error:  # a path that fails is reported, not fatal
-                print(f"| {name} | {label} | {device} | error: {type(error).__name__}: {str(error)[:100]} | |",
+                text = " ".join(str(error).split())[:100]
+                print(f"| {name} | {label} | {device} | error: {type(error).__name__}: {text} | |",
                       flush=True)
                 continue
             finally:

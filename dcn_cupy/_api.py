@@ -409,6 +409,10 @@ Args:
 
 Shapes: ``K = {K}`` and, per spatial axis, ``Q = (S + 2*padding - dilation*(k - 1) - 1) // stride + 1``.
 
+Arrays may come from NumPy, CuPy, PyTorch, JAX or any DLPack producer (raw DLPack capsules
+included: their result comes back as a NumPy/CuPy array unless another argument names a
+library). The configuration is validated once and cached (see :func:`dcn_cupy.plan`).
+
 Returns:
     array[B, C_out, {Q}]: the output, in ``input``'s library, device and dtype.
 

@@ -257,6 +257,8 @@ class Plan:
         if workspace is None:
             return self._xp.empty(size, dtype=np.uint8) if size else None
         native = self._buffer(workspace, "workspace", size)
+        if native.ndim == 1 and native.dtype == np.uint8:
+            return native
         return native.reshape(-1).view(np.uint8)
 
     def _context(self, lib):

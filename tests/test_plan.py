@@ -362,3 +362,34 @@ def test_cuda_chunking_rules():
         cuda._plan_chunks(geom, per_position, 100, 0, 799, "forward")
     sub = cuda._sub_geometry(geom, 1, 3, 6)
     assert sub.output_shape == (3, 7) and sub.padding == (1 - 3, 1)
+
+
+@pytest.mark.gpu
+def test_concurrent_first_use_on_the_gpu():
+    """Threads racing to build (and compile) the same plan agree, and match one serial call."""
+    cupy = pytest.importorskip("cupy")
+    rng = np.random.default_rng(41)
+    case = random_case(rng, 3, False, batch=2)
+    arrays = case.arrays(lambda v: cupy.asarray(v.astype(np.float32)))
+    _plan.clear_plan_cache()
+    results, errors = [None] * 6, []
+    barrier = threading.Barrier(6)
+
+    def work(i):
+        try:
+            barrier.wait()
+            y = case.forward(**arrays, **case.params)
+            cupy.cuda.get_current_stream().synchronize()
+            results[i] = cupy.asnumpy(y)
+        except Exception as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for y in results:
+        np.testing.assert_array_equal(y, results[0])
+    assert relative_error(results[0], case.reference()) < 1e-5

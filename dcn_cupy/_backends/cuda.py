@@ -365,10 +365,14 @@ def _own_handle(device_id: int) -> int:
 def _prepare_cublas(device_id: int, workspace_ptr: int, workspace_bytes: int) -> int:
     """The handle, on CuPy's current stream, with the plan's workspace (set after the stream:
     cublasSetStream resets the workspace)."""
-    lib = _cublas_library()
     handle = _own_handle(device_id)
-    _check(lib.cublasSetStream_v2(handle, cupy.cuda.get_current_stream().ptr), "cublasSetStream")
-    _check(lib.cublasSetWorkspace_v2(handle, workspace_ptr, workspace_bytes), "cublasSetWorkspace")
+    state = (cupy.cuda.get_current_stream().ptr, workspace_ptr, workspace_bytes)
+    last = _handles.__dict__.setdefault("state", {})
+    if last.get(handle) != state:  # the handle is this thread's own: nothing else changes it
+        lib = _cublas_library()
+        _check(lib.cublasSetStream_v2(handle, state[0]), "cublasSetStream")
+        _check(lib.cublasSetWorkspace_v2(handle, workspace_ptr, workspace_bytes), "cublasSetWorkspace")
+        last[handle] = state
     return handle
 
 
