@@ -9,7 +9,7 @@ only checks the buffers against the plan and runs it, writing into XLA's output 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -96,15 +96,17 @@ class _Spec(NamedTuple):
     dtype: np.dtype
 
 
-def _trace_device() -> str:
+def _trace_device() -> Optional[str]:
     """The device the callbacks of this trace will most likely run on (plans for any other
-    device are built on first use)."""
+    device are built on first use); None when JAX's default device is neither."""
     if callback_mechanism() == "pure_callback":
         return "cpu"
     device = jax.devices()[0]
     if device.platform == "cpu":
         return "cpu"
-    return f"cuda:{getattr(device, 'local_hardware_id', None) or 0}"
+    if device.platform in ("gpu", "cuda"):
+        return f"cuda:{getattr(device, 'local_hardware_id', None) or 0}"
+    return None
 
 
 class _Plans:
@@ -118,7 +120,8 @@ class _Plans:
                                         **kwargs)
         self._plans = {}
         where = _trace_device()
-        self._plans[where] = self._build(device=where)
+        if where is not None:
+            self._plans[where] = self._build(device=where)
 
     def of(self, native):
         """The plan for the device of a native (NumPy/CuPy) array."""
