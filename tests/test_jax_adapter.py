@@ -15,7 +15,8 @@ jnp = pytest.importorskip("jax.numpy")
 
 import dcn_cupy  # noqa: E402
 import dcn_cupy.jax as dj  # noqa: E402
-from dcn_cupy import _api, reference  # noqa: E402
+from dcn_cupy import reference  # noqa: E402
+from dcn_cupy.jax import _callbacks  # noqa: E402
 
 NAMES = ("input", "weight", "offset", "mask", "bias")
 STEP = 1e-6
@@ -42,7 +43,7 @@ def x64():
 @pytest.fixture
 def mechanism():
     """Set dcn_cupy.jax's callback mechanism for one test (restored afterwards)."""
-    old = dj._MECHANISM
+    old = _callbacks._MECHANISM
     try:
         yield dj.set_callback_mechanism
     finally:
@@ -212,15 +213,14 @@ def test_only_requested_gradients_are_computed(x64, monkeypatch, transposed, jit
     name = "transpose2d" if transposed else "conv2d"
     n, _, arrays, params = make_case(name)
     fn, _ = functions(n, transposed)
-    attribute = "deform_conv_transpose_backward" if transposed else "deform_conv_backward"
-    original = getattr(_api, attribute)
+    original = dcn_cupy._plan.Plan._backward  # eager (functional API) and jit (the trace's plan) alike
     calls = []
 
-    def spy(*args, wrt=None, **kwargs):
-        calls.append(tuple(sorted(wrt)))
-        return original(*args, wrt=wrt, **kwargs)
+    def spy(self, natives, wanted, *a, **k):
+        calls.append(tuple(sorted(wanted)))
+        return original(self, natives, wanted, *a, **k)
 
-    monkeypatch.setattr(_api, attribute, spy)
+    monkeypatch.setattr(dcn_cupy._plan.Plan, "_backward", spy)
     args = jax_args(arrays)
 
     def loss(w, m):
@@ -390,7 +390,7 @@ def test_low_precision_mask_activations(jit):
 
 
 def test_mechanism_is_reported(mechanism):
-    assert dj.callback_mechanism() == ("pure_callback" if dj._buffer_callback is None else "buffer_callback")
+    assert dj.callback_mechanism() == ("pure_callback" if _callbacks._buffer_callback is None else "buffer_callback")
     mechanism("pure")
     assert dj.callback_mechanism() == "pure_callback"
     with pytest.raises(ValueError, match="mechanism"):
@@ -399,7 +399,7 @@ def test_mechanism_is_reported(mechanism):
 
 @pytest.mark.parametrize("which", ["pure", "buffer"])
 def test_both_callback_mechanisms(x64, mechanism, which):
-    if which == "buffer" and dj._buffer_callback is None:
+    if which == "buffer" and _callbacks._buffer_callback is None:
         pytest.skip("jax.experimental.buffer_callback is not available")
     mechanism(which)
     assert dj.callback_mechanism() == which + "_callback"
@@ -416,7 +416,7 @@ def test_both_callback_mechanisms(x64, mechanism, which):
 
 @pytest.mark.parametrize("which", ["pure", "buffer"])
 def test_vmap(x64, mechanism, which):
-    if which == "buffer" and dj._buffer_callback is None:
+    if which == "buffer" and _callbacks._buffer_callback is None:
         pytest.skip("jax.experimental.buffer_callback is not available")
     mechanism(which)
     _, _, arrays, params = make_case("conv2d")
@@ -485,7 +485,7 @@ def _gpu():
 def test_gpu_forward_and_gradients(x64, name, jit):
     device = _gpu()
     if jit:
-        assert dj.callback_mechanism() == "buffer_callback" or dj._buffer_callback is None
+        assert dj.callback_mechanism() == "buffer_callback" or _callbacks._buffer_callback is None
     n, transposed, arrays, params = make_case(name)
     fn, ref_fn = functions(n, transposed)
     check_forward(fn, ref_fn, arrays, params, jit, device=device)

@@ -161,13 +161,13 @@ def test_only_requested_gradients_are_computed(monkeypatch):
     args, params = conv_case(2, c_in=2, c_out=2, spatial=(4, 4))
     full = dcn_cupy.deform_conv2d_backward(torch.ones(2, 2, 3, 3, dtype=F64), **args, **params)
     calls = []
-    original = dcn_cupy._api.deform_conv_backward
+    original = dcn_cupy._plan.Plan._backward  # every backward of a plan runs through it
 
-    def spy(*a, wrt=None, **k):
-        calls.append(set(wrt))
-        return original(*a, wrt=wrt, **k)
+    def spy(self, natives, wanted, *a, **k):
+        calls.append(set(wanted))
+        return original(self, natives, wanted, *a, **k)
 
-    monkeypatch.setattr(dcn_cupy._api, "deform_conv_backward", spy)
+    monkeypatch.setattr(dcn_cupy._plan.Plan, "_backward", spy)
     leaves = {k: v.clone().requires_grad_(k in ("offset", "mask")) for k, v in args.items()}
     dct.deform_conv2d(**leaves, **params).sum().backward()
     assert calls == [{"offset", "mask"}]
@@ -225,6 +225,28 @@ def test_lazily_negated_tensor_is_resolved():
 def _opcheck(op, args):
     result = torch.library.opcheck(op, args)
     assert set(result.values()) == {"SUCCESS"}, result
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])
+def test_eager_path_equals_the_registered_op(transposed):
+    # Eager calls run an autograd.Function that skips the dispatcher; traced calls the op.
+    if transposed:
+        a, p = transpose_case(2, **TRANSPOSE_CASES["2d"][1])
+        op, hyper = torch.ops.dcn_cupy.deform_conv_transpose, ([2, 1], [0, 1], [1, 0], [1, 2], 1)
+        fn = dct.deform_conv_transpose2d
+    else:
+        a, p = conv_case(2, **CONV_CASES["2d"][1])
+        op, hyper = torch.ops.dcn_cupy.deform_conv, ([1, 2], [1, 0], [2, 1], 2)
+        fn = dct.deform_conv2d
+    results = []
+    for path in ("eager", "op"):
+        leaves = {k: v.clone().requires_grad_() for k, v in a.items()}
+        y = fn(**leaves, **p) if path == "eager" else op(*leaves.values(), *hyper)
+        assert (type(y.grad_fn).__name__ == "EagerConvBackward") == (path == "eager")
+        y.backward(torch.ones_like(y))
+        results.append([y.detach()] + [leaves[k].grad for k in NAMES])
+    for eager, op_result in zip(*results):
+        torch.testing.assert_close(eager, op_result, rtol=0, atol=0)
 
 
 def test_opcheck_deform_conv_ops():
@@ -571,3 +593,31 @@ def test_model_on_second_device():
     for name, p in model.named_parameters():
         assert p.grad.device == torch.device("cuda", 1)
         torch.testing.assert_close(p.grad.cpu(), grads[name], rtol=1e-9, atol=1e-9, msg=name)
+
+
+def _deterministic_run(device):
+    args, params = _stream_case()
+    leaves = {k: v.to(device).float().requires_grad_() for k, v in args.items() if v is not None}
+    y = dct.deform_conv2d(**leaves, **params)
+    y.backward(torch.ones_like(y))
+    return y.detach(), {k: v.grad for k, v in leaves.items()}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, cuda_only])])
+def test_deterministic_algorithms(device):
+    # torch.use_deterministic_algorithms(True) asks the plans for deterministic algorithms; where
+    # none serves the backward, torch's convention: a RuntimeError that says so.
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        try:
+            first = _deterministic_run(device)
+        except RuntimeError as error:
+            assert device == "cuda" and "does not have a deterministic implementation" in str(error)
+            return
+        second = _deterministic_run(device)
+    finally:
+        torch.use_deterministic_algorithms(old)
+    assert torch.equal(first[0], second[0])
+    for name in first[1]:
+        assert torch.equal(first[1][name], second[1][name]), name

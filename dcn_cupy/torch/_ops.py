@@ -1,0 +1,326 @@
+"""The ``torch.ops.dcn_cupy`` custom ops: registration, fake (meta) kernels and autograd.
+
+Each convolution op holds a plan per configuration (:mod:`._plans`); a call allocates its
+output, gradients and workspace with torch (``torch.empty`` on the tensor's device) and runs
+the plan on views of the tensors, on torch's current stream (:mod:`._runtime`). Nothing in
+the op synchronises with the host, so the ops can be captured in CUDA graphs.
+
+The mask activations are element-wise and are computed with torch's own operations (in
+float32 for the half types, as the core does).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import List, Optional, Sequence
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .. import _api, _geometry
+from . import _plans, _runtime
+
+NAMES = _geometry.GRADIENT_NAMES  # ("input", "weight", "offset", "mask", "bias")
+
+
+def _shape(t: Optional[Tensor]):
+    return None if t is None else tuple(t.shape)
+
+
+def _static(*shapes) -> bool:
+    """Whether every dimension is a plain int (no symbolic sizes from dynamic-shape tracing)."""
+    return all(type(d) is int for s in shapes if s is not None for d in s)
+
+
+# ---------------------------------------------------------------------------------------------
+# running a plan on tensors
+
+
+def _forward(transposed: bool, tensors: Sequence[Optional[Tensor]], hyper) -> Tensor:
+    input = tensors[0]
+    plan = _plans.plan_for(transposed, tensors, hyper)
+    out = torch.empty(plan.output_shape, dtype=input.dtype, device=input.device)
+    with _runtime.cuda_scope(input):
+        plan.forward(*(_runtime.native(t) for t in tensors), out=_runtime.native(out),
+                     workspace=_workspace(plan, input))
+    return out
+
+
+def _backward(transposed: bool, grad_output: Tensor, tensors: Sequence[Optional[Tensor]], hyper,
+              wrt: Sequence[bool]):
+    """The five gradients; one not computed is an empty tensor (custom-op schemas have no
+    optional outputs)."""
+    input = tensors[0]
+    wanted = [name for name, w, t in zip(NAMES, wrt, tensors) if w and t is not None]
+    grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) if name in wanted else input.new_empty(0)
+             for name, t in zip(NAMES, tensors)]
+    if not wanted:
+        return tuple(grads)
+    plan = _plans.plan_for(transposed, tensors, hyper)
+    args = [_runtime.native(grad_output)] + [_runtime.native(t) for t in tensors]
+    out = {name: _runtime.native(g) for name, g in zip(NAMES, grads) if name in wanted}
+    with _runtime.cuda_scope(input):
+        try:
+            plan.backward(*args, wrt=wanted, out=out, workspace=_workspace(plan, input))
+        except ValueError as error:
+            if not plan.deterministic:
+                raise
+            # No deterministic algorithm serves this backward: torch's convention.
+            op = "deform_conv_transpose_backward" if transposed else "deform_conv_backward"
+            message = (f"dcn_cupy::{op} does not have a deterministic implementation for this configuration "
+                       f"({error}), but you set 'torch.use_deterministic_algorithms(True)'")
+            if not torch.is_deterministic_algorithms_warn_only_enabled():
+                raise RuntimeError(message) from error
+            warnings.warn(message)
+            plan = _plans.plan_for(transposed, tensors, hyper, deterministic=False)
+            plan.backward(*args, wrt=wanted, out=out, workspace=_workspace(plan, input))
+    return tuple(grads)
+
+
+def _workspace(plan, like: Tensor):
+    size = plan.workspace_bytes
+    if not size:
+        return None
+    return _runtime.native(torch.empty(size, dtype=torch.uint8, device=like.device))
+
+
+def _wanted(needs_input_grad, tensors) -> List[bool]:
+    return [bool(needs_input_grad[i]) and t is not None for i, t in enumerate(tensors)]
+
+
+def _empty_to_none(grads, wanted):
+    return tuple(g if w else None for g, w in zip(grads, wanted))
+
+
+# ---------------------------------------------------------------------------------------------
+# deformable convolution
+
+
+@torch.library.custom_op(
+    "dcn_cupy::deform_conv", mutates_args=(),
+    schema="(Tensor input, Tensor weight, Tensor? offset, Tensor? mask, Tensor? bias, "
+           "int[] stride, int[] padding, int[] dilation, int groups) -> Tensor",
+)
+def deform_conv(input, weight, offset, mask, bias, stride, padding, dilation, groups):
+    return _forward(False, (input, weight, offset, mask, bias), (stride, padding, (), dilation, groups))
+
+
+@deform_conv.register_fake
+def _deform_conv_fake(input, weight, offset, mask, bias, stride, padding, dilation, groups):
+    shapes = [_shape(t) for t in (input, weight, offset, mask, bias)]
+    if _static(*shapes):  # full validation, with the core's messages
+        geom, batched = _geometry.conv_geometry(*shapes, tuple(stride), tuple(padding), tuple(dilation), groups)
+        return input.new_empty(geom.y_shape if batched else geom.y_shape[1:])
+    n = weight.dim() - 2
+    lead = [input.shape[0]] if input.dim() == n + 2 else []
+    spatial = input.shape[input.dim() - n:]
+    out = [_geometry.conv_output_size(spatial[a], weight.shape[2 + a], stride[a], padding[a], dilation[a])
+           for a in range(n)]
+    return input.new_empty(lead + [weight.shape[0]] + out)
+
+
+@torch.library.custom_op(
+    "dcn_cupy::deform_conv_backward", mutates_args=(),
+    schema="(Tensor grad_output, Tensor input, Tensor weight, Tensor? offset, Tensor? mask, Tensor? bias, "
+           "int[] stride, int[] padding, int[] dilation, int groups, bool[] wrt) "
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+def deform_conv_backward(grad_output, input, weight, offset, mask, bias, stride, padding, dilation, groups, wrt):
+    return _backward(False, grad_output, (input, weight, offset, mask, bias),
+                     (stride, padding, (), dilation, groups), wrt)
+
+
+def _backward_fake(grad_output, input, weight, offset, mask, bias, *rest):
+    wrt = rest[-1]
+    tensors = (input, weight, offset, mask, bias)
+    return tuple(
+        t.new_empty(t.shape) if (w and t is not None) else input.new_empty(0) for t, w in zip(tensors, wrt)
+    )
+
+
+deform_conv_backward.register_fake(_backward_fake)
+
+
+def _conv_setup_context(ctx, inputs, output):
+    input, weight, offset, mask, bias, *hyper = inputs
+    ctx.save_for_backward(input, weight, offset, mask, bias)
+    ctx.hyper = hyper
+
+
+def _conv_autograd(ctx, grad_output):
+    tensors = ctx.saved_tensors
+    wanted = _wanted(ctx.needs_input_grad, tensors)
+    grads = torch.ops.dcn_cupy.deform_conv_backward(grad_output, *tensors, *ctx.hyper, wanted)
+    return _empty_to_none(grads, wanted) + (None,) * len(ctx.hyper)
+
+
+deform_conv.register_autograd(_conv_autograd, setup_context=_conv_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# transposed deformable convolution
+
+
+@torch.library.custom_op(
+    "dcn_cupy::deform_conv_transpose", mutates_args=(),
+    schema="(Tensor input, Tensor weight, Tensor? offset, Tensor? mask, Tensor? bias, "
+           "int[] stride, int[] padding, int[] output_padding, int[] dilation, int groups) -> Tensor",
+)
+def deform_conv_transpose(input, weight, offset, mask, bias, stride, padding, output_padding, dilation, groups):
+    return _forward(True, (input, weight, offset, mask, bias), (stride, padding, output_padding, dilation, groups))
+
+
+@deform_conv_transpose.register_fake
+def _deform_conv_transpose_fake(input, weight, offset, mask, bias, stride, padding, output_padding,
+                                dilation, groups):
+    shapes = [_shape(t) for t in (input, weight, offset, mask, bias)]
+    if _static(*shapes):
+        geom, batched = _geometry.conv_transpose_geometry(
+            *shapes, tuple(stride), tuple(padding), tuple(output_padding), tuple(dilation), groups)
+        return input.new_empty(geom.x_shape if batched else geom.x_shape[1:])
+    n = weight.dim() - 2
+    lead = [input.shape[0]] if input.dim() == n + 2 else []
+    spatial = input.shape[input.dim() - n:]
+    out = [_geometry.conv_transpose_output_size(spatial[a], weight.shape[2 + a], stride[a], padding[a],
+                                                dilation[a], output_padding[a]) for a in range(n)]
+    return input.new_empty(lead + [weight.shape[1] * groups] + out)
+
+
+@torch.library.custom_op(
+    "dcn_cupy::deform_conv_transpose_backward", mutates_args=(),
+    schema="(Tensor grad_output, Tensor input, Tensor weight, Tensor? offset, Tensor? mask, Tensor? bias, "
+           "int[] stride, int[] padding, int[] output_padding, int[] dilation, int groups, bool[] wrt) "
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+def deform_conv_transpose_backward(grad_output, input, weight, offset, mask, bias, stride, padding,
+                                   output_padding, dilation, groups, wrt):
+    return _backward(True, grad_output, (input, weight, offset, mask, bias),
+                     (stride, padding, output_padding, dilation, groups), wrt)
+
+
+deform_conv_transpose_backward.register_fake(_backward_fake)
+
+
+def _transpose_autograd(ctx, grad_output):
+    tensors = ctx.saved_tensors
+    wanted = _wanted(ctx.needs_input_grad, tensors)
+    grads = torch.ops.dcn_cupy.deform_conv_transpose_backward(grad_output, *tensors, *ctx.hyper, wanted)
+    return _empty_to_none(grads, wanted) + (None,) * len(ctx.hyper)
+
+
+deform_conv_transpose.register_autograd(_transpose_autograd, setup_context=_conv_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# eager calls: the same implementation without the custom-op dispatcher
+
+
+class EagerConv(torch.autograd.Function):
+    """What an eager call of a convolution runs: ``_forward``/``_backward`` as an autograd
+    Function, which skips the custom-op dispatcher's layers (tens of microseconds of host time
+    per call). Tracing (``torch.compile``, ``torch.export``, ``torch.jit.trace``) and tensor
+    subclasses (fake tensors) go through the registered ops instead.
+    ``EagerConv.apply(transposed, hyper, input, weight, offset, mask, bias)``."""
+
+    @staticmethod
+    def forward(ctx, transposed, hyper, input, weight, offset, mask, bias):
+        tensors = (input, weight, offset, mask, bias)
+        ctx.save_for_backward(*tensors)
+        ctx.transposed, ctx.hyper = transposed, hyper
+        return _forward(transposed, tensors, hyper)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        tensors = ctx.saved_tensors
+        wanted = _wanted(ctx.needs_input_grad[2:], tensors)
+        grads = _backward(ctx.transposed, grad_output, tensors, ctx.hyper, wanted)
+        return (None, None) + _empty_to_none(grads, wanted)
+
+
+# ---------------------------------------------------------------------------------------------
+# mask activations (element-wise: torch computes them, in float32 for the half types)
+
+
+def _compute_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _grouped(t: Tensor, kernel_size) -> Tensor:
+    """``t`` viewed as ``(B, G_m, K, *Q)`` in the compute dtype."""
+    view = _api._grouped_view(tuple(t.shape), tuple(kernel_size), len(kernel_size), "mask")
+    return t.to(_compute_dtype(t)).reshape(view)
+
+
+@torch.library.custom_op("dcn_cupy::mask_softmax", mutates_args=(),
+                         schema="(Tensor mask, int[] kernel_size) -> Tensor")
+def mask_softmax(mask, kernel_size):
+    y = torch.softmax(_grouped(mask, kernel_size), dim=2)
+    return y.to(mask.dtype).reshape(mask.shape).contiguous()
+
+
+@mask_softmax.register_fake
+def _mask_softmax_fake(mask, kernel_size):
+    if _static(_shape(mask)):  # validation only
+        _api._grouped_view(tuple(mask.shape), tuple(kernel_size), len(kernel_size), "mask")
+    return torch.empty_like(mask, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("dcn_cupy::mask_softmax_backward", mutates_args=(),
+                         schema="(Tensor grad_output, Tensor output, int[] kernel_size) -> Tensor")
+def mask_softmax_backward(grad_output, output, kernel_size):
+    y, g = _grouped(output, kernel_size), _grouped(grad_output, kernel_size)
+    gx = y * (g - (g * y).sum(dim=2, keepdim=True))
+    return gx.to(output.dtype).reshape(output.shape).contiguous()
+
+
+@mask_softmax_backward.register_fake
+def _mask_softmax_backward_fake(grad_output, output, kernel_size):
+    return torch.empty_like(output, memory_format=torch.contiguous_format)
+
+
+def _save_output(ctx, inputs, output):
+    ctx.save_for_backward(output)
+    ctx.argument = inputs[1]
+
+
+def _mask_softmax_autograd(ctx, grad_output):
+    (output,) = ctx.saved_tensors
+    return torch.ops.dcn_cupy.mask_softmax_backward(grad_output, output, ctx.argument), None
+
+
+mask_softmax.register_autograd(_mask_softmax_autograd, setup_context=_save_output)
+
+
+@torch.library.custom_op("dcn_cupy::mask_sigmoid", mutates_args=(),
+                         schema="(Tensor mask, float scale) -> Tensor")
+def mask_sigmoid(mask, scale):
+    y = scale * torch.sigmoid(mask.to(_compute_dtype(mask)))
+    return y.to(mask.dtype).contiguous()
+
+
+@mask_sigmoid.register_fake
+def _mask_sigmoid_fake(mask, scale):
+    return torch.empty_like(mask, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("dcn_cupy::mask_sigmoid_backward", mutates_args=(),
+                         schema="(Tensor grad_output, Tensor output, float scale) -> Tensor")
+def mask_sigmoid_backward(grad_output, output, scale):
+    compute = _compute_dtype(output)
+    y, g = output.to(compute), grad_output.to(compute)
+    return (g * y * (1 - y / scale)).to(output.dtype).contiguous()
+
+
+@mask_sigmoid_backward.register_fake
+def _mask_sigmoid_backward_fake(grad_output, output, scale):
+    return torch.empty_like(output, memory_format=torch.contiguous_format)
+
+
+def _mask_sigmoid_autograd(ctx, grad_output):
+    (output,) = ctx.saved_tensors
+    return torch.ops.dcn_cupy.mask_sigmoid_backward(grad_output, output, ctx.argument), None
+
+
+mask_sigmoid.register_autograd(_mask_sigmoid_autograd, setup_context=_save_output)

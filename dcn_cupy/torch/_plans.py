@@ -1,0 +1,58 @@
+"""The plan of each configuration the torch ops meet, built once and kept in a bounded cache.
+
+The key is everything a plan depends on: operation, argument shapes (``None`` for an absent
+argument), dtype, device, hyper-parameters, ``torch.are_deterministic_algorithms_enabled()``
+and, for float32 on CUDA, ``torch.backends.cuda.matmul.allow_tf32``. Kernels are compiled when
+the plan is built, i.e. on the first (eager or warm-up) call of a configuration, never while a
+CUDA graph is being captured from an already warmed-up model.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import _runtime
+
+#: Most plans the torch ops keep (least recently used ones are dropped).
+PLAN_CACHE_SIZE = 256
+
+
+class _Spec(NamedTuple):
+    """A shape/dtype spec, what ``dcn_cupy.plan`` takes in place of an array."""
+
+    shape: tuple
+    dtype: np.dtype
+
+
+def plan_for(transposed: bool, tensors: Sequence[Optional[Tensor]], hyper, deterministic: Optional[bool] = None):
+    """The plan of a call (``tensors`` = input, weight, offset, mask, bias); ``deterministic``
+    None follows ``torch.are_deterministic_algorithms_enabled()``."""
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    input = tensors[0]
+    stride, padding, output_padding, dilation, groups = hyper
+    where = "cpu" if input.device.type == "cpu" else f"cuda:{_runtime.device_index(input)}"
+    shapes = tuple(None if t is None else tuple(t.shape) for t in tensors)
+    return _plan(transposed, shapes, input.dtype, where, tuple(stride), tuple(padding), tuple(output_padding),
+                 tuple(dilation), groups, deterministic, _runtime.allow_tf32(input))
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def _plan(transposed, shapes, dtype, where, stride, padding, output_padding, dilation, groups, deterministic,
+          allow_tf32):
+    import dcn_cupy
+
+    specs = [None if s is None else _Spec(s, _runtime.numpy_dtype(dtype)) for s in shapes]
+    kwargs = dict(transposed=True, output_padding=output_padding) if transposed else {}
+    return dcn_cupy.plan(*specs, stride, padding, dilation, groups, device=where, deterministic=deterministic,
+                         allow_tf32=allow_tf32, **kwargs)
+
+
+def clear_plan_cache() -> None:
+    _plan.cache_clear()
+

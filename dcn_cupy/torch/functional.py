@@ -1,0 +1,174 @@
+"""Functional forms: argument checks, autocast, then the ``torch.ops.dcn_cupy`` custom ops.
+
+The public functions keep the core's argument order (weight second, as
+``torch.nn.functional.conv2d``)::
+
+    y = dcn_cupy.torch.deform_conv2d(x, weight, offset, mask, bias, stride=1, padding=1)
+
+They are generated here, one factory per family, with their signatures and annotations.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from .. import _api, _geometry
+from . import _ops  # noqa: F401  (registers torch.ops.dcn_cupy.*)
+
+__all__ = [
+    "deform_conv", "deform_conv1d", "deform_conv2d", "deform_conv3d",
+    "deform_conv_transpose", "deform_conv_transpose1d", "deform_conv_transpose2d", "deform_conv_transpose3d",
+    "mask_softmax", "mask_softmax1d", "mask_softmax2d", "mask_softmax3d", "mask_sigmoid",
+]
+
+IntOrTuple = Union[int, Sequence[int]]
+
+
+def _check_tensor(t, name: str, optional: bool = True) -> None:
+    if t is None and optional:
+        return
+    if not isinstance(t, Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor, got {type(t).__module__}.{type(t).__name__}; "
+            f"for other array libraries use the dcn_cupy.* functions"
+        )
+
+
+def _check_tensors(input, weight, offset, mask, bias) -> None:
+    _check_tensor(input, "input", optional=False)
+    _check_tensor(weight, "weight", optional=False)
+    _check_tensor(offset, "offset")
+    _check_tensor(mask, "mask")
+    _check_tensor(bias, "bias")
+
+
+def _autocast(tensors: List[Optional[Tensor]]) -> List[Optional[Tensor]]:
+    """Under torch.autocast, floating arguments other than float64 become the autocast dtype
+    (as for F.conv2d)."""
+    device_type = tensors[0].device.type
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return [t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+            for t in tensors]
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _eager(*tensors) -> bool:
+    """Whether a call runs eagerly on plain tensors (then it skips the custom-op dispatcher;
+    tracers and tensor subclasses such as fake tensors take the registered ops)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    return all(t is None or type(t) in _PLAIN for t in tensors)
+
+
+def _deform_conv(ndim, input, weight, offset, mask, bias, stride, padding, dilation, groups) -> Tensor:
+    _check_tensors(input, weight, offset, mask, bias)
+    n = _geometry.spatial_ndim(tuple(weight.shape), ndim)
+    stride = list(_geometry.fix_sequence_arg(stride, n, "stride", 1))
+    padding = list(_geometry.fix_sequence_arg(padding, n, "padding", 0))
+    dilation = list(_geometry.fix_sequence_arg(dilation, n, "dilation", 1))
+    groups = _geometry.check_groups(groups)
+    input, weight, offset, mask, bias = _autocast([input, weight, offset, mask, bias])
+    if _eager(input, weight, offset, mask, bias):
+        return _ops.EagerConv.apply(False, (stride, padding, (), dilation, groups), input, weight, offset, mask, bias)
+    return torch.ops.dcn_cupy.deform_conv(input, weight, offset, mask, bias, stride, padding, dilation, groups)
+
+
+def _deform_conv_transpose(ndim, input, weight, offset, mask, bias, stride, padding, output_padding,
+                           dilation, groups) -> Tensor:
+    _check_tensors(input, weight, offset, mask, bias)
+    n = _geometry.spatial_ndim(tuple(weight.shape), ndim, "(C_in, C_out/groups, *kernel_size)",
+                               "transposed convolution")
+    stride = list(_geometry.fix_sequence_arg(stride, n, "stride", 1))
+    padding = list(_geometry.fix_sequence_arg(padding, n, "padding", 0))
+    output_padding = list(_geometry.fix_sequence_arg(output_padding, n, "output_padding", 0))
+    dilation = list(_geometry.fix_sequence_arg(dilation, n, "dilation", 1))
+    groups = _geometry.check_groups(groups)
+    input, weight, offset, mask, bias = _autocast([input, weight, offset, mask, bias])
+    if _eager(input, weight, offset, mask, bias):
+        return _ops.EagerConv.apply(True, (stride, padding, output_padding, dilation, groups), input, weight, offset,
+                                    mask, bias)
+    return torch.ops.dcn_cupy.deform_conv_transpose(input, weight, offset, mask, bias, stride, padding,
+                                                    output_padding, dilation, groups)
+
+
+def _mask_softmax(ndim, mask, kernel_size) -> Tensor:
+    _check_tensor(mask, "mask", optional=False)
+    ndim = _api._mask_ndim(tuple(mask.shape), kernel_size, ndim)
+    kernel = list(_geometry.normalise_kernel_size(kernel_size, ndim))
+    (mask,) = _autocast([mask])
+    return torch.ops.dcn_cupy.mask_softmax(mask, kernel)
+
+
+def mask_sigmoid(mask: Tensor, scale: float = 2.0) -> Tensor:
+    """``scale * sigmoid(mask)``, differentiable; see :func:`dcn_cupy.mask_sigmoid`."""
+    _check_tensor(mask, "mask", optional=False)
+    scale = _api._check_scale(scale)
+    (mask,) = _autocast([mask])
+    return torch.ops.dcn_cupy.mask_sigmoid(mask, scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# the generated public forms
+
+
+def _named(function: Callable, name: str, doc: str) -> Callable:
+    function.__name__ = function.__qualname__ = name
+    function.__doc__ = doc
+    return function
+
+
+def _conv_function(ndim: Optional[int], doc: str) -> Callable[..., Tensor]:
+    def function(input: Tensor, weight: Tensor, offset: Optional[Tensor] = None, mask: Optional[Tensor] = None,
+                 bias: Optional[Tensor] = None, stride: IntOrTuple = 1, padding: IntOrTuple = 0,
+                 dilation: IntOrTuple = 1, groups: int = 1) -> Tensor:
+        return _deform_conv(ndim, input, weight, offset, mask, bias, stride, padding, dilation, groups)
+
+    return _named(function, "deform_conv" if ndim is None else f"deform_conv{ndim}d", doc)
+
+
+def _transpose_function(ndim: Optional[int], doc: str) -> Callable[..., Tensor]:
+    def function(input: Tensor, weight: Tensor, offset: Optional[Tensor] = None, mask: Optional[Tensor] = None,
+                 bias: Optional[Tensor] = None, stride: IntOrTuple = 1, padding: IntOrTuple = 0,
+                 output_padding: IntOrTuple = 0, dilation: IntOrTuple = 1, groups: int = 1) -> Tensor:
+        return _deform_conv_transpose(ndim, input, weight, offset, mask, bias, stride, padding, output_padding,
+                                      dilation, groups)
+
+    return _named(function, "deform_conv_transpose" if ndim is None else f"deform_conv_transpose{ndim}d", doc)
+
+
+def _mask_softmax_function(ndim: Optional[int], doc: str) -> Callable[..., Tensor]:
+    def function(mask: Tensor, kernel_size: IntOrTuple) -> Tensor:
+        return _mask_softmax(ndim, mask, kernel_size)
+
+    return _named(function, "mask_softmax" if ndim is None else f"mask_softmax{ndim}d", doc)
+
+
+deform_conv = _conv_function(None, """Deformable convolution of any N (``N = weight.dim() - 2``), differentiable; see
+    :func:`dcn_cupy.deform_conv` for shapes and semantics.""")
+deform_conv1d = _conv_function(1, "1D deformable convolution, differentiable; see :func:`dcn_cupy.deform_conv1d`.")
+deform_conv2d = _conv_function(2, """2D deformable convolution (DCNv1, v2 with ``mask``), differentiable; see
+    :func:`dcn_cupy.deform_conv2d`. Note the argument order: weight second, as in
+    ``torch.nn.functional.conv2d`` (torchvision puts offset second).""")
+deform_conv3d = _conv_function(3, "3D deformable convolution, differentiable; see :func:`dcn_cupy.deform_conv3d`.")
+
+deform_conv_transpose = _transpose_function(None, """Transposed deformable convolution of any N, differentiable; see
+    :func:`dcn_cupy.deform_conv_transpose`.""")
+deform_conv_transpose1d = _transpose_function(
+    1, "1D transposed deformable convolution; see :func:`dcn_cupy.deform_conv_transpose1d`.")
+deform_conv_transpose2d = _transpose_function(
+    2, "2D transposed deformable convolution; see :func:`dcn_cupy.deform_conv_transpose2d`.")
+deform_conv_transpose3d = _transpose_function(
+    3, "3D transposed deformable convolution; see :func:`dcn_cupy.deform_conv_transpose3d`.")
+
+mask_softmax = _mask_softmax_function(
+    None, "Softmax over the ``K`` taps of each mask group, differentiable; see :func:`dcn_cupy.mask_softmax`.")
+mask_softmax1d = _mask_softmax_function(1, "1D :func:`mask_softmax`: ``mask`` is ``(B, G_m*K, L)``.")
+mask_softmax2d = _mask_softmax_function(2, "2D :func:`mask_softmax`: ``mask`` is ``(B, G_m*K, H, W)``.")
+mask_softmax3d = _mask_softmax_function(3, "3D :func:`mask_softmax`: ``mask`` is ``(B, G_m*K, D, H, W)``.")
