@@ -4,7 +4,10 @@
 
 Prints, per dtype: the forward, the one-pass backward (all gradients), the backward to the
 input and to the parameters as separate calls, and the time of each stage (im2col, GEMMs,
-layout kernel, tiled col2im, grouped offset/mask-gradient kernel) alone.
+layout kernel, tiled col2im, grouped offset/mask-gradient kernel) alone; then the fused
+forward ("cuda/fused", ``--fused`` alone skips the rest): the whole forward, its channels-last
+copy, its weight re-layout and the fused kernel alone for each tile height, with TFLOP/s
+(2 * C_out * C_in * K * B * Q over the time).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def main(argv=None):
     parser.add_argument("--shape", default="8,256,56", help="B,C,H (C_in = C_out, HxW, 3x3, padding 1)")
     parser.add_argument("--dtypes", default="float16,float32")
     parser.add_argument("--ndim", type=int, default=2)
+    parser.add_argument("--fused", action="store_true", help="only the fused forward's stages")
     args = parser.parse_args(argv)
     B, C, H = (int(v) for v in args.shape.split(","))
     n = args.ndim
@@ -46,6 +50,9 @@ def main(argv=None):
         msk = rng.random((B, K) + (H,) * n, dtype=cupy.float32).astype(dtype)
         gy = rng.standard_normal((B, C) + (H,) * n, dtype=cupy.float32).astype(dtype)
         geom, _ = _geometry.conv_geometry(x.shape, w.shape, off.shape, msk.shape, None, padding=1)
+        if args.fused:
+            fused_stages(x, w, off, msk, geom, name, t)
+            continue
         print(f"== {name}: B={B} C={C}->{C} {'x'.join([str(H)] * n)} 3^{n}, offset+mask, "
               f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
         fwd = t(lambda: be.conv_forward(x, w, off, msk, None, geom))
@@ -76,7 +83,49 @@ def main(argv=None):
         stages["grouped (offset+mask)"] = t(lambda: sh.grouped(kern, (True, True), 1, cg, x, off, msk, goff, gm, B))
         for k, v in stages.items():
             print(f"  {k:<32} {v:8.3f} ms")
+        if np.dtype(dtype) != np.float64:
+            fused_stages(x, w, off, msk, geom, name, t)
         cupy.get_default_memory_pool().free_all_blocks()
+
+
+def fused_stages(x, w, off, msk, geom, name, t):
+    """Time the fused forward and its kernels alone (every precision of the dtype, both tiles)."""
+    from dcn_cupy._backends import cuda_fused as fu
+    flop = 2.0 * geom.out_channels * geom.in_channels_per_group * geom.kernel_volume * geom.batch * geom.output_size
+    out = cupy.empty(geom.y_shape, dtype=x.dtype)
+    print(f"== fused forward, {name}: x {x.shape}, w {w.shape}, "
+          f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    tf32_modes = (True, False) if np.dtype(x.dtype) == np.float32 else (False,)
+    for allow_tf32 in tf32_modes:
+        config = fu.LaunchConfig(geom, x.dtype, allow_tf32, fu._multiprocessors())
+        ws = cupy.empty(config.workspace_bytes, dtype=np.uint8)
+        print(f"  fused [{config.description}]")
+        total = t(lambda: fu.run_forward(config, x, w, off, msk, None, out, ws))
+        print(f"  {'fused forward (all of it)':<32} {total:8.3f} ms  {flop / total / 1e9:7.1f} TFLOP/s")
+        xcl, wr = fu._views(config, ws)
+        fu.run_forward(config, x, w, off, msk, None, out, ws)
+        n = geom.batch
+        layout = config.kernel("fused_channels_last")
+        index = np.int64 if config.index64 else np.int32
+        blocks = n * -(-config.Cp // 32) * -(-config.S // 32)
+        cl = t(lambda: layout((min(blocks, fu._MAX_GRID),), (32, 8), (
+            x, xcl, np.int32(n), np.int32(geom.in_channels), np.int32(config.Cp), index(config.S),
+            index(fu._batch_stride(x)))))
+        rows = config.kernel("fused_weight_rows")
+        wt = t(lambda: rows((min(-(-config.weight_elems // 256), fu._MAX_GRID),), (256,), (
+            w, wr, np.int32(geom.out_channels), np.int32(config.Cg), np.int32(config.Cgp), np.int32(config.K))))
+        print(f"  {'channels-last copy of x':<32} {cl:8.3f} ms")
+        print(f"  {'weight re-layout':<32} {wt:8.3f} ms")
+        struct = be._geom_struct(geom)
+        for bm in (64, 128):
+            config.block_m, config.m_tiles = bm, -(-config.Cog // bm)
+            kern = config.kernel("forward")
+            tiles = -(-n * config.Q // fu._BN) * config.m_tiles * geom.groups
+            args = (xcl, wr, off, msk, None, out, struct, np.int32(n), np.int32(geom.in_channels),
+                    np.int32(config.Cp), np.int32(geom.out_channels), np.int32(geom.groups), np.int32(1),
+                    np.int32(1), np.int32(config.Cgp), index(fu._batch_stride(off)), index(fu._batch_stride(msk)))
+            k = t(lambda: kern((tiles,), (256,), args))
+            print(f"  {f'fused kernel alone, tile {bm}x128':<32} {k:8.3f} ms  {flop / k / 1e9:7.1f} TFLOP/s")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,306 @@
+"""CUDA algorithm "cuda/fused": the deformable convolution forward as one implicit GEMM on tensor cores.
+
+No columns buffer: ``cuda/deform_fused.cu`` samples each (tap, chunk of input channels) of a
+block's positions straight into shared memory and multiplies it there with the weight tile
+(``mma.sync``: fp16/bf16 in their format, float32 as TF32 when TF32 is allowed, else 3xTF32,
+which keeps float32 accuracy; float32 accumulation). Per call, and part of the timed forward:
+
+* the input is copied channels-last, ``(Bc, *S, Cp)`` with ``Cp`` = C_in rounded up to one
+  16-byte vector, one batch chunk at a time (chunks bound that workspace by
+  ``WORKSPACE_LIMIT_BYTES``; a sample is never split);
+* the weight is re-laid as ``(C_out, K, Cgp)`` (rows along the input channels of one tap,
+  ``Cgp`` = C_in/groups rounded up to the step's channel chunk, zero-padded).
+
+Serves ``conv_forward`` for float16, bfloat16 and float32 on CUDA (float64 stays on
+``cuda/im2col``). The transposed convolution's backward-to-input is such a forward, so it runs
+here too.
+
+Launch parameters per shape: a tile of 128 output channels x 128 positions, 64 output
+channels when C_out/groups <= 64 or when 128 would leave the GPU with fewer than two blocks
+per multiprocessor; the "uniform" kernel (16-byte corner loads, one corner set per thread and
+step) whenever no thread's channel slice crosses a conv / offset / mask group boundary, else
+the kernel that samples one channel at a time (exact for any channel counts, slower).
+
+The plain entry point is :func:`fused_conv_forward`; :class:`FusedBackend` wraps it in the
+backend contract (``serves`` / ``build`` -> an executable with ``run(args, out, workspace)``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+import cupy
+
+from .._interop import BFLOAT16
+from . import cuda as _cuda
+from . import cuda_source_dir
+
+#: Upper bound, in bytes, of the channels-last copy of one batch chunk.
+WORKSPACE_LIMIT_BYTES = int(os.environ.get("DCN_CUPY_FUSED_WORKSPACE_BYTES", 128 * 2**20))
+
+_SOURCE = "deform_fused.cu"
+_THREADS = 256
+_BN = 128                      # positions per block (fused::BN)
+_TPP = _THREADS // _BN         # sampling threads per position (fused::TPP)
+#: Per storage dtype: channels per step (fused::Tile<T>::BK) and per 16-byte vector.
+_BK = {np.dtype(np.float16): 32, BFLOAT16: 32, np.dtype(np.float32): 16}
+_VEC = {np.dtype(np.float16): 8, BFLOAT16: 8, np.dtype(np.float32): 4}
+DTYPES = tuple(_BK)
+_INT32_SAFE = 2**30
+_MAX_GRID = 1 << 20
+_ALIGN = 256
+
+_source_text = None
+
+
+def module_source() -> str:
+    """The module text: ``deform_fused.cu`` with its local headers inlined (#line directives)."""
+    global _source_text
+    if _source_text is None:
+        _source_text = "\n".join(_cuda._inline(cuda_source_dir(), _SOURCE, set())) + "\n"
+    return _source_text
+
+
+def _precisions(dtype) -> tuple:
+    """PREC values instantiated for a dtype: 0 = the half type's own MMA; 1 TF32; 2 3xTF32."""
+    return (1, 2) if np.dtype(dtype) == np.float32 else (0,)
+
+
+def kernel_name(dtype, index64: bool, ndim: int, prec: int, bm: int, uniform: bool) -> str:
+    t = _cuda._CTYPES[np.dtype(dtype)]
+    i = "long long" if index64 else "int"
+    return f"deform_fused_forward<{t}, {i}, {ndim}, {prec}, {bm}, {'true' if uniform else 'false'}>"
+
+
+def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
+    """Every kernel instantiation of one module (one dtype, one N, one index width)."""
+    t = _cuda._CTYPES[np.dtype(dtype)]
+    i = "long long" if index64 else "int"
+    names = [kernel_name(dtype, index64, ndim, prec, bm, uniform)
+             for prec in _precisions(dtype) for bm in (64, 128) for uniform in (True, False)]
+    names += [f"fused_channels_last<{t}, {i}>", f"fused_weight_rows<{t}, {i}>"]
+    return tuple(names)
+
+
+def all_module_keys():
+    """(dtype, ndim, index64) of every module this algorithm can build."""
+    return [(dtype, ndim, index64) for dtype in DTYPES for ndim in (1, 2, 3) for index64 in (False, True)]
+
+
+_modules = {}
+_functions = {}
+
+
+def _function(name: str, dtype, ndim: int, index64: bool):
+    device = cupy.cuda.runtime.getDevice()
+    fn = _functions.get((device, name))
+    if fn is None:
+        mkey = (device, np.dtype(dtype).str, ndim, index64)
+        module = _modules.get(mkey)
+        if module is None:
+            module = cupy.RawModule(code=module_source(), options=_cuda.compile_options(),
+                                    name_expressions=name_expressions(dtype, ndim, index64))
+            _modules[mkey] = module
+        fn = _functions[(device, name)] = module.get_function(name)
+    return fn
+
+
+def _multiprocessors() -> int:
+    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class LaunchConfig:
+    """What one forward of one geometry and dtype launches (chosen once per plan).
+
+    ``block_m``: output channels per block (64 or 128); ``uniform``: the 16-byte-vector
+    sampler; ``precision``: 0 (fp16/bf16), 1 (TF32) or 2 (3xTF32); ``chunk``: samples per
+    channels-last copy; ``index64``: 64-bit indices.
+    """
+
+    def __init__(self, geom, dtype, allow_tf32: bool, multiprocessors: int = 132):
+        dtype = np.dtype(dtype)
+        if dtype not in _BK:
+            raise ValueError(f"cuda/fused serves float16, bfloat16 and float32, got {dtype}")
+        self.geom, self.dtype = geom, dtype
+        self.itemsize = dtype.itemsize
+        C, Co, G = geom.in_channels, geom.out_channels, geom.groups
+        self.Cg, self.Cog = C // G, Co // G
+        self.K, self.Q, self.S = geom.kernel_volume, geom.output_size, geom.input_size
+        bk, vec = _BK[dtype], _VEC[dtype]
+        self.Cp = _round_up(C, vec)
+        self.Cgp = _round_up(self.Cg, bk)
+        per_thread = bk // _TPP
+        segment = self.Cg
+        if geom.has_offset:
+            segment = math.gcd(segment, C // geom.offset_groups)
+        if geom.has_mask:
+            segment = math.gcd(segment, C // geom.mask_groups)
+        self.uniform = segment % per_thread == 0
+        self.precision = 0 if dtype != np.float32 else (1 if allow_tf32 else 2)
+        sample_bytes = self.S * self.Cp * self.itemsize
+        self.chunk = max(1, min(geom.batch, int(WORKSPACE_LIMIT_BYTES) // max(sample_bytes, 1)))
+        position_tiles = -(-self.chunk * self.Q // _BN)
+        self.block_m = 128
+        if self.Cog <= 64 or position_tiles * -(-self.Cog // 128) * G < 2 * multiprocessors:
+            self.block_m = 64
+        self.m_tiles = -(-self.Cog // self.block_m)
+        self.weight_elems = Co * self.K * self.Cgp
+        self.xcl_elems = self.chunk * self.S * self.Cp
+        self.workspace_bytes = _round_up(self.xcl_elems * self.itemsize, _ALIGN) + self.weight_elems * self.itemsize
+        self.index64 = max(
+            self.chunk * self.S * self.Cp, self.chunk * Co * self.Q + _BN * Co,
+            self.chunk * max(geom.offset_groups, 1) * self.K * geom.ndim * self.Q,
+            self.chunk * max(geom.mask_groups, 1) * self.K * self.Q,
+            self.weight_elems, C * self.S * self.chunk, (self.chunk * self.Q + _BN) * self.m_tiles * G,
+        ) > _INT32_SAFE
+
+    @property
+    def description(self) -> str:
+        prec = {0: str(self.dtype), 1: "tf32", 2: "3xtf32"}[self.precision]
+        return (f"cuda/fused: {prec} mma.sync, tile {self.block_m}x{_BN}, "
+                f"{'16-byte vector' if self.uniform else 'per-channel'} sampling, "
+                f"chunks of {self.chunk} samples, {'64' if self.index64 else '32'}-bit index")
+
+    def kernel(self, name: str):
+        g = self.geom
+        i = "long long" if self.index64 else "int"
+        if name == "forward":
+            expr = kernel_name(self.dtype, self.index64, g.ndim, self.precision, self.block_m, self.uniform)
+        else:
+            expr = f"{name}<{_cuda._CTYPES[self.dtype]}, {i}>"
+        return _function(expr, self.dtype, g.ndim, self.index64)
+
+
+def _batch_stride(array) -> int:
+    """Elements between samples (0 for a broadcast batch)."""
+    return 0 if array.shape[0] <= 1 else array.strides[0] // array.itemsize
+
+
+def _views(config: LaunchConfig, workspace):
+    """The channels-last buffer and the weight rows, carved from ``workspace`` (or allocated)."""
+    if workspace is None:
+        workspace = cupy.empty(config.workspace_bytes, dtype=np.uint8)
+    nbytes = workspace.size * workspace.itemsize
+    if nbytes < config.workspace_bytes:
+        raise ValueError(f"workspace must hold at least {config.workspace_bytes} bytes, got {nbytes}")
+    base = workspace.data
+    xcl_bytes = _round_up(config.xcl_elems * config.itemsize, _ALIGN)
+    xcl = cupy.ndarray((config.xcl_elems,), dtype=config.dtype, memptr=base)
+    wr = cupy.ndarray((config.weight_elems,), dtype=config.dtype, memptr=base + xcl_bytes)
+    return xcl, wr
+
+
+def run_forward(config: LaunchConfig, x, weight, offset, mask, bias, out, workspace=None) -> None:
+    """``out = deform_conv(x) (+ bias)`` with the kernels of ``config``."""
+    g = config.geom
+    index = np.int64 if config.index64 else np.int32
+    xcl, wr = _views(config, workspace)
+    total_w = config.weight_elems
+    config.kernel("fused_weight_rows")((min(-(-total_w // _THREADS), _MAX_GRID),), (_THREADS,), (
+        weight, wr, np.int32(g.out_channels), np.int32(config.Cg), np.int32(config.Cgp), np.int32(config.K),
+    ))
+    layout = config.kernel("fused_channels_last")
+    forward = config.kernel("forward")
+    struct = _cuda._geom_struct(g)
+    x_bs = _batch_stride(x)
+    off_bs = 0 if offset is None else _batch_stride(offset)
+    msk_bs = 0 if mask is None else _batch_stride(mask)
+    for start in range(0, g.batch, config.chunk):
+        n = min(config.chunk, g.batch - start)
+        blocks = n * -(-config.Cp // 32) * -(-config.S // 32)
+        layout((min(blocks, _MAX_GRID),), (32, 8), (
+            x[start:start + n], xcl, np.int32(n), np.int32(g.in_channels), np.int32(config.Cp),
+            index(config.S), index(x_bs),
+        ))
+        tiles = -(-n * config.Q // _BN) * config.m_tiles * g.groups
+        forward((tiles,), (_THREADS,), (
+            xcl, wr, None if offset is None else offset[start:start + n],
+            None if mask is None else mask[start:start + n], bias, out[start:start + n], struct,
+            np.int32(n), np.int32(g.in_channels), np.int32(config.Cp), np.int32(g.out_channels),
+            np.int32(g.groups), np.int32(max(g.offset_groups, 1)), np.int32(max(g.mask_groups, 1)),
+            np.int32(config.Cgp), index(off_bs), index(msk_bs),
+        ))
+
+
+def fused_conv_forward(x, weight, offset, mask, bias, geom, out, *, allow_tf32: bool, workspace=None) -> None:
+    """Write the deformable convolution of ``x`` (+ ``bias``) into ``out`` with the fused kernel.
+
+    Args:
+        x (cupy.ndarray): input ``(B, C_in, *S)``, float16 / bfloat16 / float32, C-contiguous
+            within each sample (any batch stride).
+        weight (cupy.ndarray): ``(C_out, C_in/groups, *k)``, C-contiguous.
+        offset (cupy.ndarray or None): ``(B, G_o*K*N, *Q)``.
+        mask (cupy.ndarray or None): ``(B, G_m*K, *Q)``.
+        bias (cupy.ndarray or None): ``(C_out,)``.
+        geom (ConvGeometry): the convolution's geometry.
+        out (cupy.ndarray): ``geom.y_shape``, same dtype, C-contiguous; overwritten.
+        allow_tf32 (bool): float32 through TF32 (else 3xTF32, float32 accuracy).
+        workspace (cupy.ndarray, optional): at least ``LaunchConfig(...).workspace_bytes`` bytes.
+    """
+    if geom.batch == 0:
+        return
+    config = LaunchConfig(geom, x.dtype, allow_tf32, _multiprocessors())
+    run_forward(config, x, weight, offset, mask, bias, out, workspace)
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend contract (dcn_cupy/_backends/__init__.py; PlanSpec and the registry are duck-typed)
+
+
+class FusedForward:
+    """The executable of one plan's forward."""
+
+    def __init__(self, config: LaunchConfig):
+        self.config = config
+        self.workspace_bytes = config.workspace_bytes
+        self.description = config.description
+
+    def run(self, args: dict, out, workspace) -> None:
+        if self.config.geom.batch == 0:
+            return
+        run_forward(self.config, args["input"], args["weight"], args.get("offset"), args.get("mask"),
+                    args.get("bias"), out, workspace)
+
+
+class FusedBackend:
+    """``cuda/fused``: serves the forward for float16, bfloat16 and float32 on CUDA."""
+
+    device = "cuda"
+    algorithm = "fused"
+    priority = 20              # above cuda/im2col wherever it serves
+
+    def serves(self, spec, primitive: str):
+        if primitive != "conv_forward":
+            return f"cuda/fused computes only the forward (conv_forward), not {primitive}"
+        if spec.device != "cuda":
+            return f"cuda/fused runs on CUDA devices, not {spec.device}"
+        if np.dtype(spec.dtype) not in _BK:
+            return f"cuda/fused computes in float32 on tensor cores; {np.dtype(spec.dtype)} stays on cuda/im2col"
+        return None
+
+    def build(self, spec, primitive: str) -> FusedForward:
+        reason = self.serves(spec, primitive)
+        if reason is not None:
+            raise ValueError(reason)
+        with cupy.cuda.Device(spec.device_id):
+            config = LaunchConfig(spec.geom, spec.dtype, bool(spec.allow_tf32), _multiprocessors())
+            for name in ("fused_weight_rows", "fused_channels_last", "forward"):
+                config.kernel(name)   # compile now, never during a CUDA-graph capture
+        return FusedForward(config)
+
+
+BACKEND = FusedBackend()
+
+try:  # the registry arrives with the plan layer
+    from . import register as _register
+except ImportError:
+    _register = None
+if _register is not None:
+    _register(BACKEND)

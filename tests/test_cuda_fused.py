@@ -1,0 +1,407 @@
+"""The fused forward ("cuda/fused"): NVRTC compilation of every instantiation (no GPU needed),
+then, on a GPU, the kernel forced through ``fused_conv_forward`` against the float64 reference,
+the CPU backend and torchvision, for N = 1, 2, 3, both samplers (16-byte vectors and per
+channel), groups, offset groups != mask groups, stride / padding / dilation, with and without
+offset / mask / bias, non-finite and huge offsets, and the transposed backward-to-input.
+
+Tolerances (relative error in the norm): float16 3e-3 and bfloat16 2.4e-2 as for cuda/im2col
+(inputs rounded once, samples rounded once to the half type, output rounded once); TF32 3e-3
+(both operands rounded to 10 mantissa bits); strict float32 (3xTF32) 1e-5: the split keeps
+about 21 bits of each operand, float32 accumulation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np
+import pytest
+
+from dcn_cupy import _geometry, reference
+from dcn_cupy._interop import BFLOAT16
+
+from cases import fractional_offsets, random_case, relative_error
+
+REQUIRE = bool(os.environ.get("DCN_CUPY_REQUIRE_NVRTC"))
+ARCH = os.environ.get("DCN_CUPY_NVRTC_ARCH", "sm_90")
+
+TOL = {"float16": 3e-3, "bfloat16": 2.4e-2, "tf32": 3e-3, "float32": 1e-5}
+DTYPE = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16, "tf32": np.dtype(np.float32),
+         "float32": np.dtype(np.float32)}
+PRECISIONS = tuple(TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# compilation (no GPU)
+
+
+def _fused():
+    pytest.importorskip("cupy")
+    from dcn_cupy._backends import cuda_fused
+    return cuda_fused
+
+
+@pytest.fixture(scope="module")
+def toolchain():
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+        nvrtc.getVersion()
+    except Exception as error:
+        if REQUIRE:
+            pytest.fail(f"DCN_CUPY_REQUIRE_NVRTC is set but NVRTC is unavailable: {error}")
+        pytest.skip(f"CuPy/NVRTC is not available ({type(error).__name__})")
+    from dcn_cupy._backends import cuda, cuda_fused
+    if not cuda.cuda_include_dirs():
+        if REQUIRE:
+            pytest.fail("DCN_CUPY_REQUIRE_NVRTC is set but the CUDA headers were not found")
+        pytest.skip("the CUDA headers (cuda_fp16.h) were not found")
+    return nvrtc, cuda, cuda_fused
+
+
+def _module_keys():
+    try:
+        from dcn_cupy._backends import cuda_fused
+    except ImportError:
+        return []
+    return cuda_fused.all_module_keys()
+
+
+def _key_id(key):
+    dtype, ndim, index64 = key
+    return f"{np.dtype(dtype).name}-{ndim}d-{'i64' if index64 else 'i32'}"
+
+
+@pytest.mark.parametrize("key", _module_keys(), ids=_key_id)
+def test_every_fused_instantiation_compiles(toolchain, key):
+    nvrtc, cuda, fused = toolchain
+    names = fused.name_expressions(*key)
+    program = nvrtc.createProgram(fused.module_source(), "dcn_cupy_fused.cu", (), ())
+    try:
+        for name in names:
+            nvrtc.addNameExpression(program, name)
+        try:
+            nvrtc.compileProgram(program, tuple(cuda.compile_options()) + (f"-arch={ARCH}",))
+        except nvrtc.NVRTCError:
+            pytest.fail("NVRTC compilation failed:\n" + nvrtc.getProgramLog(program))
+        assert all(nvrtc.getLoweredName(program, name) for name in names)
+        assert len(nvrtc.getCUBIN(program)) > 0
+        log = nvrtc.getProgramLog(program)
+        assert "warning" not in log.lower(), log
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def test_fused_source_defines_exactly_the_instantiated_kernels():
+    fused = _fused()
+    source = fused.module_source()
+    assert '#line 1 "cuda/deform_fused.cu"' in source and '#line 1 "cuda/dcn_common.cuh"' in source
+    defined = set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(", source))
+    for key in fused.all_module_keys():
+        assert {name.split("<", 1)[0] for name in fused.name_expressions(*key)} == defined
+
+
+class _Spec:
+    def __init__(self, dtype, device="cuda", geom=None):
+        self.dtype, self.device, self.geom, self.device_id, self.allow_tf32 = np.dtype(dtype), device, geom, 0, False
+        self.deterministic = False
+
+
+def test_serves_rule():
+    fused = _fused()
+    backend = fused.BACKEND
+    assert backend.device == "cuda" and backend.algorithm == "fused" and backend.priority > 10
+    for dtype in (np.float16, BFLOAT16, np.float32):
+        assert backend.serves(_Spec(dtype), "conv_forward") is None
+    assert "float64 stays on cuda/im2col" in backend.serves(_Spec(np.float64), "conv_forward")
+    assert "only the forward" in backend.serves(_Spec(np.float32), "conv_backward")
+    assert "CUDA" in backend.serves(_Spec(np.float32, device="cpu"), "conv_forward")
+
+
+def _geom(x_shape, w_shape, off_shape=None, m_shape=None, b_shape=None, **params):
+    return _geometry.conv_geometry(x_shape, w_shape, off_shape, m_shape, b_shape, **params)[0]
+
+
+def test_launch_config_choices():
+    fused = _fused()
+    # the benchmark shape: uniform sampler, 128-channel tiles, 32-bit indices, bounded workspace
+    g = _geom((8, 256, 56, 56), (256, 256, 3, 3), (8, 18, 56, 56), (8, 9, 56, 56), padding=1)
+    c = fused.LaunchConfig(g, np.float16, False, 132)
+    assert (c.uniform, c.block_m, c.precision, c.index64, c.chunk) == (True, 128, 0, False, 8)
+    assert c.workspace_bytes >= 8 * 56 * 56 * 256 * 2 + 256 * 9 * 256 * 2
+    assert fused.LaunchConfig(g, np.float32, True, 132).precision == 1
+    assert fused.LaunchConfig(g, np.float32, False, 132).precision == 2
+    # 64 output channels per group: 64-channel tiles; 3 channels: per-channel sampler
+    g = _geom((2, 64, 9, 9), (64, 32, 3, 3), groups=2)
+    assert fused.LaunchConfig(g, np.float16, False, 132).block_m == 64
+    g = _geom((2, 6, 9, 9), (4, 3, 3, 3), (2, 36, 7, 7), (2, 9, 7, 7), groups=2)
+    assert not fused.LaunchConfig(g, np.float16, False, 132).uniform
+    # offset groups of 8 channels split a float16 thread's 16: per-channel sampler
+    g = _geom((2, 64, 9, 9), (8, 64, 3, 3), (2, 8 * 18, 7, 7))
+    assert not fused.LaunchConfig(g, np.float16, False, 132).uniform
+    assert fused.LaunchConfig(g, np.float32, False, 132).uniform
+    with pytest.raises(ValueError, match="float16, bfloat16 and float32"):
+        fused.LaunchConfig(g, np.float64, False, 132)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+
+def _cupy():
+    return pytest.importorskip("cupy")
+
+
+def run_fused(arrays: dict, params: dict, precision: str, ndim: int):
+    """The fused forward of float64 NumPy ``arrays`` cast to ``precision``'s dtype; returns
+    (result as float64 NumPy, the float64 reference of the rounded inputs, launch config)."""
+    cupy = _cupy()
+    fused = _fused()
+    dtype = DTYPE[precision]
+    with np.errstate(over="ignore"):
+        rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
+        dev = {k: None if a is None else cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
+    shape = lambda k: None if arrays[k] is None else arrays[k].shape  # noqa: E731
+    geom = _geometry.conv_geometry(shape("input"), shape("weight"), shape("offset"), shape("mask"), shape("bias"),
+                                   ndim=ndim, **params)[0]
+    out = cupy.full(geom.y_shape, np.nan, dtype=dtype)   # poisoned: every element must be written
+    fused.fused_conv_forward(dev["input"], dev["weight"], dev["offset"], dev["mask"], dev["bias"], geom, out,
+                             allow_tf32=precision == "tf32")
+    config = fused.LaunchConfig(geom, dtype, precision == "tf32")
+    expected = reference.deform_conv(**rounded, **params)
+    return cupy.asnumpy(out).astype(np.float64), expected, config
+
+
+def wide_case(rng, ndim, *, groups=2, offset_groups=2, mask_groups=1, c_in=64, c_out=48, batch=3,
+              offset=True, mask=True, bias=True, kernel=None, stride=None, padding=None, dilation=None):
+    """Channel counts that take the 16-byte-vector sampler."""
+    kernel = kernel or (3,) * ndim
+    stride = stride or tuple(int(v) for v in rng.integers(1, 3, size=ndim))
+    padding = padding or tuple(int(v) for v in rng.integers(0, 2, size=ndim))
+    dilation = dilation or tuple(int(v) for v in rng.integers(1, 3, size=ndim))
+    size = {1: 23, 2: 11, 3: 6}[ndim]
+    S = (size,) * ndim
+    Q = tuple((s + 2 * p - d * (k - 1) - 1) // st + 1 for s, p, d, k, st in zip(S, padding, dilation, kernel, stride))
+    K = math.prod(kernel)
+    arrays = {
+        "input": rng.standard_normal((batch, c_in) + S),
+        "weight": rng.standard_normal((c_out, c_in // groups) + kernel) / math.sqrt(c_in * K / groups),
+        "offset": fractional_offsets(rng, (batch, offset_groups * K * ndim) + Q) if offset else None,
+        "mask": rng.uniform(0.1, 1.5, size=(batch, mask_groups * K) + Q) if mask else None,
+        "bias": rng.standard_normal(c_out) if bias else None,
+    }
+    params = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+    return arrays, params
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_vector_sampler_matches_reference(ndim, precision):
+    rng = np.random.default_rng(20 + ndim)
+    arrays, params = wide_case(rng, ndim)
+    got, expected, config = run_fused(arrays, params, precision, ndim)
+    assert config.uniform
+    assert relative_error(got, expected) < TOL[precision]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+@pytest.mark.parametrize("seed", range(3))
+def test_per_channel_sampler_matches_reference(ndim, precision, seed):
+    rng = np.random.default_rng(300 + 10 * ndim + seed)
+    case = random_case(rng, ndim, False, offset=seed != 1, mask=seed != 2, bias=seed != 0, channels_scale=3)
+    got, expected, config = run_fused(case.arrays_, case.params, precision, ndim)
+    assert not config.uniform
+    assert relative_error(got, expected) < TOL[precision], case.label
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset_groups,mask_groups", [(1, 2), (2, 1), (4, 2), (2, 4)])
+@pytest.mark.parametrize("present", ["offset+mask+bias", "offset", "mask", "none"])
+def test_groups_and_missing_arguments(offset_groups, mask_groups, present):
+    rng = np.random.default_rng(offset_groups * 7 + mask_groups)
+    arrays, params = wide_case(rng, 2, groups=2, offset_groups=offset_groups, mask_groups=mask_groups, c_in=128,
+                               c_out=160, offset="offset" in present, mask="mask" in present,
+                               bias="bias" in present)
+    for precision in PRECISIONS:
+        got, expected, config = run_fused(arrays, params, precision, 2)
+        assert relative_error(got, expected) < TOL[precision], precision
+
+
+@pytest.mark.gpu
+def test_large_output_channel_tiles_and_batch_spanning_tiles():
+    # C_out/groups = 200: two 128-channel tiles, the second partial; 5 samples of 9x9 (81
+    # positions): position tiles span samples
+    rng = np.random.default_rng(5)
+    arrays, params = wide_case(rng, 2, groups=1, offset_groups=1, mask_groups=1, c_in=96, c_out=200, batch=5,
+                               stride=(1, 1), padding=(1, 1), dilation=(1, 1))
+    for precision in PRECISIONS:
+        got, expected, config = run_fused(arrays, params, precision, 2)
+        assert relative_error(got, expected) < TOL[precision], precision
+
+
+@pytest.mark.gpu
+def test_matches_cpu_backend():
+    cupy = _cupy()
+    from dcn_cupy._backends import cpu
+    rng = np.random.default_rng(8)
+    for ndim in (1, 2, 3):
+        arrays, params = wide_case(rng, ndim)
+        geom = _geometry.conv_geometry(*(None if arrays[k] is None else arrays[k].shape
+                                         for k in ("input", "weight", "offset", "mask", "bias")), **params)[0]
+        host = {k: a.astype(np.float32) for k, a in arrays.items()}
+        expected = cpu.conv_forward(host["input"], host["weight"], host["offset"], host["mask"], host["bias"], geom)
+        out = cupy.empty(geom.y_shape, dtype=np.float32)
+        _fused().fused_conv_forward(*(cupy.asarray(host[k]) for k in ("input", "weight", "offset", "mask", "bias")),
+                                    geom, out, allow_tf32=False)
+        assert relative_error(cupy.asnumpy(out), expected) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+def test_matches_torchvision(precision):
+    cupy = _cupy()
+    torch = pytest.importorskip("torch")
+    ops = pytest.importorskip("torchvision.ops")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    rng = np.random.default_rng(9)
+    arrays, params = wide_case(rng, 2, groups=1, offset_groups=2, mask_groups=2, c_in=64, c_out=64, batch=4,
+                               stride=(2, 1), padding=(1, 2), dilation=(1, 2))
+    dtype = DTYPE[precision]
+    dev = torch.device("cuda", cupy.cuda.runtime.getDevice())
+    tdtype = {"float32": torch.float32, "float16": torch.float16}[precision]
+    t = {k: torch.from_numpy(a).to(dev, tdtype) for k, a in arrays.items()}
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        y_tv = ops.deform_conv2d(t["input"], t["offset"], t["weight"], t["bias"], stride=params["stride"],
+                                 padding=params["padding"], dilation=params["dilation"], mask=t["mask"])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+    got, expected, _ = run_fused(arrays, params, precision, 2)
+    tv = y_tv.double().cpu().numpy()
+    assert relative_error(got, tv) < 2 * TOL[precision]
+    if precision == "float16":   # no worse than torchvision against the float64 reference
+        assert relative_error(got, expected) <= 1.5 * relative_error(tv, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+@pytest.mark.parametrize("wide", [True, False], ids=["vector", "per-channel"])
+def test_non_finite_and_huge_offsets(ndim, precision, wide):
+    rng = np.random.default_rng(40 + ndim)
+    if wide:
+        arrays, params = wide_case(rng, ndim)
+    else:
+        case = random_case(rng, ndim, False, batch=2)
+        arrays, params = dict(case.arrays_), case.params
+    offset = arrays["offset"].copy()
+    flat = offset.reshape(-1)
+    bad = np.array([np.nan, np.inf, -np.inf, 1e30, -1e30, 3e9, -3e9, 65504.0, 2.0**31, -0.999999, -1.0])
+    picks = rng.choice(flat.size, size=min(flat.size, 4 * bad.size), replace=False)
+    flat[picks] = np.resize(bad, picks.size)
+    arrays = dict(arrays, offset=offset)
+    got, expected, _ = run_fused(arrays, params, precision, ndim)
+    assert np.all(np.isfinite(got))
+    assert relative_error(got, expected) < TOL[precision]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wide", [True, False], ids=["vector", "per-channel"])
+def test_non_finite_input_reaches_exactly_the_dense_convolution_pattern(wide):
+    """Zero offsets, no mask: the non-finite pattern equals the dense convolution's (corners of
+    weight 0 are not read)."""
+    cupy = _cupy()
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(77)
+    C = 32 if wide else 6
+    x = rng.standard_normal((2, C, 9, 8))
+    x[0, 1, 3, 4] = np.inf
+    x[1, C - 1, 0, 0] = np.nan
+    w = rng.standard_normal((8, C, 3, 3))
+    off = np.zeros((2, 18, 9, 8))
+    geom = _geom(x.shape, w.shape, off.shape, padding=1)
+    out = cupy.empty(geom.y_shape, dtype=np.float32)
+    _fused().fused_conv_forward(cupy.asarray(x, np.float32), cupy.asarray(w, np.float32),
+                                cupy.asarray(off, np.float32), None, None, geom, out, allow_tf32=False)
+    dense = torch.nn.functional.conv2d(torch.from_numpy(x), torch.from_numpy(w), padding=1).numpy()
+    got = cupy.asnumpy(out)
+    assert np.array_equal(np.isfinite(got), np.isfinite(dense))
+    assert np.array_equal(np.isnan(got), np.isnan(dense))
+    finite = np.isfinite(dense)
+    assert relative_error(got[finite], dense[finite]) < 1e-5
+
+
+@pytest.mark.gpu
+def test_functional_api_and_transposed_backward_to_input(monkeypatch):
+    """Forced selection: the CUDA backend's conv_forward routed to the fused kernel serves the
+    functional forward and the transposed convolution's backward-to-input."""
+    cupy = _cupy()
+    import dcn_cupy
+    from dcn_cupy._backends import cuda
+    fused = _fused()
+    calls = []
+
+    def forward(x, weight, offset, mask, bias, geom):
+        out = cupy.empty(geom.y_shape, dtype=x.dtype)
+        fused.fused_conv_forward(x, weight, offset, mask, bias, geom, out, allow_tf32=False)
+        calls.append(geom)
+        return out
+
+    rng = np.random.default_rng(12)
+    for ndim in (1, 2, 3):
+        case = random_case(rng, ndim, True, channels_scale=16)
+        arrays = {k: None if a is None else cupy.asarray(a.astype(np.float32)) for k, a in case.arrays_.items()}
+        rounded = {k: None if a is None else a.astype(np.float32).astype(np.float64) for k, a in case.arrays_.items()}
+        gy = rng.standard_normal(case.reference().shape).astype(np.float32)
+        exact = case.backward(cupy.asarray(gy, np.float64), **{k: None if a is None else cupy.asarray(a)
+                                                                 for k, a in rounded.items()},
+                              wrt=("input",), **case.params).input
+        monkeypatch.setattr(cuda, "conv_forward", forward)
+        got = case.backward(cupy.asarray(gy), **arrays, wrt=("input",), **case.params).input
+        monkeypatch.undo()
+        assert calls, "the fused forward was not called"
+        assert relative_error(cupy.asnumpy(got), cupy.asnumpy(exact)) < 1e-5, case.label
+        calls.clear()
+        conv = random_case(rng, ndim, False, channels_scale=16)
+        monkeypatch.setattr(cuda, "conv_forward", forward)
+        y = conv.forward(**conv.arrays(lambda a: cupy.asarray(a.astype(np.float32))), **conv.params)
+        monkeypatch.undo()
+        assert calls
+        expected = conv.reference({k: None if a is None else a.astype(np.float32).astype(np.float64)
+                                   for k, a in conv.arrays_.items()})
+        assert relative_error(cupy.asnumpy(y), expected) < 1e-5, conv.label
+
+
+@pytest.mark.gpu
+def test_broadcast_batch_chunks_and_64bit_indices(monkeypatch):
+    """A batch of stride 0, one-sample channels-last chunks, and the 64-bit instantiation."""
+    cupy = _cupy()
+    fused = _fused()
+    rng = np.random.default_rng(13)
+    arrays, params = wide_case(rng, 2, batch=3)
+    dev = {k: None if a is None else cupy.asarray(a.astype(np.float16)) for k, a in arrays.items()}
+    x1 = dev["input"][:1]
+    dev["input"] = cupy.broadcast_to(x1, (3,) + x1.shape[1:])
+    rounded = {k: None if a is None else a.astype(np.float16).astype(np.float64) for k, a in arrays.items()}
+    rounded["input"] = np.broadcast_to(rounded["input"][:1], rounded["input"].shape)
+    expected = reference.deform_conv(**rounded, **params)
+    geom = _geometry.conv_geometry(*(None if arrays[k] is None else arrays[k].shape
+                                     for k in ("input", "weight", "offset", "mask", "bias")), **params)[0]
+    monkeypatch.setattr(fused, "WORKSPACE_LIMIT_BYTES", 1)
+    monkeypatch.setattr(fused, "_INT32_SAFE", 0)
+    config = fused.LaunchConfig(geom, np.float16, False)
+    assert config.chunk == 1 and config.index64
+    out = cupy.full(geom.y_shape, np.nan, dtype=np.float16)
+    workspace = cupy.empty(config.workspace_bytes, dtype=np.uint8)
+    fused.FusedForward(config).run(dev, out, workspace)
+    assert relative_error(cupy.asnumpy(out).astype(np.float64), expected) < TOL["float16"]
+    with pytest.raises(ValueError, match="workspace must hold at least"):
+        fused.FusedForward(config).run(dev, out, workspace[:10])
