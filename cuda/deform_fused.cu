@@ -2,13 +2,13 @@
 //
 // y[b, o, q] = bias[o] + sum_{t, c in group(o)} W[o, c, t] * m * sample(x[b, c], P(q, t))
 // computed without a columns buffer in global memory. Per block an output tile of BM output
-// channels (of one conv group) x BN = 128 positions p = b*Q + q (positions may span samples).
+// channels (of one conv group) x BN positions p = b*Q + q (positions may span samples).
 // The reduction runs over steps (tap t, chunk of BK input channels of the group):
 //   * the weight tile (BM x BK, from the re-laid weights wr[o, t, c]) is copied to shared
 //     memory with cp.async (zero-filled past C_out/G);
 //   * the sampled tile (BK x BN) is built straight into shared memory from the CHANNELS-LAST
-//     input xcl[b, s, c] (row stride Cp, a multiple of the vector width): two threads per
-//     position, each owning CPT consecutive channels; the 2^N corner indices and weights (mask
+//     input xcl[b, s, c] (row stride Cp, a multiple of the vector width): 256/BN threads per
+//     position, each owning CPT = BK*BN/256 consecutive channels; the 2^N corner indices and weights (mask
 //     included) of its (position, tap, offset group, mask group) live in registers and are
 //     recomputed only when that key changes; each corner is one 16-byte load of consecutive
 //     channels ("uniform" kernels, chosen when no thread's channels cross a conv / offset / mask
@@ -23,7 +23,9 @@
 // samples 0; a corner outside the grid or of N-linear weight exactly 0 is not read.
 //
 // Template parameters: T storage type, I index type (int or long long), N spatial dims,
-// PREC (0: T's own tensor-core format; 1: TF32; 2: 3xTF32), BM (64 or 128), UNIFORM.
+// PREC (0: T's own tensor-core format; 1: TF32; 2: 3xTF32), the tile BM x BN x BK, MINB (blocks
+// per multiprocessor asked of the register allocator), UNIFORM (16-byte-vector sampler).
+// Dynamic shared memory: 2 * (BM + BN) * (BK + PAD) elements of T.
 
 #include "dcn_common.cuh"
 
@@ -32,14 +34,12 @@ using dcn::Traits;
 
 namespace fused {
 
-constexpr int THREADS = 256;   // 8 warps: 2 along the output channels x 4 along the positions
-constexpr int BN = 128;        // positions per block
-constexpr int TPP = THREADS / BN;  // sampling threads per position
+constexpr int THREADS = 256;   // 8 warps: BN/32 along the positions x the rest along the channels
 
-// Channels per step (BK), per 16-byte vector (VEC) and the shared-memory row padding (PAD,
-// one vector: rows 80 bytes apart hit distinct banks for ldmatrix and the TF32 fragment loads).
-template <typename T> struct Tile { static const int BK = 32; static const int VEC = 8; static const int PAD = 8; };
-template <> struct Tile<float> { static const int BK = 16; static const int VEC = 4; static const int PAD = 4; };
+// Channels per 16-byte vector (VEC) and the shared-memory row padding (PAD, one vector: rows
+// 16 (mod 128) bytes apart hit distinct banks for ldmatrix and the TF32 fragment loads).
+template <typename T> struct Tile { static const int VEC = 8; static const int PAD = 8; };
+template <> struct Tile<float> { static const int VEC = 4; static const int PAD = 4; };
 
 __device__ __forceinline__ unsigned smem_address(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
@@ -62,6 +62,13 @@ __device__ __forceinline__ unsigned to_tf32(float v) {
     unsigned r;
     asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(v));
     return r;
+}
+
+// 3xTF32: the TF32 rounding of v - big (v = big + small); 0 where big is not finite, so that an
+// infinite operand stays infinite (inf - inf would make the small part NaN).
+__device__ __forceinline__ unsigned split_small(float v, unsigned big) {
+    const float b = __uint_as_float(big);
+    return isfinite(b) ? to_tf32(v - b) : 0u;
 }
 
 // D += A * B for one m16n8k16 (half types) tile.
@@ -90,6 +97,69 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], 
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+// Element offset of 16-byte vector kv of row `row` in a shared tile of rows of BK elements:
+// ENGINE 0 (mma.sync): rows padded to LD; ENGINE 1 (wgmma, no swizzle, K-major): 8x16-byte
+// "core matrices" of 8 consecutive rows, contiguous (128 bytes), the BK/VEC core matrices of an
+// 8-row group next to each other (leading byte offset 128, stride byte offset BK/VEC*128).
+template <int ENGINE, int LD, int BK, int VEC>
+__device__ __forceinline__ int tile_offset(int row, int kv) {
+    if constexpr (ENGINE == 0) {
+        return row * LD + kv * VEC;
+    } else {
+        return ((row >> 3) * (BK / VEC) + kv) * (8 * VEC) + (row & 7) * VEC;
+    }
+}
+
+// A wgmma shared-memory matrix descriptor (no swizzle): start address, leading and stride
+// byte offsets, each in units of 16 bytes.
+__device__ __forceinline__ unsigned long long wgmma_descriptor(const void* p, unsigned lbo, unsigned sbo) {
+    return (unsigned long long)((smem_address(p) & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+           ((unsigned long long)(sbo >> 4) << 32);
+}
+
+__device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void register_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// D(64x128, float) += A(64xK) * B(Kx128), both from shared memory (descriptors), one
+// warpgroup; K = 16 (half types) or 8 (TF32). sm_90a.
+template <typename T> struct Wgmma;
+template <> struct Wgmma<__half> {
+    static __device__ __forceinline__ void run(float (&d)[64], unsigned long long da, unsigned long long db) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+            : "l"(da), "l"(db), "r"(1));
+    }
+};
+template <> struct Wgmma<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(float (&d)[64], unsigned long long da, unsigned long long db) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+            : "l"(da), "l"(db), "r"(1));
+    }
+};
+template <> struct Wgmma<float> {
+    static __device__ __forceinline__ void run(float (&d)[64], unsigned long long da, unsigned long long db) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+            : "l"(da), "l"(db), "r"(1));
+    }
+};
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // A vector of VEC values of T in 16 bytes, to and from float.
 template <typename T> struct Vec;
@@ -143,15 +213,46 @@ template <> struct Vec<float> {
 
 // The 2^N corners of one (position, tap, offset group, mask group): the channels-last row of
 // each corner that is read (-1: outside, zero weight, or the position samples 0) and its
-// weight times the mask.
+// weight times the mask. The offset and mask values of the next key can be fetched a step
+// ahead (prefetch), so that a new tap does not wait for them.
 template <typename I, int N>
 struct Sampler {
     static const int NC = 1 << N;
     I row[NC];
     float weight[NC];
     int key_t, key_go, key_gm;
+    int pf_t, pf_go, pf_gm;
+    float pf_off[N], pf_m;
 
-    __device__ __forceinline__ void reset() { key_t = -1; key_go = -1; key_gm = -1; }
+    __device__ __forceinline__ void reset() { key_t = -1; key_go = -1; key_gm = -1; pf_t = -1; }
+
+    __device__ __forceinline__ void clear() {
+        key_t = -1;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) row[c] = (I)-1;
+    }
+
+    template <typename T>
+    static __device__ __forceinline__ void fetch(int t, int go, int gm, const T* off_q, const T* msk_q, int K, I Q,
+                                                 float (&off)[N], float& m) {
+#pragma unroll
+        for (int a = 0; a < N; ++a) off[a] = 0.0f;
+        if (off_q != nullptr) {
+            const T* o = off_q + ((I)go * K + t) * (I)N * Q;
+#pragma unroll
+            for (int a = 0; a < N; ++a) off[a] = Traits<T>::load(o[(I)a * Q]);
+        }
+        m = msk_q == nullptr ? 1.0f : Traits<T>::load(msk_q[((I)gm * K + t) * Q]);
+    }
+
+    template <typename T>
+    __device__ __forceinline__ void prefetch(int t, int go, int gm, bool valid_position, const T* off_q,
+                                             const T* msk_q, int K, I Q) {
+        if (!valid_position || (t == key_t && go == key_go && gm == key_gm) ||
+            (t == pf_t && go == pf_go && gm == pf_gm)) return;
+        pf_t = t; pf_go = go; pf_gm = gm;
+        fetch(t, go, gm, off_q, msk_q, K, Q, pf_off, pf_m);
+    }
 
     template <typename T>
     __device__ __forceinline__ void update(int t, int go, int gm, bool valid_position, const Geom<N>& g,
@@ -162,12 +263,19 @@ struct Sampler {
 #pragma unroll
         for (int c = 0; c < NC; ++c) row[c] = (I)-1;
         if (!valid_position) return;
+        float off[N], m;
+        if (t == pf_t && go == pf_go && gm == pf_gm) {
+#pragma unroll
+            for (int a = 0; a < N; ++a) off[a] = pf_off[a];
+            m = pf_m;
+        } else {
+            fetch(t, go, gm, off_q, msk_q, K, Q, off, m);
+        }
         int tc[N];
         dcn::unravel<N, int>(t, g.ksize, tc);
         float pos[N];
-        const T* off = off_q == nullptr ? nullptr : off_q + ((I)go * K + t) * (I)N * Q;
-        dcn::tap_position<T, float, I, N>(g, qc, tc, off, Q, pos);
-        const float m = msk_q == nullptr ? 1.0f : Traits<T>::load(msk_q[((I)gm * K + t) * Q]);
+#pragma unroll
+        for (int a = 0; a < N; ++a) pos[a] = (float)(qc[a] * g.stride[a] - g.pad[a] + tc[a] * g.dil[a]) + off[a];
         int lo[N];
         float frac[N];
         if (!dcn::locate<float, N>(pos, g.in_size, lo, frac)) return;
@@ -221,45 +329,58 @@ __global__ void fused_channels_last(const T* __restrict__ x, T* __restrict__ xcl
 }
 
 // w (C_out, C/G, K) -> wr (C_out, K, Cgp): the GEMM's A operand, rows contiguous along the
-// input channels of one tap; channels >= C/G zero.
+// input channels of one tap; channels >= C/G zero; float32 values rounded to TF32 when
+// round_tf32 (the TF32 wgmma reads A unrounded). One thread per (o, c), taps in a loop.
+template <typename T>
+__device__ __forceinline__ T maybe_tf32(T v, int) { return v; }
+template <>
+__device__ __forceinline__ float maybe_tf32<float>(float v, int round_tf32) {
+    return round_tf32 ? __uint_as_float(fused::to_tf32(v)) : v;
+}
+
 template <typename T, typename I>
 __global__ void fused_weight_rows(const T* __restrict__ w, T* __restrict__ wr, const int out_channels,
-                                  const int Cg, const int Cgp, const int K) {
-    const I total = (I)out_channels * K * Cgp;
+                                  const int Cg, const int Cgp, const int K, const int round_tf32) {
+    const I total = (I)out_channels * Cgp;
     for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
         const int c = (int)(idx % Cgp);
-        const I rest = idx / Cgp;
-        const int t = (int)(rest % K);
-        const I o = rest / K;
-        wr[idx] = c < Cg ? w[(o * Cg + c) * K + t] : Traits<T>::store(0.0f);
+        const I o = idx / Cgp;
+        for (int t = 0; t < K; ++t) {
+            const T v = c < Cg ? maybe_tf32(w[(o * Cg + c) * K + t], round_tf32) : Traits<T>::store(0.0f);
+            wr[(o * K + t) * Cgp + c] = v;
+        }
     }
 }
 
-template <typename T, typename I, int N, int PREC, int BM, bool UNIFORM>
-__global__ void __launch_bounds__(fused::THREADS)
+template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool UNIFORM, int ENGINE>
+__global__ void __launch_bounds__(fused::THREADS, MINB)
 deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const T* __restrict__ offset,
                      const T* __restrict__ mask, const T* __restrict__ bias, T* __restrict__ y,
                      const Geom<N> g, const int batch, const int channels, const int Cp,
                      const int out_channels, const int groups, const int offset_groups,
                      const int mask_groups, const int Cgp, const I offset_bstride, const I mask_bstride) {
     using namespace fused;
-    constexpr int BK = Tile<T>::BK;
     constexpr int VEC = Tile<T>::VEC;
-    constexpr int LD = BK + Tile<T>::PAD;        // shared row length (A: per output channel, B: per position)
+    constexpr int TPP = THREADS / BN;            // sampling threads per position
+    constexpr int LD = ENGINE == 0 ? BK + Tile<T>::PAD : BK;  // shared row length (A: per output channel, B: per position)
     constexpr int CPT = BK / TPP;                // channels per sampling thread
     constexpr int NV = CPT / VEC;                // 16-byte vectors per sampling thread
     constexpr int NC = 1 << N;
-    constexpr int WM = BM / 2, WN = BN / 4;      // warp tile
+    constexpr int WARPS_N = BN / 32, WARPS_M = THREADS / 32 / WARPS_N;
+    constexpr int WM = BM / WARPS_M, WN = 32;    // warp tile
     constexpr int MT = WM / 16, NT = WN / 8;     // mma tiles per warp
     constexpr int A_VECS = BM * BK / VEC / THREADS;  // weight vectors copied per thread and step
-    static_assert(A_VECS >= 1 && NV >= 1 && NT % 2 == 0, "tile shape");
+    static_assert(A_VECS >= 1 && NV >= 1 && MT >= 1 && NT % 2 == 0 && BM * BK % (VEC * THREADS) == 0, "tile shape");
+    static_assert(ENGINE == 0 || (BM == 128 && BN == 128 && PREC != 2), "wgmma: 2 warpgroups x m64n128, TF32 or half");
 
-    __shared__ __align__(128) T As[2][BM * LD];
-    __shared__ __align__(128) T Bs[2][BN * LD];
+    // Two buffers of the weight tile (BM rows of LD) and of the sampled tile (BN rows of LD).
+    extern __shared__ __align__(128) unsigned char fused_smem[];
+    T* const As0 = reinterpret_cast<T*>(fused_smem);
+    T* const Bs0 = As0 + 2 * BM * LD;
 
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
-    const int wm = warp & 1, wn = warp >> 1;
+    const int wm = warp % WARPS_M, wn = warp / WARPS_M;
 
     const I Q = dcn::prod_size<N, I>(g.out_size);
     const I S = dcn::prod_size<N, I>(g.in_size);
@@ -309,7 +430,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             const int o = m0 + r;
             const bool full = o < Cog;
             const T* src = wr + (((I)(grp * Cog + (full ? o : 0)) * K + t) * Cgp + c0 + cv);
-            copy16_async(&As[buf][r * LD + cv], src, full);
+            copy16_async(As0 + buf * BM * LD + tile_offset<ENGINE, LD, BK, VEC>(r, cv / VEC), src, full);
         }
         copy_commit();
     };
@@ -321,9 +442,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         const int cl = (step % chunks) * BK + sh;   // first channel within the group
         if constexpr (UNIFORM) {
             if (cl >= Cg) {
-                smp.reset();
-#pragma unroll
-                for (int c = 0; c < NC; ++c) smp.row[c] = (I)-1;
+                smp.clear();
                 return;
             }
             const int cabs = grp * Cg + cl;
@@ -334,6 +453,15 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                     const uint4* src = reinterpret_cast<const uint4*>(xcl + smp.row[c] * Cp + cabs);
 #pragma unroll
                     for (int v = 0; v < NV; ++v) raw[c][v] = __ldg(src + v);
+                }
+            }
+            // the offset and mask of the step after, if they change then
+            if (step + 1 < steps) {
+                const int t2 = (step + 1) / chunks;
+                const int cl2 = ((step + 1) % chunks) * BK + sh;
+                if (cl2 < Cg) {
+                    const int cabs2 = grp * Cg + cl2;
+                    smp.prefetch(t2, cabs2 / per_go, cabs2 / per_gm, svalid, off_q, msk_q, K, Q);
                 }
             }
         } else {
@@ -358,7 +486,10 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
 
     // Finish the sample and store it into B buffer `buf` (row sn, channels sh..sh+CPT).
     auto sample_store = [&](int buf) {
-        uint4* dst = reinterpret_cast<uint4*>(&Bs[buf][sn * LD + sh]);
+        T* const bt = Bs0 + buf * BN * LD;
+        auto dst = [&](int v) -> uint4& {
+            return *reinterpret_cast<uint4*>(bt + tile_offset<ENGINE, LD, BK, VEC>(sn, sh / VEC + v));
+        };
         if constexpr (UNIFORM) {
             float acc[CPT];
 #pragma unroll
@@ -375,7 +506,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 for (int j = 0; j < CPT; ++j) acc[j] = __uint_as_float(to_tf32(acc[j]));
             }
 #pragma unroll
-            for (int v = 0; v < NV; ++v) dst[v] = Vec<T>::pack(acc + v * VEC);
+            for (int v = 0; v < NV; ++v) dst(v) = Vec<T>::pack(acc + v * VEC);
         } else {
 #pragma unroll
             for (int v = 0; v < NV; ++v) {
@@ -384,7 +515,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                     r.x = to_tf32(__uint_as_float(r.x)); r.y = to_tf32(__uint_as_float(r.y));
                     r.z = to_tf32(__uint_as_float(r.z)); r.w = to_tf32(__uint_as_float(r.w));
                 }
-                dst[v] = r;
+                dst(v) = r;
             }
         }
     };
@@ -398,8 +529,8 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
     auto multiply = [&](int buf) {
-        const T* A = As[buf];
-        const T* B = Bs[buf];
+        const T* A = As0 + buf * BM * LD;
+        const T* B = Bs0 + buf * BN * LD;
         if constexpr (PREC == 0) {
 #pragma unroll
             for (int kk = 0; kk < BK; kk += 16) {
@@ -438,7 +569,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         ab[i][e] = to_tf32(a[e]);
-                        if (PREC == 2) as[i][e] = to_tf32(a[e] - __uint_as_float(ab[i][e]));
+                        if (PREC == 2) as[i][e] = split_small(a[e], ab[i][e]);
                     }
                 }
 #pragma unroll
@@ -449,7 +580,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                     for (int e = 0; e < 2; ++e) {
                         // PREC 1: the sampler stored TF32-rounded values already.
                         bb[j][e] = PREC == 1 ? __float_as_uint(bv[e]) : to_tf32(bv[e]);
-                        if (PREC == 2) bsm[j][e] = to_tf32(bv[e] - __uint_as_float(bb[j][e]));
+                        if (PREC == 2) bsm[j][e] = split_small(bv[e], bb[j][e]);
                     }
                 }
 #pragma unroll
@@ -471,43 +602,105 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     sample_load(0);
     sample_store(0);
     copy_wait_all();
+    if constexpr (ENGINE == 1) proxy_fence();   // generic-proxy writes, read by wgmma next
     __syncthreads();
-    for (int s = 0; s < steps; ++s) {
-        const int cur = s & 1;
-        const bool more = s + 1 < steps;
-        if (more) {
-            weight_copy(s + 1, cur ^ 1);
-            sample_load(s + 1);
+    if constexpr (ENGINE == 0) {
+        for (int s = 0; s < steps; ++s) {
+            const int cur = s & 1;
+            const bool more = s + 1 < steps;
+            if (more) {
+                weight_copy(s + 1, cur ^ 1);
+                sample_load(s + 1);
+            }
+            multiply(cur);
+            if (more) sample_store(cur ^ 1);
+            copy_wait_all();
+            __syncthreads();
         }
-        multiply(cur);
-        if (more) sample_store(cur ^ 1);
-        copy_wait_all();
-        __syncthreads();
-    }
 
-    // Epilogue: accumulators (+ bias) -> y[b, grp*Cog + o, q], straight from the fragments.
-    const int gq = lane >> 2, tq = lane & 3;
-    I ybase[NT][2];
+        // Epilogue: accumulators (+ bias) -> y[b, grp*Cog + o, q], straight from the fragments.
+        const int gq = lane >> 2, tq = lane & 3;
+        I ybase[NT][2];
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const I p = p0 + wn * WN + j * 8 + 2 * tq + e;
-            ybase[j][e] = p < BQ ? (p / Q) * out_channels * Q + p % Q : (I)-1;
+            for (int e = 0; e < 2; ++e) {
+                const I p = p0 + wn * WN + j * 8 + 2 * tq + e;
+                ybase[j][e] = p < BQ ? (p / Q) * out_channels * Q + p % Q : (I)-1;
+            }
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int o = m0 + wm * WM + i * 16 + gq + h * 8;
+                if (o >= Cog) continue;
+                const int oc = grp * Cog + o;
+                const float bv = bias == nullptr ? 0.0f : Traits<T>::load(bias[oc]);
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        if (ybase[j][e] >= 0) y[ybase[j][e] + (I)oc * Q] = Traits<T>::store(acc[i][j][h * 2 + e] + bv);
+                    }
+            }
+    } else {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        // Warpgroup wg computes rows 64*wg.. of the tile; the MMA of a step runs asynchronously
+        // while the threads sample the next step into the other buffer.
+        constexpr int KSTEP = PREC == 0 ? 16 : 8;          // wgmma K
+        constexpr unsigned CORE = 128;                      // bytes of one 8x16-byte core matrix
+        constexpr unsigned SBO = (BK / VEC) * CORE;
+        const int wg = warp >> 2;
+        float d[64];
+#pragma unroll
+        for (int i = 0; i < 64; ++i) d[i] = 0.0f;
+        for (int s = 0; s < steps; ++s) {
+            const int cur = s & 1;
+            const bool more = s + 1 < steps;
+            const T* A = As0 + cur * BM * LD + wg * 64 * BK;
+            const T* B = Bs0 + cur * BN * LD;
+#pragma unroll
+            for (int i = 0; i < 64; ++i) register_fence(d[i]);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < BK / KSTEP; ++ks) {
+                Wgmma<T>::run(d, wgmma_descriptor(A + ks * 2 * 8 * VEC, CORE, SBO),
+                              wgmma_descriptor(B + ks * 2 * 8 * VEC, CORE, SBO));
+            }
+            wgmma_commit();
+#pragma unroll
+            for (int i = 0; i < 64; ++i) register_fence(d[i]);
+            if (more) {
+                weight_copy(s + 1, cur ^ 1);
+                sample_load(s + 1);
+                sample_store(cur ^ 1);
+            }
+            wgmma_wait_all();
+#pragma unroll
+            for (int i = 0; i < 64; ++i) register_fence(d[i]);
+            copy_wait_all();
+            proxy_fence();
+            __syncthreads();
         }
-#pragma unroll
-    for (int i = 0; i < MT; ++i)
+        // Epilogue: d[4j + e] is row 16*(warp%4) + lane/4 + 8*(e/2) of the warpgroup's 64,
+        // position 8j + 2*(lane%4) + e%2.
+        const int gq = lane >> 2, tq = lane & 3;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int o = m0 + wm * WM + i * 16 + gq + h * 8;
+            const int o = m0 + wg * 64 + (warp & 3) * 16 + gq + h * 8;
             if (o >= Cog) continue;
             const int oc = grp * Cog + o;
             const float bv = bias == nullptr ? 0.0f : Traits<T>::load(bias[oc]);
 #pragma unroll
-            for (int j = 0; j < NT; ++j)
+            for (int j = 0; j < 16; ++j)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    if (ybase[j][e] >= 0) y[ybase[j][e] + (I)oc * Q] = Traits<T>::store(acc[i][j][h * 2 + e] + bv);
+                    const I p = p0 + j * 8 + 2 * tq + e;
+                    if (p < BQ) y[(p / Q) * out_channels * Q + p % Q + (I)oc * Q] = Traits<T>::store(d[4 * j + 2 * h + e] + bv);
                 }
         }
+#else
+        __trap();   // wgmma kernels are built for sm_90a only
+#endif
+    }
 }

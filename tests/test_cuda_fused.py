@@ -71,20 +71,21 @@ def _module_keys():
 
 
 def _key_id(key):
-    dtype, ndim, index64 = key
-    return f"{np.dtype(dtype).name}-{ndim}d-{'i64' if index64 else 'i32'}"
+    dtype, ndim, index64, engine = key
+    return f"{np.dtype(dtype).name}-{ndim}d-{'i64' if index64 else 'i32'}-{'wgmma' if engine else 'mma'}"
 
 
 @pytest.mark.parametrize("key", _module_keys(), ids=_key_id)
 def test_every_fused_instantiation_compiles(toolchain, key):
     nvrtc, cuda, fused = toolchain
     names = fused.name_expressions(*key)
+    arch = fused.SM90A if key[3] == 1 else f"-arch={ARCH}"
     program = nvrtc.createProgram(fused.module_source(), "dcn_cupy_fused.cu", (), ())
     try:
         for name in names:
             nvrtc.addNameExpression(program, name)
         try:
-            nvrtc.compileProgram(program, tuple(cuda.compile_options()) + (f"-arch={ARCH}",))
+            nvrtc.compileProgram(program, tuple(cuda.compile_options()) + (arch,))
         except nvrtc.NVRTCError:
             pytest.fail("NVRTC compilation failed:\n" + nvrtc.getProgramLog(program))
         assert all(nvrtc.getLoweredName(program, name) for name in names)
@@ -102,6 +103,8 @@ def test_fused_source_defines_exactly_the_instantiated_kernels():
     defined = set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(", source))
     for key in fused.all_module_keys():
         assert {name.split("<", 1)[0] for name in fused.name_expressions(*key)} == defined
+        assert all(name.endswith(f", {key[3]}>") for name in fused.name_expressions(*key)
+                   if name.startswith("deform_fused_forward"))
 
 
 class _Spec:
@@ -130,13 +133,16 @@ def test_launch_config_choices():
     # the benchmark shape: uniform sampler, 128-channel tiles, 32-bit indices, bounded workspace
     g = _geom((8, 256, 56, 56), (256, 256, 3, 3), (8, 18, 56, 56), (8, 9, 56, 56), padding=1)
     c = fused.LaunchConfig(g, np.float16, False, 132)
-    assert (c.uniform, c.block_m, c.precision, c.index64, c.chunk) == (True, 128, 0, False, 8)
+    assert (c.uniform, c.tile[0], c.precision, c.index64, c.chunk) == (True, 256, 0, False, 8)
     assert c.workspace_bytes >= 8 * 56 * 56 * 256 * 2 + 256 * 9 * 256 * 2
     assert fused.LaunchConfig(g, np.float32, True, 132).precision == 1
     assert fused.LaunchConfig(g, np.float32, False, 132).precision == 2
+    assert fused.LaunchConfig(g, np.float16, False, 132, wgmma=True).tile[4] == 1
+    assert fused.LaunchConfig(g, np.float32, True, 132, wgmma=True).tile[4] == 1
+    assert fused.LaunchConfig(g, np.float32, False, 132, wgmma=True).tile[4] == 0   # 3xTF32: mma.sync
     # 64 output channels per group: 64-channel tiles; 3 channels: per-channel sampler
     g = _geom((2, 64, 9, 9), (64, 32, 3, 3), groups=2)
-    assert fused.LaunchConfig(g, np.float16, False, 132).block_m == 64
+    assert fused.LaunchConfig(g, np.float16, False, 132).tile[0] == 64
     g = _geom((2, 6, 9, 9), (4, 3, 3, 3), (2, 36, 7, 7), (2, 9, 7, 7), groups=2)
     assert not fused.LaunchConfig(g, np.float16, False, 132).uniform
     # offset groups of 8 channels split a float16 thread's 16: per-channel sampler
@@ -155,12 +161,25 @@ def _cupy():
     return pytest.importorskip("cupy")
 
 
-def run_fused(arrays: dict, params: dict, precision: str, ndim: int):
-    """The fused forward of float64 NumPy ``arrays`` cast to ``precision``'s dtype; returns
-    (result as float64 NumPy, the float64 reference of the rounded inputs, launch config)."""
+ENGINES = pytest.mark.parametrize("engine", [0, 1], ids=["mma", "wgmma"])
+
+
+def engine_tile(engine, precision):
+    """The first tile of TILES of ``engine`` (skips where the device or precision has none)."""
+    fused = _fused()
+    if engine == 1 and (precision == "float32" or not fused.wgmma_available()):
+        pytest.skip("wgmma: compute capability 9.0 and fp16 / bf16 / TF32 only")
+    return next(tile for tile in fused._tiles(DTYPE[precision]) if tile[4] == engine)
+
+
+def run_fused(arrays: dict, params: dict, precision: str, ndim: int, engine=None):
+    """The fused forward of float64 NumPy ``arrays`` cast to ``precision``'s dtype (the
+    automatic tile, or the first of ``engine``); returns (result as float64 NumPy, the float64
+    reference of the rounded inputs, launch config)."""
     cupy = _cupy()
     fused = _fused()
     dtype = DTYPE[precision]
+    tile = None if engine is None else engine_tile(engine, precision)
     with np.errstate(over="ignore"):
         rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
         dev = {k: None if a is None else cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
@@ -168,9 +187,13 @@ def run_fused(arrays: dict, params: dict, precision: str, ndim: int):
     geom = _geometry.conv_geometry(shape("input"), shape("weight"), shape("offset"), shape("mask"), shape("bias"),
                                    ndim=ndim, **params)[0]
     out = cupy.full(geom.y_shape, np.nan, dtype=dtype)   # poisoned: every element must be written
-    fused.fused_conv_forward(dev["input"], dev["weight"], dev["offset"], dev["mask"], dev["bias"], geom, out,
-                             allow_tf32=precision == "tf32")
-    config = fused.LaunchConfig(geom, dtype, precision == "tf32")
+    if tile is None:
+        fused.fused_conv_forward(dev["input"], dev["weight"], dev["offset"], dev["mask"], dev["bias"], geom, out,
+                                 allow_tf32=precision == "tf32")
+        config = fused.LaunchConfig(geom, dtype, precision == "tf32", wgmma=fused.wgmma_available())
+    else:
+        config = fused.LaunchConfig(geom, dtype, precision == "tf32", tile=tile)
+        fused.run_forward(config, dev["input"], dev["weight"], dev["offset"], dev["mask"], dev["bias"], out)
     expected = reference.deform_conv(**rounded, **params)
     return cupy.asnumpy(out).astype(np.float64), expected, config
 
@@ -198,24 +221,26 @@ def wide_case(rng, ndim, *, groups=2, offset_groups=2, mask_groups=1, c_in=64, c
 
 
 @pytest.mark.gpu
+@ENGINES
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("ndim", [1, 2, 3])
-def test_vector_sampler_matches_reference(ndim, precision):
+def test_vector_sampler_matches_reference(ndim, precision, engine):
     rng = np.random.default_rng(20 + ndim)
     arrays, params = wide_case(rng, ndim)
-    got, expected, config = run_fused(arrays, params, precision, ndim)
+    got, expected, config = run_fused(arrays, params, precision, ndim, engine)
     assert config.uniform
     assert relative_error(got, expected) < TOL[precision]
 
 
 @pytest.mark.gpu
+@ENGINES
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("ndim", [1, 2, 3])
 @pytest.mark.parametrize("seed", range(3))
-def test_per_channel_sampler_matches_reference(ndim, precision, seed):
+def test_per_channel_sampler_matches_reference(ndim, precision, seed, engine):
     rng = np.random.default_rng(300 + 10 * ndim + seed)
     case = random_case(rng, ndim, False, offset=seed != 1, mask=seed != 2, bias=seed != 0, channels_scale=3)
-    got, expected, config = run_fused(case.arrays_, case.params, precision, ndim)
+    got, expected, config = run_fused(case.arrays_, case.params, precision, ndim, engine)
     assert not config.uniform
     assert relative_error(got, expected) < TOL[precision], case.label
 
@@ -224,13 +249,32 @@ def test_per_channel_sampler_matches_reference(ndim, precision, seed):
 @pytest.mark.parametrize("offset_groups,mask_groups", [(1, 2), (2, 1), (4, 2), (2, 4)])
 @pytest.mark.parametrize("present", ["offset+mask+bias", "offset", "mask", "none"])
 def test_groups_and_missing_arguments(offset_groups, mask_groups, present):
+    """Every tile of TILES (both engines where the device has wgmma)."""
+    fused = _fused()
     rng = np.random.default_rng(offset_groups * 7 + mask_groups)
     arrays, params = wide_case(rng, 2, groups=2, offset_groups=offset_groups, mask_groups=mask_groups, c_in=128,
                                c_out=160, offset="offset" in present, mask="mask" in present,
                                bias="bias" in present)
     for precision in PRECISIONS:
-        got, expected, config = run_fused(arrays, params, precision, 2)
-        assert relative_error(got, expected) < TOL[precision], precision
+        for tile in fused._tiles(DTYPE[precision]):
+            if tile[4] == 1 and (precision == "float32" or not fused.wgmma_available()):
+                continue
+            got, expected, _ = run_fused_tile(arrays, params, precision, tile)
+            assert relative_error(got, expected) < TOL[precision], (precision, tile)
+
+
+def run_fused_tile(arrays, params, precision, tile):
+    cupy = _cupy()
+    fused = _fused()
+    dtype = DTYPE[precision]
+    dev = {k: None if a is None else cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
+    rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
+    geom = _geometry.conv_geometry(*(None if arrays[k] is None else arrays[k].shape
+                                     for k in ("input", "weight", "offset", "mask", "bias")), **params)[0]
+    config = fused.LaunchConfig(geom, dtype, precision == "tf32", tile=tile)
+    out = cupy.full(geom.y_shape, np.nan, dtype=dtype)
+    fused.run_forward(config, dev["input"], dev["weight"], dev["offset"], dev["mask"], dev["bias"], out)
+    return cupy.asnumpy(out).astype(np.float64), reference.deform_conv(**rounded, **params), config
 
 
 @pytest.mark.gpu
@@ -240,9 +284,13 @@ def test_large_output_channel_tiles_and_batch_spanning_tiles():
     rng = np.random.default_rng(5)
     arrays, params = wide_case(rng, 2, groups=1, offset_groups=1, mask_groups=1, c_in=96, c_out=200, batch=5,
                                stride=(1, 1), padding=(1, 1), dilation=(1, 1))
+    fused = _fused()
     for precision in PRECISIONS:
-        got, expected, config = run_fused(arrays, params, precision, 2)
-        assert relative_error(got, expected) < TOL[precision], precision
+        for tile in fused._tiles(DTYPE[precision]):
+            if tile[4] == 1 and (precision == "float32" or not fused.wgmma_available()):
+                continue
+            got, expected, _ = run_fused_tile(arrays, params, precision, tile)
+            assert relative_error(got, expected) < TOL[precision], (precision, tile)
 
 
 @pytest.mark.gpu
@@ -292,10 +340,11 @@ def test_matches_torchvision(precision):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["float32", "float16"])
+@ENGINES
+@pytest.mark.parametrize("precision", ["float32", "tf32", "float16"])
 @pytest.mark.parametrize("ndim", [1, 2, 3])
 @pytest.mark.parametrize("wide", [True, False], ids=["vector", "per-channel"])
-def test_non_finite_and_huge_offsets(ndim, precision, wide):
+def test_non_finite_and_huge_offsets(ndim, precision, wide, engine):
     rng = np.random.default_rng(40 + ndim)
     if wide:
         arrays, params = wide_case(rng, ndim)
@@ -308,17 +357,18 @@ def test_non_finite_and_huge_offsets(ndim, precision, wide):
     picks = rng.choice(flat.size, size=min(flat.size, 4 * bad.size), replace=False)
     flat[picks] = np.resize(bad, picks.size)
     arrays = dict(arrays, offset=offset)
-    got, expected, _ = run_fused(arrays, params, precision, ndim)
+    got, expected, _ = run_fused(arrays, params, precision, ndim, engine)
     assert np.all(np.isfinite(got))
     assert relative_error(got, expected) < TOL[precision]
 
 
 @pytest.mark.gpu
+@ENGINES
+@pytest.mark.parametrize("precision", ["float32", "tf32"])
 @pytest.mark.parametrize("wide", [True, False], ids=["vector", "per-channel"])
-def test_non_finite_input_reaches_exactly_the_dense_convolution_pattern(wide):
+def test_non_finite_input_reaches_exactly_the_dense_convolution_pattern(wide, precision, engine):
     """Zero offsets, no mask: the non-finite pattern equals the dense convolution's (corners of
-    weight 0 are not read)."""
-    cupy = _cupy()
+    weight 0 are not read; 3xTF32 keeps an infinite operand infinite)."""
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(77)
     C = 32 if wide else 6
@@ -326,17 +376,14 @@ def test_non_finite_input_reaches_exactly_the_dense_convolution_pattern(wide):
     x[0, 1, 3, 4] = np.inf
     x[1, C - 1, 0, 0] = np.nan
     w = rng.standard_normal((8, C, 3, 3))
-    off = np.zeros((2, 18, 9, 8))
-    geom = _geom(x.shape, w.shape, off.shape, padding=1)
-    out = cupy.empty(geom.y_shape, dtype=np.float32)
-    _fused().fused_conv_forward(cupy.asarray(x, np.float32), cupy.asarray(w, np.float32),
-                                cupy.asarray(off, np.float32), None, None, geom, out, allow_tf32=False)
-    dense = torch.nn.functional.conv2d(torch.from_numpy(x), torch.from_numpy(w), padding=1).numpy()
-    got = cupy.asnumpy(out)
-    assert np.array_equal(np.isfinite(got), np.isfinite(dense))
+    arrays = {"input": x, "weight": w, "offset": np.zeros((2, 18, 9, 8)), "mask": None, "bias": None}
+    got, _, _ = run_fused_tile(arrays, dict(padding=1), precision, engine_tile(engine, precision))
+    dense = torch.nn.functional.conv2d(torch.from_numpy(x.astype(np.float32).astype(np.float64)),
+                                       torch.from_numpy(w.astype(np.float32).astype(np.float64)), padding=1).numpy()
     assert np.array_equal(np.isnan(got), np.isnan(dense))
+    assert np.array_equal(np.isinf(got), np.isinf(dense))
     finite = np.isfinite(dense)
-    assert relative_error(got[finite], dense[finite]) < 1e-5
+    assert relative_error(got[finite], dense[finite]) < TOL[precision]
 
 
 @pytest.mark.gpu

@@ -43,12 +43,19 @@ WORKSPACE_LIMIT_BYTES = int(os.environ.get("DCN_CUPY_FUSED_WORKSPACE_BYTES", 128
 
 _SOURCE = "deform_fused.cu"
 _THREADS = 256
-_BN = 128                      # positions per block (fused::BN)
-_TPP = _THREADS // _BN         # sampling threads per position (fused::TPP)
-#: Per storage dtype: channels per step (fused::Tile<T>::BK) and per 16-byte vector.
-_BK = {np.dtype(np.float16): 32, BFLOAT16: 32, np.dtype(np.float32): 16}
+#: Per storage dtype: channels per 16-byte vector (fused::Tile<T>::VEC, also the row padding).
 _VEC = {np.dtype(np.float16): 8, BFLOAT16: 8, np.dtype(np.float32): 4}
-DTYPES = tuple(_BK)
+DTYPES = tuple(_VEC)
+#: The tiles (BM output channels, BN positions, BK channels per step, MINB blocks per SM asked
+#: of the register allocator, ENGINE: 0 mma.sync, 1 wgmma) instantiated per dtype;
+#: ``_choose_tile`` picks one per shape. wgmma tiles (sm_90a) need a compute capability 9.0
+#: device and serve fp16, bf16 and TF32 (not 3xTF32).
+TILES = {
+    "half": ((128, 128, 32, 1, 0), (64, 128, 32, 1, 0), (256, 64, 64, 1, 0), (128, 128, 64, 1, 0),
+             (128, 128, 32, 1, 1), (128, 128, 64, 1, 1)),
+    "float": ((128, 128, 16, 1, 0), (64, 128, 16, 1, 0), (256, 64, 32, 1, 0), (128, 128, 32, 1, 0),
+              (128, 128, 16, 1, 1), (128, 128, 32, 1, 1)),
+}
 _INT32_SAFE = 2**30
 _MAX_GRID = 1 << 20
 _ALIGN = 256
@@ -69,43 +76,114 @@ def _precisions(dtype) -> tuple:
     return (1, 2) if np.dtype(dtype) == np.float32 else (0,)
 
 
-def kernel_name(dtype, index64: bool, ndim: int, prec: int, bm: int, uniform: bool) -> str:
-    t = _cuda._CTYPES[np.dtype(dtype)]
-    i = "long long" if index64 else "int"
-    return f"deform_fused_forward<{t}, {i}, {ndim}, {prec}, {bm}, {'true' if uniform else 'false'}>"
+def _tiles(dtype) -> tuple:
+    return TILES["float" if np.dtype(dtype) == np.float32 else "half"]
 
 
-def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
-    """Every kernel instantiation of one module (one dtype, one N, one index width)."""
+def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, uniform: bool) -> str:
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
-    names = [kernel_name(dtype, index64, ndim, prec, bm, uniform)
-             for prec in _precisions(dtype) for bm in (64, 128) for uniform in (True, False)]
+    bm, bn, bk, minb, engine = tile
+    return (f"deform_fused_forward<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}, "
+            f"{'true' if uniform else 'false'}, {engine}>")
+
+
+def name_expressions(dtype, ndim: int, index64: bool, engine: int = 0) -> tuple:
+    """Every kernel instantiation of one module (one dtype, one N, one index width, one engine:
+    0 mma.sync, built for the device's architecture; 1 wgmma, built for sm_90a)."""
+    t = _cuda._CTYPES[np.dtype(dtype)]
+    i = "long long" if index64 else "int"
+    names = [kernel_name(dtype, index64, ndim, prec, tile, uniform)
+             for prec in _precisions(dtype) for tile in _tiles(dtype) for uniform in (True, False)
+             if tile[4] == engine and not (engine == 1 and prec == 2)]
     names += [f"fused_channels_last<{t}, {i}>", f"fused_weight_rows<{t}, {i}>"]
     return tuple(names)
 
 
 def all_module_keys():
-    """(dtype, ndim, index64) of every module this algorithm can build."""
-    return [(dtype, ndim, index64) for dtype in DTYPES for ndim in (1, 2, 3) for index64 in (False, True)]
+    """(dtype, ndim, index64, engine) of every module this algorithm can build."""
+    return [(dtype, ndim, index64, engine) for dtype in DTYPES for ndim in (1, 2, 3) for index64 in (False, True)
+            for engine in (0, 1)]
+
+
+#: NVRTC options of the wgmma modules (CuPy's RawModule names the device's plain architecture).
+SM90A = "-arch=sm_90a"
+
+
+class _Sm90aModule:
+    """Kernels compiled by NVRTC for sm_90a and loaded as a CUDA module (cached on disk next to
+    CuPy's kernel cache, keyed by the source, options, names and NVRTC version)."""
+
+    def __init__(self, names):
+        import hashlib
+        import json
+        from cupy_backends.cuda.libs import nvrtc
+        options = tuple(_cuda.compile_options()) + (SM90A,)
+        source = module_source()
+        key = hashlib.sha256(repr((source, options, tuple(names), nvrtc.getVersion())).encode()).hexdigest()[:32]
+        folder = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
+        path = os.path.join(folder, f"dcn_fused_sm90a_{key}")
+        try:
+            with open(path + ".cubin", "rb") as fh:
+                cubin = fh.read()
+            with open(path + ".json") as fh:
+                lowered = json.load(fh)
+        except OSError:
+            program = nvrtc.createProgram(source, "deform_fused.cu", (), ())
+            try:
+                for name in names:
+                    nvrtc.addNameExpression(program, name)
+                try:
+                    nvrtc.compileProgram(program, options)
+                except nvrtc.NVRTCError:
+                    raise RuntimeError("NVRTC failed on cuda/deform_fused.cu (sm_90a):\n"
+                                       + nvrtc.getProgramLog(program)) from None
+                lowered = {name: nvrtc.getLoweredName(program, name) for name in names}
+                cubin = nvrtc.getCUBIN(program)
+            finally:
+                nvrtc.destroyProgram(program)
+            try:
+                os.makedirs(folder, exist_ok=True)
+                with open(path + ".json", "w") as fh:
+                    json.dump(lowered, fh)
+                with open(path + ".cubin", "wb") as fh:
+                    fh.write(cubin)
+            except OSError:
+                pass
+        self.module = cupy.cuda.function.Module()
+        self.module.load(cubin)
+        self.lowered = lowered
+
+    def get_function(self, name):
+        return self.module.get_function(self.lowered[name])
 
 
 _modules = {}
 _functions = {}
 
 
-def _function(name: str, dtype, ndim: int, index64: bool):
+def _function(name: str, dtype, ndim: int, index64: bool, engine: int = 0):
     device = cupy.cuda.runtime.getDevice()
     fn = _functions.get((device, name))
     if fn is None:
-        mkey = (device, np.dtype(dtype).str, ndim, index64)
+        names = name_expressions(dtype, ndim, index64, engine)
+        if name not in names:       # a tile outside TILES (benchmarks): a module of its own
+            names = (name,)
+        mkey = (device, names)
         module = _modules.get(mkey)
         if module is None:
-            module = cupy.RawModule(code=module_source(), options=_cuda.compile_options(),
-                                    name_expressions=name_expressions(dtype, ndim, index64))
+            if engine == 1:
+                module = _Sm90aModule(names)
+            else:
+                module = cupy.RawModule(code=module_source(), options=_cuda.compile_options(), name_expressions=names)
             _modules[mkey] = module
         fn = _functions[(device, name)] = module.get_function(name)
     return fn
+
+
+def wgmma_available() -> bool:
+    """Whether the current device runs sm_90a code (compute capability 9.0)."""
+    return cupy.cuda.Device().compute_capability == "90"
 
 
 def _multiprocessors() -> int:
@@ -116,66 +194,98 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def _choose_tile(dtype, Cog: int, positions: int, groups: int, multiprocessors: int, wgmma: bool) -> tuple:
+    """The tile of a shape. With wgmma (a compute capability 9.0 device, not 3xTF32): the first
+    wgmma tile of TILES when C_out/groups > 64. Otherwise the mma.sync tiles, the tallest (first
+    listed of each height) no taller than C_out/groups rounded up to 64 that still gives at
+    least two blocks per multiprocessor."""
+    if wgmma and Cog > 64:
+        return next(tile for tile in _tiles(dtype) if tile[4] == 1)
+    by_height = {}
+    for tile in _tiles(dtype):
+        if tile[4] == 0:
+            by_height.setdefault(tile[0], tile)
+    candidates = sorted(by_height.values(), reverse=True)
+    limit = max(64, _round_up(Cog, 64))
+    for tile in candidates:
+        bm, bn = tile[:2]
+        if bm <= limit and -(-positions // bn) * -(-Cog // bm) * groups >= 2 * multiprocessors:
+            return tile
+    return candidates[-1]
+
+
 class LaunchConfig:
     """What one forward of one geometry and dtype launches (chosen once per plan).
 
-    ``block_m``: output channels per block (64 or 128); ``uniform``: the 16-byte-vector
-    sampler; ``precision``: 0 (fp16/bf16), 1 (TF32) or 2 (3xTF32); ``chunk``: samples per
-    channels-last copy; ``index64``: 64-bit indices.
+    ``tile``: (BM output channels, BN positions, BK channels per step, MINB, ENGINE);
+    ``uniform``: the 16-byte-vector sampler; ``precision``: 0 (fp16/bf16), 1 (TF32) or
+    2 (3xTF32); ``chunk``: samples per channels-last copy; ``index64``: 64-bit indices.
+    ``wgmma``: whether the device runs the sm_90a kernels (None: ask the current device).
     """
 
-    def __init__(self, geom, dtype, allow_tf32: bool, multiprocessors: int = 132):
+    def __init__(self, geom, dtype, allow_tf32: bool, multiprocessors: int = 132, tile=None, wgmma=False):
         dtype = np.dtype(dtype)
-        if dtype not in _BK:
+        if dtype not in _VEC:
             raise ValueError(f"cuda/fused serves float16, bfloat16 and float32, got {dtype}")
         self.geom, self.dtype = geom, dtype
         self.itemsize = dtype.itemsize
         C, Co, G = geom.in_channels, geom.out_channels, geom.groups
         self.Cg, self.Cog = C // G, Co // G
         self.K, self.Q, self.S = geom.kernel_volume, geom.output_size, geom.input_size
-        bk, vec = _BK[dtype], _VEC[dtype]
+        vec = _VEC[dtype]
+        self.precision = 0 if dtype != np.float32 else (1 if allow_tf32 else 2)
+        sample_bytes = self.S * _round_up(C, vec) * self.itemsize
+        self.chunk = max(1, min(geom.batch, int(WORKSPACE_LIMIT_BYTES) // max(sample_bytes, 1)))
+        if tile is None:
+            tile = _choose_tile(dtype, self.Cog, self.chunk * self.Q, G, multiprocessors,
+                                bool(wgmma) and self.precision != 2)
+        self.tile = tuple(tile)
+        bm, bn, bk, _, engine = self.tile
+        if engine == 1 and self.precision == 2:
+            raise ValueError("the wgmma tiles compute in TF32 or the half types, not 3xTF32")
         self.Cp = _round_up(C, vec)
         self.Cgp = _round_up(self.Cg, bk)
-        per_thread = bk // _TPP
+        per_thread = bk * bn // _THREADS
         segment = self.Cg
         if geom.has_offset:
             segment = math.gcd(segment, C // geom.offset_groups)
         if geom.has_mask:
             segment = math.gcd(segment, C // geom.mask_groups)
         self.uniform = segment % per_thread == 0
-        self.precision = 0 if dtype != np.float32 else (1 if allow_tf32 else 2)
-        sample_bytes = self.S * self.Cp * self.itemsize
-        self.chunk = max(1, min(geom.batch, int(WORKSPACE_LIMIT_BYTES) // max(sample_bytes, 1)))
-        position_tiles = -(-self.chunk * self.Q // _BN)
-        self.block_m = 128
-        if self.Cog <= 64 or position_tiles * -(-self.Cog // 128) * G < 2 * multiprocessors:
-            self.block_m = 64
-        self.m_tiles = -(-self.Cog // self.block_m)
+        self.m_tiles = -(-self.Cog // bm)
+        self.smem_bytes = 2 * (bm + bn) * (bk + (vec if engine == 0 else 0)) * self.itemsize
         self.weight_elems = Co * self.K * self.Cgp
         self.xcl_elems = self.chunk * self.S * self.Cp
         self.workspace_bytes = _round_up(self.xcl_elems * self.itemsize, _ALIGN) + self.weight_elems * self.itemsize
         self.index64 = max(
-            self.chunk * self.S * self.Cp, self.chunk * Co * self.Q + _BN * Co,
+            self.chunk * self.S * self.Cp, self.chunk * Co * self.Q + bn * Co,
             self.chunk * max(geom.offset_groups, 1) * self.K * geom.ndim * self.Q,
             self.chunk * max(geom.mask_groups, 1) * self.K * self.Q,
-            self.weight_elems, C * self.S * self.chunk, (self.chunk * self.Q + _BN) * self.m_tiles * G,
+            self.weight_elems, C * self.S * self.chunk, (self.chunk * self.Q + bn) * self.m_tiles * G,
         ) > _INT32_SAFE
 
     @property
     def description(self) -> str:
         prec = {0: str(self.dtype), 1: "tf32", 2: "3xtf32"}[self.precision]
-        return (f"cuda/fused: {prec} mma.sync, tile {self.block_m}x{_BN}, "
+        bm, bn, bk, _, engine = self.tile
+        return (f"cuda/fused: {prec} {'wgmma' if engine else 'mma.sync'}, tile {bm}x{bn}x{bk}, "
                 f"{'16-byte vector' if self.uniform else 'per-channel'} sampling, "
                 f"chunks of {self.chunk} samples, {'64' if self.index64 else '32'}-bit index")
+
+    def blocks(self, n: int) -> int:
+        """Blocks of the fused kernel for a chunk of n samples."""
+        return -(-n * self.Q // self.tile[1]) * self.m_tiles * self.geom.groups
 
     def kernel(self, name: str):
         g = self.geom
         i = "long long" if self.index64 else "int"
         if name == "forward":
-            expr = kernel_name(self.dtype, self.index64, g.ndim, self.precision, self.block_m, self.uniform)
-        else:
-            expr = f"{name}<{_cuda._CTYPES[self.dtype]}, {i}>"
-        return _function(expr, self.dtype, g.ndim, self.index64)
+            expr = kernel_name(self.dtype, self.index64, g.ndim, self.precision, self.tile, self.uniform)
+            fn = _function(expr, self.dtype, g.ndim, self.index64, self.tile[4])
+            if self.smem_bytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < self.smem_bytes:
+                fn.max_dynamic_shared_size_bytes = self.smem_bytes
+            return fn
+        return _function(f"{name}<{_cuda._CTYPES[self.dtype]}, {i}>", self.dtype, g.ndim, self.index64)
 
 
 def _batch_stride(array) -> int:
@@ -202,9 +312,10 @@ def run_forward(config: LaunchConfig, x, weight, offset, mask, bias, out, worksp
     g = config.geom
     index = np.int64 if config.index64 else np.int32
     xcl, wr = _views(config, workspace)
-    total_w = config.weight_elems
-    config.kernel("fused_weight_rows")((min(-(-total_w // _THREADS), _MAX_GRID),), (_THREADS,), (
+    rows = g.out_channels * config.Cgp
+    config.kernel("fused_weight_rows")((min(-(-rows // _THREADS), _MAX_GRID),), (_THREADS,), (
         weight, wr, np.int32(g.out_channels), np.int32(config.Cg), np.int32(config.Cgp), np.int32(config.K),
+        np.int32(config.precision == 1),
     ))
     layout = config.kernel("fused_channels_last")
     forward = config.kernel("forward")
@@ -219,14 +330,13 @@ def run_forward(config: LaunchConfig, x, weight, offset, mask, bias, out, worksp
             x[start:start + n], xcl, np.int32(n), np.int32(g.in_channels), np.int32(config.Cp),
             index(config.S), index(x_bs),
         ))
-        tiles = -(-n * config.Q // _BN) * config.m_tiles * g.groups
-        forward((tiles,), (_THREADS,), (
+        forward((config.blocks(n),), (_THREADS,), (
             xcl, wr, None if offset is None else offset[start:start + n],
             None if mask is None else mask[start:start + n], bias, out[start:start + n], struct,
             np.int32(n), np.int32(g.in_channels), np.int32(config.Cp), np.int32(g.out_channels),
             np.int32(g.groups), np.int32(max(g.offset_groups, 1)), np.int32(max(g.mask_groups, 1)),
             np.int32(config.Cgp), index(off_bs), index(msk_bs),
-        ))
+        ), shared_mem=config.smem_bytes)
 
 
 def fused_conv_forward(x, weight, offset, mask, bias, geom, out, *, allow_tf32: bool, workspace=None) -> None:
@@ -246,7 +356,7 @@ def fused_conv_forward(x, weight, offset, mask, bias, geom, out, *, allow_tf32: 
     """
     if geom.batch == 0:
         return
-    config = LaunchConfig(geom, x.dtype, allow_tf32, _multiprocessors())
+    config = LaunchConfig(geom, x.dtype, allow_tf32, _multiprocessors(), wgmma=wgmma_available())
     run_forward(config, x, weight, offset, mask, bias, out, workspace)
 
 
@@ -281,7 +391,7 @@ class FusedBackend:
             return f"cuda/fused computes only the forward (conv_forward), not {primitive}"
         if spec.device != "cuda":
             return f"cuda/fused runs on CUDA devices, not {spec.device}"
-        if np.dtype(spec.dtype) not in _BK:
+        if np.dtype(spec.dtype) not in _VEC:
             return f"cuda/fused computes in float32 on tensor cores; {np.dtype(spec.dtype)} stays on cuda/im2col"
         return None
 
@@ -290,7 +400,8 @@ class FusedBackend:
         if reason is not None:
             raise ValueError(reason)
         with cupy.cuda.Device(spec.device_id):
-            config = LaunchConfig(spec.geom, spec.dtype, bool(spec.allow_tf32), _multiprocessors())
+            config = LaunchConfig(spec.geom, spec.dtype, bool(spec.allow_tf32), _multiprocessors(),
+                                  wgmma=wgmma_available())
             for name in ("fused_weight_rows", "fused_channels_last", "forward"):
                 config.kernel(name)   # compile now, never during a CUDA-graph capture
         return FusedForward(config)
