@@ -111,7 +111,7 @@ def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
         xcl, _ = fu._views(config, ws)
         n = geom.batch
         layout = config.kernel("fused_channels_last")
-        blocks = n * -(-config.Cp // 32) * -(-config.S // 32)
+        blocks = n * -(-config.Cp // 64) * -(-config.S // 64)
         cl = t(lambda: layout((min(blocks, fu._MAX_GRID),), (32, 8), (
             x, xcl, np.int32(n), np.int32(geom.in_channels), np.int32(config.Cp), index(config.S),
             index(fu._batch_stride(x)))))
@@ -140,7 +140,7 @@ def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
                     np.int32(1), np.int32(c.Cgp), index(fu._batch_stride(off)), index(fu._batch_stride(msk)))
             k = t(lambda: kern((c.blocks(n),), (256,), args, shared_mem=c.smem_bytes))
             print(f"  {'kernel alone, tile %dx%dx%d minb %d eng %d' % tile:<40} {k:8.3f} ms  {flop / k / 1e9:7.1f} TFLOP/s "
-                  f"({c.blocks(n)} blocks, {kern.num_regs} regs, {'vector' if c.uniform else 'per-channel'})",
+                  f"({c.blocks(n)} blocks, {fu.num_registers(kern)} regs, {'vector' if c.uniform else 'per-channel'})",
                   flush=True)
 
 

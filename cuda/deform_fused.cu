@@ -126,10 +126,10 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 __device__ __forceinline__ void register_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
-// D(64x128, float) += A(64xK) * B(Kx128), both from shared memory (descriptors), one
-// warpgroup; K = 16 (half types) or 8 (TF32). sm_90a.
-template <typename T> struct Wgmma;
-template <> struct Wgmma<__half> {
+// D(64xN, float) += A(64xK) * B(KxN), both from shared memory (descriptors), one warpgroup;
+// K = 16 (half types) or 8 (TF32), N = 64 or 128. sm_90a.
+template <typename T, int N> struct Wgmma;
+template <> struct Wgmma<__half, 128> {
     static __device__ __forceinline__ void run(float (&d)[64], unsigned long long da, unsigned long long db) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -139,7 +139,7 @@ template <> struct Wgmma<__half> {
             : "l"(da), "l"(db), "r"(1));
     }
 };
-template <> struct Wgmma<__nv_bfloat16> {
+template <> struct Wgmma<__nv_bfloat16, 128> {
     static __device__ __forceinline__ void run(float (&d)[64], unsigned long long da, unsigned long long db) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -149,13 +149,43 @@ template <> struct Wgmma<__nv_bfloat16> {
             : "l"(da), "l"(db), "r"(1));
     }
 };
-template <> struct Wgmma<float> {
+template <> struct Wgmma<float, 128> {
     static __device__ __forceinline__ void run(float (&d)[64], unsigned long long da, unsigned long long db) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+            : "l"(da), "l"(db), "r"(1));
+    }
+};
+template <> struct Wgmma<__half, 64> {
+    static __device__ __forceinline__ void run(float (&d)[32], unsigned long long da, unsigned long long db) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "l"(da), "l"(db), "r"(1));
+    }
+};
+template <> struct Wgmma<__nv_bfloat16, 64> {
+    static __device__ __forceinline__ void run(float (&d)[32], unsigned long long da, unsigned long long db) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "l"(da), "l"(db), "r"(1));
+    }
+};
+template <> struct Wgmma<float, 64> {
+    static __device__ __forceinline__ void run(float (&d)[32], unsigned long long da, unsigned long long db) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
             : "l"(da), "l"(db), "r"(1));
     }
 };
@@ -294,35 +324,45 @@ struct Sampler {
 }  // namespace fused
 
 // x (B, C, S), sample stride `x_bstride` -> xcl (B, S, Cp), channels >= C zero.
-// A 32x32 (channel x position) tile through shared memory per block iteration.
+// A 64x64 (channel x position) tile through shared memory per block iteration, 16 elements
+// per thread in flight each way (blockDim 32 x 8).
 template <typename T, typename I>
 __global__ void fused_channels_last(const T* __restrict__ x, T* __restrict__ xcl, const int batch,
                                     const int channels, const int Cp, const I S, const I x_bstride) {
-    __shared__ T tile[32][33];
-    const I s_tiles = (S + 31) / 32;
-    const int c_tiles = (Cp + 31) / 32;
+    constexpr int TILE = 64;
+    __shared__ T tile[TILE][TILE + 1];
+    const I s_tiles = (S + TILE - 1) / TILE;
+    const int c_tiles = (Cp + TILE - 1) / TILE;
     const I blocks = (I)batch * c_tiles * s_tiles;
+    const int tx = threadIdx.x, ty = threadIdx.y;
     for (I blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
         const I st = blk % s_tiles;
         const I rest = blk / s_tiles;
         const int ct = (int)(rest % c_tiles);
         const int b = (int)(rest / c_tiles);
-        const I s0 = st * 32;
-        const int c0 = ct * 32;
+        const I s0 = st * TILE;
+        const int c0 = ct * TILE;
+        const T* src = x + (I)b * x_bstride;
         // read: threadIdx.x along positions (coalesced in x)
-        for (int r = threadIdx.y; r < 32; r += blockDim.y) {
+#pragma unroll
+        for (int r = ty; r < TILE; r += 8) {
             const int c = c0 + r;
-            const I s = s0 + threadIdx.x;
-            T v = Traits<T>::store(0.0f);
-            if (c < channels && s < S) v = x[(I)b * x_bstride + (I)c * S + s];
-            tile[r][threadIdx.x] = v;
+#pragma unroll
+            for (int h = 0; h < TILE; h += 32) {
+                const I s = s0 + tx + h;
+                tile[r][tx + h] = (c < channels && s < S) ? src[(I)c * S + s] : Traits<T>::store(0.0f);
+            }
         }
         __syncthreads();
         // write: threadIdx.x along channels (coalesced in xcl)
-        for (int r = threadIdx.y; r < 32; r += blockDim.y) {
+#pragma unroll
+        for (int r = ty; r < TILE; r += 8) {
             const I s = s0 + r;
-            const int c = c0 + threadIdx.x;
-            if (s < S && c < Cp) xcl[((I)b * S + s) * Cp + c] = tile[threadIdx.x][r];
+#pragma unroll
+            for (int h = 0; h < TILE; h += 32) {
+                const int c = c0 + tx + h;
+                if (s < S && c < Cp) xcl[((I)b * S + s) * Cp + c] = tile[tx + h][r];
+            }
         }
         __syncthreads();
     }
@@ -371,7 +411,8 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     constexpr int MT = WM / 16, NT = WN / 8;     // mma tiles per warp
     constexpr int A_VECS = BM * BK / VEC / THREADS;  // weight vectors copied per thread and step
     static_assert(A_VECS >= 1 && NV >= 1 && MT >= 1 && NT % 2 == 0 && BM * BK % (VEC * THREADS) == 0, "tile shape");
-    static_assert(ENGINE == 0 || (BM == 128 && BN == 128 && PREC != 2), "wgmma: 2 warpgroups x m64n128, TF32 or half");
+    static_assert(ENGINE == 0 || (BM % 128 == 0 && (BN == 64 || BN == 128) && PREC != 2),
+                  "wgmma: 2 warpgroups of BM/2 rows (m64 instructions) x BN positions, TF32 or half");
 
     // Two buffers of the weight tile (BM rows of LD) and of the sampled tile (BN rows of LD).
     extern __shared__ __align__(128) unsigned char fused_smem[];
@@ -645,31 +686,42 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             }
     } else {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-        // Warpgroup wg computes rows 64*wg.. of the tile; the MMA of a step runs asynchronously
-        // while the threads sample the next step into the other buffer.
+        // Warpgroup wg computes rows BM/2*wg.. of the tile (MI m64 instructions); the MMA of a
+        // step runs asynchronously while the threads sample the next step into the other buffer.
         constexpr int KSTEP = PREC == 0 ? 16 : 8;          // wgmma K
+        constexpr int MI = BM / 2 / 64;
+        constexpr int NACC = BN / 2;                        // accumulators per thread and instruction
         constexpr unsigned CORE = 128;                      // bytes of one 8x16-byte core matrix
         constexpr unsigned SBO = (BK / VEC) * CORE;
         const int wg = warp >> 2;
-        float d[64];
+        float d[MI][NACC];
 #pragma unroll
-        for (int i = 0; i < 64; ++i) d[i] = 0.0f;
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int i = 0; i < NACC; ++i) d[mi][i] = 0.0f;
         for (int s = 0; s < steps; ++s) {
             const int cur = s & 1;
             const bool more = s + 1 < steps;
-            const T* A = As0 + cur * BM * LD + wg * 64 * BK;
+            const T* A = As0 + cur * BM * LD + wg * (BM / 2) * BK;
             const T* B = Bs0 + cur * BN * LD;
 #pragma unroll
-            for (int i = 0; i < 64; ++i) register_fence(d[i]);
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < BK / KSTEP; ++ks) {
-                Wgmma<T>::run(d, wgmma_descriptor(A + ks * 2 * 8 * VEC, CORE, SBO),
-                              wgmma_descriptor(B + ks * 2 * 8 * VEC, CORE, SBO));
+                const unsigned long long db = wgmma_descriptor(B + ks * 2 * 8 * VEC, CORE, SBO);
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi) {
+                    Wgmma<T, BN>::run(d[mi], wgmma_descriptor(A + mi * 64 * BK + ks * 2 * 8 * VEC, CORE, SBO), db);
+                }
             }
             wgmma_commit();
 #pragma unroll
-            for (int i = 0; i < 64; ++i) register_fence(d[i]);
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
             if (more) {
                 weight_copy(s + 1, cur ^ 1);
                 sample_load(s + 1);
@@ -677,28 +729,35 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             }
             wgmma_wait_all();
 #pragma unroll
-            for (int i = 0; i < 64; ++i) register_fence(d[i]);
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
             copy_wait_all();
             proxy_fence();
             __syncthreads();
         }
-        // Epilogue: d[4j + e] is row 16*(warp%4) + lane/4 + 8*(e/2) of the warpgroup's 64,
-        // position 8j + 2*(lane%4) + e%2.
+        // Epilogue: d[mi][4j + e] is row 64*mi + 16*(warp%4) + lane/4 + 8*(e/2) of the
+        // warpgroup's rows, position 8j + 2*(lane%4) + e%2.
         const int gq = lane >> 2, tq = lane & 3;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int o = m0 + wg * 64 + (warp & 3) * 16 + gq + h * 8;
-            if (o >= Cog) continue;
-            const int oc = grp * Cog + o;
-            const float bv = bias == nullptr ? 0.0f : Traits<T>::load(bias[oc]);
+        for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-            for (int j = 0; j < 16; ++j)
+            for (int h = 0; h < 2; ++h) {
+                const int o = m0 + wg * (BM / 2) + mi * 64 + (warp & 3) * 16 + gq + h * 8;
+                if (o >= Cog) continue;
+                const int oc = grp * Cog + o;
+                const float bv = bias == nullptr ? 0.0f : Traits<T>::load(bias[oc]);
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const I p = p0 + j * 8 + 2 * tq + e;
-                    if (p < BQ) y[(p / Q) * out_channels * Q + p % Q + (I)oc * Q] = Traits<T>::store(d[4 * j + 2 * h + e] + bv);
-                }
-        }
+                for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const I p = p0 + j * 8 + 2 * tq + e;
+                        if (p < BQ) {
+                            y[(p / Q) * out_channels * Q + p % Q + (I)oc * Q] =
+                                Traits<T>::store(d[mi][4 * j + 2 * h + e] + bv);
+                        }
+                    }
+            }
 #else
         __trap();   // wgmma kernels are built for sm_90a only
 #endif

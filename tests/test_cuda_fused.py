@@ -117,11 +117,18 @@ def test_serves_rule():
     fused = _fused()
     backend = fused.BACKEND
     assert backend.device == "cuda" and backend.algorithm == "fused" and backend.priority > 10
-    for dtype in (np.float16, BFLOAT16, np.float32):
-        assert backend.serves(_Spec(dtype), "conv_forward") is None
     assert "float64 stays on cuda/im2col" in backend.serves(_Spec(np.float64), "conv_forward")
     assert "only the forward" in backend.serves(_Spec(np.float32), "conv_backward")
     assert "CUDA" in backend.serves(_Spec(np.float32, device="cpu"), "conv_forward")
+
+
+@pytest.mark.gpu
+def test_serves_the_half_types_and_float32_on_the_gpu():
+    cupy = _cupy()
+    fused = _fused()
+    for dtype in (np.float16, BFLOAT16, np.float32):
+        reason = fused.BACKEND.serves(_Spec(dtype), "conv_forward")
+        assert (reason is None) == (int(cupy.cuda.Device(0).compute_capability) >= 80)
 
 
 def _geom(x_shape, w_shape, off_shape=None, m_shape=None, b_shape=None, **params):

@@ -1,8 +1,8 @@
 """CUDA algorithm "cuda/fused": the deformable convolution forward as one implicit GEMM on tensor cores.
 
 No columns buffer: ``cuda/deform_fused.cu`` samples each (tap, chunk of input channels) of a
-block's positions straight into shared memory and multiplies it there with the weight tile
-(``mma.sync``: fp16/bf16 in their format, float32 as TF32 when TF32 is allowed, else 3xTF32,
+block's positions straight into shared memory and multiplies it there with the weight tile on
+tensor cores (fp16/bf16 in their format, float32 as TF32 when TF32 is allowed, else 3xTF32,
 which keeps float32 accuracy; float32 accumulation). Per call, and part of the timed forward:
 
 * the input is copied channels-last, ``(Bc, *S, Cp)`` with ``Cp`` = C_in rounded up to one
@@ -15,11 +15,16 @@ Serves ``conv_forward`` for float16, bfloat16 and float32 on CUDA (float64 stays
 ``cuda/im2col``). The transposed convolution's backward-to-input is such a forward, so it runs
 here too.
 
-Launch parameters per shape: a tile of 128 output channels x 128 positions, 64 output
-channels when C_out/groups <= 64 or when 128 would leave the GPU with fewer than two blocks
-per multiprocessor; the "uniform" kernel (16-byte corner loads, one corner set per thread and
-step) whenever no thread's channel slice crosses a conv / offset / mask group boundary, else
-the kernel that samples one channel at a time (exact for any channel counts, slower).
+Launch parameters per shape: a tile (output channels x positions x channels per step) and an
+MMA engine, ``mma.sync`` (any GPU of compute capability 8.0 or more) or ``wgmma`` (sm_90a, the
+MMA running asynchronously while the block samples the next step; fp16, bf16 and TF32). The
+candidates of ``TILES`` no taller than C_out/groups are timed once per (device, geometry, dtype,
+precision) when a forward is first planned, on random data of one batch chunk, and the fastest
+is kept (``plan_config``); during a CUDA-graph capture, or with ``DCN_CUPY_FUSED_TUNE=0``, a
+fixed rule picks (``_choose_tile``). The "uniform" sampler (16-byte corner loads, one corner
+set per thread and step) runs whenever no thread's channel slice crosses a conv / offset /
+mask group boundary, else the sampler that reads one channel at a time (exact for any channel
+counts, slower).
 
 The plain entry point is :func:`fused_conv_forward`; :class:`FusedBackend` wraps it in the
 backend contract (``serves`` / ``build`` -> an executable with ``run(args, out, workspace)``).
@@ -51,10 +56,10 @@ DTYPES = tuple(_VEC)
 #: ``_choose_tile`` picks one per shape. wgmma tiles (sm_90a) need a compute capability 9.0
 #: device and serve fp16, bf16 and TF32 (not 3xTF32).
 TILES = {
-    "half": ((128, 128, 32, 1, 0), (64, 128, 32, 1, 0), (256, 64, 64, 1, 0), (128, 128, 64, 1, 0),
-             (128, 128, 32, 1, 1), (128, 128, 64, 1, 1)),
-    "float": ((128, 128, 16, 1, 0), (64, 128, 16, 1, 0), (256, 64, 32, 1, 0), (128, 128, 32, 1, 0),
-              (128, 128, 16, 1, 1), (128, 128, 32, 1, 1)),
+    "half": ((256, 64, 64, 1, 0), (128, 128, 64, 1, 0), (64, 128, 32, 1, 0), (64, 64, 64, 1, 0),
+             (256, 64, 64, 1, 1), (128, 128, 64, 1, 1), (128, 64, 64, 1, 1)),
+    "float": ((256, 64, 32, 1, 0), (128, 128, 32, 1, 0), (64, 128, 16, 1, 0), (64, 64, 32, 1, 0),
+              (256, 64, 32, 1, 1), (128, 128, 32, 1, 1), (128, 64, 32, 1, 1)),
 }
 _INT32_SAFE = 2**30
 _MAX_GRID = 1 << 20
@@ -95,7 +100,8 @@ def name_expressions(dtype, ndim: int, index64: bool, engine: int = 0) -> tuple:
     i = "long long" if index64 else "int"
     names = [kernel_name(dtype, index64, ndim, prec, tile, uniform)
              for prec in _precisions(dtype) for tile in _tiles(dtype) for uniform in (True, False)
-             if tile[4] == engine and not (engine == 1 and prec == 2)]
+             if tile[4] == engine and not (engine == 1 and prec == 2)
+             and (uniform or tile == _per_channel_tile(dtype, engine))]
     names += [f"fused_channels_last<{t}, {i}>", f"fused_weight_rows<{t}, {i}>"]
     return tuple(names)
 
@@ -181,6 +187,23 @@ def _function(name: str, dtype, ndim: int, index64: bool, engine: int = 0):
     return fn
 
 
+def _allow_shared_memory(fn, nbytes: int) -> None:
+    """Let ``fn`` (a RawModule kernel or a raw Module function) use ``nbytes`` of dynamic shared memory."""
+    if hasattr(fn, "max_dynamic_shared_size_bytes"):
+        if fn.max_dynamic_shared_size_bytes < nbytes:
+            fn.max_dynamic_shared_size_bytes = nbytes
+    else:
+        from cupy_backends.cuda.api import driver
+        driver.funcSetAttribute(fn.ptr, 8, nbytes)   # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
+def num_registers(fn) -> int:
+    if hasattr(fn, "num_regs"):
+        return fn.num_regs
+    from cupy_backends.cuda.api import driver
+    return driver.funcGetAttribute(4, fn.ptr)        # CU_FUNC_ATTRIBUTE_NUM_REGS
+
+
 def wgmma_available() -> bool:
     """Whether the current device runs sm_90a code (compute capability 9.0)."""
     return cupy.cuda.Device().compute_capability == "90"
@@ -194,24 +217,51 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _choose_tile(dtype, Cog: int, positions: int, groups: int, multiprocessors: int, wgmma: bool) -> tuple:
-    """The tile of a shape. With wgmma (a compute capability 9.0 device, not 3xTF32): the first
-    wgmma tile of TILES when C_out/groups > 64. Otherwise the mma.sync tiles, the tallest (first
-    listed of each height) no taller than C_out/groups rounded up to 64 that still gives at
-    least two blocks per multiprocessor."""
-    if wgmma and Cog > 64:
-        return next(tile for tile in _tiles(dtype) if tile[4] == 1)
-    by_height = {}
-    for tile in _tiles(dtype):
-        if tile[4] == 0:
-            by_height.setdefault(tile[0], tile)
-    candidates = sorted(by_height.values(), reverse=True)
+def _segment(geom) -> int:
+    """The largest channel run that never crosses a conv, offset or mask group boundary."""
+    C = geom.in_channels
+    segment = C // geom.groups
+    if geom.has_offset:
+        segment = math.gcd(segment, C // geom.offset_groups)
+    if geom.has_mask:
+        segment = math.gcd(segment, C // geom.mask_groups)
+    return segment
+
+
+def _uniform(geom, tile) -> bool:
+    """Whether ``tile``'s threads each sample a channel slice within one segment (16-byte vectors)."""
+    return _segment(geom) % (tile[2] * tile[1] // _THREADS) == 0
+
+
+def _per_channel_tile(dtype, engine: int) -> tuple:
+    """The one tile per engine instantiated with the per-channel sampler: the first of TILES."""
+    return next(tile for tile in _tiles(dtype) if tile[4] == engine)
+
+
+def _candidates(geom, dtype, wgmma: bool) -> list:
+    """The tiles worth trying for a shape: those of TILES no taller than C_out/groups rounded up
+    to 64 (else the shortest), wgmma ones only where the device and precision allow, and of the
+    tiles whose threads would cross a group boundary only the per-channel one of each engine."""
+    Cog = geom.out_channels // geom.groups
+    tiles = [tile for tile in _tiles(dtype) if (tile[4] == 0 or wgmma)
+             and (_uniform(geom, tile) or tile == _per_channel_tile(dtype, tile[4]))]
     limit = max(64, _round_up(Cog, 64))
+    fitting = [tile for tile in tiles if tile[0] <= limit]
+    return fitting or [min(tiles)]
+
+
+def _choose_tile(geom, dtype, positions: int, multiprocessors: int, wgmma: bool) -> tuple:
+    """The tile of a shape without timing: among the candidates (first listed first), the first
+    that gives at least two blocks per multiprocessor, wgmma ones first where allowed; else the
+    one with the most blocks."""
+    groups = geom.groups
+    Cog = geom.out_channels // groups
+    candidates = sorted(_candidates(geom, dtype, wgmma), key=lambda tile: -tile[4])
+    blocks = lambda tile: -(-positions // tile[1]) * -(-Cog // tile[0]) * groups  # noqa: E731
     for tile in candidates:
-        bm, bn = tile[:2]
-        if bm <= limit and -(-positions // bn) * -(-Cog // bm) * groups >= 2 * multiprocessors:
+        if blocks(tile) >= 2 * multiprocessors:
             return tile
-    return candidates[-1]
+    return max(candidates, key=blocks)
 
 
 class LaunchConfig:
@@ -237,7 +287,7 @@ class LaunchConfig:
         sample_bytes = self.S * _round_up(C, vec) * self.itemsize
         self.chunk = max(1, min(geom.batch, int(WORKSPACE_LIMIT_BYTES) // max(sample_bytes, 1)))
         if tile is None:
-            tile = _choose_tile(dtype, self.Cog, self.chunk * self.Q, G, multiprocessors,
+            tile = _choose_tile(geom, dtype, self.chunk * self.Q, multiprocessors,
                                 bool(wgmma) and self.precision != 2)
         self.tile = tuple(tile)
         bm, bn, bk, _, engine = self.tile
@@ -245,13 +295,10 @@ class LaunchConfig:
             raise ValueError("the wgmma tiles compute in TF32 or the half types, not 3xTF32")
         self.Cp = _round_up(C, vec)
         self.Cgp = _round_up(self.Cg, bk)
-        per_thread = bk * bn // _THREADS
-        segment = self.Cg
-        if geom.has_offset:
-            segment = math.gcd(segment, C // geom.offset_groups)
-        if geom.has_mask:
-            segment = math.gcd(segment, C // geom.mask_groups)
-        self.uniform = segment % per_thread == 0
+        self.uniform = _uniform(geom, self.tile)
+        if not self.uniform and self.tile != _per_channel_tile(dtype, engine):
+            raise ValueError(f"tile {self.tile} has no per-channel sampler; this geometry needs one "
+                             f"(the per-channel tile is {_per_channel_tile(dtype, engine)})")
         self.m_tiles = -(-self.Cog // bm)
         self.smem_bytes = 2 * (bm + bn) * (bk + (vec if engine == 0 else 0)) * self.itemsize
         self.weight_elems = Co * self.K * self.Cgp
@@ -282,8 +329,8 @@ class LaunchConfig:
         if name == "forward":
             expr = kernel_name(self.dtype, self.index64, g.ndim, self.precision, self.tile, self.uniform)
             fn = _function(expr, self.dtype, g.ndim, self.index64, self.tile[4])
-            if self.smem_bytes > 48 * 1024 and fn.max_dynamic_shared_size_bytes < self.smem_bytes:
-                fn.max_dynamic_shared_size_bytes = self.smem_bytes
+            if self.smem_bytes > 48 * 1024:
+                _allow_shared_memory(fn, self.smem_bytes)
             return fn
         return _function(f"{name}<{_cuda._CTYPES[self.dtype]}, {i}>", self.dtype, g.ndim, self.index64)
 
@@ -325,7 +372,7 @@ def run_forward(config: LaunchConfig, x, weight, offset, mask, bias, out, worksp
     msk_bs = 0 if mask is None else _batch_stride(mask)
     for start in range(0, g.batch, config.chunk):
         n = min(config.chunk, g.batch - start)
-        blocks = n * -(-config.Cp // 32) * -(-config.S // 32)
+        blocks = n * -(-config.Cp // 64) * -(-config.S // 64)
         layout((min(blocks, _MAX_GRID),), (32, 8), (
             x[start:start + n], xcl, np.int32(n), np.int32(g.in_channels), np.int32(config.Cp),
             index(config.S), index(x_bs),
@@ -337,6 +384,61 @@ def run_forward(config: LaunchConfig, x, weight, offset, mask, bias, out, worksp
             np.int32(g.groups), np.int32(max(g.offset_groups, 1)), np.int32(max(g.mask_groups, 1)),
             np.int32(config.Cgp), index(off_bs), index(msk_bs),
         ), shared_mem=config.smem_bytes)
+
+
+#: Time the candidate tiles once per (device, geometry, dtype, precision) when a forward is first
+#: planned (never during a CUDA-graph capture), and keep the fastest; "0" uses _choose_tile.
+TUNE = os.environ.get("DCN_CUPY_FUSED_TUNE", "1") != "0"
+_tuned = {}
+
+
+def _capturing() -> bool:
+    try:
+        return bool(cupy.cuda.runtime.streamIsCapturing(cupy.cuda.get_current_stream().ptr))
+    except Exception:
+        return True
+
+
+def _time_tile(config: LaunchConfig, args: tuple, out, repeats: int = 3) -> float:
+    ws = cupy.empty(config.workspace_bytes, dtype=np.uint8)
+    run_forward(config, *args, out, ws)
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    best = math.inf
+    for _ in range(repeats):
+        start.record()
+        run_forward(config, *args, out, ws)
+        stop.record()
+        stop.synchronize()
+        best = min(best, cupy.cuda.get_elapsed_time(start, stop))
+    return best
+
+
+def plan_config(geom, dtype, allow_tf32: bool) -> LaunchConfig:
+    """The launch configuration of a forward, its tile chosen by timing the candidates once on
+    random data of one batch chunk (cached per device, geometry, dtype and precision), or by
+    ``_choose_tile`` when ``TUNE`` is off or a CUDA graph is being captured."""
+    dtype = np.dtype(dtype)
+    sms, wgmma = _multiprocessors(), wgmma_available()
+    static = LaunchConfig(geom, dtype, allow_tf32, sms, wgmma=wgmma)
+    key = (cupy.cuda.runtime.getDevice(), geom, dtype.str, static.precision)
+    tile = _tuned.get(key)
+    if tile is not None:
+        return LaunchConfig(geom, dtype, allow_tf32, sms, tile=tile)
+    if not TUNE or _capturing():
+        return static
+    g = geom.with_batch(static.chunk)
+    rng = cupy.random.default_rng(0)
+    rand = lambda shape, scale=1.0: (rng.standard_normal(shape, dtype=np.float32) * scale).astype(dtype)  # noqa: E731
+    args = (rand(g.x_shape), rand(g.weight_shape, 1.0 / math.sqrt(g.in_channels_per_group * g.kernel_volume)),
+            rand(g.offset_shape) if g.has_offset else None,
+            rng.random(g.mask_shape, dtype=np.float32).astype(dtype) if g.has_mask else None, None)
+    out = cupy.empty(g.y_shape, dtype=dtype)
+    timings = {}
+    for tile in _candidates(geom, dtype, wgmma and static.precision != 2):
+        timings[tile] = _time_tile(LaunchConfig(g, dtype, allow_tf32, sms, tile=tile), args, out)
+    tile = min(timings, key=timings.get)
+    _tuned[key] = tile
+    return LaunchConfig(geom, dtype, allow_tf32, sms, tile=tile)
 
 
 def fused_conv_forward(x, weight, offset, mask, bias, geom, out, *, allow_tf32: bool, workspace=None) -> None:
@@ -356,7 +458,7 @@ def fused_conv_forward(x, weight, offset, mask, bias, geom, out, *, allow_tf32: 
     """
     if geom.batch == 0:
         return
-    config = LaunchConfig(geom, x.dtype, allow_tf32, _multiprocessors(), wgmma=wgmma_available())
+    config = plan_config(geom, x.dtype, allow_tf32)
     run_forward(config, x, weight, offset, mask, bias, out, workspace)
 
 
@@ -380,7 +482,8 @@ class FusedForward:
 
 
 class FusedBackend:
-    """``cuda/fused``: serves the forward for float16, bfloat16 and float32 on CUDA."""
+    """``cuda/fused``: serves the forward for float16, bfloat16 and float32 on CUDA devices of
+    compute capability 8.0 or more."""
 
     device = "cuda"
     algorithm = "fused"
@@ -393,6 +496,9 @@ class FusedBackend:
             return f"cuda/fused runs on CUDA devices, not {spec.device}"
         if np.dtype(spec.dtype) not in _VEC:
             return f"cuda/fused computes in float32 on tensor cores; {np.dtype(spec.dtype)} stays on cuda/im2col"
+        capability = int(cupy.cuda.Device(spec.device_id).compute_capability)
+        if capability < 80:
+            return f"cuda/fused needs compute capability 8.0 or more (cp.async, bf16 mma.sync), got {capability / 10}"
         return None
 
     def build(self, spec, primitive: str) -> FusedForward:
@@ -400,8 +506,7 @@ class FusedBackend:
         if reason is not None:
             raise ValueError(reason)
         with cupy.cuda.Device(spec.device_id):
-            config = LaunchConfig(spec.geom, spec.dtype, bool(spec.allow_tf32), _multiprocessors(),
-                                  wgmma=wgmma_available())
+            config = plan_config(spec.geom, spec.dtype, bool(spec.allow_tf32))
             for name in ("fused_weight_rows", "fused_channels_last", "forward"):
                 config.kernel(name)   # compile now, never during a CUDA-graph capture
         return FusedForward(config)
