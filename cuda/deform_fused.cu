@@ -22,6 +22,9 @@
 // Semantics (DESIGN.md section 1): a position with a coordinate <= -1, >= S_a or non-finite
 // samples 0; a corner outside the grid or of N-linear weight exactly 0 is not read.
 //
+// The step order is a launch argument (taps_inner): chunk-major keeps a chunk's corners in L1
+// across the taps; tap-major computes each corner set once per tap for all channels.
+//
 // Template parameters: T storage type, I index type (int or long long), N spatial dims,
 // PREC (0: T's own tensor-core format; 1: TF32; 2: 3xTF32), the tile BM x BN x BK, MINB (blocks
 // per multiprocessor asked of the register allocator), UNIFORM (16-byte-vector sampler).
@@ -398,7 +401,8 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                      const T* __restrict__ mask, const T* __restrict__ bias, T* __restrict__ y,
                      const Geom<N> g, const int batch, const int channels, const int Cp,
                      const int out_channels, const int groups, const int offset_groups,
-                     const int mask_groups, const int Cgp, const I offset_bstride, const I mask_bstride) {
+                     const int mask_groups, const int Cgp, const I offset_bstride, const I mask_bstride,
+                     const int taps_inner) {
     using namespace fused;
     constexpr int VEC = Tile<T>::VEC;
     constexpr int TPP = THREADS / BN;            // sampling threads per position
@@ -438,6 +442,11 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     const I p0 = (bid / ((I)m_tiles * groups)) * BN;
     const int chunks = (Cg + BK - 1) / BK;
     const int steps = K * chunks;
+    // Step order: taps inner (a chunk of channels for every tap, then the next chunk: the
+    // corners of one chunk stay in L1 across the taps; corner sets computed per tap and chunk)
+    // or taps outer (every chunk of one tap, then the next tap: corner sets computed per tap).
+    auto step_tap = [&](int step) { return taps_inner ? step % K : step / chunks; };
+    auto step_chunk = [&](int step) { return taps_inner ? step / K : step % chunks; };
 
     // This thread's sampling position and channel slice.
     const int sn = tid / TPP;
@@ -461,8 +470,8 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     uint4 raw[UNIFORM ? NC : 1][NV];   // uniform: the corners' vectors; else the finished values
 
     auto weight_copy = [&](int step, int buf) {
-        const int t = step / chunks;
-        const int c0 = (step % chunks) * BK;
+        const int t = step_tap(step);
+        const int c0 = step_chunk(step) * BK;
 #pragma unroll
         for (int j = 0; j < A_VECS; ++j) {
             const int v = tid + j * THREADS;
@@ -479,8 +488,8 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     // Issue this thread's loads for `step` (uniform: raw corner vectors; otherwise the whole
     // sample, one channel at a time).
     auto sample_load = [&](int step) {
-        const int t = step / chunks;
-        const int cl = (step % chunks) * BK + sh;   // first channel within the group
+        const int t = step_tap(step);
+        const int cl = step_chunk(step) * BK + sh;   // first channel within the group
         if constexpr (UNIFORM) {
             if (cl >= Cg) {
                 smp.clear();
@@ -498,8 +507,8 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             }
             // the offset and mask of the step after, if they change then
             if (step + 1 < steps) {
-                const int t2 = (step + 1) / chunks;
-                const int cl2 = ((step + 1) % chunks) * BK + sh;
+                const int t2 = step_tap(step + 1);
+                const int cl2 = step_chunk(step + 1) * BK + sh;
                 if (cl2 < Cg) {
                     const int cabs2 = grp * Cg + cl2;
                     smp.prefetch(t2, cabs2 / per_go, cabs2 / per_gm, svalid, off_q, msk_q, K, Q);

@@ -266,11 +266,12 @@ def test_groups_and_missing_arguments(offset_groups, mask_groups, present):
         for tile in fused._tiles(DTYPE[precision]):
             if tile[4] == 1 and (precision == "float32" or not fused.wgmma_available()):
                 continue
-            got, expected, _ = run_fused_tile(arrays, params, precision, tile)
-            assert relative_error(got, expected) < TOL[precision], (precision, tile)
+            for taps_inner in (True, False):
+                got, expected, _ = run_fused_tile(arrays, params, precision, tile, taps_inner)
+                assert relative_error(got, expected) < TOL[precision], (precision, tile, taps_inner)
 
 
-def run_fused_tile(arrays, params, precision, tile):
+def run_fused_tile(arrays, params, precision, tile, taps_inner=True):
     cupy = _cupy()
     fused = _fused()
     dtype = DTYPE[precision]
@@ -278,7 +279,7 @@ def run_fused_tile(arrays, params, precision, tile):
     rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
     geom = _geometry.conv_geometry(*(None if arrays[k] is None else arrays[k].shape
                                      for k in ("input", "weight", "offset", "mask", "bias")), **params)[0]
-    config = fused.LaunchConfig(geom, dtype, precision == "tf32", tile=tile)
+    config = fused.LaunchConfig(geom, dtype, precision == "tf32", tile=tile, taps_inner=taps_inner)
     out = cupy.full(geom.y_shape, np.nan, dtype=dtype)
     fused.run_forward(config, dev["input"], dev["weight"], dev["offset"], dev["mask"], dev["bias"], out)
     return cupy.asnumpy(out).astype(np.float64), reference.deform_conv(**rounded, **params), config

@@ -57,9 +57,9 @@ DTYPES = tuple(_VEC)
 #: device and serve fp16, bf16 and TF32 (not 3xTF32).
 TILES = {
     "half": ((256, 64, 64, 1, 0), (128, 128, 64, 1, 0), (64, 128, 32, 1, 0), (64, 64, 64, 1, 0),
-             (256, 64, 64, 1, 1), (128, 128, 64, 1, 1), (128, 64, 64, 1, 1)),
+             (256, 64, 64, 1, 1), (256, 128, 32, 1, 1), (128, 128, 64, 1, 1), (128, 64, 64, 1, 1)),
     "float": ((256, 64, 32, 1, 0), (128, 128, 32, 1, 0), (64, 128, 16, 1, 0), (64, 64, 32, 1, 0),
-              (256, 64, 32, 1, 1), (128, 128, 32, 1, 1), (128, 64, 32, 1, 1)),
+              (256, 64, 32, 1, 1), (256, 128, 16, 1, 1), (128, 128, 32, 1, 1), (128, 64, 32, 1, 1)),
 }
 _INT32_SAFE = 2**30
 _MAX_GRID = 1 << 20
@@ -273,7 +273,8 @@ class LaunchConfig:
     ``wgmma``: whether the device runs the sm_90a kernels (None: ask the current device).
     """
 
-    def __init__(self, geom, dtype, allow_tf32: bool, multiprocessors: int = 132, tile=None, wgmma=False):
+    def __init__(self, geom, dtype, allow_tf32: bool, multiprocessors: int = 132, tile=None, wgmma=False,
+                 taps_inner: bool = True):
         dtype = np.dtype(dtype)
         if dtype not in _VEC:
             raise ValueError(f"cuda/fused serves float16, bfloat16 and float32, got {dtype}")
@@ -295,6 +296,7 @@ class LaunchConfig:
             raise ValueError("the wgmma tiles compute in TF32 or the half types, not 3xTF32")
         self.Cp = _round_up(C, vec)
         self.Cgp = _round_up(self.Cg, bk)
+        self.taps_inner = bool(taps_inner)
         self.uniform = _uniform(geom, self.tile)
         if not self.uniform and self.tile != _per_channel_tile(dtype, engine):
             raise ValueError(f"tile {self.tile} has no per-channel sampler; this geometry needs one "
@@ -317,6 +319,7 @@ class LaunchConfig:
         bm, bn, bk, _, engine = self.tile
         return (f"cuda/fused: {prec} {'wgmma' if engine else 'mma.sync'}, tile {bm}x{bn}x{bk}, "
                 f"{'16-byte vector' if self.uniform else 'per-channel'} sampling, "
+                f"taps {'inner' if self.taps_inner else 'outer'}, "
                 f"chunks of {self.chunk} samples, {'64' if self.index64 else '32'}-bit index")
 
     def blocks(self, n: int) -> int:
@@ -382,7 +385,7 @@ def run_forward(config: LaunchConfig, x, weight, offset, mask, bias, out, worksp
             None if mask is None else mask[start:start + n], bias, out[start:start + n], struct,
             np.int32(n), np.int32(g.in_channels), np.int32(config.Cp), np.int32(g.out_channels),
             np.int32(g.groups), np.int32(max(g.offset_groups, 1)), np.int32(max(g.mask_groups, 1)),
-            np.int32(config.Cgp), index(off_bs), index(msk_bs),
+            np.int32(config.Cgp), index(off_bs), index(msk_bs), np.int32(config.taps_inner),
         ), shared_mem=config.smem_bytes)
 
 
@@ -414,16 +417,17 @@ def _time_tile(config: LaunchConfig, args: tuple, out, repeats: int = 3) -> floa
 
 
 def plan_config(geom, dtype, allow_tf32: bool) -> LaunchConfig:
-    """The launch configuration of a forward, its tile chosen by timing the candidates once on
+    """The launch configuration of a forward, its tile and step order (taps inner or outer)
+    chosen by timing the candidates once on
     random data of one batch chunk (cached per device, geometry, dtype and precision), or by
     ``_choose_tile`` when ``TUNE`` is off or a CUDA graph is being captured."""
     dtype = np.dtype(dtype)
     sms, wgmma = _multiprocessors(), wgmma_available()
     static = LaunchConfig(geom, dtype, allow_tf32, sms, wgmma=wgmma)
     key = (cupy.cuda.runtime.getDevice(), geom, dtype.str, static.precision)
-    tile = _tuned.get(key)
-    if tile is not None:
-        return LaunchConfig(geom, dtype, allow_tf32, sms, tile=tile)
+    choice = _tuned.get(key)
+    if choice is not None:
+        return LaunchConfig(geom, dtype, allow_tf32, sms, tile=choice[0], taps_inner=choice[1])
     if not TUNE or _capturing():
         return static
     g = geom.with_batch(static.chunk)
@@ -434,11 +438,14 @@ def plan_config(geom, dtype, allow_tf32: bool) -> LaunchConfig:
             rng.random(g.mask_shape, dtype=np.float32).astype(dtype) if g.has_mask else None, None)
     out = cupy.empty(g.y_shape, dtype=dtype)
     timings = {}
+    orders = (True, False) if g.kernel_volume > 1 and g.in_channels_per_group > 32 else (True,)
     for tile in _candidates(geom, dtype, wgmma and static.precision != 2):
-        timings[tile] = _time_tile(LaunchConfig(g, dtype, allow_tf32, sms, tile=tile), args, out)
-    tile = min(timings, key=timings.get)
-    _tuned[key] = tile
-    return LaunchConfig(geom, dtype, allow_tf32, sms, tile=tile)
+        for taps_inner in orders:
+            config = LaunchConfig(g, dtype, allow_tf32, sms, tile=tile, taps_inner=taps_inner)
+            timings[(tile, taps_inner)] = _time_tile(config, args, out)
+    choice = min(timings, key=timings.get)
+    _tuned[key] = choice
+    return LaunchConfig(geom, dtype, allow_tf32, sms, tile=choice[0], taps_inner=choice[1])
 
 
 def fused_conv_forward(x, weight, offset, mask, bias, geom, out, *, allow_tf32: bool, workspace=None) -> None:
