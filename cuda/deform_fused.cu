@@ -74,6 +74,11 @@ __device__ __forceinline__ unsigned split_small(float v, unsigned big) {
     return isfinite(b) ? to_tf32(v - b) : 0u;
 }
 
+// The TF32 bits `big` where finite, else 0 (the operand of a 3xTF32 cross term).
+__device__ __forceinline__ unsigned finite_or_zero(unsigned big) {
+    return isfinite(__uint_as_float(big)) ? big : 0u;
+}
+
 // D += A * B for one m16n8k16 (half types) tile.
 template <typename T> struct Mma16;
 template <> struct Mma16<__half> {
@@ -609,8 +614,11 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             const int gq = lane >> 2, tq = lane & 3;
 #pragma unroll
             for (int kk = 0; kk < BK; kk += 8) {
+                // 3xTF32: a*b ~ a_small*b_big + a_big*b_small + a_big*b_big. The cross terms
+                // take the big parts only where they are finite (else 0): 0 * inf would make
+                // NaN where the exact product is infinite; a_big*b_big carries inf / NaN.
                 unsigned ab[MT][4], bb[NT][2];
-                unsigned as[MT][4], bsm[NT][2];
+                unsigned as[MT][4], bsm[NT][2], abx[MT][4], bbx[NT][2];
 #pragma unroll
                 for (int i = 0; i < MT; ++i) {
                     const int r = wm * WM + i * 16 + gq;
@@ -619,7 +627,10 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         ab[i][e] = to_tf32(a[e]);
-                        if (PREC == 2) as[i][e] = split_small(a[e], ab[i][e]);
+                        if (PREC == 2) {
+                            as[i][e] = split_small(a[e], ab[i][e]);
+                            abx[i][e] = finite_or_zero(ab[i][e]);
+                        }
                     }
                 }
 #pragma unroll
@@ -630,7 +641,10 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                     for (int e = 0; e < 2; ++e) {
                         // PREC 1: the sampler stored TF32-rounded values already.
                         bb[j][e] = PREC == 1 ? __float_as_uint(bv[e]) : to_tf32(bv[e]);
-                        if (PREC == 2) bsm[j][e] = split_small(bv[e], bb[j][e]);
+                        if (PREC == 2) {
+                            bsm[j][e] = split_small(bv[e], bb[j][e]);
+                            bbx[j][e] = finite_or_zero(bb[j][e]);
+                        }
                     }
                 }
 #pragma unroll
@@ -638,8 +652,8 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
 #pragma unroll
                     for (int j = 0; j < NT; ++j) {
                         if (PREC == 2) {
-                            mma_tf32(acc[i][j], as[i], bb[j][0], bb[j][1]);
-                            mma_tf32(acc[i][j], ab[i], bsm[j][0], bsm[j][1]);
+                            mma_tf32(acc[i][j], as[i], bbx[j][0], bbx[j][1]);
+                            mma_tf32(acc[i][j], abx[i], bsm[j][0], bsm[j][1]);
                         }
                         mma_tf32(acc[i][j], ab[i], bb[j][0], bb[j][1]);
                     }
