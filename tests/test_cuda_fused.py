@@ -118,6 +118,7 @@ def test_serves_rule():
     backend = fused.BACKEND
     assert backend.device == "cuda" and backend.algorithm == "fused" and backend.priority > 10
     assert "float64 stays on cuda/im2col" in backend.serves(_Spec(np.float64), "conv_forward")
+    assert "float32 stays on cuda/im2col (measured slower" in backend.serves(_Spec(np.float32), "conv_forward")
     assert "only the forward" in backend.serves(_Spec(np.float32), "conv_backward")
     assert "CUDA" in backend.serves(_Spec(np.float32, device="cpu"), "conv_forward")
 
@@ -126,7 +127,7 @@ def test_serves_rule():
 def test_serves_the_half_types_and_float32_on_the_gpu():
     cupy = _cupy()
     fused = _fused()
-    for dtype in (np.float16, BFLOAT16, np.float32):
+    for dtype in (np.float16, BFLOAT16):
         reason = fused.BACKEND.serves(_Spec(dtype), "conv_forward")
         assert (reason is None) == (int(cupy.cuda.Device(0).compute_capability) >= 80)
 

@@ -11,9 +11,10 @@ which keeps float32 accuracy; float32 accumulation). Per call, and part of the t
 * the weight is re-laid as ``(C_out, K, Cgp)`` (rows along the input channels of one tap,
   ``Cgp`` = C_in/groups rounded up to the step's channel chunk, zero-padded).
 
-Serves ``conv_forward`` for float16, bfloat16 and float32 on CUDA (float64 stays on
-``cuda/im2col``). The transposed convolution's backward-to-input is such a forward, so it runs
-here too.
+Serves ``conv_forward`` for float16 and bfloat16 on CUDA (``FusedBackend.serves``); float32
+(TF32 or 3xTF32 here, both tested) measured slower than ``cuda/im2col`` and stays there, as
+does float64. The transposed convolution's backward-to-input is such a forward, so it runs here
+too.
 
 Launch parameters per shape: a tile (output channels x positions x channels per step) and an
 MMA engine, ``mma.sync`` (any GPU of compute capability 8.0 or more) or ``wgmma`` (sm_90a, the
@@ -495,9 +496,15 @@ class FusedForward:
                     args.get("bias"), out, workspace)
 
 
+#: The dtypes the plan layer may choose cuda/fused for: float32 measured slower than cuda/im2col
+#: (TF32 0.61 vs 0.47 ms, strict 1.15 vs 1.00 ms on an H200 at B=8 C256 56x56; NOTES-gpu.md),
+#: so it stays there; fused_conv_forward computes float32 too (TF32 or 3xTF32).
+SERVED_DTYPES = (np.dtype(np.float16), BFLOAT16)
+
+
 class FusedBackend:
-    """``cuda/fused``: serves the forward for float16, bfloat16 and float32 on CUDA devices of
-    compute capability 8.0 or more."""
+    """``cuda/fused``: serves the forward for float16 and bfloat16 on CUDA devices of compute
+    capability 8.0 or more; float32 and float64 stay on ``cuda/im2col``."""
 
     device = "cuda"
     algorithm = "fused"
@@ -508,8 +515,11 @@ class FusedBackend:
             return f"cuda/fused computes only the forward (conv_forward), not {primitive}"
         if spec.device != "cuda":
             return f"cuda/fused runs on CUDA devices, not {spec.device}"
-        if np.dtype(spec.dtype) not in _VEC:
-            return f"cuda/fused computes in float32 on tensor cores; {np.dtype(spec.dtype)} stays on cuda/im2col"
+        dtype = np.dtype(spec.dtype)
+        if dtype not in SERVED_DTYPES:
+            why = ("measured slower than cuda/im2col in float32" if dtype == np.float32
+                   else "it computes in float32 on tensor cores")
+            return f"cuda/fused serves float16 and bfloat16; {dtype} stays on cuda/im2col ({why})"
         capability = int(cupy.cuda.Device(spec.device_id).compute_capability)
         if capability < 80:
             return f"cuda/fused needs compute capability 8.0 or more (cp.async, bf16 mma.sync), got {capability / 10}"
