@@ -8,27 +8,31 @@
 //     memory with cp.async (zero-filled past C_out/G);
 //   * the sampled tile (BK x BN) is built straight into shared memory from the CHANNELS-LAST
 //     input xcl[b, s, c] (row stride Cp, a multiple of the vector width): 256/BN threads per
-//     position, each owning CPT = BK*BN/256 consecutive channels; the 2^N corner indices and weights (mask
-//     included) of its (position, tap, offset group, mask group) live in registers and are
-//     recomputed only when that key changes; each corner is one 16-byte load of consecutive
-//     channels ("uniform" kernels, chosen when no thread's channels cross a conv / offset / mask
-//     group boundary), else one load per channel with the key checked per channel;
-//   * the tiles are multiplied with mma.sync: fp16 / bf16 m16n8k16 in their own format, float32
-//     as TF32 m16n8k8 (PREC 1) or 3xTF32 (PREC 2: a = big + small, three products, float32
-//     accuracy); float32 accumulation always.
-// The next step's weight copy and corner loads are issued before this step's MMAs (two
-// shared-memory buffers, one barrier per step).
+//     position, each owning CPT = BK*BN/256 consecutive channels; the 2^N corner rows and
+//     weights (mask included) of its (position, tap, offset group, mask group) live in
+//     registers and are recomputed only when that key changes (the next key's offsets and mask
+//     are fetched a step ahead); each corner is one 16-byte load of consecutive channels
+//     ("uniform" kernels, chosen when no thread's channels cross a conv / offset / mask group
+//     boundary), else one load per channel with the key checked per channel;
+//   * the tiles are multiplied on tensor cores with float32 accumulation: ENGINE 0, mma.sync
+//     (fp16 / bf16 m16n8k16 in their own format, float32 as TF32 m16n8k8 (PREC 1) or 3xTF32
+//     (PREC 2: a = big + small, three products, float32 accuracy)); ENGINE 1, wgmma (sm_90a,
+//     two warpgroups, m64nBNk16 / k8 from shared-memory descriptors; fp16, bf16, TF32), which
+//     runs asynchronously while the threads sample the next step.
+// The next step's weight copy and corner loads are issued before this step's MMAs complete
+// (two shared-memory buffers, one barrier per step).
 //
 // Semantics (DESIGN.md section 1): a position with a coordinate <= -1, >= S_a or non-finite
 // samples 0; a corner outside the grid or of N-linear weight exactly 0 is not read.
 //
 // The step order is a launch argument (taps_inner): chunk-major keeps a chunk's corners in L1
-// across the taps; tap-major computes each corner set once per tap for all channels.
+// across the taps (corner sets computed per tap and chunk); tap-major computes each corner set
+// once per tap for all the thread's chunks.
 //
 // Template parameters: T storage type, I index type (int or long long), N spatial dims,
 // PREC (0: T's own tensor-core format; 1: TF32; 2: 3xTF32), the tile BM x BN x BK, MINB (blocks
-// per multiprocessor asked of the register allocator), UNIFORM (16-byte-vector sampler).
-// Dynamic shared memory: 2 * (BM + BN) * (BK + PAD) elements of T.
+// per multiprocessor asked of the register allocator), UNIFORM (16-byte-vector sampler), ENGINE.
+// Dynamic shared memory: 2 * (BM + BN) * (BK + PAD) elements of T (PAD = 0 for wgmma).
 
 #include "dcn_common.cuh"
 
@@ -126,9 +130,8 @@ __device__ __forceinline__ unsigned long long wgmma_descriptor(const void* p, un
            ((unsigned long long)(sbo >> 4) << 32);
 }
 
-__device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
@@ -666,7 +669,9 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     sample_load(0);
     sample_store(0);
     copy_wait_all();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     if constexpr (ENGINE == 1) proxy_fence();   // generic-proxy writes, read by wgmma next
+#endif
     __syncthreads();
     if constexpr (ENGINE == 0) {
         for (int s = 0; s < steps; ++s) {

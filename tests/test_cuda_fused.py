@@ -1,8 +1,11 @@
 """The fused forward ("cuda/fused"): NVRTC compilation of every instantiation (no GPU needed),
-then, on a GPU, the kernel forced through ``fused_conv_forward`` against the float64 reference,
-the CPU backend and torchvision, for N = 1, 2, 3, both samplers (16-byte vectors and per
-channel), groups, offset groups != mask groups, stride / padding / dilation, with and without
-offset / mask / bias, non-finite and huge offsets, and the transposed backward-to-input.
+then, on a GPU, the kernel forced (``fused_conv_forward``, or a given tile of either engine,
+mma.sync or wgmma, in either step order) against the float64 reference, the CPU backend and
+torchvision, for N = 1, 2, 3, both samplers (16-byte vectors and per channel), groups, offset
+groups != mask groups, stride / padding / dilation, with and without offset / mask / bias,
+non-finite and huge offsets, non-finite inputs, a broadcast batch, one-sample chunks, 64-bit
+indices, and the transposed backward-to-input. float32 (TF32 and 3xTF32) is tested although
+the plan layer keeps float32 on cuda/im2col.
 
 Tolerances (relative error in the norm): float16 3e-3 and bfloat16 2.4e-2 as for cuda/im2col
 (inputs rounded once, samples rounded once to the half type, output rounded once); TF32 3e-3
@@ -75,9 +78,10 @@ def _key_id(key):
     return f"{np.dtype(dtype).name}-{ndim}d-{'i64' if index64 else 'i32'}-{'wgmma' if engine else 'mma'}"
 
 
-@pytest.mark.parametrize("key", _module_keys(), ids=_key_id)
-def test_every_fused_instantiation_compiles(toolchain, key):
-    nvrtc, cuda, fused = toolchain
+def _compile_module(key):
+    """NVRTC-compile one module to a cubin: (error log or None, lowered names, cubin size, log)."""
+    from cupy_backends.cuda.libs import nvrtc
+    from dcn_cupy._backends import cuda, cuda_fused as fused
     names = fused.name_expressions(*key)
     arch = fused.SM90A if key[3] == 1 else f"-arch={ARCH}"
     program = nvrtc.createProgram(fused.module_source(), "dcn_cupy_fused.cu", (), ())
@@ -87,13 +91,31 @@ def test_every_fused_instantiation_compiles(toolchain, key):
         try:
             nvrtc.compileProgram(program, tuple(cuda.compile_options()) + (arch,))
         except nvrtc.NVRTCError:
-            pytest.fail("NVRTC compilation failed:\n" + nvrtc.getProgramLog(program))
-        assert all(nvrtc.getLoweredName(program, name) for name in names)
-        assert len(nvrtc.getCUBIN(program)) > 0
-        log = nvrtc.getProgramLog(program)
-        assert "warning" not in log.lower(), log
+            return nvrtc.getProgramLog(program), {}, 0, ""
+        lowered = {name: nvrtc.getLoweredName(program, name) for name in names}
+        return None, lowered, len(nvrtc.getCUBIN(program)), nvrtc.getProgramLog(program)
     finally:
         nvrtc.destroyProgram(program)
+
+
+@pytest.fixture(scope="module")
+def compiled(toolchain):
+    """Every module compiled once, in parallel processes (each module takes 10-40 s)."""
+    from concurrent.futures import ProcessPoolExecutor
+    keys = _module_keys()
+    with ProcessPoolExecutor(max(1, min(len(keys), os.cpu_count() or 1))) as pool:
+        return dict(zip(keys, pool.map(_compile_module, keys)))
+
+
+@pytest.mark.parametrize("key", _module_keys(), ids=_key_id)
+def test_every_fused_instantiation_compiles(compiled, key):
+    error, lowered, size, log = compiled[key]
+    if error is not None:
+        pytest.fail("NVRTC compilation failed:\n" + error)
+    from dcn_cupy._backends import cuda_fused as fused
+    assert set(lowered) == set(fused.name_expressions(*key)) and all(lowered.values())
+    assert size > 0
+    assert "warning" not in log.lower(), log
 
 
 def test_fused_source_defines_exactly_the_instantiated_kernels():

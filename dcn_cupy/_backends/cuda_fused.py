@@ -53,15 +53,15 @@ _THREADS = 256
 _VEC = {np.dtype(np.float16): 8, BFLOAT16: 8, np.dtype(np.float32): 4}
 DTYPES = tuple(_VEC)
 #: The tiles (BM output channels, BN positions, BK channels per step, MINB blocks per SM asked
-#: of the register allocator, ENGINE: 0 mma.sync, 1 wgmma) instantiated per dtype;
-#: ``_choose_tile`` picks one per shape. wgmma tiles (sm_90a) need a compute capability 9.0
-#: device and serve fp16, bf16 and TF32 (not 3xTF32).
+#: of the register allocator, ENGINE: 0 mma.sync, 1 wgmma) instantiated per dtype, kept from
+#: those measured (NOTES-gpu.md); one is chosen per shape (plan_config). The first of each
+#: engine (the smallest) also has the per-channel sampler and the 64-bit indices. wgmma tiles
+#: (sm_90a) need a compute capability 9.0 device and compute fp16, bf16 and TF32 (not 3xTF32).
 TILES = {
-    "half": ((256, 64, 64, 1, 0), (128, 128, 64, 1, 0), (64, 128, 32, 1, 0), (64, 64, 64, 1, 0),
-             (256, 64, 64, 1, 1), (256, 128, 32, 1, 1), (128, 128, 64, 1, 1), (128, 64, 64, 1, 1)),
-    "float": ((256, 64, 32, 1, 0), (128, 128, 32, 1, 0), (128, 128, 16, 1, 0), (64, 128, 16, 1, 0),
-              (64, 64, 32, 1, 0), (256, 64, 32, 1, 1), (256, 128, 16, 1, 1), (128, 128, 32, 1, 1),
-              (128, 64, 32, 1, 1)),
+    "half": ((64, 64, 64, 1, 0), (256, 64, 64, 1, 0), (128, 128, 64, 1, 0),
+             (128, 64, 64, 1, 1), (256, 128, 32, 1, 1), (128, 128, 64, 1, 1)),
+    "float": ((64, 64, 32, 1, 0), (256, 64, 32, 1, 0), (128, 128, 16, 1, 0),
+              (128, 64, 32, 1, 1), (256, 128, 16, 1, 1), (128, 128, 32, 1, 1)),
 }
 _INT32_SAFE = 2**30
 _MAX_GRID = 1 << 20
@@ -83,8 +83,12 @@ def _precisions(dtype) -> tuple:
     return (1, 2) if np.dtype(dtype) == np.float32 else (0,)
 
 
-def _tiles(dtype) -> tuple:
-    return TILES["float" if np.dtype(dtype) == np.float32 else "half"]
+def _tiles(dtype, index64: bool = False) -> tuple:
+    """The tiles of a dtype; with 64-bit indices (huge problems) only the first of each engine."""
+    tiles = TILES["float" if np.dtype(dtype) == np.float32 else "half"]
+    if index64:
+        tiles = tuple(tile for i, tile in enumerate(tiles) if all(t[4] != tile[4] for t in tiles[:i]))
+    return tiles
 
 
 def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, uniform: bool) -> str:
@@ -101,7 +105,7 @@ def name_expressions(dtype, ndim: int, index64: bool, engine: int = 0) -> tuple:
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
     names = [kernel_name(dtype, index64, ndim, prec, tile, uniform)
-             for prec in _precisions(dtype) for tile in _tiles(dtype) for uniform in (True, False)
+             for prec in _precisions(dtype) for tile in _tiles(dtype, index64) for uniform in (True, False)
              if tile[4] == engine and not (engine == 1 and prec == 2)
              and (uniform or tile == _per_channel_tile(dtype, engine))]
     names += [f"fused_channels_last<{t}, {i}>", f"fused_weight_rows<{t}, {i}>"]
@@ -236,29 +240,30 @@ def _uniform(geom, tile) -> bool:
 
 
 def _per_channel_tile(dtype, engine: int) -> tuple:
-    """The one tile per engine instantiated with the per-channel sampler: the first of TILES."""
+    """The one tile per engine instantiated with the per-channel sampler (and 64-bit indices):
+    the first of TILES."""
     return next(tile for tile in _tiles(dtype) if tile[4] == engine)
 
 
-def _candidates(geom, dtype, wgmma: bool) -> list:
+def _candidates(geom, dtype, wgmma: bool, index64: bool = False) -> list:
     """The tiles worth trying for a shape: those of TILES no taller than C_out/groups rounded up
     to 64 (else the shortest), wgmma ones only where the device and precision allow, and of the
     tiles whose threads would cross a group boundary only the per-channel one of each engine."""
     Cog = geom.out_channels // geom.groups
-    tiles = [tile for tile in _tiles(dtype) if (tile[4] == 0 or wgmma)
+    tiles = [tile for tile in _tiles(dtype, index64) if (tile[4] == 0 or wgmma)
              and (_uniform(geom, tile) or tile == _per_channel_tile(dtype, tile[4]))]
     limit = max(64, _round_up(Cog, 64))
     fitting = [tile for tile in tiles if tile[0] <= limit]
     return fitting or [min(tiles)]
 
 
-def _choose_tile(geom, dtype, positions: int, multiprocessors: int, wgmma: bool) -> tuple:
-    """The tile of a shape without timing: among the candidates (first listed first), the first
-    that gives at least two blocks per multiprocessor, wgmma ones first where allowed; else the
-    one with the most blocks."""
+def _choose_tile(geom, dtype, positions: int, multiprocessors: int, wgmma: bool, index64: bool = False) -> tuple:
+    """The tile of a shape without timing: among the candidates, wgmma ones first where allowed,
+    then the tallest and widest, the first that gives at least two blocks per multiprocessor;
+    else the one with the most blocks."""
     groups = geom.groups
     Cog = geom.out_channels // groups
-    candidates = sorted(_candidates(geom, dtype, wgmma), key=lambda tile: -tile[4])
+    candidates = sorted(_candidates(geom, dtype, wgmma, index64), key=lambda tile: (-tile[4], -tile[0], -tile[1]))
     blocks = lambda tile: -(-positions // tile[1]) * -(-Cog // tile[0]) * groups  # noqa: E731
     for tile in candidates:
         if blocks(tile) >= 2 * multiprocessors:
@@ -276,7 +281,7 @@ class LaunchConfig:
     """
 
     def __init__(self, geom, dtype, allow_tf32: bool, multiprocessors: int = 132, tile=None, wgmma=False,
-                 taps_inner: bool = True):
+                 taps_inner: bool = False):
         dtype = np.dtype(dtype)
         if dtype not in _VEC:
             raise ValueError(f"cuda/fused serves float16, bfloat16 and float32, got {dtype}")
@@ -287,18 +292,29 @@ class LaunchConfig:
         self.K, self.Q, self.S = geom.kernel_volume, geom.output_size, geom.input_size
         vec = _VEC[dtype]
         self.precision = 0 if dtype != np.float32 else (1 if allow_tf32 else 2)
-        sample_bytes = self.S * _round_up(C, vec) * self.itemsize
+        self.Cp = _round_up(C, vec)
+        sample_bytes = self.S * self.Cp * self.itemsize
         self.chunk = max(1, min(geom.batch, int(WORKSPACE_LIMIT_BYTES) // max(sample_bytes, 1)))
+        # 64-bit indices where any extent can pass 2^30 (bounds for every tile: BN <= 128,
+        # BM >= 64, Cgp <= C/G + 63); those kernels exist for the first tile of each engine only
+        n = self.chunk
+        self.index64 = max(
+            n * self.S * self.Cp, n * Co * self.Q + 128 * Co,
+            n * max(geom.offset_groups, 1) * self.K * geom.ndim * self.Q, n * max(geom.mask_groups, 1) * self.K * self.Q,
+            Co * self.K * (self.Cg + 63), C * self.S * n, (n * self.Q + 128) * -(-self.Cog // 64) * G,
+        ) > _INT32_SAFE
         if tile is None:
-            tile = _choose_tile(geom, dtype, self.chunk * self.Q, multiprocessors,
-                                bool(wgmma) and self.precision != 2)
+            tile = _choose_tile(geom, dtype, n * self.Q, multiprocessors, bool(wgmma) and self.precision != 2,
+                                self.index64)
+        if self.index64 and tuple(tile) not in _tiles(dtype, True):
+            tile = _per_channel_tile(dtype, tile[4])
         self.tile = tuple(tile)
         bm, bn, bk, _, engine = self.tile
         if engine == 1 and self.precision == 2:
             raise ValueError("the wgmma tiles compute in TF32 or the half types, not 3xTF32")
-        self.Cp = _round_up(C, vec)
         self.Cgp = _round_up(self.Cg, bk)
-        self.taps_inner = bool(taps_inner)
+        self.taps_inner = bool(taps_inner)    # measured slower for every tile at 56x56 (NOTES-gpu.md)
+        self.struct = _cuda._geom_struct(geom)
         self.uniform = _uniform(geom, self.tile)
         if not self.uniform and self.tile != _per_channel_tile(dtype, engine):
             raise ValueError(f"tile {self.tile} has no per-channel sampler; this geometry needs one "
@@ -306,14 +322,8 @@ class LaunchConfig:
         self.m_tiles = -(-self.Cog // bm)
         self.smem_bytes = 2 * (bm + bn) * (bk + (vec if engine == 0 else 0)) * self.itemsize
         self.weight_elems = Co * self.K * self.Cgp
-        self.xcl_elems = self.chunk * self.S * self.Cp
+        self.xcl_elems = n * self.S * self.Cp
         self.workspace_bytes = _round_up(self.xcl_elems * self.itemsize, _ALIGN) + self.weight_elems * self.itemsize
-        self.index64 = max(
-            self.chunk * self.S * self.Cp, self.chunk * Co * self.Q + bn * Co,
-            self.chunk * max(geom.offset_groups, 1) * self.K * geom.ndim * self.Q,
-            self.chunk * max(geom.mask_groups, 1) * self.K * self.Q,
-            self.weight_elems, C * self.S * self.chunk, (self.chunk * self.Q + bn) * self.m_tiles * G,
-        ) > _INT32_SAFE
 
     @property
     def description(self) -> str:
@@ -371,7 +381,7 @@ def run_forward(config: LaunchConfig, x, weight, offset, mask, bias, out, worksp
     ))
     layout = config.kernel("fused_channels_last")
     forward = config.kernel("forward")
-    struct = _cuda._geom_struct(g)
+    struct = config.struct
     x_bs = _batch_stride(x)
     off_bs = 0 if offset is None else _batch_stride(offset)
     msk_bs = 0 if mask is None else _batch_stride(mask)
@@ -425,10 +435,10 @@ def _time_configs(configs: list, args: tuple, out, rounds: int = 2, repeats: int
 
 
 def plan_config(geom, dtype, allow_tf32: bool) -> LaunchConfig:
-    """The launch configuration of a forward, its tile and step order (taps inner or outer)
-    chosen by timing the candidates once on
-    random data of one batch chunk (cached per device, geometry, dtype and precision), or by
-    ``_choose_tile`` when ``TUNE`` is off or a CUDA graph is being captured."""
+    """The launch configuration of a forward: its tile and step order (taps inner or outer)
+    chosen by timing the candidates once on random data of one batch chunk (cached per device,
+    geometry, dtype and precision), or by ``_choose_tile`` (taps outer) when ``TUNE`` is off or
+    a CUDA graph is being captured."""
     dtype = np.dtype(dtype)
     sms, wgmma = _multiprocessors(), wgmma_available()
     static = LaunchConfig(geom, dtype, allow_tf32, sms, wgmma=wgmma)
@@ -446,7 +456,8 @@ def plan_config(geom, dtype, allow_tf32: bool) -> LaunchConfig:
             rng.random(g.mask_shape, dtype=np.float32).astype(dtype) if g.has_mask else None, None)
     out = cupy.empty(g.y_shape, dtype=dtype)
     orders = (True, False) if g.kernel_volume > 1 and g.in_channels_per_group > 32 else (True,)
-    choices = [(tile, taps_inner) for tile in _candidates(geom, dtype, wgmma and static.precision != 2)
+    choices = [(tile, taps_inner)
+               for tile in _candidates(geom, dtype, wgmma and static.precision != 2, static.index64)
                for taps_inner in orders]
     configs = [LaunchConfig(g, dtype, allow_tf32, sms, tile=tile, taps_inner=taps_inner)
                for tile, taps_inner in choices]
