@@ -223,50 +223,45 @@ def bench_fused(shape, precision, args):
 
 def accuracy(shape, args):
     """fp16/bf16 forward error against the float64 reference (dcn_cupy's float64 im2col on the
-    same rounded inputs), fused and torchvision's fp16, as relative errors in the norm."""
-    import cupy
+    same rounded inputs): fused, im2col and torchvision's fp16, relative errors in the norm."""
     import torch
-    import dcn_cupy
-    from dcn_cupy import _geometry
-    from dcn_cupy._backends import cuda_fused
     shape = dict(shape, B=min(shape["B"], 2))
-    n = len(shape["S"])
     out = {}
     for precision, tdtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
         try:
-            _accuracy_one(out, shape, n, precision, tdtype)
+            out.update(_accuracy_one(shape, precision, tdtype))
         except Exception:
             traceback.print_exc(file=sys.stderr)
     return out
 
 
-def _accuracy_one(out, shape, n, precision, tdtype):
+def _accuracy_one(shape, precision, tdtype) -> dict:
     import cupy
     import torch
     import dcn_cupy
     from dcn_cupy import _geometry
     from dcn_cupy._backends import cuda_fused
-    if True:
-        t16 = _make_inputs(shape, tdtype, seed=3)
-        x, w, b, off, msk = _as_cupy(*t16[:5])
-        geom = _geometry.conv_geometry(x.shape, w.shape, off.shape, msk.shape, b.shape, padding=1, ndim=n)[0]
-        ref = getattr(dcn_cupy, f"deform_conv{n}d")(*(a.astype(cupy.float64) for a in (x, w, off, msk, b)),
-                                                     padding=1)
-        scale = float(cupy.linalg.norm(ref))
-        y = cupy.empty(geom.y_shape, dtype=x.dtype)
-        cuda_fused.fused_conv_forward(x, w, off, msk, b, geom, y, allow_tf32=False)
-        out[f"fused {precision}"] = float(cupy.linalg.norm(y.astype(cupy.float64) - ref)) / scale
-        y = getattr(dcn_cupy, f"deform_conv{n}d")(x, w, off, msk, b, padding=1)
-        out[f"im2col {precision}"] = float(cupy.linalg.norm(y.astype(cupy.float64) - ref)) / scale
-        if n == 2 and precision == "fp16":
-            try:
-                from torchvision.ops import deform_conv2d
-                xt, wt, bt, offt, mskt = t16[:5]
-                with torch.no_grad():
-                    yt = deform_conv2d(xt, offt, wt, bt, padding=1, mask=mskt)
-                out["torchvision fp16"] = float(cupy.linalg.norm(_as_cupy(yt.double())[0] - ref)) / scale
-            except ImportError:
-                pass
+    n = len(shape["S"])
+    t16 = _make_inputs(shape, tdtype, seed=3)
+    x, w, b, off, msk = _as_cupy(*t16[:5])
+    geom = _geometry.conv_geometry(x.shape, w.shape, off.shape, msk.shape, b.shape, padding=1, ndim=n)[0]
+    forward = getattr(dcn_cupy, f"deform_conv{n}d")
+    ref = forward(*(a.astype(cupy.float64) for a in (x, w, off, msk, b)), padding=1)
+    scale = float(cupy.linalg.norm(ref))
+    error = lambda y: float(cupy.linalg.norm(y.astype(cupy.float64) - ref)) / scale  # noqa: E731
+    y = cupy.empty(geom.y_shape, dtype=x.dtype)
+    cuda_fused.fused_conv_forward(x, w, off, msk, b, geom, y, allow_tf32=False)
+    out = {f"fused {precision}": error(y), f"im2col {precision}": error(forward(x, w, off, msk, b, padding=1))}
+    if n == 2 and precision == "fp16":
+        try:
+            from torchvision.ops import deform_conv2d
+        except ImportError:
+            return out
+        xt, wt, bt, offt, mskt = t16[:5]
+        with torch.no_grad():
+            yt = deform_conv2d(xt, offt, wt, bt, padding=1, mask=mskt)
+        out["torchvision fp16"] = error(_as_cupy(yt.double())[0])
+    return out
 
 
 def bench_torchvision(shape, precision, args):

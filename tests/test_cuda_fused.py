@@ -422,7 +422,6 @@ def test_functional_api_and_transposed_backward_to_input(monkeypatch):
     """Forced selection: the CUDA backend's conv_forward routed to the fused kernel serves the
     functional forward and the transposed convolution's backward-to-input."""
     cupy = _cupy()
-    import dcn_cupy
     from dcn_cupy._backends import cuda
     fused = _fused()
     calls = []
