@@ -181,6 +181,30 @@ def test_launch_config_choices():
     assert fused.LaunchConfig(g, np.float32, False, 132).uniform
     with pytest.raises(ValueError, match="float16, bfloat16 and float32"):
         fused.LaunchConfig(g, np.float64, False, 132)
+    # a tile without the per-channel sampler is refused where one is needed
+    with pytest.raises(ValueError, match="has no per-channel sampler"):
+        fused.LaunchConfig(g, np.float16, False, 132, tile=fused.TILES["half"][1])
+    with pytest.raises(ValueError, match="not 3xTF32"):
+        fused.LaunchConfig(g, np.float32, False, 132, tile=fused.TILES["float"][3])
+
+
+def test_64bit_indices_use_the_first_tile_of_each_engine(monkeypatch):
+    fused = _fused()
+    g = _geom((8, 256, 56, 56), (256, 256, 3, 3), (8, 18, 56, 56), (8, 9, 56, 56), padding=1)
+    monkeypatch.setattr(fused, "_INT32_SAFE", 0)
+    for dtype, key in ((np.float16, "half"), (np.float32, "float")):
+        first = {tile[4]: tile for tile in reversed(fused.TILES[key])}
+        assert set(fused._tiles(dtype, True)) == set(first.values())
+        for wgmma in (False, True):
+            c = fused.LaunchConfig(g, dtype, True, 132, wgmma=wgmma)
+            assert c.index64 and c.tile == first[c.tile[4]]
+            c = fused.LaunchConfig(g, dtype, True, 132, tile=fused.TILES[key][1])
+            assert c.index64 and c.tile == first[0]
+        for engine in (0, 1):
+            parts = [n.split("<", 1)[1].rstrip(">").split(", ")
+                     for n in fused.name_expressions(dtype, 2, True, engine) if n.startswith("deform_fused")]
+            assert parts and all(p[1] == "long long" for p in parts)
+            assert {tuple(int(v) for v in p[4:8] + p[9:]) for p in parts} == {first[engine]}
 
 
 # ---------------------------------------------------------------------------------------------
