@@ -198,6 +198,72 @@ def bench_dcn(shape, precision, args, transposed_too=False):
     return rows
 
 
+def bench_fused(shape, precision, args):
+    """The fused forward (cuda/fused) called directly: output allocation, channels-last copy,
+    weight re-layout and the fused kernel, workspace from CuPy's pool, all timed."""
+    import cupy
+    from dcn_cupy import _geometry
+    from dcn_cupy._backends import cuda_fused
+    dtype = _set_precision(precision)
+    x, w, b, off, msk, gy = _as_cupy(*_make_inputs(shape, dtype))
+    n = len(shape["S"])
+    geom = _geometry.conv_geometry(x.shape, w.shape, off.shape, msk.shape, b.shape, padding=1, ndim=n)[0]
+    tf32 = precision == "tf32"
+
+    def forward():
+        y = cupy.empty(geom.y_shape, dtype=x.dtype)
+        cuda_fused.fused_conv_forward(x, w, off, msk, b, geom, y, allow_tf32=tf32)
+        return y
+
+    row = {"impl": "dcn_cupy fused"}
+    row["fwd_ms"] = _time_cupy(forward, args.warmup, args.repeats, args.inner)
+    row["fwd_peak_mib"] = _peak_cupy(forward)
+    return [row]
+
+
+def accuracy(shape, args):
+    """fp16/bf16 forward error against the float64 reference (dcn_cupy's float64 im2col on the
+    same rounded inputs): fused, im2col and torchvision's fp16, relative errors in the norm."""
+    import torch
+    shape = dict(shape, B=min(shape["B"], 2))
+    out = {}
+    for precision, tdtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        try:
+            out.update(_accuracy_one(shape, precision, tdtype))
+        except Exception:
+            traceback.print_exc(file=sys.stderr)
+    return out
+
+
+def _accuracy_one(shape, precision, tdtype) -> dict:
+    import cupy
+    import torch
+    import dcn_cupy
+    from dcn_cupy import _geometry
+    from dcn_cupy._backends import cuda_fused
+    n = len(shape["S"])
+    t16 = _make_inputs(shape, tdtype, seed=3)
+    x, w, b, off, msk = _as_cupy(*t16[:5])
+    geom = _geometry.conv_geometry(x.shape, w.shape, off.shape, msk.shape, b.shape, padding=1, ndim=n)[0]
+    forward = getattr(dcn_cupy, f"deform_conv{n}d")
+    ref = forward(*(a.astype(cupy.float64) for a in (x, w, off, msk, b)), padding=1)
+    scale = float(cupy.linalg.norm(ref))
+    error = lambda y: float(cupy.linalg.norm(y.astype(cupy.float64) - ref)) / scale  # noqa: E731
+    y = cupy.empty(geom.y_shape, dtype=x.dtype)
+    cuda_fused.fused_conv_forward(x, w, off, msk, b, geom, y, allow_tf32=False)
+    out = {f"fused {precision}": error(y), f"im2col {precision}": error(forward(x, w, off, msk, b, padding=1))}
+    if n == 2 and precision == "fp16":
+        try:
+            from torchvision.ops import deform_conv2d
+        except ImportError:
+            return out
+        xt, wt, bt, offt, mskt = t16[:5]
+        with torch.no_grad():
+            yt = deform_conv2d(xt, offt, wt, bt, padding=1, mask=mskt)
+        out["torchvision fp16"] = error(_as_cupy(yt.double())[0])
+    return out
+
+
 def bench_torchvision(shape, precision, args):
     import torch
     from torchvision.ops import deform_conv2d
@@ -255,8 +321,15 @@ def bench_dense(shape, precision, args):
 SHAPES = [
     {"name": "2D B=8 C256->256 56x56 3x3", "B": 8, "C_in": 256, "C_out": 256, "S": (56, 56)},
     {"name": "2D B=32 C64->64 56x56 3x3", "B": 32, "C_in": 64, "C_out": 64, "S": (56, 56)},
+    {"name": "2D B=16 C512->512 14x14 3x3", "B": 16, "C_in": 512, "C_out": 512, "S": (14, 14)},
+    {"name": "1D B=16 C256->256 L4096 k3", "B": 16, "C_in": 256, "C_out": 256, "S": (4096,)},
     {"name": "3D B=2 C32->32 32^3 3x3x3", "B": 2, "C_in": 32, "C_out": 32, "S": (32, 32, 32)},
 ]
+
+
+def _gflop(shape) -> float:
+    """GEMM work of the forward: 2 * C_out * C_in * K * B * Q (3^N kernel, 'same' padding)."""
+    return 2.0 * shape["C_out"] * shape["C_in"] * 3 ** len(shape["S"]) * shape["B"] * math.prod(shape["S"]) / 1e9
 
 
 def _device_name() -> str:
@@ -274,7 +347,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/gpu.py", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument("--json", default="bench_gpu.json", help="where to write the results (JSON)")
-    parser.add_argument("--only", choices=("2d", "3d"), default=None)
+    parser.add_argument("--only", choices=("1d", "2d", "3d"), default=None)
+    parser.add_argument("--shapes", default=None, help="comma-separated indices into SHAPES")
+    parser.add_argument("--no-fused", action="store_true", help="skip the cuda/fused rows")
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=7)
@@ -292,6 +367,8 @@ def main(argv=None) -> int:
         tv_version = None
     precisions = [p for p in args.precisions.split(",") if p]
     shapes = [s for s in SHAPES if args.only is None or s["name"].lower().startswith(args.only)]
+    if args.shapes:
+        shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
     meta = {
         "device": _device_name(), "dcn_cupy": dcn_cupy.__version__, "cupy": cupy.__version__,
         "torch": torch.__version__, "torchvision": tv_version, "python": platform.python_version(),
@@ -303,6 +380,8 @@ def main(argv=None) -> int:
         is2d = len(shape["S"]) == 2
         for precision in precisions:
             benches = [("dcn_cupy", lambda s=shape, p=precision: bench_dcn(s, p, args, transposed_too=not is2d))]
+            if not args.no_fused:
+                benches.append(("dcn_cupy fused", lambda s=shape, p=precision: bench_fused(s, p, args)))
             if is2d:
                 if tv_version is not None:
                     benches.append(("torchvision", lambda s=shape, p=precision: bench_torchvision(s, p, args)))
@@ -315,9 +394,11 @@ def main(argv=None) -> int:
                     traceback.print_exc(file=sys.stderr)
                 for row in rows:
                     row.update(shape=shape["name"], precision=precision)
+                    if "fwd_ms" in row and "transposed" not in row["impl"]:
+                        row["fwd_tflops"] = _gflop(shape) / row["fwd_ms"]
                     results.append(row)
                     print(f"  {shape['name']:<28} {precision:<5} {row['impl']:<20} "
-                          f"fwd {_fmt(row.get('fwd_ms', '-'))} ms  fwd+bwd {_fmt(row.get('fwdbwd_ms', '-'))} ms"
+                          f"fwd {_fmt(row.get('fwd_ms', '-'))} ms {_fmt(row.get('fwd_tflops', '-'), '{:6.1f}')} TFLOP/s  fwd+bwd {_fmt(row.get('fwdbwd_ms', '-'))} ms"
                           + (f"  {row['error']}" if "error" in row else ""), flush=True)
                 import gc
                 gc.collect()
@@ -328,20 +409,24 @@ def main(argv=None) -> int:
     # speedups of dcn_cupy against the others, per shape and precision
     by_key = {(r["shape"], r["precision"], r["impl"]): r for r in results}
     for r in results:
-        if r["impl"] != "dcn_cupy" or "fwd_ms" not in r:
+        if r["impl"] not in ("dcn_cupy", "dcn_cupy fused") or "fwd_ms" not in r:
             continue
         for other, tag in (("torchvision", "tv"), ("dense conv (cuDNN)", "dense")):
+            # bf16: torchvision has none, so against its fp16 (issue 8's target)
             o = by_key.get((r["shape"], r["precision"], other))
+            if o is None and tag == "tv" and r["precision"] == "bf16":
+                o = by_key.get((r["shape"], "fp16", other))
             if o and "fwd_ms" in o:
                 r[f"fwd_speedup_vs_{tag}"] = o["fwd_ms"] / r["fwd_ms"]
-                r[f"fwdbwd_speedup_vs_{tag}"] = o["fwdbwd_ms"] / r["fwdbwd_ms"]
                 r[f"fwd_peak_ratio_vs_{tag}"] = r["fwd_peak_mib"] / max(o["fwd_peak_mib"], 1e-9)
-                r[f"fwdbwd_peak_ratio_vs_{tag}"] = r["fwdbwd_peak_mib"] / max(o["fwdbwd_peak_mib"], 1e-9)
+                if "fwdbwd_ms" in r:
+                    r[f"fwdbwd_speedup_vs_{tag}"] = o["fwdbwd_ms"] / r["fwdbwd_ms"]
+                    r[f"fwdbwd_peak_ratio_vs_{tag}"] = r["fwdbwd_peak_mib"] / max(o["fwdbwd_peak_mib"], 1e-9)
 
     print()
     print(f"device: {meta['device']}; cupy {meta['cupy']}, torch {meta['torch']}, torchvision {tv_version}; "
           f"median of {args.repeats} x {args.inner} launches (CUDA events)")
-    header = (f"| {'shape':<27} | {'prec':<4} | {'impl':<20} | {'fwd ms':>8} | {'fwd+bwd ms':>10} | "
+    header = (f"| {'shape':<27} | {'prec':<4} | {'impl':<20} | {'fwd ms':>8} | {'TFLOP/s':>7} | {'fwd+bwd ms':>10} | "
               f"{'fwd peak MiB':>12} | {'f+b peak MiB':>12} | {'vs tv fwd':>9} | {'vs tv f+b':>9} | "
               f"{'vs dense fwd':>12} | {'vs dense f+b':>12} |")
     print(header)
@@ -353,11 +438,21 @@ def main(argv=None) -> int:
         if "error" in r:
             print(f"| {r['shape']:<27} | {r['precision']:<4} | {r['impl']:<20} | error: {r['error']}")
             continue
-        print(f"| {r['shape']:<27} | {r['precision']:<4} | {r['impl']:<20} | {f('fwd_ms', 8)} | {f('fwdbwd_ms', 10)} | "
+        print(f"| {r['shape']:<27} | {r['precision']:<4} | {r['impl']:<20} | {f('fwd_ms', 8)} | "
+              f"{f('fwd_tflops', 7, '{:.1f}')} | {f('fwdbwd_ms', 10)} | "
               f"{f('fwd_peak_mib', 12, '{:.0f}')} | {f('fwdbwd_peak_mib', 12, '{:.0f}')} | "
               f"{f('fwd_speedup_vs_tv', 9, '{:.2f}x')} | {f('fwdbwd_speedup_vs_tv', 9, '{:.2f}x')} | "
               f"{f('fwd_speedup_vs_dense', 12, '{:.2f}x')} | {f('fwdbwd_speedup_vs_dense', 12, '{:.2f}x')} |")
-    print("(vs X = X's time / dcn_cupy's time: above 1 means dcn_cupy is faster)")
+    print("(vs X = X's time / dcn_cupy's time: above 1 means dcn_cupy is faster; bf16 fused vs tv: "
+          "against torchvision's fp16)")
+    if not args.no_fused and any(len(s["S"]) == 2 for s in shapes):
+        try:
+            errors = accuracy(next(s for s in shapes if len(s["S"]) == 2), args)
+            meta["accuracy"] = errors
+            print("forward error vs float64 (relative, norm; B=2 of the first 2D shape): "
+                  + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+        except Exception:
+            traceback.print_exc(file=sys.stderr)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"meta": meta, "results": results}, fh, indent=1)

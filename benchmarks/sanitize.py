@@ -1,6 +1,7 @@
 """A representative subset of the CUDA backend for ``compute-sanitizer --tool memcheck``.
 
     compute-sanitizer --tool memcheck --leak-check no python benchmarks/sanitize.py
+    compute-sanitizer --tool racecheck python benchmarks/sanitize.py --fused-quick
 
 CuPy's memory pool is switched off (plain cudaMalloc per array), so that memcheck sees every
 array's real bounds. Runs forward and all gradients of conv and transposed conv for N = 1, 2, 3,
@@ -8,6 +9,9 @@ float64 / float32 / float16 / bfloat16, with offset groups != mask groups, conv 
 padding / dilation, non-finite and huge offsets, positions at the box edges, one-sample chunks,
 the 64-bit index instantiations, and the tiled scatter with no halo and with almost no shared
 memory (corners outside its box); checks the float64 results against the reference.
+Then the fused forward (cuda/fused, ``fused_cases``): both samplers, every precision, N = 1, 2,
+3, poisoned offsets, partial tiles, one-sample chunks and the 64-bit instantiation, checked
+against the reference; ``--fused-only`` runs just those (for racecheck).
 """
 
 from __future__ import annotations
@@ -69,7 +73,73 @@ def edge_case():
     cupy.cuda.Device().synchronize()
 
 
+def fused_cases(quick: bool = False) -> int:
+    from dcn_cupy import _geometry, reference
+    from dcn_cupy._backends import cuda_fused as fu
+    count = 0
+
+    def run(case, dtype, allow_tf32, poison, tile=None):
+        arrays = dict(case.arrays_)
+        if poison and arrays["offset"] is not None:
+            off = arrays["offset"].copy()
+            off.reshape(-1)[::5] = np.resize(BAD, off.reshape(-1)[::5].size)
+            arrays["offset"] = off
+        with np.errstate(over="ignore"):
+            gpu = {k: None if a is None else cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
+            rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
+        shapes = [None if arrays[k] is None else arrays[k].shape for k in ARGUMENTS]
+        geom = _geometry.conv_geometry(*shapes, ndim=case.ndim, **case.params)[0]
+        out = cupy.empty(geom.y_shape, dtype=dtype)
+        if tile is None:
+            fu.fused_conv_forward(*(gpu[k] for k in ARGUMENTS), geom, out, allow_tf32=allow_tf32)
+        else:
+            fu.run_forward(fu.LaunchConfig(geom, dtype, allow_tf32, tile=tile), *(gpu[k] for k in ARGUMENTS), out)
+        cupy.cuda.Device().synchronize()
+        got = cupy.asnumpy(out).astype(np.float64)
+        assert np.all(np.isfinite(got)), case.label
+        err = relative_error(got, reference.deform_conv(**rounded, **case.params))
+        assert err < {np.dtype(np.float32): 3e-3, np.dtype(np.float16): 3e-3, BFLOAT16: 2.4e-2}[np.dtype(dtype)], \
+            (err, case.label)
+
+    for ndim in (2,) if quick else (1, 2, 3):
+        for scale in (1, 16):   # per-channel and (mostly) 16-byte-vector sampling
+            rng = np.random.default_rng(990 + ndim + scale)
+            case = random_case(rng, ndim, False, batch=2, channels_scale=scale)
+            for dtype, tf32 in ((np.float32, True), (np.float32, False), (np.float16, False), (BFLOAT16, False)):
+                if quick and dtype == BFLOAT16:
+                    continue
+                run(case, dtype, tf32, poison=scale == 16)
+                count += 1
+    # every tile (both engines where the device has wgmma), channel counts that suit them all
+    rng = np.random.default_rng(999)
+    case = random_case(rng, 2, False, batch=2, channels_scale=64)
+    for dtype, tf32 in ((np.float16, False), (np.float32, True), (np.float32, False)):
+        for tile in fu._tiles(dtype):
+            if tile[4] == 1 and (not tf32 and dtype == np.float32 or not fu.wgmma_available()):
+                continue
+            run(case, dtype, tf32, poison=True, tile=tile)
+            count += 1
+    if quick:
+        return count
+    limit, safe = fu.WORKSPACE_LIMIT_BYTES, fu._INT32_SAFE
+    try:
+        fu.WORKSPACE_LIMIT_BYTES, fu._INT32_SAFE = 1, 0
+        for ndim in (1, 2, 3):
+            rng = np.random.default_rng(995 + ndim)
+            case = random_case(rng, ndim, False, batch=3, channels_scale=16)
+            run(case, np.float16, False, poison=True)
+            run(case, np.float32, False, poison=True)
+            count += 2
+    finally:
+        fu.WORKSPACE_LIMIT_BYTES, fu._INT32_SAFE = limit, safe
+    return count
+
+
 def main() -> int:
+    if "--fused-only" in sys.argv or "--fused-quick" in sys.argv:
+        count = fused_cases(quick="--fused-quick" in sys.argv)
+        print(f"SANITIZE RUN OK: {count} fused cases")
+        return 0
     count = 0
     for ndim, transposed, seed in itertools.product((1, 2, 3), (False, True), range(2)):
         rng = np.random.default_rng(900 + 10 * ndim + seed + 100 * transposed)
@@ -109,6 +179,7 @@ def main() -> int:
             setattr(dcn_cuda, name, value)
     edge_case()
     count += 1
+    count += fused_cases()
     print(f"SANITIZE RUN OK: {count} cases")
     return 0
 

@@ -1,0 +1,793 @@
+// dcn_cupy: the fused deformable convolution forward (implicit GEMM on tensor cores).
+//
+// y[b, o, q] = bias[o] + sum_{t, c in group(o)} W[o, c, t] * m * sample(x[b, c], P(q, t))
+// computed without a columns buffer in global memory. Per block an output tile of BM output
+// channels (of one conv group) x BN positions p = b*Q + q (positions may span samples).
+// The reduction runs over steps (tap t, chunk of BK input channels of the group):
+//   * the weight tile (BM x BK, from the re-laid weights wr[o, t, c]) is copied to shared
+//     memory with cp.async (zero-filled past C_out/G);
+//   * the sampled tile (BK x BN) is built straight into shared memory from the CHANNELS-LAST
+//     input xcl[b, s, c] (row stride Cp, a multiple of the vector width): 256/BN threads per
+//     position, each owning CPT = BK*BN/256 consecutive channels; the 2^N corner rows and
+//     weights (mask included) of its (position, tap, offset group, mask group) live in
+//     registers and are recomputed only when that key changes (the next key's offsets and mask
+//     are fetched a step ahead); each corner is one 16-byte load of consecutive channels
+//     ("uniform" kernels, chosen when no thread's channels cross a conv / offset / mask group
+//     boundary), else one load per channel with the key checked per channel;
+//   * the tiles are multiplied on tensor cores with float32 accumulation: ENGINE 0, mma.sync
+//     (fp16 / bf16 m16n8k16 in their own format, float32 as TF32 m16n8k8 (PREC 1) or 3xTF32
+//     (PREC 2: a = big + small, three products, float32 accuracy)); ENGINE 1, wgmma (sm_90a,
+//     two warpgroups, m64nBNk16 / k8 from shared-memory descriptors; fp16, bf16, TF32), which
+//     runs asynchronously while the threads sample the next step.
+// The next step's weight copy and corner loads are issued before this step's MMAs complete
+// (two shared-memory buffers, one barrier per step).
+//
+// Semantics (DESIGN.md section 1): a position with a coordinate <= -1, >= S_a or non-finite
+// samples 0; a corner outside the grid or of N-linear weight exactly 0 is not read.
+//
+// The step order is a launch argument (taps_inner): chunk-major keeps a chunk's corners in L1
+// across the taps (corner sets computed per tap and chunk); tap-major computes each corner set
+// once per tap for all the thread's chunks.
+//
+// Template parameters: T storage type, I index type (int or long long), N spatial dims,
+// PREC (0: T's own tensor-core format; 1: TF32; 2: 3xTF32), the tile BM x BN x BK, MINB (blocks
+// per multiprocessor asked of the register allocator), UNIFORM (16-byte-vector sampler), ENGINE.
+// Dynamic shared memory: 2 * (BM + BN) * (BK + PAD) elements of T (PAD = 0 for wgmma).
+
+#include "dcn_common.cuh"
+
+using dcn::Geom;
+using dcn::Traits;
+
+namespace fused {
+
+constexpr int THREADS = 256;   // 8 warps: BN/32 along the positions x the rest along the channels
+
+// Channels per 16-byte vector (VEC) and the shared-memory row padding (PAD, one vector: rows
+// 16 (mod 128) bytes apart hit distinct banks for ldmatrix and the TF32 fragment loads).
+template <typename T> struct Tile { static const int VEC = 8; static const int PAD = 8; };
+template <> struct Tile<float> { static const int VEC = 4; static const int PAD = 4; };
+
+__device__ __forceinline__ unsigned smem_address(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+// 16-byte global -> shared copy; zero-fills when !full (nothing is read then).
+__device__ __forceinline__ void copy16_async(void* dst, const void* src, bool full) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_address(dst)), "l"(src), "r"(full ? 16 : 0));
+}
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void copy_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_address(p)));
+}
+
+__device__ __forceinline__ unsigned to_tf32(float v) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(v));
+    return r;
+}
+
+// 3xTF32: the TF32 rounding of v - big (v = big + small); 0 where big is not finite, so that an
+// infinite operand stays infinite (inf - inf would make the small part NaN).
+__device__ __forceinline__ unsigned split_small(float v, unsigned big) {
+    const float b = __uint_as_float(big);
+    return isfinite(b) ? to_tf32(v - b) : 0u;
+}
+
+// The TF32 bits `big` where finite, else 0 (the operand of a 3xTF32 cross term).
+__device__ __forceinline__ unsigned finite_or_zero(unsigned big) {
+    return isfinite(__uint_as_float(big)) ? big : 0u;
+}
+
+// D += A * B for one m16n8k16 (half types) tile.
+template <typename T> struct Mma16;
+template <> struct Mma16<__half> {
+    static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+            "{%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+template <> struct Mma16<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+            "{%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+// D += A * B for one m16n8k8 TF32 tile.
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Element offset of 16-byte vector kv of row `row` in a shared tile of rows of BK elements:
+// ENGINE 0 (mma.sync): rows padded to LD; ENGINE 1 (wgmma, no swizzle, K-major): 8x16-byte
+// "core matrices" of 8 consecutive rows, contiguous (128 bytes), the BK/VEC core matrices of an
+// 8-row group next to each other (leading byte offset 128, stride byte offset BK/VEC*128).
+template <int ENGINE, int LD, int BK, int VEC>
+__device__ __forceinline__ int tile_offset(int row, int kv) {
+    if constexpr (ENGINE == 0) {
+        return row * LD + kv * VEC;
+    } else {
+        return ((row >> 3) * (BK / VEC) + kv) * (8 * VEC) + (row & 7) * VEC;
+    }
+}
+
+// A wgmma shared-memory matrix descriptor (no swizzle): start address, leading and stride
+// byte offsets, each in units of 16 bytes.
+__device__ __forceinline__ unsigned long long wgmma_descriptor(const void* p, unsigned lbo, unsigned sbo) {
+    return (unsigned long long)((smem_address(p) & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+           ((unsigned long long)(sbo >> 4) << 32);
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void register_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// D(64xN, float) += A(64xK) * B(KxN), both from shared memory (descriptors), one warpgroup;
+// K = 16 (half types) or 8 (TF32), N = 64 or 128. sm_90a.
+template <typename T, int N> struct Wgmma;
+template <> struct Wgmma<__half, 128> {
+    static __device__ __forceinline__ void run(float (&d)[64], unsigned long long da, unsigned long long db) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+            : "l"(da), "l"(db), "r"(1));
+    }
+};
+template <> struct Wgmma<__nv_bfloat16, 128> {
+    static __device__ __forceinline__ void run(float (&d)[64], unsigned long long da, unsigned long long db) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+            : "l"(da), "l"(db), "r"(1));
+    }
+};
+template <> struct Wgmma<float, 128> {
+    static __device__ __forceinline__ void run(float (&d)[64], unsigned long long da, unsigned long long db) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+            : "l"(da), "l"(db), "r"(1));
+    }
+};
+template <> struct Wgmma<__half, 64> {
+    static __device__ __forceinline__ void run(float (&d)[32], unsigned long long da, unsigned long long db) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "l"(da), "l"(db), "r"(1));
+    }
+};
+template <> struct Wgmma<__nv_bfloat16, 64> {
+    static __device__ __forceinline__ void run(float (&d)[32], unsigned long long da, unsigned long long db) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "l"(da), "l"(db), "r"(1));
+    }
+};
+template <> struct Wgmma<float, 64> {
+    static __device__ __forceinline__ void run(float (&d)[32], unsigned long long da, unsigned long long db) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "l"(da), "l"(db), "r"(1));
+    }
+};
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// A vector of VEC values of T in 16 bytes, to and from float.
+template <typename T> struct Vec;
+template <> struct Vec<__half> {
+    static __device__ __forceinline__ void add(float* acc, float w, uint4 v) {
+        const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float2 f = __half22float2(h[j]);
+            acc[2 * j] += w * f.x;
+            acc[2 * j + 1] += w * f.y;
+        }
+    }
+    static __device__ __forceinline__ uint4 pack(const float* v) {
+        uint4 r;
+        __half2* h = reinterpret_cast<__half2*>(&r);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) h[j] = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
+        return r;
+    }
+};
+template <> struct Vec<__nv_bfloat16> {
+    static __device__ __forceinline__ void add(float* acc, float w, uint4 v) {
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float2 f = __bfloat1622float2(h[j]);
+            acc[2 * j] += w * f.x;
+            acc[2 * j + 1] += w * f.y;
+        }
+    }
+    static __device__ __forceinline__ uint4 pack(const float* v) {
+        uint4 r;
+        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&r);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+        return r;
+    }
+};
+template <> struct Vec<float> {
+    static __device__ __forceinline__ void add(float* acc, float w, uint4 v) {
+        acc[0] += w * __uint_as_float(v.x);
+        acc[1] += w * __uint_as_float(v.y);
+        acc[2] += w * __uint_as_float(v.z);
+        acc[3] += w * __uint_as_float(v.w);
+    }
+    static __device__ __forceinline__ uint4 pack(const float* v) {
+        return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
+    }
+};
+
+// The 2^N corners of one (position, tap, offset group, mask group): the channels-last row of
+// each corner that is read (-1: outside, zero weight, or the position samples 0) and its
+// weight times the mask. The offset and mask values of the next key can be fetched a step
+// ahead (prefetch), so that a new tap does not wait for them.
+template <typename I, int N>
+struct Sampler {
+    static const int NC = 1 << N;
+    I row[NC];
+    float weight[NC];
+    int key_t, key_go, key_gm;
+    int pf_t, pf_go, pf_gm;
+    float pf_off[N], pf_m;
+
+    __device__ __forceinline__ void reset() { key_t = -1; key_go = -1; key_gm = -1; pf_t = -1; }
+
+    __device__ __forceinline__ void clear() {
+        key_t = -1;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) row[c] = (I)-1;
+    }
+
+    template <typename T>
+    static __device__ __forceinline__ void fetch(int t, int go, int gm, const T* off_q, const T* msk_q, int K, I Q,
+                                                 float (&off)[N], float& m) {
+#pragma unroll
+        for (int a = 0; a < N; ++a) off[a] = 0.0f;
+        if (off_q != nullptr) {
+            const T* o = off_q + ((I)go * K + t) * (I)N * Q;
+#pragma unroll
+            for (int a = 0; a < N; ++a) off[a] = Traits<T>::load(o[(I)a * Q]);
+        }
+        m = msk_q == nullptr ? 1.0f : Traits<T>::load(msk_q[((I)gm * K + t) * Q]);
+    }
+
+    template <typename T>
+    __device__ __forceinline__ void prefetch(int t, int go, int gm, bool valid_position, const T* off_q,
+                                             const T* msk_q, int K, I Q) {
+        if (!valid_position || (t == key_t && go == key_go && gm == key_gm) ||
+            (t == pf_t && go == pf_go && gm == pf_gm)) return;
+        pf_t = t; pf_go = go; pf_gm = gm;
+        fetch(t, go, gm, off_q, msk_q, K, Q, pf_off, pf_m);
+    }
+
+    template <typename T>
+    __device__ __forceinline__ void update(int t, int go, int gm, bool valid_position, const Geom<N>& g,
+                                           const int (&qc)[N], const T* off_q, const T* msk_q, int K, I Q,
+                                           I sample_row) {
+        if (t == key_t && go == key_go && gm == key_gm) return;
+        key_t = t; key_go = go; key_gm = gm;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) row[c] = (I)-1;
+        if (!valid_position) return;
+        float off[N], m;
+        if (t == pf_t && go == pf_go && gm == pf_gm) {
+#pragma unroll
+            for (int a = 0; a < N; ++a) off[a] = pf_off[a];
+            m = pf_m;
+        } else {
+            fetch(t, go, gm, off_q, msk_q, K, Q, off, m);
+        }
+        int tc[N];
+        dcn::unravel<N, int>(t, g.ksize, tc);
+        float pos[N];
+#pragma unroll
+        for (int a = 0; a < N; ++a) pos[a] = (float)(qc[a] * g.stride[a] - g.pad[a] + tc[a] * g.dil[a]) + off[a];
+        int lo[N];
+        float frac[N];
+        if (!dcn::locate<float, N>(pos, g.in_size, lo, frac)) return;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            int coord[N];
+            float w;
+            if (dcn::corner<float, N>(c, lo, frac, g.in_size, coord, w) && w != 0.0f) {
+                row[c] = sample_row + dcn::flat_index<N, I>(coord, g.in_size);
+                weight[c] = w * m;
+            }
+        }
+    }
+};
+
+}  // namespace fused
+
+// x (B, C, S), sample stride `x_bstride` -> xcl (B, S, Cp), channels >= C zero.
+// A 64x64 (channel x position) tile through shared memory per block iteration, 16 elements
+// per thread in flight each way (blockDim 32 x 8).
+template <typename T, typename I>
+__global__ void fused_channels_last(const T* __restrict__ x, T* __restrict__ xcl, const int batch,
+                                    const int channels, const int Cp, const I S, const I x_bstride) {
+    constexpr int TILE = 64;
+    __shared__ T tile[TILE][TILE + 1];
+    const I s_tiles = (S + TILE - 1) / TILE;
+    const int c_tiles = (Cp + TILE - 1) / TILE;
+    const I blocks = (I)batch * c_tiles * s_tiles;
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    for (I blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
+        const I st = blk % s_tiles;
+        const I rest = blk / s_tiles;
+        const int ct = (int)(rest % c_tiles);
+        const int b = (int)(rest / c_tiles);
+        const I s0 = st * TILE;
+        const int c0 = ct * TILE;
+        const T* src = x + (I)b * x_bstride;
+        // read: threadIdx.x along positions (coalesced in x)
+#pragma unroll
+        for (int r = ty; r < TILE; r += 8) {
+            const int c = c0 + r;
+#pragma unroll
+            for (int h = 0; h < TILE; h += 32) {
+                const I s = s0 + tx + h;
+                tile[r][tx + h] = (c < channels && s < S) ? src[(I)c * S + s] : Traits<T>::store(0.0f);
+            }
+        }
+        __syncthreads();
+        // write: threadIdx.x along channels (coalesced in xcl)
+#pragma unroll
+        for (int r = ty; r < TILE; r += 8) {
+            const I s = s0 + r;
+#pragma unroll
+            for (int h = 0; h < TILE; h += 32) {
+                const int c = c0 + tx + h;
+                if (s < S && c < Cp) xcl[((I)b * S + s) * Cp + c] = tile[tx + h][r];
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// w (C_out, C/G, K) -> wr (C_out, K, Cgp): the GEMM's A operand, rows contiguous along the
+// input channels of one tap; channels >= C/G zero; float32 values rounded to TF32 when
+// round_tf32 (the TF32 wgmma reads A unrounded). One thread per (o, c), taps in a loop.
+template <typename T>
+__device__ __forceinline__ T maybe_tf32(T v, int) { return v; }
+template <>
+__device__ __forceinline__ float maybe_tf32<float>(float v, int round_tf32) {
+    return round_tf32 ? __uint_as_float(fused::to_tf32(v)) : v;
+}
+
+template <typename T, typename I>
+__global__ void fused_weight_rows(const T* __restrict__ w, T* __restrict__ wr, const int out_channels,
+                                  const int Cg, const int Cgp, const int K, const int round_tf32) {
+    const I total = (I)out_channels * Cgp;
+    for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
+        const int c = (int)(idx % Cgp);
+        const I o = idx / Cgp;
+        for (int t = 0; t < K; ++t) {
+            const T v = c < Cg ? maybe_tf32(w[(o * Cg + c) * K + t], round_tf32) : Traits<T>::store(0.0f);
+            wr[(o * K + t) * Cgp + c] = v;
+        }
+    }
+}
+
+template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool UNIFORM, int ENGINE>
+__global__ void __launch_bounds__(fused::THREADS, MINB)
+deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const T* __restrict__ offset,
+                     const T* __restrict__ mask, const T* __restrict__ bias, T* __restrict__ y,
+                     const Geom<N> g, const int batch, const int channels, const int Cp,
+                     const int out_channels, const int groups, const int offset_groups,
+                     const int mask_groups, const int Cgp, const I offset_bstride, const I mask_bstride,
+                     const int taps_inner) {
+    using namespace fused;
+    constexpr int VEC = Tile<T>::VEC;
+    constexpr int TPP = THREADS / BN;            // sampling threads per position
+    constexpr int LD = ENGINE == 0 ? BK + Tile<T>::PAD : BK;  // shared row length (A: per output channel, B: per position)
+    constexpr int CPT = BK / TPP;                // channels per sampling thread
+    constexpr int NV = CPT / VEC;                // 16-byte vectors per sampling thread
+    constexpr int NC = 1 << N;
+    constexpr int WARPS_N = BN / 32, WARPS_M = THREADS / 32 / WARPS_N;
+    constexpr int WM = BM / WARPS_M, WN = 32;    // warp tile
+    constexpr int MT = WM / 16, NT = WN / 8;     // mma tiles per warp
+    constexpr int A_VECS = BM * BK / VEC / THREADS;  // weight vectors copied per thread and step
+    static_assert(A_VECS >= 1 && NV >= 1 && MT >= 1 && NT % 2 == 0 && BM * BK % (VEC * THREADS) == 0, "tile shape");
+    static_assert(ENGINE == 0 || (BM % 128 == 0 && (BN == 64 || BN == 128) && PREC != 2),
+                  "wgmma: 2 warpgroups of BM/2 rows (m64 instructions) x BN positions, TF32 or half");
+
+    // Two buffers of the weight tile (BM rows of LD) and of the sampled tile (BN rows of LD).
+    extern __shared__ __align__(128) unsigned char fused_smem[];
+    T* const As0 = reinterpret_cast<T*>(fused_smem);
+    T* const Bs0 = As0 + 2 * BM * LD;
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int wm = warp % WARPS_M, wn = warp / WARPS_M;
+
+    const I Q = dcn::prod_size<N, I>(g.out_size);
+    const I S = dcn::prod_size<N, I>(g.in_size);
+    const int K = (int)dcn::prod_size<N, I>(g.ksize);
+    const I BQ = (I)batch * Q;
+    const int Cg = channels / groups;
+    const int Cog = out_channels / groups;
+    const int per_go = offset == nullptr ? channels : channels / offset_groups;
+    const int per_gm = mask == nullptr ? channels : channels / mask_groups;
+    const int m_tiles = (Cog + BM - 1) / BM;
+    const I bid = blockIdx.x;
+    const int grp = (int)((bid % ((I)m_tiles * groups)) / m_tiles);
+    const int m0 = (int)(bid % m_tiles) * BM;
+    const I p0 = (bid / ((I)m_tiles * groups)) * BN;
+    const int chunks = (Cg + BK - 1) / BK;
+    const int steps = K * chunks;
+    // Step order: taps inner (a chunk of channels for every tap, then the next chunk: the
+    // corners of one chunk stay in L1 across the taps; corner sets computed per tap and chunk)
+    // or taps outer (every chunk of one tap, then the next tap: corner sets computed per tap).
+    auto step_tap = [&](int step) { return taps_inner ? step % K : step / chunks; };
+    auto step_chunk = [&](int step) { return taps_inner ? step / K : step % chunks; };
+
+    // This thread's sampling position and channel slice.
+    const int sn = tid / TPP;
+    const int sh = (tid % TPP) * CPT;
+    const I sp = p0 + sn;
+    const bool svalid = sp < BQ;
+    int qc[N];
+    const T* off_q = nullptr;
+    const T* msk_q = nullptr;
+    I sample_row = 0;
+    {
+        const I b = svalid ? sp / Q : 0;
+        const I q = svalid ? sp % Q : 0;
+        dcn::unravel<N, I>(q, g.out_size, qc);
+        if (offset != nullptr) off_q = offset + b * offset_bstride + q;
+        if (mask != nullptr) msk_q = mask + b * mask_bstride + q;
+        sample_row = b * S;
+    }
+    fused::Sampler<I, N> smp;
+    smp.reset();
+    uint4 raw[UNIFORM ? NC : 1][NV];   // uniform: the corners' vectors; else the finished values
+
+    auto weight_copy = [&](int step, int buf) {
+        const int t = step_tap(step);
+        const int c0 = step_chunk(step) * BK;
+#pragma unroll
+        for (int j = 0; j < A_VECS; ++j) {
+            const int v = tid + j * THREADS;
+            const int r = v / (BK / VEC);
+            const int cv = (v % (BK / VEC)) * VEC;
+            const int o = m0 + r;
+            const bool full = o < Cog;
+            const T* src = wr + (((I)(grp * Cog + (full ? o : 0)) * K + t) * Cgp + c0 + cv);
+            copy16_async(As0 + buf * BM * LD + tile_offset<ENGINE, LD, BK, VEC>(r, cv / VEC), src, full);
+        }
+        copy_commit();
+    };
+
+    // Issue this thread's loads for `step` (uniform: raw corner vectors; otherwise the whole
+    // sample, one channel at a time).
+    auto sample_load = [&](int step) {
+        const int t = step_tap(step);
+        const int cl = step_chunk(step) * BK + sh;   // first channel within the group
+        if constexpr (UNIFORM) {
+            if (cl >= Cg) {
+                smp.clear();
+                return;
+            }
+            const int cabs = grp * Cg + cl;
+            smp.update(t, cabs / per_go, cabs / per_gm, svalid, g, qc, off_q, msk_q, K, Q, sample_row);
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                if (smp.row[c] >= 0) {
+                    const uint4* src = reinterpret_cast<const uint4*>(xcl + smp.row[c] * Cp + cabs);
+#pragma unroll
+                    for (int v = 0; v < NV; ++v) raw[c][v] = __ldg(src + v);
+                }
+            }
+            // the offset and mask of the step after, if they change then
+            if (step + 1 < steps) {
+                const int t2 = step_tap(step + 1);
+                const int cl2 = step_chunk(step + 1) * BK + sh;
+                if (cl2 < Cg) {
+                    const int cabs2 = grp * Cg + cl2;
+                    smp.prefetch(t2, cabs2 / per_go, cabs2 / per_gm, svalid, off_q, msk_q, K, Q);
+                }
+            }
+        } else {
+            float val[CPT];
+#pragma unroll
+            for (int j = 0; j < CPT; ++j) {
+                val[j] = 0.0f;
+                const int c = cl + j;
+                if (c < Cg) {
+                    const int cabs = grp * Cg + c;
+                    smp.update(t, cabs / per_go, cabs / per_gm, svalid, g, qc, off_q, msk_q, K, Q, sample_row);
+#pragma unroll
+                    for (int k = 0; k < NC; ++k) {
+                        if (smp.row[k] >= 0) val[j] += smp.weight[k] * Traits<T>::load(xcl[smp.row[k] * Cp + cabs]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int v = 0; v < NV; ++v) raw[0][v] = Vec<T>::pack(val + v * VEC);
+        }
+    };
+
+    // Finish the sample and store it into B buffer `buf` (row sn, channels sh..sh+CPT).
+    auto sample_store = [&](int buf) {
+        T* const bt = Bs0 + buf * BN * LD;
+        auto dst = [&](int v) -> uint4& {
+            return *reinterpret_cast<uint4*>(bt + tile_offset<ENGINE, LD, BK, VEC>(sn, sh / VEC + v));
+        };
+        if constexpr (UNIFORM) {
+            float acc[CPT];
+#pragma unroll
+            for (int j = 0; j < CPT; ++j) acc[j] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                if (smp.row[c] >= 0) {
+#pragma unroll
+                    for (int v = 0; v < NV; ++v) Vec<T>::add(acc + v * VEC, smp.weight[c], raw[c][v]);
+                }
+            }
+            if constexpr (PREC == 1) {
+#pragma unroll
+                for (int j = 0; j < CPT; ++j) acc[j] = __uint_as_float(to_tf32(acc[j]));
+            }
+#pragma unroll
+            for (int v = 0; v < NV; ++v) dst(v) = Vec<T>::pack(acc + v * VEC);
+        } else {
+#pragma unroll
+            for (int v = 0; v < NV; ++v) {
+                uint4 r = raw[0][v];
+                if constexpr (PREC == 1) {
+                    r.x = to_tf32(__uint_as_float(r.x)); r.y = to_tf32(__uint_as_float(r.y));
+                    r.z = to_tf32(__uint_as_float(r.z)); r.w = to_tf32(__uint_as_float(r.w));
+                }
+                dst(v) = r;
+            }
+        }
+    };
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+    auto multiply = [&](int buf) {
+        const T* A = As0 + buf * BM * LD;
+        const T* B = Bs0 + buf * BN * LD;
+        if constexpr (PREC == 0) {
+#pragma unroll
+            for (int kk = 0; kk < BK; kk += 16) {
+                unsigned af[MT][4];
+                unsigned bf[NT][2];
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
+                    const int r = wm * WM + i * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                    ldmatrix_x4(af[i], A + r * LD + kk + (lane >> 4) * 8);
+                }
+#pragma unroll
+                for (int j = 0; j < NT; j += 2) {
+                    unsigned r4[4];
+                    const int n = wn * WN + j * 8 + (lane & 7) + (lane >> 4) * 8;
+                    ldmatrix_x4(r4, B + n * LD + kk + ((lane >> 3) & 1) * 8);
+                    bf[j][0] = r4[0]; bf[j][1] = r4[1]; bf[j + 1][0] = r4[2]; bf[j + 1][1] = r4[3];
+                }
+#pragma unroll
+                for (int i = 0; i < MT; ++i)
+#pragma unroll
+                    for (int j = 0; j < NT; ++j) Mma16<T>::run(acc[i][j], af[i], bf[j][0], bf[j][1]);
+            }
+        } else {
+            const float* Af = reinterpret_cast<const float*>(A);
+            const float* Bf = reinterpret_cast<const float*>(B);
+            const int gq = lane >> 2, tq = lane & 3;
+#pragma unroll
+            for (int kk = 0; kk < BK; kk += 8) {
+                // 3xTF32: a*b ~ a_small*b_big + a_big*b_small + a_big*b_big. The cross terms
+                // take the big parts only where they are finite (else 0): 0 * inf would make
+                // NaN where the exact product is infinite; a_big*b_big carries inf / NaN.
+                unsigned ab[MT][4], bb[NT][2];
+                unsigned as[MT][4], bsm[NT][2], abx[MT][4], bbx[NT][2];
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
+                    const int r = wm * WM + i * 16 + gq;
+                    const float a[4] = {Af[r * LD + kk + tq], Af[(r + 8) * LD + kk + tq],
+                                        Af[r * LD + kk + tq + 4], Af[(r + 8) * LD + kk + tq + 4]};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        ab[i][e] = to_tf32(a[e]);
+                        if (PREC == 2) {
+                            as[i][e] = split_small(a[e], ab[i][e]);
+                            abx[i][e] = finite_or_zero(ab[i][e]);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    const int n = wn * WN + j * 8 + gq;
+                    const float bv[2] = {Bf[n * LD + kk + tq], Bf[n * LD + kk + tq + 4]};
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        // PREC 1: the sampler stored TF32-rounded values already.
+                        bb[j][e] = PREC == 1 ? __float_as_uint(bv[e]) : to_tf32(bv[e]);
+                        if (PREC == 2) {
+                            bsm[j][e] = split_small(bv[e], bb[j][e]);
+                            bbx[j][e] = finite_or_zero(bb[j][e]);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < MT; ++i)
+#pragma unroll
+                    for (int j = 0; j < NT; ++j) {
+                        if (PREC == 2) {
+                            mma_tf32(acc[i][j], as[i], bbx[j][0], bbx[j][1]);
+                            mma_tf32(acc[i][j], abx[i], bsm[j][0], bsm[j][1]);
+                        }
+                        mma_tf32(acc[i][j], ab[i], bb[j][0], bb[j][1]);
+                    }
+            }
+        }
+    };
+
+    // Prologue: step 0 into buffer 0.
+    weight_copy(0, 0);
+    sample_load(0);
+    sample_store(0);
+    copy_wait_all();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (ENGINE == 1) proxy_fence();   // generic-proxy writes, read by wgmma next
+#endif
+    __syncthreads();
+    if constexpr (ENGINE == 0) {
+        for (int s = 0; s < steps; ++s) {
+            const int cur = s & 1;
+            const bool more = s + 1 < steps;
+            if (more) {
+                weight_copy(s + 1, cur ^ 1);
+                sample_load(s + 1);
+            }
+            multiply(cur);
+            if (more) sample_store(cur ^ 1);
+            copy_wait_all();
+            __syncthreads();
+        }
+
+        // Epilogue: accumulators (+ bias) -> y[b, grp*Cog + o, q], straight from the fragments.
+        const int gq = lane >> 2, tq = lane & 3;
+        I ybase[NT][2];
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const I p = p0 + wn * WN + j * 8 + 2 * tq + e;
+                ybase[j][e] = p < BQ ? (p / Q) * out_channels * Q + p % Q : (I)-1;
+            }
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int o = m0 + wm * WM + i * 16 + gq + h * 8;
+                if (o >= Cog) continue;
+                const int oc = grp * Cog + o;
+                const float bv = bias == nullptr ? 0.0f : Traits<T>::load(bias[oc]);
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        if (ybase[j][e] >= 0) y[ybase[j][e] + (I)oc * Q] = Traits<T>::store(acc[i][j][h * 2 + e] + bv);
+                    }
+            }
+    } else {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        // Warpgroup wg computes rows BM/2*wg.. of the tile (MI m64 instructions); the MMA of a
+        // step runs asynchronously while the threads sample the next step into the other buffer.
+        constexpr int KSTEP = PREC == 0 ? 16 : 8;          // wgmma K
+        constexpr int MI = BM / 2 / 64;
+        constexpr int NACC = BN / 2;                        // accumulators per thread and instruction
+        constexpr unsigned CORE = 128;                      // bytes of one 8x16-byte core matrix
+        constexpr unsigned SBO = (BK / VEC) * CORE;
+        const int wg = warp >> 2;
+        float d[MI][NACC];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int i = 0; i < NACC; ++i) d[mi][i] = 0.0f;
+        for (int s = 0; s < steps; ++s) {
+            const int cur = s & 1;
+            const bool more = s + 1 < steps;
+            const T* A = As0 + cur * BM * LD + wg * (BM / 2) * BK;
+            const T* B = Bs0 + cur * BN * LD;
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < BK / KSTEP; ++ks) {
+                const unsigned long long db = wgmma_descriptor(B + ks * 2 * 8 * VEC, CORE, SBO);
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi) {
+                    Wgmma<T, BN>::run(d[mi], wgmma_descriptor(A + mi * 64 * BK + ks * 2 * 8 * VEC, CORE, SBO), db);
+                }
+            }
+            wgmma_commit();
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
+            if (more) {
+                weight_copy(s + 1, cur ^ 1);
+                sample_load(s + 1);
+                sample_store(cur ^ 1);
+            }
+            wgmma_wait_all();
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
+            copy_wait_all();
+            proxy_fence();
+            __syncthreads();
+        }
+        // Epilogue: d[mi][4j + e] is row 64*mi + 16*(warp%4) + lane/4 + 8*(e/2) of the
+        // warpgroup's rows, position 8j + 2*(lane%4) + e%2.
+        const int gq = lane >> 2, tq = lane & 3;
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int o = m0 + wg * (BM / 2) + mi * 64 + (warp & 3) * 16 + gq + h * 8;
+                if (o >= Cog) continue;
+                const int oc = grp * Cog + o;
+                const float bv = bias == nullptr ? 0.0f : Traits<T>::load(bias[oc]);
+#pragma unroll
+                for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const I p = p0 + j * 8 + 2 * tq + e;
+                        if (p < BQ) {
+                            y[(p / Q) * out_channels * Q + p % Q + (I)oc * Q] =
+                                Traits<T>::store(d[mi][4 * j + 2 * h + e] + bv);
+                        }
+                    }
+            }
+#else
+        __trap();   // wgmma kernels are built for sm_90a only
+#endif
+    }
+}

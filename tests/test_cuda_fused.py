@@ -1,0 +1,508 @@
+"""The fused forward ("cuda/fused"): NVRTC compilation of every instantiation (no GPU needed),
+then, on a GPU, the kernel forced (``fused_conv_forward``, or a given tile of either engine,
+mma.sync or wgmma, in either step order) against the float64 reference, the CPU backend and
+torchvision, for N = 1, 2, 3, both samplers (16-byte vectors and per channel), groups, offset
+groups != mask groups, stride / padding / dilation, with and without offset / mask / bias,
+non-finite and huge offsets, non-finite inputs, a broadcast batch, one-sample chunks, 64-bit
+indices, and the transposed backward-to-input. float32 (TF32 and 3xTF32) is tested although
+the plan layer keeps float32 on cuda/im2col.
+
+Tolerances (relative error in the norm): float16 3e-3 and bfloat16 2.4e-2 as for cuda/im2col
+(inputs rounded once, samples rounded once to the half type, output rounded once); TF32 3e-3
+(both operands rounded to 10 mantissa bits); strict float32 (3xTF32) 1e-5: the split keeps
+about 21 bits of each operand, float32 accumulation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np
+import pytest
+
+from dcn_cupy import _geometry, reference
+from dcn_cupy._interop import BFLOAT16
+
+from cases import fractional_offsets, random_case, relative_error
+
+REQUIRE = bool(os.environ.get("DCN_CUPY_REQUIRE_NVRTC"))
+ARCH = os.environ.get("DCN_CUPY_NVRTC_ARCH", "sm_90")
+
+TOL = {"float16": 3e-3, "bfloat16": 2.4e-2, "tf32": 3e-3, "float32": 1e-5}
+DTYPE = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16, "tf32": np.dtype(np.float32),
+         "float32": np.dtype(np.float32)}
+PRECISIONS = tuple(TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# compilation (no GPU)
+
+
+def _fused():
+    pytest.importorskip("cupy")
+    from dcn_cupy._backends import cuda_fused
+    return cuda_fused
+
+
+@pytest.fixture(scope="module")
+def toolchain():
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+        nvrtc.getVersion()
+    except Exception as error:
+        if REQUIRE:
+            pytest.fail(f"DCN_CUPY_REQUIRE_NVRTC is set but NVRTC is unavailable: {error}")
+        pytest.skip(f"CuPy/NVRTC is not available ({type(error).__name__})")
+    from dcn_cupy._backends import cuda, cuda_fused
+    if not cuda.cuda_include_dirs():
+        if REQUIRE:
+            pytest.fail("DCN_CUPY_REQUIRE_NVRTC is set but the CUDA headers were not found")
+        pytest.skip("the CUDA headers (cuda_fp16.h) were not found")
+    return nvrtc, cuda, cuda_fused
+
+
+def _module_keys():
+    try:
+        from dcn_cupy._backends import cuda_fused
+    except ImportError:
+        return []
+    return cuda_fused.all_module_keys()
+
+
+def _key_id(key):
+    dtype, ndim, index64, engine = key
+    return f"{np.dtype(dtype).name}-{ndim}d-{'i64' if index64 else 'i32'}-{'wgmma' if engine else 'mma'}"
+
+
+def _compile_module(key):
+    """NVRTC-compile one module to a cubin: (error log or None, lowered names, cubin size, log)."""
+    from cupy_backends.cuda.libs import nvrtc
+    from dcn_cupy._backends import cuda, cuda_fused as fused
+    names = fused.name_expressions(*key)
+    arch = fused.SM90A if key[3] == 1 else f"-arch={ARCH}"
+    program = nvrtc.createProgram(fused.module_source(), "dcn_cupy_fused.cu", (), ())
+    try:
+        for name in names:
+            nvrtc.addNameExpression(program, name)
+        try:
+            nvrtc.compileProgram(program, tuple(cuda.compile_options()) + (arch,))
+        except nvrtc.NVRTCError:
+            return nvrtc.getProgramLog(program), {}, 0, ""
+        lowered = {name: nvrtc.getLoweredName(program, name) for name in names}
+        return None, lowered, len(nvrtc.getCUBIN(program)), nvrtc.getProgramLog(program)
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+@pytest.fixture(scope="module")
+def compiled(toolchain):
+    """Every module compiled once, in parallel processes (each module takes 10-40 s)."""
+    from concurrent.futures import ProcessPoolExecutor
+    keys = _module_keys()
+    with ProcessPoolExecutor(max(1, min(len(keys), os.cpu_count() or 1))) as pool:
+        return dict(zip(keys, pool.map(_compile_module, keys)))
+
+
+@pytest.mark.parametrize("key", _module_keys(), ids=_key_id)
+def test_every_fused_instantiation_compiles(compiled, key):
+    error, lowered, size, log = compiled[key]
+    if error is not None:
+        pytest.fail("NVRTC compilation failed:\n" + error)
+    from dcn_cupy._backends import cuda_fused as fused
+    assert set(lowered) == set(fused.name_expressions(*key)) and all(lowered.values())
+    assert size > 0
+    assert "warning" not in log.lower(), log
+
+
+def test_fused_source_defines_exactly_the_instantiated_kernels():
+    fused = _fused()
+    source = fused.module_source()
+    assert '#line 1 "cuda/deform_fused.cu"' in source and '#line 1 "cuda/dcn_common.cuh"' in source
+    defined = set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(", source))
+    for key in fused.all_module_keys():
+        assert {name.split("<", 1)[0] for name in fused.name_expressions(*key)} == defined
+        assert all(name.endswith(f", {key[3]}>") for name in fused.name_expressions(*key)
+                   if name.startswith("deform_fused_forward"))
+
+
+class _Spec:
+    def __init__(self, dtype, device="cuda", geom=None):
+        self.dtype, self.device, self.geom, self.device_id, self.allow_tf32 = np.dtype(dtype), device, geom, 0, False
+        self.deterministic = False
+
+
+def test_serves_rule():
+    fused = _fused()
+    backend = fused.BACKEND
+    assert backend.device == "cuda" and backend.algorithm == "fused" and backend.priority > 10
+    assert "float64 stays on cuda/im2col" in backend.serves(_Spec(np.float64), "conv_forward")
+    assert "float32 stays on cuda/im2col (measured slower" in backend.serves(_Spec(np.float32), "conv_forward")
+    assert "only the forward" in backend.serves(_Spec(np.float32), "conv_backward")
+    assert "CUDA" in backend.serves(_Spec(np.float32, device="cpu"), "conv_forward")
+
+
+@pytest.mark.gpu
+def test_serves_the_half_types_and_float32_on_the_gpu():
+    cupy = _cupy()
+    fused = _fused()
+    for dtype in (np.float16, BFLOAT16):
+        reason = fused.BACKEND.serves(_Spec(dtype), "conv_forward")
+        assert (reason is None) == (int(cupy.cuda.Device(0).compute_capability) >= 80)
+
+
+def _geom(x_shape, w_shape, off_shape=None, m_shape=None, b_shape=None, **params):
+    return _geometry.conv_geometry(x_shape, w_shape, off_shape, m_shape, b_shape, **params)[0]
+
+
+def test_launch_config_choices():
+    fused = _fused()
+    # the benchmark shape: uniform sampler, 128-channel tiles, 32-bit indices, bounded workspace
+    g = _geom((8, 256, 56, 56), (256, 256, 3, 3), (8, 18, 56, 56), (8, 9, 56, 56), padding=1)
+    c = fused.LaunchConfig(g, np.float16, False, 132)
+    assert (c.uniform, c.tile[0], c.precision, c.index64, c.chunk) == (True, 256, 0, False, 8)
+    assert c.workspace_bytes >= 8 * 56 * 56 * 256 * 2 + 256 * 9 * 256 * 2
+    assert fused.LaunchConfig(g, np.float32, True, 132).precision == 1
+    assert fused.LaunchConfig(g, np.float32, False, 132).precision == 2
+    assert fused.LaunchConfig(g, np.float16, False, 132, wgmma=True).tile[4] == 1
+    assert fused.LaunchConfig(g, np.float32, True, 132, wgmma=True).tile[4] == 1
+    assert fused.LaunchConfig(g, np.float32, False, 132, wgmma=True).tile[4] == 0   # 3xTF32: mma.sync
+    # 64 output channels per group: 64-channel tiles; 3 channels: per-channel sampler
+    g = _geom((2, 64, 9, 9), (64, 32, 3, 3), groups=2)
+    assert fused.LaunchConfig(g, np.float16, False, 132).tile[0] == 64
+    g = _geom((2, 6, 9, 9), (4, 3, 3, 3), (2, 36, 7, 7), (2, 9, 7, 7), groups=2)
+    assert not fused.LaunchConfig(g, np.float16, False, 132).uniform
+    # offset groups of 8 channels split a float16 thread's 16: per-channel sampler
+    g = _geom((2, 64, 9, 9), (8, 64, 3, 3), (2, 8 * 18, 7, 7))
+    assert not fused.LaunchConfig(g, np.float16, False, 132).uniform
+    assert fused.LaunchConfig(g, np.float32, False, 132).uniform
+    with pytest.raises(ValueError, match="float16, bfloat16 and float32"):
+        fused.LaunchConfig(g, np.float64, False, 132)
+    # a tile without the per-channel sampler is refused where one is needed
+    with pytest.raises(ValueError, match="has no per-channel sampler"):
+        fused.LaunchConfig(g, np.float16, False, 132, tile=fused.TILES["half"][1])
+    with pytest.raises(ValueError, match="not 3xTF32"):
+        fused.LaunchConfig(g, np.float32, False, 132, tile=fused.TILES["float"][3])
+
+
+def test_64bit_indices_use_the_first_tile_of_each_engine(monkeypatch):
+    fused = _fused()
+    g = _geom((8, 256, 56, 56), (256, 256, 3, 3), (8, 18, 56, 56), (8, 9, 56, 56), padding=1)
+    monkeypatch.setattr(fused, "_INT32_SAFE", 0)
+    for dtype, key in ((np.float16, "half"), (np.float32, "float")):
+        first = {tile[4]: tile for tile in reversed(fused.TILES[key])}
+        assert set(fused._tiles(dtype, True)) == set(first.values())
+        for wgmma in (False, True):
+            c = fused.LaunchConfig(g, dtype, True, 132, wgmma=wgmma)
+            assert c.index64 and c.tile == first[c.tile[4]]
+            c = fused.LaunchConfig(g, dtype, True, 132, tile=fused.TILES[key][1])
+            assert c.index64 and c.tile == first[0]
+        for engine in (0, 1):
+            parts = [n.split("<", 1)[1].rstrip(">").split(", ")
+                     for n in fused.name_expressions(dtype, 2, True, engine) if n.startswith("deform_fused")]
+            assert parts and all(p[1] == "long long" for p in parts)
+            assert {tuple(int(v) for v in p[4:8] + p[9:]) for p in parts} == {first[engine]}
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+
+def _cupy():
+    return pytest.importorskip("cupy")
+
+
+ENGINES = pytest.mark.parametrize("engine", [0, 1], ids=["mma", "wgmma"])
+
+
+def engine_tile(engine, precision):
+    """The first tile of TILES of ``engine`` (skips where the device or precision has none)."""
+    fused = _fused()
+    if engine == 1 and (precision == "float32" or not fused.wgmma_available()):
+        pytest.skip("wgmma: compute capability 9.0 and fp16 / bf16 / TF32 only")
+    return next(tile for tile in fused._tiles(DTYPE[precision]) if tile[4] == engine)
+
+
+def run_fused(arrays: dict, params: dict, precision: str, ndim: int, engine=None):
+    """The fused forward of float64 NumPy ``arrays`` cast to ``precision``'s dtype (the
+    automatic tile, or the first of ``engine``); returns (result as float64 NumPy, the float64
+    reference of the rounded inputs, launch config)."""
+    cupy = _cupy()
+    fused = _fused()
+    dtype = DTYPE[precision]
+    tile = None if engine is None else engine_tile(engine, precision)
+    with np.errstate(over="ignore"):
+        rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
+        dev = {k: None if a is None else cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
+    shape = lambda k: None if arrays[k] is None else arrays[k].shape  # noqa: E731
+    geom = _geometry.conv_geometry(shape("input"), shape("weight"), shape("offset"), shape("mask"), shape("bias"),
+                                   ndim=ndim, **params)[0]
+    out = cupy.full(geom.y_shape, np.nan, dtype=dtype)   # poisoned: every element must be written
+    if tile is None:
+        fused.fused_conv_forward(dev["input"], dev["weight"], dev["offset"], dev["mask"], dev["bias"], geom, out,
+                                 allow_tf32=precision == "tf32")
+        config = fused.LaunchConfig(geom, dtype, precision == "tf32", wgmma=fused.wgmma_available())
+    else:
+        config = fused.LaunchConfig(geom, dtype, precision == "tf32", tile=tile)
+        fused.run_forward(config, dev["input"], dev["weight"], dev["offset"], dev["mask"], dev["bias"], out)
+    expected = reference.deform_conv(**rounded, **params)
+    return cupy.asnumpy(out).astype(np.float64), expected, config
+
+
+def wide_case(rng, ndim, *, groups=2, offset_groups=2, mask_groups=1, c_in=64, c_out=48, batch=3,
+              offset=True, mask=True, bias=True, kernel=None, stride=None, padding=None, dilation=None):
+    """Channel counts that take the 16-byte-vector sampler."""
+    kernel = kernel or (3,) * ndim
+    stride = stride or tuple(int(v) for v in rng.integers(1, 3, size=ndim))
+    padding = padding or tuple(int(v) for v in rng.integers(0, 2, size=ndim))
+    dilation = dilation or tuple(int(v) for v in rng.integers(1, 3, size=ndim))
+    size = {1: 23, 2: 11, 3: 6}[ndim]
+    S = (size,) * ndim
+    Q = tuple((s + 2 * p - d * (k - 1) - 1) // st + 1 for s, p, d, k, st in zip(S, padding, dilation, kernel, stride))
+    K = math.prod(kernel)
+    arrays = {
+        "input": rng.standard_normal((batch, c_in) + S),
+        "weight": rng.standard_normal((c_out, c_in // groups) + kernel) / math.sqrt(c_in * K / groups),
+        "offset": fractional_offsets(rng, (batch, offset_groups * K * ndim) + Q) if offset else None,
+        "mask": rng.uniform(0.1, 1.5, size=(batch, mask_groups * K) + Q) if mask else None,
+        "bias": rng.standard_normal(c_out) if bias else None,
+    }
+    params = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+    return arrays, params
+
+
+@pytest.mark.gpu
+@ENGINES
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_vector_sampler_matches_reference(ndim, precision, engine):
+    rng = np.random.default_rng(20 + ndim)
+    arrays, params = wide_case(rng, ndim)
+    got, expected, config = run_fused(arrays, params, precision, ndim, engine)
+    assert config.uniform
+    assert relative_error(got, expected) < TOL[precision]
+
+
+@pytest.mark.gpu
+@ENGINES
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+@pytest.mark.parametrize("seed", range(3))
+def test_per_channel_sampler_matches_reference(ndim, precision, seed, engine):
+    rng = np.random.default_rng(300 + 10 * ndim + seed)
+    case = random_case(rng, ndim, False, offset=seed != 1, mask=seed != 2, bias=seed != 0, channels_scale=3)
+    got, expected, config = run_fused(case.arrays_, case.params, precision, ndim, engine)
+    assert not config.uniform
+    assert relative_error(got, expected) < TOL[precision], case.label
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset_groups,mask_groups", [(1, 2), (2, 1), (4, 2), (2, 4)])
+@pytest.mark.parametrize("present", ["offset+mask+bias", "offset", "mask", "none"])
+def test_groups_and_missing_arguments(offset_groups, mask_groups, present):
+    """Every tile of TILES (both engines where the device has wgmma)."""
+    fused = _fused()
+    rng = np.random.default_rng(offset_groups * 7 + mask_groups)
+    arrays, params = wide_case(rng, 2, groups=2, offset_groups=offset_groups, mask_groups=mask_groups, c_in=128,
+                               c_out=160, offset="offset" in present, mask="mask" in present,
+                               bias="bias" in present)
+    for precision in PRECISIONS:
+        for tile in fused._tiles(DTYPE[precision]):
+            if tile[4] == 1 and (precision == "float32" or not fused.wgmma_available()):
+                continue
+            for taps_inner in (True, False):
+                got, expected, _ = run_fused_tile(arrays, params, precision, tile, taps_inner)
+                assert relative_error(got, expected) < TOL[precision], (precision, tile, taps_inner)
+
+
+def run_fused_tile(arrays, params, precision, tile, taps_inner=True):
+    cupy = _cupy()
+    fused = _fused()
+    dtype = DTYPE[precision]
+    dev = {k: None if a is None else cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
+    rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
+    geom = _geometry.conv_geometry(*(None if arrays[k] is None else arrays[k].shape
+                                     for k in ("input", "weight", "offset", "mask", "bias")), **params)[0]
+    config = fused.LaunchConfig(geom, dtype, precision == "tf32", tile=tile, taps_inner=taps_inner)
+    out = cupy.full(geom.y_shape, np.nan, dtype=dtype)
+    fused.run_forward(config, dev["input"], dev["weight"], dev["offset"], dev["mask"], dev["bias"], out)
+    return cupy.asnumpy(out).astype(np.float64), reference.deform_conv(**rounded, **params), config
+
+
+@pytest.mark.gpu
+def test_large_output_channel_tiles_and_batch_spanning_tiles():
+    # C_out/groups = 200: two 128-channel tiles, the second partial; 5 samples of 9x9 (81
+    # positions): position tiles span samples
+    rng = np.random.default_rng(5)
+    arrays, params = wide_case(rng, 2, groups=1, offset_groups=1, mask_groups=1, c_in=96, c_out=200, batch=5,
+                               stride=(1, 1), padding=(1, 1), dilation=(1, 1))
+    fused = _fused()
+    for precision in PRECISIONS:
+        for tile in fused._tiles(DTYPE[precision]):
+            if tile[4] == 1 and (precision == "float32" or not fused.wgmma_available()):
+                continue
+            got, expected, _ = run_fused_tile(arrays, params, precision, tile)
+            assert relative_error(got, expected) < TOL[precision], (precision, tile)
+
+
+@pytest.mark.gpu
+def test_matches_cpu_backend():
+    cupy = _cupy()
+    from dcn_cupy._backends import cpu
+    rng = np.random.default_rng(8)
+    for ndim in (1, 2, 3):
+        arrays, params = wide_case(rng, ndim)
+        geom = _geometry.conv_geometry(*(None if arrays[k] is None else arrays[k].shape
+                                         for k in ("input", "weight", "offset", "mask", "bias")), **params)[0]
+        host = {k: a.astype(np.float32) for k, a in arrays.items()}
+        expected = cpu.conv_forward(host["input"], host["weight"], host["offset"], host["mask"], host["bias"], geom)
+        out = cupy.empty(geom.y_shape, dtype=np.float32)
+        _fused().fused_conv_forward(*(cupy.asarray(host[k]) for k in ("input", "weight", "offset", "mask", "bias")),
+                                    geom, out, allow_tf32=False)
+        assert relative_error(cupy.asnumpy(out), expected) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+def test_matches_torchvision(precision):
+    cupy = _cupy()
+    torch = pytest.importorskip("torch")
+    ops = pytest.importorskip("torchvision.ops")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    rng = np.random.default_rng(9)
+    arrays, params = wide_case(rng, 2, groups=1, offset_groups=2, mask_groups=2, c_in=64, c_out=64, batch=4,
+                               stride=(2, 1), padding=(1, 2), dilation=(1, 2))
+    dtype = DTYPE[precision]
+    dev = torch.device("cuda", cupy.cuda.runtime.getDevice())
+    tdtype = {"float32": torch.float32, "float16": torch.float16}[precision]
+    t = {k: torch.from_numpy(a).to(dev, tdtype) for k, a in arrays.items()}
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        y_tv = ops.deform_conv2d(t["input"], t["offset"], t["weight"], t["bias"], stride=params["stride"],
+                                 padding=params["padding"], dilation=params["dilation"], mask=t["mask"])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+    got, expected, _ = run_fused(arrays, params, precision, 2)
+    tv = y_tv.double().cpu().numpy()
+    assert relative_error(got, tv) < 2 * TOL[precision]
+    if precision == "float16":   # no worse than torchvision against the float64 reference
+        assert relative_error(got, expected) <= 1.5 * relative_error(tv, expected)
+
+
+@pytest.mark.gpu
+@ENGINES
+@pytest.mark.parametrize("precision", ["float32", "tf32", "float16"])
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+@pytest.mark.parametrize("wide", [True, False], ids=["vector", "per-channel"])
+def test_non_finite_and_huge_offsets(ndim, precision, wide, engine):
+    rng = np.random.default_rng(40 + ndim)
+    if wide:
+        arrays, params = wide_case(rng, ndim)
+    else:
+        case = random_case(rng, ndim, False, batch=2)
+        arrays, params = dict(case.arrays_), case.params
+    offset = arrays["offset"].copy()
+    flat = offset.reshape(-1)
+    bad = np.array([np.nan, np.inf, -np.inf, 1e30, -1e30, 3e9, -3e9, 65504.0, 2.0**31, -0.999999, -1.0])
+    picks = rng.choice(flat.size, size=min(flat.size, 4 * bad.size), replace=False)
+    flat[picks] = np.resize(bad, picks.size)
+    arrays = dict(arrays, offset=offset)
+    got, expected, _ = run_fused(arrays, params, precision, ndim, engine)
+    assert np.all(np.isfinite(got))
+    assert relative_error(got, expected) < TOL[precision]
+
+
+@pytest.mark.gpu
+@ENGINES
+@pytest.mark.parametrize("precision", ["float32", "tf32"])
+@pytest.mark.parametrize("wide", [True, False], ids=["vector", "per-channel"])
+def test_non_finite_input_reaches_exactly_the_dense_convolution_pattern(wide, precision, engine):
+    """Zero offsets, no mask: the non-finite pattern equals the dense convolution's (corners of
+    weight 0 are not read; 3xTF32 keeps an infinite operand infinite)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(77)
+    C = 32 if wide else 6
+    x = rng.standard_normal((2, C, 9, 8))
+    x[0, 1, 3, 4] = np.inf
+    x[1, C - 1, 0, 0] = np.nan
+    w = rng.standard_normal((8, C, 3, 3))
+    arrays = {"input": x, "weight": w, "offset": np.zeros((2, 18, 9, 8)), "mask": None, "bias": None}
+    got, _, _ = run_fused_tile(arrays, dict(padding=1), precision, engine_tile(engine, precision))
+    dense = torch.nn.functional.conv2d(torch.from_numpy(x.astype(np.float32).astype(np.float64)),
+                                       torch.from_numpy(w.astype(np.float32).astype(np.float64)), padding=1).numpy()
+    assert np.array_equal(np.isnan(got), np.isnan(dense))
+    assert np.array_equal(np.isinf(got), np.isinf(dense))
+    finite = np.isfinite(dense)
+    assert relative_error(got[finite], dense[finite]) < TOL[precision]
+
+
+@pytest.mark.gpu
+def test_functional_api_and_transposed_backward_to_input(monkeypatch):
+    """Forced selection: the CUDA backend's conv_forward routed to the fused kernel serves the
+    functional forward and the transposed convolution's backward-to-input."""
+    cupy = _cupy()
+    from dcn_cupy._backends import cuda
+    fused = _fused()
+    calls = []
+
+    def forward(x, weight, offset, mask, bias, geom):
+        out = cupy.empty(geom.y_shape, dtype=x.dtype)
+        fused.fused_conv_forward(x, weight, offset, mask, bias, geom, out, allow_tf32=False)
+        calls.append(geom)
+        return out
+
+    rng = np.random.default_rng(12)
+    for ndim in (1, 2, 3):
+        case = random_case(rng, ndim, True, channels_scale=16)
+        arrays = {k: None if a is None else cupy.asarray(a.astype(np.float32)) for k, a in case.arrays_.items()}
+        rounded = {k: None if a is None else a.astype(np.float32).astype(np.float64) for k, a in case.arrays_.items()}
+        gy = rng.standard_normal(case.reference().shape).astype(np.float32)
+        exact = case.backward(cupy.asarray(gy, np.float64), **{k: None if a is None else cupy.asarray(a)
+                                                                 for k, a in rounded.items()},
+                              wrt=("input",), **case.params).input
+        monkeypatch.setattr(cuda, "conv_forward", forward)
+        got = case.backward(cupy.asarray(gy), **arrays, wrt=("input",), **case.params).input
+        monkeypatch.undo()
+        assert calls, "the fused forward was not called"
+        assert relative_error(cupy.asnumpy(got), cupy.asnumpy(exact)) < 1e-5, case.label
+        calls.clear()
+        conv = random_case(rng, ndim, False, channels_scale=16)
+        monkeypatch.setattr(cuda, "conv_forward", forward)
+        y = conv.forward(**conv.arrays(lambda a: cupy.asarray(a.astype(np.float32))), **conv.params)
+        monkeypatch.undo()
+        assert calls
+        expected = conv.reference({k: None if a is None else a.astype(np.float32).astype(np.float64)
+                                   for k, a in conv.arrays_.items()})
+        assert relative_error(cupy.asnumpy(y), expected) < 1e-5, conv.label
+
+
+@pytest.mark.gpu
+def test_broadcast_batch_chunks_and_64bit_indices(monkeypatch):
+    """A batch of stride 0, one-sample channels-last chunks, and the 64-bit instantiation."""
+    cupy = _cupy()
+    fused = _fused()
+    rng = np.random.default_rng(13)
+    arrays, params = wide_case(rng, 2, batch=3)
+    dev = {k: None if a is None else cupy.asarray(a.astype(np.float16)) for k, a in arrays.items()}
+    x1 = dev["input"][:1]
+    dev["input"] = cupy.broadcast_to(x1, (3,) + x1.shape[1:])
+    rounded = {k: None if a is None else a.astype(np.float16).astype(np.float64) for k, a in arrays.items()}
+    rounded["input"] = np.broadcast_to(rounded["input"][:1], rounded["input"].shape)
+    expected = reference.deform_conv(**rounded, **params)
+    geom = _geometry.conv_geometry(*(None if arrays[k] is None else arrays[k].shape
+                                     for k in ("input", "weight", "offset", "mask", "bias")), **params)[0]
+    monkeypatch.setattr(fused, "WORKSPACE_LIMIT_BYTES", 1)
+    monkeypatch.setattr(fused, "_INT32_SAFE", 0)
+    config = fused.LaunchConfig(geom, np.float16, False)
+    assert config.chunk == 1 and config.index64
+    out = cupy.full(geom.y_shape, np.nan, dtype=np.float16)
+    workspace = cupy.empty(config.workspace_bytes, dtype=np.uint8)
+    fused.FusedForward(config).run(dev, out, workspace)
+    assert relative_error(cupy.asnumpy(out).astype(np.float64), expected) < TOL["float16"]
+    with pytest.raises(ValueError, match="workspace must hold at least"):
+        fused.FusedForward(config).run(dev, out, workspace[:10])
