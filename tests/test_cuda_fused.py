@@ -140,7 +140,9 @@ def test_serves_rule():
     backend = fused.BACKEND
     assert backend.device == "cuda" and backend.algorithm == "fused" and backend.priority > 10
     assert "float64 stays on cuda/im2col" in backend.serves(_Spec(np.float64), "conv_forward")
-    assert "float32 stays on cuda/im2col (measured slower" in backend.serves(_Spec(np.float32), "conv_forward")
+    assert "measured slower than cuda/im2col" in backend.recommends(_Spec(np.float32), "conv_forward")
+    assert backend.recommends(_Spec(np.float16), "conv_forward") is None
+    assert backend.primitives == ("conv_forward",)
     assert "only the forward" in backend.serves(_Spec(np.float32), "conv_backward")
     assert "CUDA" in backend.serves(_Spec(np.float32, device="cpu"), "conv_forward")
 
@@ -442,43 +444,40 @@ def test_non_finite_input_reaches_exactly_the_dense_convolution_pattern(wide, pr
 
 
 @pytest.mark.gpu
-def test_functional_api_and_transposed_backward_to_input(monkeypatch):
-    """Forced selection: the CUDA backend's conv_forward routed to the fused kernel serves the
-    functional forward and the transposed convolution's backward-to-input."""
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_plans_choose_and_force_fused(dtype):
+    """The plan layer: automatic choice (fused for the half types, im2col for float32), forced
+    selection through ``algorithm=`` and ``use_algorithm``, and the transposed convolution's
+    backward-to-input (a conv forward by duality) on the fused kernel."""
     cupy = _cupy()
-    from dcn_cupy._backends import cuda
-    fused = _fused()
-    calls = []
-
-    def forward(x, weight, offset, mask, bias, geom):
-        out = cupy.empty(geom.y_shape, dtype=x.dtype)
-        fused.fused_conv_forward(x, weight, offset, mask, bias, geom, out, allow_tf32=False)
-        calls.append(geom)
-        return out
-
+    import dcn_cupy
+    from dcn_cupy._backends import use_algorithm
     rng = np.random.default_rng(12)
+    tol = 1e-5 if dtype == np.float32 else 3e-3
     for ndim in (1, 2, 3):
-        case = random_case(rng, ndim, True, channels_scale=16)
-        arrays = {k: None if a is None else cupy.asarray(a.astype(np.float32)) for k, a in case.arrays_.items()}
-        rounded = {k: None if a is None else a.astype(np.float32).astype(np.float64) for k, a in case.arrays_.items()}
-        gy = rng.standard_normal(case.reference().shape).astype(np.float32)
-        exact = case.backward(cupy.asarray(gy, np.float64), **{k: None if a is None else cupy.asarray(a)
-                                                                 for k, a in rounded.items()},
-                              wrt=("input",), **case.params).input
-        monkeypatch.setattr(cuda, "conv_forward", forward)
-        got = case.backward(cupy.asarray(gy), **arrays, wrt=("input",), **case.params).input
-        monkeypatch.undo()
-        assert calls, "the fused forward was not called"
-        assert relative_error(cupy.asnumpy(got), cupy.asnumpy(exact)) < 1e-5, case.label
-        calls.clear()
         conv = random_case(rng, ndim, False, channels_scale=16)
-        monkeypatch.setattr(cuda, "conv_forward", forward)
-        y = conv.forward(**conv.arrays(lambda a: cupy.asarray(a.astype(np.float32))), **conv.params)
-        monkeypatch.undo()
-        assert calls
-        expected = conv.reference({k: None if a is None else a.astype(np.float32).astype(np.float64)
-                                   for k, a in conv.arrays_.items()})
-        assert relative_error(cupy.asnumpy(y), expected) < 1e-5, conv.label
+        arrays = conv.arrays(lambda a: cupy.asarray(a.astype(dtype)))
+        rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in conv.arrays_.items()}
+        auto = dcn_cupy.plan(**arrays, **conv.params)
+        expected_auto = "cuda/fused" if dtype == np.float16 else "cuda/im2col"
+        assert f"forward: {expected_auto}" in auto.algorithm, auto.algorithm
+        forced = dcn_cupy.plan(**arrays, **conv.params, algorithm="cuda/fused")
+        assert "forward: cuda/fused" in forced.algorithm, forced.algorithm
+        y = forced.forward(**arrays)
+        assert relative_error(cupy.asnumpy(y).astype(np.float64), conv.reference(rounded)) < tol, conv.label
+        with use_algorithm("cuda/fused"):
+            y2 = conv.forward(**arrays, **conv.params)
+        assert cupy.array_equal(y, y2), conv.label
+
+        case = random_case(rng, ndim, True, channels_scale=16)
+        arrays = case.arrays(lambda a: cupy.asarray(a.astype(dtype)))
+        rounded = {k: None if a is None else cupy.asarray(a.astype(dtype).astype(np.float64))
+                   for k, a in case.arrays_.items()}
+        gy = rng.standard_normal(case.reference().shape).astype(dtype)
+        exact = case.backward(cupy.asarray(gy, np.float64), **rounded, wrt=("input",), **case.params).input
+        with use_algorithm("cuda/fused"):
+            got = case.backward(cupy.asarray(gy), **arrays, wrt=("input",), **case.params).input
+        assert relative_error(cupy.asnumpy(got).astype(np.float64), cupy.asnumpy(exact)) < tol, case.label
 
 
 @pytest.mark.gpu

@@ -128,6 +128,10 @@ class _Lazy:
     def serves(self, spec, primitive):
         return self._load().serves(spec, primitive)
 
+    def recommends(self, spec, primitive):
+        recommends = getattr(self._load(), "recommends", None)
+        return None if recommends is None else recommends(spec, primitive)
+
     def build(self, spec, primitive):
         return self._load().build(spec, primitive)
 
@@ -173,6 +177,11 @@ def choose(spec: PlanSpec, primitive: str, forced: Optional[str] = None):
         if primitive not in getattr(backend, "primitives", PRIMITIVES):
             continue
         reason = backend.serves(spec, primitive)
+        if reason is None:
+            # What a backend can compute but is not the best choice for (measured slower) it
+            # says through ``recommends``; it stays available to a forced choice.
+            recommends = getattr(backend, "recommends", None)
+            reason = recommends(spec, primitive) if recommends is not None else None
         if reason is None:
             return backend, None
         reasons.append(f"{backend.device}/{backend.algorithm}: {reason}")
@@ -266,6 +275,7 @@ class _NumbaExecutable:
 register(_NumbaBackend())
 register_lazy("cuda", "im2col", 0, "dcn_cupy._backends.cuda:BACKEND")
 register_lazy("cuda", "im2col-deterministic", -1, "dcn_cupy._backends.cuda_deterministic:BACKEND")
+register_lazy("cuda", "fused", 20, "dcn_cupy._backends.cuda_fused:BACKEND")
 
 
 def cuda_source_dir():

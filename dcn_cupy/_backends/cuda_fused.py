@@ -507,19 +507,22 @@ class FusedForward:
                     args.get("bias"), out, workspace)
 
 
-#: The dtypes the plan layer may choose cuda/fused for: float32 measured slower than cuda/im2col
-#: (TF32 0.61 vs 0.47 ms, strict 1.15 vs 1.00 ms on an H200 at B=8 C256 56x56; NOTES-gpu.md),
-#: so it stays there; fused_conv_forward computes float32 too (TF32 or 3xTF32).
-SERVED_DTYPES = (np.dtype(np.float16), BFLOAT16)
+#: The dtypes the plan layer chooses cuda/fused for on its own: float32 measured slower than
+#: cuda/im2col (TF32 0.61 vs 0.47 ms, strict 1.15 vs 1.00 ms on an H200 at B=8 C256 56x56;
+#: NOTES-gpu.md), so it stays there unless forced (``algorithm="cuda/fused"``).
+PREFERRED_DTYPES = (np.dtype(np.float16), BFLOAT16)
+SERVED_DTYPES = PREFERRED_DTYPES + (np.dtype(np.float32),)
 
 
 class FusedBackend:
-    """``cuda/fused``: serves the forward for float16 and bfloat16 on CUDA devices of compute
-    capability 8.0 or more; float32 and float64 stay on ``cuda/im2col``."""
+    """``cuda/fused``: computes the forward for float16, bfloat16 and float32 (TF32 or 3xTF32)
+    on CUDA devices of compute capability 8.0 or more, and is chosen automatically for float16
+    and bfloat16; float64 stays on ``cuda/im2col``."""
 
     device = "cuda"
     algorithm = "fused"
     priority = 20              # above cuda/im2col wherever it serves
+    primitives = ("conv_forward",)
 
     def serves(self, spec, primitive: str):
         if primitive != "conv_forward":
@@ -528,12 +531,16 @@ class FusedBackend:
             return f"cuda/fused runs on CUDA devices, not {spec.device}"
         dtype = np.dtype(spec.dtype)
         if dtype not in SERVED_DTYPES:
-            why = ("measured slower than cuda/im2col in float32" if dtype == np.float32
-                   else "it computes in float32 on tensor cores")
-            return f"cuda/fused serves float16 and bfloat16; {dtype} stays on cuda/im2col ({why})"
+            return f"cuda/fused serves float16, bfloat16 and float32; {dtype} stays on cuda/im2col"
         capability = int(cupy.cuda.Device(spec.device_id).compute_capability)
         if capability < 80:
             return f"cuda/fused needs compute capability 8.0 or more (cp.async, bf16 mma.sync), got {capability / 10}"
+        return None
+
+    def recommends(self, spec, primitive: str):
+        """None where the automatic choice should take cuda/fused; else why not."""
+        if np.dtype(spec.dtype) not in PREFERRED_DTYPES:
+            return "float32 measured slower than cuda/im2col (force algorithm='cuda/fused' to use it)"
         return None
 
     def build(self, spec, primitive: str) -> FusedForward:
