@@ -12,7 +12,8 @@ over default (target: at most 1.3). "bitwise" says whether 3 deterministic runs 
 bits (and, for information, whether 3 default runs did). Precisions: fp32 (strict, no TF32)
 and fp16.
 
-Usage: ``python benchmarks/deterministic.py [--quick]``.
+Usage: ``python benchmarks/deterministic.py [--quick]`` (without a CUDA device it says so and
+exits with status 0).
 
 Measured on one NVIDIA H200 (2026-11-26, CuPy 14.2, CUDA 13), ms:
 
@@ -30,6 +31,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu import no_gpu_reason  # noqa: E402
 
 
 def _time(fn, warmup: int, repeats: int, inner: int) -> float:
@@ -71,6 +78,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     args = parser.parse_args(argv)
+    reason = no_gpu_reason()
+    if reason is not None:
+        print(f"deterministic.py: {reason}: nothing to measure.")
+        return 0
     import cupy
     import numpy as np
 

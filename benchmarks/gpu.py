@@ -8,14 +8,24 @@ median of several repeats of a loop of launches):
 * 3D, B=2 C 32->32 32^3, 3x3x3, padding 1, offset + mask: dcn_cupy only (forward,
   forward+backward and the transposed forward).
 
-Precisions: fp32 (strict: TF32 off everywhere), tf32 (float32 data, TF32 GEMMs / cuDNN),
-fp16, bf16. "fwd+bwd" is the forward plus every gradient (input, weight, offset, mask, bias;
-input, weight, bias for the dense conv). "peak" is the peak memory allocated during the call
-beyond what was allocated before it (inputs excluded, outputs and workspace included), read
-off CuPy's pool (dcn_cupy, through a memory hook) or torch's allocator statistics.
+dcn_cupy runs through plans (``dcn_cupy.plan``, validated once; each call allocates its
+output, gradients and workspace from CuPy's pool, as the functional API does). Rows:
+``dcn_cupy`` is the automatic choice (cuda/fused forward for fp16/bf16, cuda/im2col
+otherwise; ``plan.algorithm`` is in the JSON); ``dcn_cupy cuda/im2col`` and ``dcn_cupy
+cuda/fused`` force that algorithm where the automatic choice took the other one (forced
+cuda/fused computes float32 in TF32 or 3xTF32); ``dcn_cupy deterministic`` is
+``deterministic=True`` (the backward on cuda/im2col-deterministic).
+
+Precisions: fp32 (strict: TF32 off everywhere), tf32 (float32 data, TF32 GEMMs / cuDNN; the
+plans get ``allow_tf32=``), fp16, bf16. "fwd+bwd" is the forward plus every gradient (input,
+weight, offset, mask, bias; input, weight, bias for the dense conv). "peak" is the peak memory
+allocated during the call beyond what was allocated before it (inputs excluded, outputs and
+workspace included), read off CuPy's pool (dcn_cupy, through a memory hook) or torch's
+allocator statistics.
 
 Usage: ``python benchmarks/gpu.py [--quick] [--json PATH] [--only 2d|3d]``; ``main(argv)`` is
-what ``python -m dcn_cupy bench`` calls. Prints a table and writes JSON.
+what ``python -m dcn_cupy bench`` calls. Prints a table and writes JSON. Without a CUDA device
+(or CuPy) it says so and returns 0.
 """
 
 from __future__ import annotations
@@ -34,6 +44,19 @@ PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
 
 # ---------------------------------------------------------------------------------------------
 # timing and memory
+
+
+def no_gpu_reason():
+    """None when CuPy sees a CUDA device; else why not (the GPU scripts then exit cleanly)."""
+    try:
+        import cupy
+    except Exception as error:  # not installed, or a broken install
+        return f"CuPy is not importable ({type(error).__name__}: {error})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # no driver, no device
+        return f"no CUDA device visible to CuPy ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
+    return None if count > 0 else "no CUDA device visible to CuPy"
 
 
 def _time_cupy(fn, warmup: int, repeats: int, inner: int) -> float:
@@ -121,14 +144,17 @@ def _peak_torch(fn, leaves=()) -> float:
 
 
 def _set_precision(precision: str):
-    """Data dtype for the precision, with TF32 switched on only for 'tf32' (torch and dcn_cupy)."""
+    """Data dtype for the precision, with TF32 switched on only for 'tf32' (torch's switches;
+    dcn_cupy's plans get ``allow_tf32=_allow_tf32(precision)``)."""
     import torch
-    from dcn_cupy._backends import cuda as dcn_cuda
-    tf32 = precision == "tf32"
+    tf32 = _allow_tf32(precision)
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
-    dcn_cuda.ALLOW_TF32 = tf32
     return {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+
+
+def _allow_tf32(precision: str) -> bool:
+    return precision == "tf32"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,63 +188,63 @@ def _as_cupy(*tensors):
     return tuple(to_native(t, f"benchmark tensor {i}")[0] for i, t in enumerate(tensors))
 
 
-def bench_dcn(shape, precision, args, transposed_too=False):
+#: The dcn_cupy rows: label, plan options. Forced rows are kept only where their algorithm
+#: string differs from the automatic row's.
+DCN_ROWS = (
+    ("dcn_cupy", {}),
+    ("dcn_cupy cuda/im2col", {"algorithm": "cuda/im2col"}),
+    ("dcn_cupy cuda/fused", {"algorithm": "cuda/fused"}),
+    ("dcn_cupy deterministic", {"deterministic": True}),
+)
+
+
+def bench_dcn(shape, precision, args, transposed_too=False, fused=True):
+    """Rows of dcn_cupy plans: the automatic choice, the forced algorithms that differ from it
+    (``fused``: cuda/fused included), ``deterministic=True``; the transposed forward too."""
     import cupy
     import dcn_cupy
     dtype = _set_precision(precision)
+    tf32 = _allow_tf32(precision)
     x, w, b, off, msk, gy = _as_cupy(*_make_inputs(shape, dtype))
-    n = len(shape["S"])
-    fwd = getattr(dcn_cupy, f"deform_conv{n}d")
-    bwd = getattr(dcn_cupy, f"deform_conv{n}d_backward")
+    rows, seen = [], set()
+    for label, options in DCN_ROWS:
+        if label == "dcn_cupy cuda/fused" and not fused:
+            continue
+        try:
+            p = dcn_cupy.plan(x, w, off, msk, b, padding=1, allow_tf32=tf32, **options)
+        except ValueError as error:   # the forced algorithm does not serve this configuration
+            rows.append({"impl": label, "error": f"ValueError: {str(error).splitlines()[0][:100]}"})
+            continue
+        if p.algorithm in seen:
+            continue
+        seen.add(p.algorithm)
 
-    def forward():
-        return fwd(x, w, off, msk, b, padding=1)
+        def forward(p=p):
+            return p.forward(x, w, off, msk, b)
 
-    def forward_backward():
-        y = forward()
-        return y, bwd(gy, x, w, off, msk, b, padding=1)
+        def forward_backward(p=p):
+            y = p.forward(x, w, off, msk, b)
+            return y, p.backward(gy, x, w, off, msk, b)
 
-    row = {"impl": "dcn_cupy"}
-    row["fwd_ms"] = _time_cupy(forward, args.warmup, args.repeats, args.inner)
-    row["fwdbwd_ms"] = _time_cupy(forward_backward, args.warmup, args.repeats, max(1, args.inner // 2))
-    row["fwd_peak_mib"] = _peak_cupy(forward)
-    row["fwdbwd_peak_mib"] = _peak_cupy(forward_backward)
-    rows = [row]
+        row = {"impl": label, "algorithm": p.algorithm, "workspace_mib": p.workspace_bytes / 2**20}
+        row["fwd_ms"] = _time_cupy(forward, args.warmup, args.repeats, args.inner)
+        row["fwdbwd_ms"] = _time_cupy(forward_backward, args.warmup, args.repeats, max(1, args.inner // 2))
+        row["fwd_peak_mib"] = _peak_cupy(forward)
+        row["fwdbwd_peak_mib"] = _peak_cupy(forward_backward)
+        rows.append(row)
     if transposed_too:
-        tfwd = getattr(dcn_cupy, f"deform_conv_transpose{n}d")
         # w (C_out, C_in, *k) -> (C_in, C_out, *k): the transposed layout (C_in, C_out/groups, *k),
         # groups = 1, taking x's C_in channels to C_out (b's length)
         wt = cupy.ascontiguousarray(w.swapaxes(0, 1))
+        p = dcn_cupy.plan(x, wt, off, msk, b, padding=1, transposed=True, allow_tf32=tf32)
 
         def transposed():
-            return tfwd(x, wt, off, msk, b, padding=1)
+            return p.forward(x, wt, off, msk, b)
 
-        rows.append({"impl": "dcn_cupy transposed", "fwd_ms": _time_cupy(transposed, args.warmup, args.repeats, args.inner),
+        rows.append({"impl": "dcn_cupy transposed", "algorithm": p.algorithm,
+                     "fwd_ms": _time_cupy(transposed, args.warmup, args.repeats, args.inner),
                      "fwd_peak_mib": _peak_cupy(transposed)})
     return rows
-
-
-def bench_fused(shape, precision, args):
-    """The fused forward (cuda/fused) called directly: output allocation, channels-last copy,
-    weight re-layout and the fused kernel, workspace from CuPy's pool, all timed."""
-    import cupy
-    from dcn_cupy import _geometry
-    from dcn_cupy._backends import cuda_fused
-    dtype = _set_precision(precision)
-    x, w, b, off, msk, gy = _as_cupy(*_make_inputs(shape, dtype))
-    n = len(shape["S"])
-    geom = _geometry.conv_geometry(x.shape, w.shape, off.shape, msk.shape, b.shape, padding=1, ndim=n)[0]
-    tf32 = precision == "tf32"
-
-    def forward():
-        y = cupy.empty(geom.y_shape, dtype=x.dtype)
-        cuda_fused.fused_conv_forward(x, w, off, msk, b, geom, y, allow_tf32=tf32)
-        return y
-
-    row = {"impl": "dcn_cupy fused"}
-    row["fwd_ms"] = _time_cupy(forward, args.warmup, args.repeats, args.inner)
-    row["fwd_peak_mib"] = _peak_cupy(forward)
-    return [row]
 
 
 def accuracy(shape, args):
@@ -239,19 +265,17 @@ def _accuracy_one(shape, precision, tdtype) -> dict:
     import cupy
     import torch
     import dcn_cupy
-    from dcn_cupy import _geometry
-    from dcn_cupy._backends import cuda_fused
     n = len(shape["S"])
     t16 = _make_inputs(shape, tdtype, seed=3)
     x, w, b, off, msk = _as_cupy(*t16[:5])
-    geom = _geometry.conv_geometry(x.shape, w.shape, off.shape, msk.shape, b.shape, padding=1, ndim=n)[0]
-    forward = getattr(dcn_cupy, f"deform_conv{n}d")
-    ref = forward(*(a.astype(cupy.float64) for a in (x, w, off, msk, b)), padding=1)
+    wide = tuple(a.astype(cupy.float64) for a in (x, w, off, msk, b))
+    ref = dcn_cupy.plan(*wide, padding=1).forward(*wide)
     scale = float(cupy.linalg.norm(ref))
     error = lambda y: float(cupy.linalg.norm(y.astype(cupy.float64) - ref)) / scale  # noqa: E731
-    y = cupy.empty(geom.y_shape, dtype=x.dtype)
-    cuda_fused.fused_conv_forward(x, w, off, msk, b, geom, y, allow_tf32=False)
-    out = {f"fused {precision}": error(y), f"im2col {precision}": error(forward(x, w, off, msk, b, padding=1))}
+    out = {}
+    for name in ("fused", "im2col"):
+        p = dcn_cupy.plan(x, w, off, msk, b, padding=1, algorithm=f"cuda/{name}")
+        out[f"{name} {precision}"] = error(p.forward(x, w, off, msk, b))
     if n == 2 and precision == "fp16":
         try:
             from torchvision.ops import deform_conv2d
@@ -349,7 +373,10 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default="bench_gpu.json", help="where to write the results (JSON)")
     parser.add_argument("--only", choices=("1d", "2d", "3d"), default=None)
     parser.add_argument("--shapes", default=None, help="comma-separated indices into SHAPES")
-    parser.add_argument("--no-fused", action="store_true", help="skip the cuda/fused rows")
+    parser.add_argument("--shape", default=None,
+                        help="one custom shape instead of SHAPES: B,C_in,C_out,S (S like 56x56; 3^N kernel)")
+    parser.add_argument("--no-fused", action="store_true",
+                        help="skip the forced cuda/fused rows and the fp16/bf16 accuracy line")
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=7)
@@ -357,6 +384,18 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.warmup, args.repeats, args.inner = 2, 3, 4
+    custom = None
+    if args.shape:
+        try:
+            B, C_in, C_out, spatial = args.shape.split(",")
+            custom = {"name": f"custom B={B} C{C_in}->{C_out} {spatial}", "B": int(B), "C_in": int(C_in),
+                      "C_out": int(C_out), "S": tuple(int(v) for v in spatial.split("x"))}
+        except ValueError:
+            parser.error(f"--shape must look like B,C_in,C_out,S (e.g. 2,16,16,8x8), got {args.shape!r}")
+    reason = no_gpu_reason()
+    if reason is not None:
+        print(f"benchmarks/gpu.py: {reason}: nothing to measure.")
+        return 0
     import cupy
     import torch
     import dcn_cupy
@@ -369,6 +408,8 @@ def main(argv=None) -> int:
     shapes = [s for s in SHAPES if args.only is None or s["name"].lower().startswith(args.only)]
     if args.shapes:
         shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
+    if custom is not None:
+        shapes = [custom]
     meta = {
         "device": _device_name(), "dcn_cupy": dcn_cupy.__version__, "cupy": cupy.__version__,
         "torch": torch.__version__, "torchvision": tv_version, "python": platform.python_version(),
@@ -379,9 +420,8 @@ def main(argv=None) -> int:
     for shape in shapes:
         is2d = len(shape["S"]) == 2
         for precision in precisions:
-            benches = [("dcn_cupy", lambda s=shape, p=precision: bench_dcn(s, p, args, transposed_too=not is2d))]
-            if not args.no_fused:
-                benches.append(("dcn_cupy fused", lambda s=shape, p=precision: bench_fused(s, p, args)))
+            benches = [("dcn_cupy", lambda s=shape, p=precision, t=not is2d: bench_dcn(
+                s, p, args, transposed_too=t, fused=not args.no_fused))]
             if is2d:
                 if tv_version is not None:
                     benches.append(("torchvision", lambda s=shape, p=precision: bench_torchvision(s, p, args)))
@@ -397,9 +437,10 @@ def main(argv=None) -> int:
                     if "fwd_ms" in row and "transposed" not in row["impl"]:
                         row["fwd_tflops"] = _gflop(shape) / row["fwd_ms"]
                     results.append(row)
-                    print(f"  {shape['name']:<28} {precision:<5} {row['impl']:<20} "
+                    print(f"  {shape['name']:<28} {precision:<5} {row['impl']:<22} "
                           f"fwd {_fmt(row.get('fwd_ms', '-'))} ms {_fmt(row.get('fwd_tflops', '-'), '{:6.1f}')} TFLOP/s  fwd+bwd {_fmt(row.get('fwdbwd_ms', '-'))} ms"
-                          + (f"  {row['error']}" if "error" in row else ""), flush=True)
+                          + (f"  {row['error']}" if "error" in row else "")
+                          + (f"  [{row['algorithm']}]" if "algorithm" in row else ""), flush=True)
                 import gc
                 gc.collect()
                 cupy.get_default_memory_pool().free_all_blocks()
@@ -409,7 +450,7 @@ def main(argv=None) -> int:
     # speedups of dcn_cupy against the others, per shape and precision
     by_key = {(r["shape"], r["precision"], r["impl"]): r for r in results}
     for r in results:
-        if r["impl"] not in ("dcn_cupy", "dcn_cupy fused") or "fwd_ms" not in r:
+        if not r["impl"].startswith("dcn_cupy") or "transposed" in r["impl"] or "fwd_ms" not in r:
             continue
         for other, tag in (("torchvision", "tv"), ("dense conv (cuDNN)", "dense")):
             # bf16: torchvision has none, so against its fp16 (issue 8's target)
@@ -426,7 +467,7 @@ def main(argv=None) -> int:
     print()
     print(f"device: {meta['device']}; cupy {meta['cupy']}, torch {meta['torch']}, torchvision {tv_version}; "
           f"median of {args.repeats} x {args.inner} launches (CUDA events)")
-    header = (f"| {'shape':<27} | {'prec':<4} | {'impl':<20} | {'fwd ms':>8} | {'TFLOP/s':>7} | {'fwd+bwd ms':>10} | "
+    header = (f"| {'shape':<27} | {'prec':<4} | {'impl':<22} | {'fwd ms':>8} | {'TFLOP/s':>7} | {'fwd+bwd ms':>10} | "
               f"{'fwd peak MiB':>12} | {'f+b peak MiB':>12} | {'vs tv fwd':>9} | {'vs tv f+b':>9} | "
               f"{'vs dense fwd':>12} | {'vs dense f+b':>12} |")
     print(header)
@@ -436,15 +477,18 @@ def main(argv=None) -> int:
             v = r.get(key)
             return (spec.format(v) if isinstance(v, (int, float)) else "-").rjust(width)
         if "error" in r:
-            print(f"| {r['shape']:<27} | {r['precision']:<4} | {r['impl']:<20} | error: {r['error']}")
+            print(f"| {r['shape']:<27} | {r['precision']:<4} | {r['impl']:<22} | error: {r['error']}")
             continue
-        print(f"| {r['shape']:<27} | {r['precision']:<4} | {r['impl']:<20} | {f('fwd_ms', 8)} | "
+        print(f"| {r['shape']:<27} | {r['precision']:<4} | {r['impl']:<22} | {f('fwd_ms', 8)} | "
               f"{f('fwd_tflops', 7, '{:.1f}')} | {f('fwdbwd_ms', 10)} | "
               f"{f('fwd_peak_mib', 12, '{:.0f}')} | {f('fwdbwd_peak_mib', 12, '{:.0f}')} | "
               f"{f('fwd_speedup_vs_tv', 9, '{:.2f}x')} | {f('fwdbwd_speedup_vs_tv', 9, '{:.2f}x')} | "
               f"{f('fwd_speedup_vs_dense', 12, '{:.2f}x')} | {f('fwdbwd_speedup_vs_dense', 12, '{:.2f}x')} |")
-    print("(vs X = X's time / dcn_cupy's time: above 1 means dcn_cupy is faster; bf16 fused vs tv: "
+    print("(vs X = X's time / dcn_cupy's time: above 1 means dcn_cupy is faster; bf16 vs tv: "
           "against torchvision's fp16)")
+    algorithms = sorted({(r["impl"], r["precision"], r["algorithm"]) for r in results if "algorithm" in r})
+    for impl, precision, algorithm in algorithms:
+        print(f"  {impl} {precision}: {algorithm}")
     if not args.no_fused and any(len(s["S"]) == 2 for s in shapes):
         try:
             errors = accuracy(next(s for s in shapes if len(s["S"]) == 2), args)

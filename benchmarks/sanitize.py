@@ -1,55 +1,82 @@
-"""A representative subset of the CUDA backend for ``compute-sanitizer --tool memcheck``.
+"""A representative subset of the CUDA algorithms for ``compute-sanitizer --tool memcheck``.
 
     compute-sanitizer --tool memcheck --leak-check no python benchmarks/sanitize.py
     compute-sanitizer --tool racecheck python benchmarks/sanitize.py --fused-quick
 
 CuPy's memory pool is switched off (plain cudaMalloc per array), so that memcheck sees every
 array's real bounds. Runs forward and all gradients of conv and transposed conv for N = 1, 2, 3,
-float64 / float32 / float16 / bfloat16, with offset groups != mask groups, conv groups, stride /
-padding / dilation, non-finite and huge offsets, positions at the box edges, one-sample chunks,
-the 64-bit index instantiations, and the tiled scatter with no halo and with almost no shared
-memory (corners outside its box); checks the float64 results against the reference.
-Then the fused forward (cuda/fused, ``fused_cases``): both samplers, every precision, N = 1, 2,
-3, poisoned offsets, partial tiles, one-sample chunks and the 64-bit instantiation, checked
-against the reference; ``--fused-only`` runs just those (for racecheck).
+float64 / float32 / float16 / bfloat16 (the automatic choice, which takes cuda/fused for the
+half types' forwards, and cuda/im2col forced for them too), with offset groups != mask groups,
+conv groups, stride / padding / dilation, non-finite and huge offsets, positions at the box
+edges; then cuda/im2col (forced through ``use_algorithm``) and cuda/im2col-deterministic with a
+workspace limit just large enough for the configuration (one-sample chunks, and chunks of rows
+within a sample wherever the grid has several rows) and the 64-bit index instantiations; the
+tiled scatter (both algorithms) with no halo and with almost no shared memory (corners outside
+its box); checks the float64 results against the reference.
+Then the fused forward (cuda/fused, ``fused_cases``, through plans with
+``algorithm="cuda/fused"`` and, per tile, its launch configurations): both samplers, every
+precision, N = 1, 2, 3, poisoned offsets, partial tiles, one-sample chunks and the 64-bit
+instantiation, checked against the reference; ``--fused-only`` runs just those (for racecheck).
+Without a CUDA device (or CuPy) it says so and exits with status 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-import cupy  # noqa: E402
-
-cupy.cuda.set_allocator(None)          # no pool: every array is its own cudaMalloc
-cupy.cuda.set_pinned_memory_allocator(None)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import dcn_cupy  # noqa: E402
-from dcn_cupy._backends import cuda as dcn_cuda  # noqa: E402
+from dcn_cupy._backends import use_algorithm  # noqa: E402
 from dcn_cupy._interop import BFLOAT16  # noqa: E402
 
 from cases import ARGUMENTS, random_case, relative_error  # noqa: E402
+from gpu import no_gpu_reason  # noqa: E402
 
 BAD = np.array([np.nan, np.inf, -np.inf, 1e30, -1e30, 65504.0, -0.999999, 0.0])
+HALF = (np.dtype(np.float16), BFLOAT16)
+
+cupy = None        # imported by _setup(), once a CUDA device is known to be there
+dcn_cuda = None    # dcn_cupy._backends.cuda (imports CuPy)
 
 
-def run_case(case, dtype, poison: bool):
-    arrays = dict(case.arrays_)
-    if poison and arrays["offset"] is not None:
+def _setup() -> None:
+    global cupy, dcn_cuda
+    import cupy as module
+    module.cuda.set_allocator(None)          # no pool: every array is its own cudaMalloc
+    module.cuda.set_pinned_memory_allocator(None)
+    cupy = module
+    from dcn_cupy._backends import cuda
+    dcn_cuda = cuda
+
+
+def _poisoned(arrays: dict) -> dict:
+    arrays = dict(arrays)
+    if arrays["offset"] is not None:
         off = arrays["offset"].copy()
         flat = off.reshape(-1)
         flat[::5] = np.resize(BAD, flat[::5].size)
         arrays["offset"] = off
+    return arrays
+
+
+def run_case(case, dtype, poison: bool, deterministic: bool = False):
+    """Forward and every gradient through the functional API (the algorithm forced by the
+    caller's ``use_algorithm``, if any); float64 checked against the reference."""
+    arrays = _poisoned(case.arrays_) if poison else dict(case.arrays_)
     with np.errstate(over="ignore"):  # huge offsets become inf in float16, on purpose
         gpu = {k: None if a is None else cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
-    y = case.forward(**gpu, **case.params)
-    grads = case.backward(cupy.ones(y.shape, dtype=dtype), **gpu, **case.params)
+    flags = {"deterministic": True} if deterministic else {}
+    y = case.forward(**gpu, **case.params, **(flags if case.transposed else {}))
+    grads = case.backward(cupy.ones(y.shape, dtype=dtype), **gpu, **case.params, **flags)
     cupy.cuda.Device().synchronize()
     assert bool(cupy.isfinite(y).all())
     for name in ARGUMENTS:
@@ -59,6 +86,59 @@ def run_case(case, dtype, poison: bool):
         expected = case.reference({k: None if a is None else a.astype(np.float64) for k, a in arrays.items()})
         err = relative_error(cupy.asnumpy(y), expected)
         assert err < 1e-10, (err, case.label)
+
+
+def _spec_of(case, dtype):
+    """The PlanSpec of ``case`` at ``dtype`` on the current device."""
+    from dcn_cupy import _geometry
+    from dcn_cupy._backends import PlanSpec
+    shapes = [None if case.arrays_[k] is None else case.arrays_[k].shape for k in ARGUMENTS]
+    geometry = _geometry.conv_transpose_geometry if case.transposed else _geometry.conv_geometry
+    geom = geometry(*shapes, ndim=case.ndim, **case.params)[0]
+    return PlanSpec(geom, np.dtype(dtype), "cuda", cupy.cuda.runtime.getDevice(), False, False)
+
+
+def smallest_limit(case, dtype, backward: str):
+    """A workspace limit (dcn_cupy._backends.cuda.WORKSPACE_LIMIT_BYTES) just large enough for
+    ``backward``'s conv_backward of ``case`` and, where the plan's forward is cuda/im2col's, that
+    forward (bisection on building them; the limit 1 would refuse them with a MemoryError), and
+    whether either runs chunks of rows within a sample there."""
+    from dcn_cupy._backends import backend_named
+    spec = _spec_of(case, dtype)
+    builders = [(backward, "conv_backward")]
+    if backward == "cuda/im2col" or np.dtype(dtype) not in HALF:  # else the forward is cuda/fused's
+        builders.insert(0, ("cuda/im2col", "conv_forward"))
+
+    def build(limit):
+        with _settings(WORKSPACE_LIMIT_BYTES=limit):
+            try:
+                return [backend_named(name).build(spec, primitive) for name, primitive in builders]
+            except MemoryError:
+                return None
+
+    lo, hi = 1, 1 << 12
+    while build(hi) is None:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:    # lo refused, hi builds (the smallest such limit, up to the cuBLAS share's steps)
+        mid = (lo + hi) // 2
+        if build(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    return hi, any(e.rows is not None for e in build(hi))
+
+
+@contextlib.contextmanager
+def _settings(**values):
+    """Set dcn_cupy._backends.cuda's module settings (part of the functional API's plan key)."""
+    saved = {name: getattr(dcn_cuda, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(dcn_cuda, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(dcn_cuda, name, value)
 
 
 def edge_case():
@@ -79,20 +159,19 @@ def fused_cases(quick: bool = False) -> int:
     count = 0
 
     def run(case, dtype, allow_tf32, poison, tile=None):
-        arrays = dict(case.arrays_)
-        if poison and arrays["offset"] is not None:
-            off = arrays["offset"].copy()
-            off.reshape(-1)[::5] = np.resize(BAD, off.reshape(-1)[::5].size)
-            arrays["offset"] = off
+        arrays = _poisoned(case.arrays_) if poison else dict(case.arrays_)
         with np.errstate(over="ignore"):
             gpu = {k: None if a is None else cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
             rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
-        shapes = [None if arrays[k] is None else arrays[k].shape for k in ARGUMENTS]
-        geom = _geometry.conv_geometry(*shapes, ndim=case.ndim, **case.params)[0]
-        out = cupy.empty(geom.y_shape, dtype=dtype)
-        if tile is None:
-            fu.fused_conv_forward(*(gpu[k] for k in ARGUMENTS), geom, out, allow_tf32=allow_tf32)
-        else:
+        if tile is None:   # a plan forcing the algorithm, as a user would
+            p = dcn_cupy.plan(*(gpu[k] for k in ARGUMENTS), **case.params, algorithm="cuda/fused",
+                              allow_tf32=allow_tf32)
+            assert p.algorithm.startswith("forward: cuda/fused"), p.algorithm
+            out = p.forward(*(gpu[k] for k in ARGUMENTS))
+        else:              # one tile: its launch configuration (plans choose the tile themselves)
+            shapes = [None if arrays[k] is None else arrays[k].shape for k in ARGUMENTS]
+            geom = _geometry.conv_geometry(*shapes, ndim=case.ndim, **case.params)[0]
+            out = cupy.empty(geom.y_shape, dtype=dtype)
             fu.run_forward(fu.LaunchConfig(geom, dtype, allow_tf32, tile=tile), *(gpu[k] for k in ARGUMENTS), out)
         cupy.cuda.Device().synchronize()
         got = cupy.asnumpy(out).astype(np.float64)
@@ -121,6 +200,7 @@ def fused_cases(quick: bool = False) -> int:
             count += 1
     if quick:
         return count
+    # one-sample chunks of the channels-last copy (a sample is never split) and 64-bit indices
     limit, safe = fu.WORKSPACE_LIMIT_BYTES, fu._INT32_SAFE
     try:
         fu.WORKSPACE_LIMIT_BYTES, fu._INT32_SAFE = 1, 0
@@ -136,47 +216,57 @@ def fused_cases(quick: bool = False) -> int:
 
 
 def main() -> int:
+    reason = no_gpu_reason()
+    if reason is not None:
+        print(f"sanitize.py: {reason}: nothing to run.")
+        return 0
+    _setup()
     if "--fused-only" in sys.argv or "--fused-quick" in sys.argv:
         count = fused_cases(quick="--fused-quick" in sys.argv)
         print(f"SANITIZE RUN OK: {count} fused cases")
         return 0
     count = 0
+    # every dtype: the automatic choice (cuda/fused forwards for the half types), and for the
+    # half types cuda/im2col forced as well
     for ndim, transposed, seed in itertools.product((1, 2, 3), (False, True), range(2)):
         rng = np.random.default_rng(900 + 10 * ndim + seed + 100 * transposed)
         case = random_case(rng, ndim, transposed, batch=2 + seed)
         for dtype in (np.float64, np.float32, np.float16, BFLOAT16):
             run_case(case, dtype, poison=seed == 1)
             count += 1
-    # one-sample chunks and the 64-bit instantiations
-    limit, safe = dcn_cuda.WORKSPACE_LIMIT_BYTES, dcn_cuda._INT32_SAFE
-    try:
-        dcn_cuda.WORKSPACE_LIMIT_BYTES = 1
-        dcn_cuda._INT32_SAFE = 0
+            if np.dtype(dtype) in HALF:
+                with use_algorithm("cuda/im2col"):
+                    run_case(case, dtype, poison=seed == 1)
+                count += 1
+    # one-sample chunks, chunks of rows within a sample and the 64-bit instantiations: the
+    # smallest workspace limit each configuration builds with (the limit 1 is refused)
+    rows = total = 0
+    with _settings(_INT32_SAFE=0):
         for ndim in (1, 2, 3):
             rng = np.random.default_rng(950 + ndim)
             for transposed in (False, True):
                 case = random_case(rng, ndim, transposed, batch=3)
-                run_case(case, np.float64, poison=True)
-                run_case(case, np.float16, poison=True)
-                count += 2
-    finally:
-        dcn_cuda.WORKSPACE_LIMIT_BYTES, dcn_cuda._INT32_SAFE = limit, safe
-    # the tiled scatter's global fallback: no halo, and only 64 bytes of shared memory
-    names = ("TILE_HALO", "TILE_SMEM_BYTES")
-    saved = {name: getattr(dcn_cuda, name) for name in names}
-    try:
-        for values in ((0, 48 * 1024), (3, 64)):
-            for name, value in zip(names, values):
-                setattr(dcn_cuda, name, value)
+                for dtype in (np.float64, np.float16):
+                    for backward, deterministic in (("cuda/im2col", False), ("cuda/im2col-deterministic", True)):
+                        limit, in_rows = smallest_limit(case, dtype, backward)
+                        rows, total = rows + in_rows, total + 1
+                        with _settings(WORKSPACE_LIMIT_BYTES=limit), use_algorithm(backward):
+                            run_case(case, dtype, poison=True, deterministic=deterministic)
+                        count += 1
+    print(f"small workspace limits: {total} configurations, {rows} of them in chunks of rows within a sample",
+          flush=True)
+    # the tiled scatters' global fallback: no halo, and only 64 bytes of shared memory
+    for values in ((0, 48 * 1024), (3, 64)):
+        with _settings(TILE_HALO=values[0], TILE_SMEM_BYTES=values[1]):
             for ndim in (1, 2, 3):
                 rng = np.random.default_rng(970 + ndim)
                 case = random_case(rng, ndim, ndim == 2, batch=2, channels_scale=3)
-                run_case(case, np.float64, poison=True)
-                run_case(case, np.float32, poison=True)
-                count += 2
-    finally:
-        for name, value in saved.items():
-            setattr(dcn_cuda, name, value)
+                with use_algorithm("cuda/im2col"):
+                    run_case(case, np.float64, poison=True)
+                    run_case(case, np.float32, poison=True)
+                with use_algorithm("cuda/im2col-deterministic"):
+                    run_case(case, np.float64, poison=True, deterministic=True)
+                count += 3
     edge_case()
     count += 1
     count += fused_cases()

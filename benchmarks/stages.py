@@ -1,13 +1,17 @@
-"""Time the CUDA backend's stages separately (for NOTES-gpu.md).
+"""Time the CUDA algorithms whole, through plans, and the stages of their executables alone (for NOTES-gpu.md).
 
-    python benchmarks/stages.py [--shape 8,256,56] [--dtypes float16,float32] [--ndim 2]
+    python benchmarks/stages.py [--shape 8,256,56] [--dtypes float16,float32] [--ndim 2] [--tf32] [--fused]
 
-Prints, per dtype: the forward, the one-pass backward (all gradients), the backward to the
-input and to the parameters as separate calls, and the time of each stage (im2col, GEMMs,
-layout kernel, tiled col2im, grouped offset/mask-gradient kernel) alone; then the fused
-forward ("cuda/fused", ``--fused`` alone skips the rest): the whole forward, its channels-last
-copy, its weight re-layout and the fused kernel alone for each tile height, with TFLOP/s
-(2 * C_out * C_in * K * B * Q over the time).
+Prints, per dtype: for each distinct plan (``dcn_cupy.plan`` with the automatic choice, which
+takes cuda/fused for float16/bfloat16; forced ``algorithm="cuda/im2col"`` and
+``"cuda/fused"``; ``deterministic=True``), with ``out=`` and ``workspace=`` given so that no
+allocation is timed: the forward, the one-pass backward (all gradients), and the backward to
+the input and to the parameters as separate calls. Then each stage of the cuda/im2col
+executables alone, summed over the executable's chunks as a call runs them (im2col, GEMMs,
+layout kernel, batch_to_columns, tiled col2im, grouped offset/mask-gradient kernel); then the
+fused forward ("cuda/fused", ``--fused`` alone skips the rest): the whole forward, its
+channels-last copy, its weight re-layout and the fused kernel alone for each tile height, with
+TFLOP/s (2 * C_out * C_in * K * B * Q over the time). TF32 GEMMs only with ``--tf32``.
 """
 
 from __future__ import annotations
@@ -19,13 +23,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import cupy  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dcn_cupy import _geometry  # noqa: E402
-from dcn_cupy._backends import cuda as be  # noqa: E402
 from dcn_cupy._interop import BFLOAT16  # noqa: E402
-from gpu import _time_cupy  # noqa: E402
+from gpu import _device_name, _time_cupy, no_gpu_reason  # noqa: E402
 
 DTYPES = {"float16": np.float16, "bfloat16": BFLOAT16, "float32": np.float32, "float64": np.float64}
 
@@ -35,15 +36,27 @@ def main(argv=None):
     parser.add_argument("--shape", default="8,256,56", help="B,C,H (C_in = C_out, HxW, 3x3, padding 1)")
     parser.add_argument("--dtypes", default="float16,float32")
     parser.add_argument("--ndim", type=int, default=2)
+    parser.add_argument("--tf32", action="store_true", help="float32 GEMMs in TF32 (default: strict float32)")
     parser.add_argument("--fused", action="store_true", help="only the fused forward's stages")
-    parser.add_argument("--tiles", default="", help="extra fused tiles to time, 'BM,BN,BK,MINB;...'")
+    parser.add_argument("--tiles", default="", help="extra fused tiles to time, 'BM,BN,BK,MINB,ENGINE;...'")
     args = parser.parse_args(argv)
     B, C, H = (int(v) for v in args.shape.split(","))
+    names = [name for name in args.dtypes.split(",") if name]
+    unknown = [name for name in names if name not in DTYPES]
+    if unknown:
+        parser.error(f"--dtypes must name some of {sorted(DTYPES)}, got {unknown}")
+    reason = no_gpu_reason()
+    if reason is not None:
+        print(f"stages.py: {reason}: nothing to time.")
+        return 0
+    import cupy
+    from dcn_cupy import _geometry
     n = args.ndim
     K = 3 ** n
     rng = cupy.random.default_rng(0)
     t = lambda f, inner=10: _time_cupy(f, 2, 5, inner)  # noqa: E731
-    for name in args.dtypes.split(","):
+    device = _device_name()
+    for name in names:
         dtype = DTYPES[name]
         x = rng.standard_normal((B, C) + (H,) * n, dtype=cupy.float32).astype(dtype)
         w = (rng.standard_normal((C, C) + (3,) * n, dtype=cupy.float32) / (C * K) ** 0.5).astype(dtype)
@@ -54,57 +67,171 @@ def main(argv=None):
         extra = [tuple(int(v) for v in tile.split(",")) for tile in args.tiles.split(";") if tile]
         extra = [tile for tile in extra if tile[2] % (16 if np.dtype(dtype) == np.float32 else 32) == 0]
         if args.fused:
-            fused_stages(x, w, off, msk, geom, name, t, extra)
+            if np.dtype(dtype) != np.float64:
+                fused_stages(x, w, off, msk, geom, name, t, extra)
             continue
         print(f"== {name}: B={B} C={C}->{C} {'x'.join([str(H)] * n)} 3^{n}, offset+mask, "
-              f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
-        fwd = t(lambda: be.conv_forward(x, w, off, msk, None, geom))
-        bwd = t(lambda: be.conv_backward(gy, x, w, off, msk, geom), 4)
-        print(f"  forward {fwd:.3f} ms | one-pass backward (all gradients) {bwd:.3f} ms", flush=True)
-        bi = t(lambda: be.conv_backward(gy, None, w, off, msk, geom, True, False, False, False), 4)
-        bp = t(lambda: be.conv_backward(gy, x, w, off, msk, geom, False, True, True, True), 4)
-        print(f"  separate calls: backward to input {bi:.3f} ms + backward to parameters {bp:.3f} ms")
-        # stages alone
-        sh = be._Shape(geom, x.dtype)
-        kern = sh.kernels(B)
-        cols = cupy.empty((1, C * K, B * H ** n), dtype=dtype)
-        outb = cupy.empty((1, C, B * H ** n), dtype=sh.acc)
-        # random operands: zeros would skip the scatter's atomics (and time nothing)
-        cg = rng.standard_normal((1, C * K, B * H ** n), dtype=cupy.float32).astype(sh.acc)
-        gyc = rng.standard_normal((1, C, B * H ** n), dtype=cupy.float32).astype(dtype)
-        gw = cupy.zeros((1, C, C * K), dtype=sh.acc)
-        gx = cupy.zeros(x.shape, dtype=sh.acc)
-        goff, gm = cupy.empty_like(off), cupy.empty_like(msk)
-        wr = w.reshape(1, C, C * K)
-        stages = {}
-        stages["im2col"] = t(lambda: sh.im2col(kern, x, off, msk, cols, B))
-        stages["col2im (tiled)"] = t(lambda: sh.col2im(kern, cg, off, msk, gx, B))
-        stages["gemm forward W@cols"] = t(lambda: be._gemm(wr, cols, outb))
-        stages["gemm W^T@gy"] = t(lambda: be._gemm(wr, gyc, cg, trans_a=True))
-        stages["gemm gy@cols^T"] = t(lambda: be._gemm(gyc, cols, gw, trans_b=True, beta=1.0))
-        stages["batch_to_columns"] = t(lambda: sh.to_columns(kern, gy, gyc, B))
-        stages["grouped (offset+mask)"] = t(lambda: sh.grouped(kern, (True, True), 1, cg, x, off, msk, goff, gm, B))
-        for k, v in stages.items():
-            print(f"  {k:<32} {v:8.3f} ms")
+              f"{'TF32' if args.tf32 and np.dtype(dtype) == np.float32 else 'no TF32'}, {device}", flush=True)
+        plan_timings(x, w, off, msk, gy, t, args.tf32)
+        im2col_stages(x, w, off, msk, gy, geom, t, args.tf32)
         if np.dtype(dtype) != np.float64:
             fused_stages(x, w, off, msk, geom, name, t, extra)
         cupy.get_default_memory_pool().free_all_blocks()
+    return 0
+
+
+def plan_timings(x, w, off, msk, gy, t, allow_tf32):
+    """Forward and backward of every distinct plan of the configuration (automatic choice,
+    forced cuda/im2col and cuda/fused, deterministic), caller's out= and workspace=."""
+    import cupy
+    import dcn_cupy
+    variants = [("automatic", {}), ("forced cuda/im2col", {"algorithm": "cuda/im2col"}),
+                ("forced cuda/fused", {"algorithm": "cuda/fused"}), ("deterministic", {"deterministic": True})]
+    params = ("weight", "offset", "mask")
+    grads = {"input": cupy.empty_like(x), "weight": cupy.empty_like(w), "offset": cupy.empty_like(off),
+             "mask": cupy.empty_like(msk)}
+    seen = set()
+    for label, options in variants:
+        try:
+            p = dcn_cupy.plan(x, w, off, msk, padding=1, allow_tf32=bool(allow_tf32), **options)
+        except ValueError as error:   # e.g. cuda/fused for float64, or a device below sm_80
+            print(f"  {label}: not available: {error}")
+            continue
+        if p.algorithm in seen:
+            continue
+        seen.add(p.algorithm)
+        ws = cupy.empty(p.workspace_bytes, dtype=cupy.uint8)
+        y = cupy.empty(p.output_shape, dtype=x.dtype)
+        fwd = t(lambda: p.forward(x, w, off, msk, out=y, workspace=ws))
+        bwd = t(lambda: p.backward(gy, x, w, off, msk, out=grads, workspace=ws), 4)
+        bi = t(lambda: p.backward(gy, None, w, off, msk, wrt=("input",), out={"input": grads["input"]},
+                                  workspace=ws), 4)
+        bp = t(lambda: p.backward(gy, x, w, off, msk, wrt=params, out={k: grads[k] for k in params},
+                                  workspace=ws), 4)
+        print(f"  plan, {label} ({p.algorithm}; workspace {p.workspace_bytes / 2**20:.1f} MiB):")
+        print(f"    forward {fwd:.3f} ms | one-pass backward (all gradients) {bwd:.3f} ms | separate calls: "
+              f"backward to input {bi:.3f} ms + backward to parameters {bp:.3f} ms", flush=True)
+
+
+def im2col_stages(x, w, off, msk, gy, geom, t, allow_tf32):
+    """Each stage of the cuda/im2col executables alone, over all of their chunks."""
+    import cupy
+    from dcn_cupy._backends import PlanSpec
+    from dcn_cupy._backends import cuda as be
+    spec = PlanSpec(geom, np.dtype(x.dtype), "cuda", cupy.cuda.runtime.getDevice(), False,
+                    bool(allow_tf32) and np.dtype(x.dtype) == np.float32)
+    fx = be.BACKEND.build(spec, "conv_forward")
+    bx = be.BACKEND.build(spec, "conv_backward")
+    print(f"  stages alone: {fx.description}\n                {bx.description}")
+    if fx.rows is not None or bx.rows is not None:
+        print("  (chunks of rows within a sample: stage timings skipped; raise DCN_CUPY_CUDA_WORKSPACE_BYTES)")
+        return
+    rng = cupy.random.default_rng(1)
+    G, C, Co, K, Cg, Cog = fx.G, fx.C, fx.Co, fx.K, fx.Cg, fx.Cog
+    flop = 2.0 * Co * Cg * K * geom.batch * geom.output_size
+    half = bx.acc != bx.dtype
+    y = cupy.empty(geom.y_shape, dtype=x.dtype)
+    gx = cupy.zeros(geom.x_shape, dtype=x.dtype)
+    gw = cupy.zeros(w.shape, dtype=x.dtype)
+    goff, gm = cupy.empty_like(off), cupy.empty_like(msk)
+    fws = cupy.empty(fx.workspace_bytes, dtype=cupy.uint8)
+    bws = cupy.empty(bx.workspace_bytes, dtype=cupy.uint8)
+    # per chunk: the operands a call hands the kernels (views of the workspaces, sample slices)
+    fwd_chunks, bwd_chunks = [], []
+    for c in fx.chunks:
+        q = c.n * c.Q
+        fwd_chunks.append((c, q, fx._samples(x, c.start, c.stop), fx._samples(off, c.start, c.stop),
+                           fx._samples(msk, c.start, c.stop), fx.layout.view(fws, "cols", (G, Cg * K, q)),
+                           fx.layout.view(fws, "gemm", (G, Cog, q)), y[c.start:c.stop]))
+    w_acc = bx.layout.view(bws, "grad_w", (G, Cog, Cg * K)) if half else gw.reshape(G, Cog, Cg * K)
+    for c in bx.chunks:
+        q = c.n * c.Q
+        cgrad = bx.layout.view(bws, "cgrad", (G, Cg * K, q))
+        # random column gradients: zeros would skip the scatter's atomics (and time nothing)
+        cgrad[...] = rng.standard_normal(cgrad.shape, dtype=cupy.float32)
+        target = bx.layout.view(bws, "grad_x", (c.n, C, bx.S)) if half else gx[c.start:c.stop]
+        bwd_chunks.append((c, q, bx._samples(x, c.start, c.stop), bx._samples(off, c.start, c.stop),
+                           bx._samples(msk, c.start, c.stop), bx._samples(gy, c.start, c.stop),
+                           bx.layout.view(bws, "gy", (G, Cog, q)), bx.layout.view(bws, "cols", (G, Cg * K, q)),
+                           cgrad, target, goff[c.start:c.stop], gm[c.start:c.stop]))
+
+    def f_im2col():
+        for c, q, xs, os_, ms, cols, _, _ in fwd_chunks:
+            fx._launch(c.kernels["im2col"], C * q, (xs, os_, ms, cols, c.struct, c.i_n, fx.i_C, fx.i_Go, fx.i_Gm))
+
+    def f_gemm():
+        handle = fx._cublas(fws)
+        for c, q, _, _, _, cols, gout, _ in fwd_chunks:
+            fx.gemms[q](handle, w.data.ptr, cols.data.ptr, gout.data.ptr)
+
+    def f_layout():
+        for c, q, _, _, _, _, gout, ys in fwd_chunks:
+            fx._launch(c.kernels["to_batch"], Co * q, (gout, None, ys, c.i_n, fx.i_Co, c.i_q))
+
+    def b_to_columns():
+        for c, q, _, _, _, gys, gyc, *_ in bwd_chunks:
+            bx._launch(c.kernels["to_columns"], Co * q, (gys, gyc, c.i_n, bx.i_Co, c.i_q))
+
+    def b_im2col():
+        for c, q, xs, os_, ms, _, _, cols, *_ in bwd_chunks:
+            bx._launch(c.kernels["im2col"], C * q, (xs, os_, ms, cols, c.struct, c.i_n, bx.i_C, bx.i_Go, bx.i_Gm))
+
+    def b_gemm_weight():
+        handle = bx._cublas(bws)
+        for c, q, _, _, _, _, gyc, cols, *_ in bwd_chunks:
+            bx.gemms[q][0](handle, gyc.data.ptr, cols.data.ptr, w_acc.data.ptr)
+
+    def b_gemm_cgrad():
+        handle = bx._cublas(bws)
+        for c, q, _, _, _, _, gyc, _, cgrad, *_ in bwd_chunks:
+            bx.gemms[q][1](handle, w.data.ptr, gyc.data.ptr, cgrad.data.ptr)
+
+    def b_col2im():
+        for c, q, _, os_, ms, _, _, _, cgrad, target, _, _ in bwd_chunks:
+            blocks = -(-c.Q // be._TILE) * C * c.n
+            c.kernels["col2im"]((min(blocks, be._MAX_GRID),), (be._TILE,), (
+                cgrad, os_, ms, target, c.struct, c.i_n, bx.i_C, bx.i_Go, bx.i_Gm, np.int32(bx.halo),
+                np.int32(c.cap)), shared_mem=c.cap * bx.acc.itemsize)
+
+    def b_grouped():
+        for c, q, xs, os_, ms, _, _, _, cgrad, _, go, g_m in bwd_chunks:
+            bx._offset_mask(c.kernels, c, True, True, cgrad, xs, os_, ms, go, g_m)
+
+    b_to_columns()
+    b_im2col()    # the columns the weight GEMM reads
+    stages = {
+        "forward: im2col": t(f_im2col),
+        "forward: gemm W@cols": t(f_gemm),
+        "forward: layout (columns_to_batch)": t(f_layout),
+        "backward: batch_to_columns": t(b_to_columns),
+        "backward: im2col": t(b_im2col),
+        "backward: gemm gy@cols^T (weight)": t(b_gemm_weight),
+        "backward: gemm W^T@gy (column grads)": t(b_gemm_cgrad),
+        "backward: col2im (tiled)": t(b_col2im),
+        "backward: grouped (offset+mask)": t(b_grouped),
+    }
+    for label, ms in stages.items():
+        rate = f"  {flop / ms / 1e9:7.1f} TFLOP/s" if "gemm" in label else ""
+        print(f"  {label:<40} {ms:8.3f} ms{rate}")
+    print(f"  ({len(fx.chunks)} forward / {len(bx.chunks)} backward chunk(s), each stage summed over them)",
+          flush=True)
 
 
 def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
     """Time the fused forward and its kernels alone: every precision of the dtype, every tile
     of TILES (and ``extra_tiles``), with TFLOP/s."""
+    import cupy
+    from dcn_cupy._backends import cuda as be
     from dcn_cupy._backends import cuda_fused as fu
     flop = 2.0 * geom.out_channels * geom.in_channels_per_group * geom.kernel_volume * geom.batch * geom.output_size
     out = cupy.empty(geom.y_shape, dtype=x.dtype)
-    print(f"== fused forward, {name}: x {x.shape}, w {w.shape}, "
-          f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
+    print(f"== fused forward, {name}: x {x.shape}, w {w.shape}, {_device_name()}")
     tf32_modes = (True, False) if np.dtype(x.dtype) == np.float32 else (False,)
     sms = fu._multiprocessors()
     for allow_tf32 in tf32_modes:
-        config = fu.LaunchConfig(geom, x.dtype, allow_tf32, sms, wgmma=fu.wgmma_available())
+        config = fu.plan_config(geom, x.dtype, allow_tf32)   # what a plan's cuda/fused forward runs
         ws = cupy.empty(config.workspace_bytes, dtype=np.uint8)
-        print(f"  chosen: {config.description}")
+        print(f"  chosen for plans: {config.description}")
         total = t(lambda: fu.run_forward(config, x, w, off, msk, None, out, ws))
         print(f"  {'fused forward (all of it)':<40} {total:8.3f} ms  {flop / total / 1e9:7.1f} TFLOP/s", flush=True)
         index = np.int64 if config.index64 else np.int32
@@ -148,4 +275,4 @@ def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -220,7 +220,7 @@ class _DeterministicBackward(_cuda._Backward):
             flags = layout.view(ws, "flags", (layout.slots["flags"][1],))
             has_mask = np.int32(mask is not None)
             bounds_batch = np.int32(self.n)
-        handle = _cuda._cublas_on_current_stream()
+        handle = _cuda._prepare_cublas(self.device_id, 0, 0)   # no cuBLAS workspace slot here
         w_ptr = w.data.ptr
         spatial = tuple(geom.output_shape[1:])
         for c in self.chunks:
