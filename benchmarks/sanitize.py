@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -125,7 +124,7 @@ def smallest_limit(case, dtype, backward: str):
             lo = mid
         else:
             hi = mid
-    return hi, any(e.rows is not None for e in build(hi))
+    return hi, any(c.rows for e in build(hi) for c in e.chunks)
 
 
 @contextlib.contextmanager

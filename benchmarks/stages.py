@@ -234,6 +234,10 @@ def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
         print(f"  chosen for plans: {config.description}")
         total = t(lambda: fu.run_forward(config, x, w, off, msk, None, out, ws))
         print(f"  {'fused forward (all of it)':<40} {total:8.3f} ms  {flop / total / 1e9:7.1f} TFLOP/s", flush=True)
+        if config.chunk < geom.batch:   # the copies below hold the whole batch
+            print(f"  (the channels-last copy goes in chunks of {config.chunk} samples: kernel-alone timings "
+                  f"skipped; raise DCN_CUPY_FUSED_WORKSPACE_BYTES)")
+            continue
         index = np.int64 if config.index64 else np.int32
         xcl, _ = fu._views(config, ws)
         n = geom.batch
