@@ -532,7 +532,10 @@ class FusedBackend:
         dtype = np.dtype(spec.dtype)
         if dtype not in SERVED_DTYPES:
             return f"cuda/fused serves float16, bfloat16 and float32; {dtype} stays on cuda/im2col"
-        capability = int(cupy.cuda.Device(spec.device_id).compute_capability)
+        try:
+            capability = int(cupy.cuda.Device(spec.device_id).compute_capability)
+        except Exception as error:  # no driver or no such device: nothing to run on
+            return f"cuda/fused found no CUDA device {spec.device_id} ({type(error).__name__})"
         if capability < 80:
             return f"cuda/fused needs compute capability 8.0 or more (cp.async, bf16 mma.sync), got {capability / 10}"
         return None
