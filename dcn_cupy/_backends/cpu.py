@@ -99,9 +99,11 @@ def _sampling_plan(offset, has_offset, n_offset_groups, ndim, in_shape, out_shap
                     p2 += offset[b, base + 1, q]
                 else:
                     p2 += offset[b, base, q]
-            # NaN fails every comparison, +-inf fails the range: both sample zero.
-            valid = (p0 > -1.0 and p0 < in_shape[0] and p1 > -1.0 and p1 < in_shape[1]
-                     and p2 > -1.0 and p2 < in_shape[2])
+            # NaN fails every comparison, +-inf fails the range: both sample zero. A coordinate
+            # of exactly -1 stays: its corner 0 has weight 0 but slope 1 (torchvision's
+            # one-sided offset derivative there); below -1 and from S on no corner is inside.
+            valid = (p0 >= -1.0 and p0 < in_shape[0] and p1 >= -1.0 and p1 < in_shape[1]
+                     and p2 >= -1.0 and p2 < in_shape[2])
             if not valid:
                 for c in range(corners):
                     index[b, g, t, q, c] = 0
@@ -185,7 +187,9 @@ def _im2col(x, mask, has_mask, n_mask_groups, index, weight, columns):
             for q in range(positions):
                 value = 0.0
                 for k in range(corners):
-                    value += weight[b, g, t, q, k] * x[b, c, index[b, g, t, q, k]]
+                    w = weight[b, g, t, q, k]
+                    if w != 0.0:  # a zero-weight corner reads nothing (no 0 * inf)
+                        value += w * x[b, c, index[b, g, t, q, k]]
                 if has_mask:
                     value *= mask[b, m_row + t, q]
                 columns[b, row, q] = value
@@ -210,7 +214,9 @@ def _col2im(column_grads, mask, has_mask, n_mask_groups, index, weight, grad_x):
                 if has_mask:
                     value *= mask[b, m_row + t, q]
                 for k in range(corners):
-                    grad_x[b, c, index[b, g, t, q, k]] += value * weight[b, g, t, q, k]
+                    w = weight[b, g, t, q, k]
+                    if w != 0.0:
+                        grad_x[b, c, index[b, g, t, q, k]] += value * w
 
 
 @njit(parallel=True, cache=True)
@@ -236,12 +242,16 @@ def _offset_mask_grads(x, column_grads, mask, has_mask, n_mask_groups, index, we
                 grad = column_grads[b, row, q]
                 scaled = grad * mask[b, m_row, q] if has_mask else grad
                 value = 0.0
+                used = False
                 for k in range(corners):
                     v = x[b, c, index[b, g, t, q, k]]
-                    value += weight[b, g, t, q, k] * v
+                    w = weight[b, g, t, q, k]
+                    if w != 0.0:
+                        value += w * v
+                        used = True
                     if want_offset:
                         corner_grads[g, q, k] += scaled * v
-                if want_mask:
+                if want_mask and used:  # a tap that samples nothing has a zero gradient
                     grad_mask[b, m_row, q] += grad * value
         if want_offset:
             for g in range(n_offset_groups):
@@ -250,7 +260,9 @@ def _offset_mask_grads(x, column_grads, mask, has_mask, n_mask_groups, index, we
                     for a in range(ndim):
                         total = 0.0
                         for k in range(corners):
-                            total += dweight[b, g, t, q, k, a] * corner_grads[g, q, k]
+                            slope = dweight[b, g, t, q, k, a]
+                            if slope != 0.0:  # outside and zero-slope corners add nothing
+                                total += slope * corner_grads[g, q, k]
                         grad_offset[b, o_row + a, q] = total
 
 
