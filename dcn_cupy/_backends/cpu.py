@@ -170,6 +170,19 @@ def _sampling_plan(offset, has_offset, n_offset_groups, ndim, in_shape, out_shap
                             dweight[b, g, t, q, c, a] = w0 * w1 * s2
 
 
+@njit(cache=True, inline="always")
+def _exact_sample(x, b, c, index, weight, g, t, q, corners):
+    """The N-linear sample over the corners of non-zero weight only: a zero-weight corner
+    reads nothing (no 0 * inf). The kernels sum every corner first, which is the same value
+    whenever it is finite, and come here only when it is not."""
+    value = 0.0
+    for k in range(corners):
+        w = weight[b, g, t, q, k]
+        if w != 0.0:
+            value += w * x[b, c, index[b, g, t, q, k]]
+    return value
+
+
 @njit(parallel=True, cache=True)
 def _im2col(x, mask, has_mask, n_mask_groups, index, weight, columns):
     batch, channels, _ = x.shape
@@ -187,9 +200,9 @@ def _im2col(x, mask, has_mask, n_mask_groups, index, weight, columns):
             for q in range(positions):
                 value = 0.0
                 for k in range(corners):
-                    w = weight[b, g, t, q, k]
-                    if w != 0.0:  # a zero-weight corner reads nothing (no 0 * inf)
-                        value += w * x[b, c, index[b, g, t, q, k]]
+                    value += weight[b, g, t, q, k] * x[b, c, index[b, g, t, q, k]]
+                if not np.isfinite(value):
+                    value = _exact_sample(x, b, c, index, weight, g, t, q, corners)
                 if has_mask:
                     value *= mask[b, m_row + t, q]
                 columns[b, row, q] = value
@@ -213,10 +226,14 @@ def _col2im(column_grads, mask, has_mask, n_mask_groups, index, weight, grad_x):
                 value = column_grads[b, row, q]
                 if has_mask:
                     value *= mask[b, m_row + t, q]
-                for k in range(corners):
-                    w = weight[b, g, t, q, k]
-                    if w != 0.0:
-                        grad_x[b, c, index[b, g, t, q, k]] += value * w
+                if np.isfinite(value):
+                    for k in range(corners):
+                        grad_x[b, c, index[b, g, t, q, k]] += value * weight[b, g, t, q, k]
+                else:  # zero-weight corners receive nothing, not 0 * inf
+                    for k in range(corners):
+                        w = weight[b, g, t, q, k]
+                        if w != 0.0:
+                            grad_x[b, c, index[b, g, t, q, k]] += value * w
 
 
 @njit(parallel=True, cache=True)
@@ -242,17 +259,21 @@ def _offset_mask_grads(x, column_grads, mask, has_mask, n_mask_groups, index, we
                 grad = column_grads[b, row, q]
                 scaled = grad * mask[b, m_row, q] if has_mask else grad
                 value = 0.0
-                used = False
                 for k in range(corners):
                     v = x[b, c, index[b, g, t, q, k]]
-                    w = weight[b, g, t, q, k]
-                    if w != 0.0:
-                        value += w * v
-                        used = True
+                    value += weight[b, g, t, q, k] * v
                     if want_offset:
                         corner_grads[g, q, k] += scaled * v
-                if want_mask and used:  # a tap that samples nothing has a zero gradient
-                    grad_mask[b, m_row, q] += grad * value
+                if want_mask:
+                    term = grad * value
+                    if not np.isfinite(term):
+                        # A tap that samples nothing has a zero gradient whatever grad holds.
+                        used = False
+                        for k in range(corners):
+                            used = used or weight[b, g, t, q, k] != 0.0
+                        value = _exact_sample(x, b, c, index, weight, g, t, q, corners)
+                        term = grad * value if used else 0.0
+                    grad_mask[b, m_row, q] += term
         if want_offset:
             for g in range(n_offset_groups):
                 o_row = (g * taps + t) * ndim
@@ -260,9 +281,13 @@ def _offset_mask_grads(x, column_grads, mask, has_mask, n_mask_groups, index, we
                     for a in range(ndim):
                         total = 0.0
                         for k in range(corners):
-                            slope = dweight[b, g, t, q, k, a]
-                            if slope != 0.0:  # outside and zero-slope corners add nothing
-                                total += slope * corner_grads[g, q, k]
+                            total += dweight[b, g, t, q, k, a] * corner_grads[g, q, k]
+                        if not np.isfinite(total):  # outside and zero-slope corners add nothing
+                            total = 0.0
+                            for k in range(corners):
+                                slope = dweight[b, g, t, q, k, a]
+                                if slope != 0.0:
+                                    total += slope * corner_grads[g, q, k]
                         grad_offset[b, o_row + a, q] = total
 
 
