@@ -379,10 +379,10 @@ def test_all_gradients_match_torchvision_at_integer_positions(device, offsets):
         warnings.simplefilter("ignore")
         y = dcn_cupy.deform_conv2d(**tensors, padding=1)
         grads = dcn_cupy.deform_conv2d_backward(gy, **tensors, padding=1)
-    assert relative_error(y.cpu().numpy(), y_tv.detach().cpu().numpy()) < 1e-12
+    assert relative_error(y.cpu().numpy(), y_tv.detach().cpu().numpy()) < 1e-10
     for name in ARGUMENTS:
         got = getattr(grads, name)
         assert got.device == y_tv.device
         err = relative_error(got.cpu().numpy(), leaves[name].grad.cpu().numpy())
-        assert err < 1e-12, f"{name}: {err}"
+        assert err < 1e-10, f"{name}: {err}"
     assert leaves["offset"].grad.abs().sum() > 0
