@@ -204,14 +204,13 @@ def _padding_one_case(ndim: int, rng):
     return Case(ndim, False, arrays, params, f"{ndim}d padding 1")
 
 
-def robustness_cases() -> int:
+def robustness_cases(dtypes=(np.float64, np.float32, np.float16, BFLOAT16)) -> int:
     count = _degenerate_cases()
     for ndim, kind in itertools.product((1, 2, 3), ("padding", "conv", "transposed")):
         rng = np.random.default_rng(1200 + 10 * ndim + len(kind))
         case = (_padding_one_case(ndim, rng) if kind == "padding"
                 else random_case(rng, ndim, kind == "transposed", batch=2))
-        for offsets, dtype in itertools.product(("zero", "integer", "fractional"),
-                                                (np.float64, np.float32, np.float16, BFLOAT16)):
+        for offsets, dtype in itertools.product(("zero", "integer", "fractional"), dtypes):
             _non_finite_case(case, dtype, offsets, rng)
             count += 1
     limit, safe = dcn_cuda.WORKSPACE_LIMIT_BYTES, dcn_cuda._INT32_SAFE
