@@ -137,14 +137,16 @@ struct TileBox {
     }
 };
 
-// Floor corner and fractions of a position; false (and nothing else set) when the position
-// samples zero: a coordinate <= -1, >= S_a or not finite. Range check before conversion.
+// Floor corner and fractions of a position; false (and nothing else set) when no corner is
+// on the grid: a coordinate < -1, >= S_a or not finite. Range check before conversion. A
+// coordinate of exactly -1 is located (corners -1 and 0): it samples 0, since corner 0 has
+// weight 0, but its offset derivative is torchvision's one-sided one (corner 0's slope is 1).
 template <typename A, int N>
 __device__ __forceinline__ bool locate(const A (&pos)[N], const int (&size)[N], int (&lo)[N],
                                        A (&frac)[N]) {
 #pragma unroll
     for (int a = 0; a < N; ++a) {
-        if (!((pos[a] > A(-1)) && (pos[a] < (A)size[a]))) return false;
+        if (!((pos[a] >= A(-1)) && (pos[a] < (A)size[a]))) return false;
     }
 #pragma unroll
     for (int a = 0; a < N; ++a) {
@@ -155,10 +157,10 @@ __device__ __forceinline__ bool locate(const A (&pos)[N], const int (&size)[N], 
     return true;
 }
 
-// Corner k of a located position: its coordinates, whether it is on the grid, its weight.
+// Corner k of a located position: its coordinates, its weight, whether it is on the grid.
 template <typename A, int N>
-__device__ __forceinline__ bool corner(int k, const int (&lo)[N], const A (&frac)[N],
-                                       const int (&size)[N], int (&coord)[N], A& w) {
+__device__ __forceinline__ bool corner_on_grid(int k, const int (&lo)[N], const A (&frac)[N],
+                                               const int (&size)[N], int (&coord)[N], A& w) {
     bool inside = true;
     w = A(1);
 #pragma unroll
@@ -169,6 +171,15 @@ __device__ __forceinline__ bool corner(int k, const int (&lo)[N], const A (&frac
         w *= bit ? frac[a] : A(1) - frac[a];
     }
     return inside;
+}
+
+// Whether corner k contributes to a sample (or receives a share of a scattered value): on the
+// grid with a non-zero weight. A zero-weight corner is never read, so a non-finite input
+// element reaches only the samples that weight it by a non-zero amount (never 0 * inf).
+template <typename A, int N>
+__device__ __forceinline__ bool corner(int k, const int (&lo)[N], const A (&frac)[N],
+                                       const int (&size)[N], int (&coord)[N], A& w) {
+    return corner_on_grid<A, N>(k, lo, frac, size, coord, w) && w != A(0);
 }
 
 template <int N, typename I>
@@ -182,14 +193,15 @@ __device__ __forceinline__ I flat_index(const int (&coord)[N], const int (&size)
 // The 2^N interpolation corners of one sampling position, with everything needed both to
 // sample (weights) and to differentiate with respect to the position (dweights).
 //
-// Rules (DESIGN.md section 1): a position with any coordinate <= -1 or >= S_a, or a
+// Rules (DESIGN.md section 1): a position with any coordinate < -1 or >= S_a, or a
 // non-finite coordinate, samples 0 and has zero gradients; otherwise the corners floor(P_a)
-// and floor(P_a)+1 are used and a corner outside [0, S_a-1] contributes 0. The range check
+// and floor(P_a)+1 are used and a corner outside [0, S_a-1] contributes 0. Users skip a
+// corner whose weight (dweight) is exactly 0 rather than multiply by it. The range check
 // comes before any float->int conversion, so huge or non-finite offsets are never converted.
 template <typename A, typename I, int N>
 struct Corners {
     static const int NC = 1 << N;
-    bool valid;            // position inside the open box (-1, S_a) on every axis
+    bool valid;            // position inside the box [-1, S_a) on every axis
     bool ok[NC];           // corner inside the grid
     I index[NC];           // flat spatial index of the corner (0 where !ok)
     A weight[NC];          // interpolation weight
@@ -203,7 +215,7 @@ struct Corners {
         for (int c = 0; c < NC; ++c) {
             int coord[N];
             A w = A(0);
-            const bool inside = valid && corner<A, N>(c, lo, frac, size, coord, w);
+            const bool inside = valid && corner_on_grid<A, N>(c, lo, frac, size, coord, w);
             ok[c] = inside;
             index[c] = inside ? flat_index<N, I>(coord, size) : (I)0;
             weight[c] = inside ? w : A(0);

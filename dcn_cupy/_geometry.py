@@ -31,6 +31,11 @@ __all__ = [
 
 GRADIENT_NAMES = ("input", "weight", "offset", "mask", "bias")
 
+#: Bound of every per-axis quantity: stride, padding, dilation, output_padding, kernel_size and
+#: the padded input extent S + 2p. The CUDA kernels compute grid coordinates in 32-bit ints
+#: (and the tiled scatter adds a small halo), so this keeps every coordinate far from overflow.
+MAX_EXTENT = 2**30
+
 
 @dataclass(frozen=True)
 class ConvGeometry:
@@ -123,7 +128,7 @@ def _as_int(value, name: str) -> int:
 
 
 def fix_sequence_arg(arg, ndim: int, name: str, minimum: int) -> Tuple[int, ...]:
-    """An int or a sequence of ``ndim`` ints, each >= ``minimum``, as a tuple of ``ndim`` ints."""
+    """An int or a sequence of ``ndim`` ints, each in [``minimum``, MAX_EXTENT], as an ``ndim``-tuple."""
     if isinstance(arg, (list, tuple)):
         if len(arg) != ndim:
             raise ValueError(
@@ -132,9 +137,11 @@ def fix_sequence_arg(arg, ndim: int, name: str, minimum: int) -> Tuple[int, ...]
         values = tuple(_as_int(v, name) for v in arg)
     else:
         values = (_as_int(arg, name),) * ndim
+    got = values if isinstance(arg, (list, tuple)) else values[0]
     if min(values) < minimum:
-        got = values if isinstance(arg, (list, tuple)) else values[0]
         raise ValueError(f"{name} must be >= {minimum}, got {got}")
+    if max(values) > MAX_EXTENT:
+        raise ValueError(f"{name} must be <= 2**30 = {MAX_EXTENT} (32-bit kernel coordinates), got {got}")
     return values
 
 
@@ -231,14 +238,36 @@ def check_groups(groups) -> int:
 
 
 def _split_batch(input_shape, ndim: int, name: str = "input"):
-    if len(input_shape) == ndim + 2:
-        return True, int(input_shape[0]), tuple(input_shape[1:])
-    if len(input_shape) == ndim + 1:
-        return False, 1, tuple(input_shape)
-    raise ValueError(
-        f"{name} must be {ndim + 2}-D (B, C, *S) or {ndim + 1}-D (C, *S) for a {ndim}D convolution, "
-        f"got shape {tuple(input_shape)}"
-    )
+    """(batched, batch, (C, *S)) of an input shape; every axis but the batch must be non-empty."""
+    shape = tuple(int(v) for v in input_shape)
+    if len(shape) == ndim + 2:
+        batched, batch, rest = True, shape[0], shape[1:]
+    elif len(shape) == ndim + 1:
+        batched, batch, rest = False, 1, shape
+    else:
+        raise ValueError(
+            f"{name} must be {ndim + 2}-D (B, C, *S) or {ndim + 1}-D (C, *S) for a {ndim}D convolution, "
+            f"got shape {shape}"
+        )
+    first = 1 if batched else 0
+    if rest[0] < 1:
+        raise ValueError(f"{name}.shape[{first}] (C_in) must be >= 1, got {rest[0]} (shape {shape})")
+    for a, size in enumerate(rest[1:]):
+        if size < 1:
+            raise ValueError(
+                f"{name}.shape[{first + 1 + a}] (spatial axis {a}) must be >= 1, got {size} (shape {shape}); "
+                f"only the batch may be empty"
+            )
+    return batched, batch, rest
+
+
+def _check_padded_extent(spatial, padding, what: str) -> None:
+    for a, (size, pad) in enumerate(zip(spatial, padding)):
+        if size + 2 * pad > MAX_EXTENT:
+            raise ValueError(
+                f"{what} + 2*padding along spatial axis {a} must be <= 2**30 = {MAX_EXTENT} "
+                f"(32-bit kernel coordinates), got {size} + 2*{pad}"
+            )
 
 
 def _common_groups_and_extras(offset_shape, mask_shape, bias_shape, batched, batch,
@@ -271,14 +300,17 @@ def conv_geometry(input_shape: Sequence[int], weight_shape: Sequence[int], offse
     kernel = tuple(kernel)
     if min(kernel) < 1:
         raise ValueError(f"weight spatial dimensions (kernel_size) must be >= 1, got {kernel}")
+    if out_channels < 1:
+        raise ValueError(f"weight.shape[0] (C_out) must be >= 1, got {out_channels}")
+    if in_per_group < 1:
+        raise ValueError(f"weight.shape[1] (C_in/groups) must be >= 1, got {in_per_group}")
     if out_channels % groups:
         raise ValueError(f"weight.shape[0] (C_out) must be divisible by groups={groups}, got {out_channels}")
     if in_per_group * groups != in_channels:
         raise ValueError(
             f"input.shape[1] (C_in) must equal weight.shape[1] * groups = {in_per_group * groups}, got {in_channels}"
         )
-    if in_channels == 0 or out_channels == 0:
-        raise ValueError(f"channel counts must be positive, got C_in={in_channels}, C_out={out_channels}")
+    _check_padded_extent(spatial, padding, "input size")
     out_shape = []
     for a in range(ndim):
         q = conv_output_size(spatial[a], kernel[a], stride[a], padding[a], dilation[a])
@@ -326,13 +358,13 @@ def conv_transpose_geometry(input_shape, weight_shape, offset_shape=None, mask_s
     kernel = tuple(kernel)
     if min(kernel) < 1:
         raise ValueError(f"weight spatial dimensions (kernel_size) must be >= 1, got {kernel}")
+    if out_per_group < 1:
+        raise ValueError(f"weight.shape[1] (C_out/groups) must be >= 1, got {out_per_group}")
     if w_in != in_channels:
         raise ValueError(f"weight.shape[0] must equal input.shape[1] (C_in) = {in_channels}, got {w_in}")
     if in_channels % groups:
         raise ValueError(f"input.shape[1] (C_in) must be divisible by groups={groups}, got {in_channels}")
     out_channels = out_per_group * groups
-    if in_channels == 0 or out_channels == 0:
-        raise ValueError(f"channel counts must be positive, got C_in={in_channels}, C_out={out_channels}")
     out_shape = []
     for a in range(ndim):
         size = conv_transpose_output_size(spatial[a], kernel[a], stride[a], padding[a], dilation[a],
@@ -341,6 +373,7 @@ def conv_transpose_geometry(input_shape, weight_shape, offset_shape=None, mask_s
             raise ValueError(f"output size along spatial axis {a} must be >= 1, got {size}")
         out_shape.append(size)
     out_shape = tuple(out_shape)
+    _check_padded_extent(out_shape, padding, "output size")
     kernel_volume = math.prod(kernel)
     offset_groups, mask_groups = _common_groups_and_extras(
         offset_shape, mask_shape, bias_shape, batched, batch, spatial, "S", out_channels,

@@ -42,12 +42,34 @@ def test_valid_call_works():
     (dict(padding=-1), ValueError, "padding must be >= 0, got -1"),
     (dict(dilation=0), ValueError, "dilation must be >= 1, got 0"),
     (dict(dilation="2"), TypeError, "dilation must be an int, got str"),
+    # beyond the kernels' 32-bit coordinates: a ValueError, never an OverflowError
+    (dict(stride=2**63), ValueError, r"stride must be <= 2\*\*30 = 1073741824 .* got 9223372036854775808"),
+    (dict(stride=(1, 2**31)), ValueError, r"stride must be <= 2\*\*30 .* got \(1, 2147483648\)"),
+    (dict(padding=2**63), ValueError, r"padding must be <= 2\*\*30 .* got 9223372036854775808"),
+    (dict(dilation=2**64), ValueError, r"dilation must be <= 2\*\*30 .* got 18446744073709551616"),
+    (dict(padding=2**29, offset=None, mask=None), ValueError,
+     r"input size \+ 2\*padding along spatial axis 0 must be <= 2\*\*30 = 1073741824 .* got 8 \+ 2\*536870912"),
+    (dict(groups=2**63), ValueError, r"weight.shape\[0\] \(C_out\) must be divisible by groups=9223372036854775808"),
     # shapes
     (dict(input=arr(4, 8)), ValueError, r"input must be 4-D \(B, C, \*S\) or 3-D \(C, \*S\) for a 2D convolution, got shape \(4, 8\)"),
     (dict(weight=arr(6, 2, 3)), ValueError, r"weight must be 4-D .* for a 2D convolution, got shape \(6, 2, 3\)"),
     (dict(weight=arr(5, 2, 3, 3), bias=None), ValueError, r"weight.shape\[0\] \(C_out\) must be divisible by groups=2, got 5"),
     (dict(weight=arr(6, 3, 3, 3)), ValueError, r"input.shape\[1\] \(C_in\) must equal weight.shape\[1\] \* groups = 6, got 4"),
     (dict(weight=arr(6, 2, 0, 3)), ValueError, r"kernel_size\) must be >= 1, got \(0, 3\)"),
+    # empty axes: only the batch may be empty (an empty spatial axis with padding would
+    # otherwise produce outputs that read memory the input does not have)
+    (dict(input=arr(2, 4, 0, 8), padding=2, offset=None, mask=None), ValueError,
+     r"input.shape\[2\] \(spatial axis 0\) must be >= 1, got 0 \(shape \(2, 4, 0, 8\)\); only the batch may be empty"),
+    (dict(input=arr(2, 4, 8, 0), padding=2, offset=None, mask=None), ValueError,
+     r"input.shape\[3\] \(spatial axis 1\) must be >= 1, got 0"),
+    (dict(input=arr(4, 8, 0), padding=2, offset=None, mask=None), ValueError,
+     r"input.shape\[2\] \(spatial axis 1\) must be >= 1, got 0 \(shape \(4, 8, 0\)\)"),
+    (dict(input=arr(2, 0, 8, 8), weight=arr(6, 0, 3, 3)), ValueError, r"input.shape\[1\] \(C_in\) must be >= 1, got 0"),
+    (dict(weight=arr(0, 2, 3, 3), bias=None), ValueError, r"weight.shape\[0\] \(C_out\) must be >= 1, got 0"),
+    (dict(weight=arr(6, 0, 3, 3)), ValueError, r"weight.shape\[1\] \(C_in/groups\) must be >= 1, got 0"),
+    (dict(offset=arr(2, 36, 0, 6)), ValueError, r"offset spatial shape must be Q=\(6, 6\), got \(0, 6\)"),
+    (dict(mask=arr(2, 0, 6, 6)), ValueError, r"mask.shape\[1\] must be a positive multiple of K=9, got 0"),
+    (dict(bias=arr(0)), ValueError, r"bias must have shape \(6,\), got \(0,\)"),
     (dict(weight=arr(6, 2, 3, 3), input=arr(2, 4, 2, 8), offset=None, mask=None), ValueError,
      "output size along spatial axis 0 must be >= 1, got 0"),
     # offset
@@ -113,6 +135,16 @@ def test_transposed_valid_call_works():
     (dict(offset=arr(2, 18, 11, 11)), ValueError, r"offset spatial shape must be S=\(5, 5\), got \(11, 11\)"),
     (dict(bias=arr(4)), ValueError, r"bias must have shape \(6,\), got \(4,\)"),
     (dict(padding=9), ValueError, "output size along spatial axis 0 must be >= 1"),
+    (dict(input=arr(2, 4, 5, 0), offset=None, mask=None), ValueError,
+     r"input.shape\[3\] \(spatial axis 1\) must be >= 1, got 0 .* only the batch may be empty"),
+    (dict(input=arr(2, 0, 5, 5), weight=arr(0, 3, 3, 3), offset=None, mask=None), ValueError,
+     r"input.shape\[1\] \(C_in\) must be >= 1, got 0"),
+    (dict(weight=arr(4, 0, 3, 3), bias=None, offset=None, mask=None), ValueError,
+     r"weight.shape\[1\] \(C_out/groups\) must be >= 1, got 0"),
+    (dict(stride=2**63), ValueError, r"stride must be <= 2\*\*30 .* got 9223372036854775808"),
+    (dict(output_padding=2**63), ValueError, r"output_padding must be <= 2\*\*30 .* got 9223372036854775808"),
+    (dict(stride=2**28, offset=None, mask=None), ValueError,
+     r"output size \+ 2\*padding along spatial axis 0 must be <= 2\*\*30 .* got 1073741827 \+ 2\*0"),
 ])
 def test_transposed_argument_errors(kw, error, message):
     with pytest.raises(error, match=message):
@@ -165,3 +197,35 @@ def test_mixed_libraries_and_grad_tensors_are_refused():
     w = torch.zeros(6, 2, 3, 3, dtype=torch.float64, requires_grad=True)
     with pytest.raises(TypeError, match=re.escape("weight is a torch.Tensor that requires grad") + ".*dcn_cupy.torch.*detach"):
         dcn_cupy.deform_conv2d(torch.zeros(2, 4, 8, 8, dtype=torch.float64), w, groups=2)
+
+
+def test_empty_batch_is_the_only_empty_axis_accepted():
+    y = conv(input=arr(0, 4, 8, 8), offset=arr(0, 36, 6, 6), mask=arr(0, 36, 6, 6))
+    assert y.shape == (0, 6, 6, 6)
+    g = dcn_cupy.deform_conv2d_backward(arr(0, 6, 6, 6), arr(0, 4, 8, 8), W, arr(0, 36, 6, 6), arr(0, 36, 6, 6),
+                                        BIAS, groups=2)
+    assert g.input.shape == (0, 4, 8, 8) and not g.weight.any() and not g.bias.any()
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])
+def test_empty_axes_are_refused_before_any_kernel_runs(transposed, monkeypatch):
+    from dcn_cupy._backends import cpu
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a kernel ran")
+
+    monkeypatch.setattr(cpu, "conv_forward", refuse)
+    monkeypatch.setattr(cpu, "conv_backward", refuse)
+    for a in range(2):
+        shape = [2, 4, 5, 5]
+        shape[2 + a] = 0
+        with pytest.raises(ValueError, match=rf"input.shape\[{2 + a}\] \(spatial axis {a}\) must be >= 1, got 0"):
+            if transposed:
+                dcn_cupy.deform_conv_transpose2d(arr(*shape), arr(4, 3, 3, 3), padding=1)
+            else:
+                dcn_cupy.deform_conv2d(arr(*shape), arr(6, 4, 3, 3), padding=3)
+        with pytest.raises(ValueError, match=rf"input.shape\[{2 + a}\] \(spatial axis {a}\) must be >= 1, got 0"):
+            if transposed:
+                dcn_cupy.deform_conv_transpose2d_backward(arr(2, 3, 7, 7), arr(*shape), arr(4, 3, 3, 3), padding=1)
+            else:
+                dcn_cupy.deform_conv2d_backward(arr(2, 6, 5, 5), arr(*shape), arr(6, 4, 3, 3), padding=3)

@@ -453,3 +453,176 @@ def test_unbatched_and_dtype_casting():
     assert yt.dtype == np.float64 and yt.shape == (2, 6, 5)
     np.testing.assert_array_equal(yt, ref.deform_conv_transpose(z[None], wt, offset[None],
                                                                  mask[None])[0])
+
+
+# --------------------------------------------------------------------------- non-finite inputs
+
+def _poisoned(rng, shape, count=3):
+    """A random array with `count` elements set to inf, -inf and nan."""
+    a = _rand(rng, *shape)
+    picks = rng.choice(a.size, size=count, replace=False)
+    a.reshape(-1)[picks] = np.resize([np.inf, np.nan, -np.inf], count)
+    return a
+
+
+def test_one_inf_with_1x1_kernel_and_padding_spreads_nowhere():
+    # Issue 11: padding taps read the edge element and multiplied it by 0 (28 / 21 outputs
+    # non-finite where the dense convolution has 1 per output channel).
+    x = np.arange(30.0).reshape(1, 1, 5, 6)
+    x[0, 0, 2, 3] = np.inf
+    w = np.full((4, 1, 1, 1), 0.5)
+    y = ref.deform_conv(x, w, padding=1)
+    bad = np.argwhere(~np.isfinite(y))
+    np.testing.assert_array_equal(bad, [[0, o, 3, 4] for o in range(4)])
+    K = 1
+    y0 = ref.deform_conv(x, w, np.zeros((1, 2 * K, 7, 8)), np.ones((1, K, 7, 8)), padding=1)
+    np.testing.assert_array_equal(np.argwhere(~np.isfinite(y0)), bad)
+
+
+@pytest.mark.parametrize("case", CONV_CASES)
+@pytest.mark.parametrize("zero_offset", [False, True])
+def test_non_finite_pattern_matches_torch(case, zero_offset):
+    """Non-finite input and grad_output elements reach exactly what they reach in the dense conv."""
+    torch = pytest.importorskip("torch")
+    n, B, ci, co, G, S, k, s, p, d = case
+    rng = np.random.default_rng(hash(case) % 2**32 + 1)
+    x = _poisoned(rng, (B, ci, *S))
+    w = _rand(rng, co, ci // G, *k)
+    b = _rand(rng, co)
+    Q = _q(S, k, _tuple(s, n), _tuple(p, n), _tuple(d, n))
+    K = math.prod(k)
+    offset = np.zeros((B, K * n, *Q)) if zero_offset else None
+    mask = np.ones((B, ci * K, *Q)) if zero_offset else None
+    gy = _poisoned(rng, (B, co, *Q), count=1)
+    with np.errstate(invalid="ignore"):
+        y = ref.deform_conv(x, w, offset, mask, b, stride=s, padding=p, dilation=d, groups=G)
+        grads = ref.deform_conv_backward(gy, x, w, offset, mask, b, stride=s, padding=p, dilation=d, groups=G)
+    leaves = [torch.from_numpy(a).requires_grad_(True) for a in (x, w, b)]
+    f = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d, 3: torch.nn.functional.conv3d}[n]
+    expected = f(*leaves, stride=s, padding=p, dilation=d, groups=G)
+    expected.backward(torch.from_numpy(gy))
+    np.testing.assert_array_equal(np.isfinite(y), np.isfinite(expected.detach().numpy()))
+    for got, leaf in zip((grads[0], grads[1], grads[4]), leaves):
+        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(leaf.grad.numpy()))
+
+
+@pytest.mark.parametrize("case", CONV_T_CASES)
+def test_non_finite_pattern_matches_torch_transposed(case):
+    torch = pytest.importorskip("torch")
+    n, B, ci, co, G, S, k, s, p, op, d = case
+    rng = np.random.default_rng(hash(case) % 2**32 + 2)
+    z = _poisoned(rng, (B, ci, *S))
+    w = _rand(rng, ci, co // G, *k)
+    K = math.prod(k)
+    offset, mask = np.zeros((B, K * n, *S)), np.ones((B, co * K, *S))
+    with np.errstate(invalid="ignore"):
+        y = ref.deform_conv_transpose(z, w, offset, mask, stride=s, padding=p, output_padding=op, dilation=d,
+                                      groups=G)
+    f = {1: torch.nn.functional.conv_transpose1d, 2: torch.nn.functional.conv_transpose2d,
+         3: torch.nn.functional.conv_transpose3d}[n]
+    expected = f(torch.from_numpy(z), torch.from_numpy(w), stride=s, padding=p, output_padding=op, dilation=d,
+                 groups=G).numpy()
+    np.testing.assert_array_equal(np.isfinite(y), np.isfinite(expected))
+
+
+def test_zero_weight_corners_read_nothing():
+    # Integer positions have one corner of weight 1 and others of weight 0: those must not be
+    # read (0 * inf); a non-integer position must read all its corners.
+    x = np.zeros((1, 1, 4))
+    x[0, 0, 2] = np.inf
+    w = np.ones((1, 1, 1))
+    y = ref.deform_conv(x, w, np.array([[[0.0, 0.0, 0.0, 0.0]]]))
+    np.testing.assert_array_equal(y, [[[0.0, 0.0, np.inf, 0.0]]])
+    y = ref.deform_conv(x, w, np.array([[[1.5, 0.5, 1.0, -2.0]]]))  # positions 1.5, 1.5, 3, 1
+    np.testing.assert_array_equal(np.isfinite(y), [[[False, False, True, True]]])
+
+
+# --------------------------------------------------------------------------- backward
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_backward_matches_finite_differences(n, transposed):
+    import cases
+
+    rng = np.random.default_rng(40 + n + 10 * transposed)
+    case = cases.random_case(rng, n, transposed)
+    grad_output = rng.standard_normal(case.reference().shape)
+    backward = ref.deform_conv_transpose_backward if transposed else ref.deform_conv_backward
+    grads = backward(grad_output, **case.arrays_, **case.params)
+    for name, grad in zip(cases.ARGUMENTS, grads):
+        assert grad.shape == case.arrays_[name].shape and grad.dtype == np.float64
+        direction = rng.standard_normal(grad.shape)
+        expected = cases.directional_derivative(case, name, grad_output, direction)
+        assert float(np.vdot(grad, direction)) == pytest.approx(expected, rel=1e-6, abs=1e-8), name
+
+
+def test_backward_of_absent_arguments_is_none_and_unbatched_works():
+    rng = np.random.default_rng(41)
+    x, w = _rand(rng, 3, 6, 5), _rand(rng, 2, 3, 3, 2)
+    y = ref.deform_conv(x, w, padding=1)
+    g = ref.deform_conv_backward(np.ones(y.shape), x, w, padding=1)
+    assert g[0].shape == x.shape and g[1].shape == w.shape and g[2:] == (None, None, None)
+    gb = ref.deform_conv_backward(np.ones((1,) + y.shape), x[None], w, padding=1)
+    np.testing.assert_allclose(g[0], gb[0][0], rtol=1e-14)
+
+
+def _torchvision_offset_grad_2d(x, w, offset, grad_output, p):
+    """The offset gradient of torchvision's kernels, as scalar loops (stride 1, dilation 1, G 1,
+    one offset group, no mask): d sample / d P from the corners floor(P) and floor(P)+1 with
+    out-of-grid corners read as 0 and no range cut on P at all (torchvision's coordinate
+    weight)."""
+    B, C, H, W = x.shape
+    co, _, kh, kw = w.shape
+    _, _, Qh, Qw = grad_output.shape
+    grad = np.zeros(offset.shape)
+
+    def at(b, c, i, j):
+        return x[b, c, i, j] if 0 <= i < H and 0 <= j < W else 0.0
+
+    for b, qh, qw, th, tw in itertools.product(range(B), range(Qh), range(Qw), range(kh), range(kw)):
+        t = th * kw + tw
+        py = qh - p + th + offset[b, 2 * t, qh, qw]
+        px = qw - p + tw + offset[b, 2 * t + 1, qh, qw]
+        y0, x0 = math.floor(py), math.floor(px)
+        fy, fx = py - y0, px - x0
+        for c in range(C):
+            cg = sum(w[o, c, th, tw] * grad_output[b, o, qh, qw] for o in range(co))
+            dy = fx * (at(b, c, y0 + 1, x0 + 1) - at(b, c, y0, x0 + 1)) + (1 - fx) * (
+                at(b, c, y0 + 1, x0) - at(b, c, y0, x0))
+            dx = fy * (at(b, c, y0 + 1, x0 + 1) - at(b, c, y0 + 1, x0)) + (1 - fy) * (
+                at(b, c, y0, x0 + 1) - at(b, c, y0, x0))
+            grad[b, 2 * t, qh, qw] += cg * dy
+            grad[b, 2 * t + 1, qh, qw] += cg * dx
+    return grad
+
+
+@pytest.mark.parametrize("shift", [0.0, 0.5, -1.0, 1.0])
+def test_offset_gradient_at_integer_positions_follows_torchvision(shift):
+    # Zero offsets with padding 1 put every border tap at exactly -1 (and the far border at S):
+    # the offset gradient there is torchvision's one-sided derivative from corners -1 and 0.
+    rng = np.random.default_rng(42)
+    x, w = _rand(rng, 2, 3, 5, 4), _rand(rng, 2, 3, 3, 3)
+    offset = np.full((2, 18, 5, 4), shift)
+    offset[:, 1::2] = 0.0  # shift only along the rows
+    y = ref.deform_conv(x, w, offset, padding=1)
+    grad_output = _rand(rng, *y.shape)
+    g = ref.deform_conv_backward(grad_output, x, w, offset, padding=1)
+    expected = _torchvision_offset_grad_2d(x, w, offset, grad_output, 1)
+    np.testing.assert_allclose(g[2], expected, rtol=1e-12, atol=1e-12)
+    # Output row 0 samples the kernel's top row at row -1 + shift: at shift 0 the row gradient
+    # of its centre tap (channel 2; its columns lie inside) is the derivative from the right,
+    # not 0.
+    if shift == 0.0:
+        assert np.abs(g[2][:, 2, 0]).min() > 0
+
+
+def test_offset_gradient_at_minus_one_is_the_right_derivative():
+    x = np.array([[[3.0, -2.0, 5.0]]])
+    w = np.ones((1, 1, 1))
+    for pos, right in [(-1.0, 3.0), (0.0, -5.0), (1.0, 7.0), (2.0, -5.0), (3.0, 0.0), (-1.5, 0.0)]:
+        offset = np.array([[[pos, 0.0, 0.0]]])
+        g = ref.deform_conv_backward(np.array([[[1.0, 0.0, 0.0]]]), x, w, offset)
+        assert g[2][0, 0, 0] == right, pos
+        h = 1e-7
+        up = ref.deform_conv(x, w, offset + [[[h, 0, 0]]])[0, 0, 0]
+        assert (up - ref.deform_conv(x, w, offset)[0, 0, 0]) / h == pytest.approx(right, abs=1e-6)

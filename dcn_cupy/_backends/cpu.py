@@ -99,9 +99,11 @@ def _sampling_plan(offset, has_offset, n_offset_groups, ndim, in_shape, out_shap
                     p2 += offset[b, base + 1, q]
                 else:
                     p2 += offset[b, base, q]
-            # NaN fails every comparison, +-inf fails the range: both sample zero.
-            valid = (p0 > -1.0 and p0 < in_shape[0] and p1 > -1.0 and p1 < in_shape[1]
-                     and p2 > -1.0 and p2 < in_shape[2])
+            # NaN fails every comparison, +-inf fails the range: both sample zero. A coordinate
+            # of exactly -1 stays: its corner 0 has weight 0 but slope 1 (torchvision's
+            # one-sided offset derivative there); below -1 and from S on no corner is inside.
+            valid = (p0 >= -1.0 and p0 < in_shape[0] and p1 >= -1.0 and p1 < in_shape[1]
+                     and p2 >= -1.0 and p2 < in_shape[2])
             if not valid:
                 for c in range(corners):
                     index[b, g, t, q, c] = 0
@@ -168,6 +170,19 @@ def _sampling_plan(offset, has_offset, n_offset_groups, ndim, in_shape, out_shap
                             dweight[b, g, t, q, c, a] = w0 * w1 * s2
 
 
+@njit(cache=True, inline="always")
+def _exact_sample(x, b, c, index, weight, g, t, q, corners):
+    """The N-linear sample over the corners of non-zero weight only: a zero-weight corner
+    reads nothing (no 0 * inf). The kernels sum every corner first, which is the same value
+    whenever it is finite, and come here only when it is not."""
+    value = 0.0
+    for k in range(corners):
+        w = weight[b, g, t, q, k]
+        if w != 0.0:
+            value += w * x[b, c, index[b, g, t, q, k]]
+    return value
+
+
 @njit(parallel=True, cache=True)
 def _im2col(x, mask, has_mask, n_mask_groups, index, weight, columns):
     batch, channels, _ = x.shape
@@ -186,6 +201,8 @@ def _im2col(x, mask, has_mask, n_mask_groups, index, weight, columns):
                 value = 0.0
                 for k in range(corners):
                     value += weight[b, g, t, q, k] * x[b, c, index[b, g, t, q, k]]
+                if not np.isfinite(value):
+                    value = _exact_sample(x, b, c, index, weight, g, t, q, corners)
                 if has_mask:
                     value *= mask[b, m_row + t, q]
                 columns[b, row, q] = value
@@ -209,8 +226,14 @@ def _col2im(column_grads, mask, has_mask, n_mask_groups, index, weight, grad_x):
                 value = column_grads[b, row, q]
                 if has_mask:
                     value *= mask[b, m_row + t, q]
-                for k in range(corners):
-                    grad_x[b, c, index[b, g, t, q, k]] += value * weight[b, g, t, q, k]
+                if np.isfinite(value):
+                    for k in range(corners):
+                        grad_x[b, c, index[b, g, t, q, k]] += value * weight[b, g, t, q, k]
+                else:  # zero-weight corners receive nothing, not 0 * inf
+                    for k in range(corners):
+                        w = weight[b, g, t, q, k]
+                        if w != 0.0:
+                            grad_x[b, c, index[b, g, t, q, k]] += value * w
 
 
 @njit(parallel=True, cache=True)
@@ -242,7 +265,15 @@ def _offset_mask_grads(x, column_grads, mask, has_mask, n_mask_groups, index, we
                     if want_offset:
                         corner_grads[g, q, k] += scaled * v
                 if want_mask:
-                    grad_mask[b, m_row, q] += grad * value
+                    term = grad * value
+                    if not np.isfinite(term):
+                        # A tap that samples nothing has a zero gradient whatever grad holds.
+                        used = False
+                        for k in range(corners):
+                            used = used or weight[b, g, t, q, k] != 0.0
+                        value = _exact_sample(x, b, c, index, weight, g, t, q, corners)
+                        term = grad * value if used else 0.0
+                    grad_mask[b, m_row, q] += term
         if want_offset:
             for g in range(n_offset_groups):
                 o_row = (g * taps + t) * ndim
@@ -251,6 +282,12 @@ def _offset_mask_grads(x, column_grads, mask, has_mask, n_mask_groups, index, we
                         total = 0.0
                         for k in range(corners):
                             total += dweight[b, g, t, q, k, a] * corner_grads[g, q, k]
+                        if not np.isfinite(total):  # outside and zero-slope corners add nothing
+                            total = 0.0
+                            for k in range(corners):
+                                slope = dweight[b, g, t, q, k, a]
+                                if slope != 0.0:
+                                    total += slope * corner_grads[g, q, k]
                         grad_offset[b, o_row + a, q] = total
 
 
