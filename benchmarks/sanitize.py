@@ -373,18 +373,15 @@ def robustness_cases(dtypes=(np.float64, np.float32, np.float16, BFLOAT16)) -> i
         for offsets, dtype in itertools.product(("zero", "integer", "fractional"), dtypes):
             _non_finite_case(case, dtype, offsets, rng)
             count += 1
-    limit, safe = dcn_cuda.WORKSPACE_LIMIT_BYTES, dcn_cuda._INT32_SAFE
-    try:  # one-sample chunks, 64-bit indices
-        dcn_cuda.WORKSPACE_LIMIT_BYTES = 1
-        dcn_cuda._INT32_SAFE = 0
-        for ndim in (1, 2, 3):
-            rng = np.random.default_rng(1300 + ndim)
-            case = random_case(rng, ndim, ndim != 2, batch=3)
+    # the smallest workspace each case accepts (one-sample and row chunks), 64-bit indices
+    for ndim in (1, 2, 3):
+        rng = np.random.default_rng(1300 + ndim)
+        case = random_case(rng, ndim, ndim != 2, batch=3)
+        limit, _ = smallest_limit(case, np.float64, "cuda/im2col")
+        with _settings(WORKSPACE_LIMIT_BYTES=limit, _INT32_SAFE=0):
             for offsets in ("zero", "integer", "fractional"):
                 _non_finite_case(case, np.float64, offsets, rng)
                 count += 1
-    finally:
-        dcn_cuda.WORKSPACE_LIMIT_BYTES, dcn_cuda._INT32_SAFE = limit, safe
     return count
 
 if __name__ == "__main__":
