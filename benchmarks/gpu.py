@@ -15,7 +15,7 @@ beyond what was allocated before it (inputs excluded, outputs and workspace incl
 off CuPy's pool (dcn_cupy, through a memory hook) or torch's allocator statistics.
 
 Usage: ``python benchmarks/gpu.py [--quick] [--json PATH] [--only 2d|3d]``; ``main(argv)`` is
-what ``python -m dcn_cupy bench`` calls. Prints a table and writes JSON.
+what ``python -m dcn_cupy bench`` calls. Prints a table; writes JSON only where asked.
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ def _fmt(value, spec="{:8.3f}"):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/gpu.py", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
-    parser.add_argument("--json", default="bench_gpu.json", help="where to write the results (JSON)")
+    parser.add_argument("--json", default=None, help="write the results as JSON to this path (default: nowhere)")
     parser.add_argument("--only", choices=("2d", "3d"), default=None)
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument("--warmup", type=int, default=3)
