@@ -81,10 +81,10 @@ def _names(tensors) -> list:
 def _as_tensor(value, dtype=None, name: str = "input"):
     if value is None:
         return None
-    if isinstance(value, tf.Variable):
-        return value.read_value() if dtype is None or value.dtype == dtype else tf.cast(value, dtype)
-    if tf.is_tensor(value):
+    if isinstance(value, tf.Tensor) and not isinstance(value, tf.Variable):
         return value
+    # Variables (tf.Variable, Keras variables) are read here, outside the custom gradient, so
+    # that the tape sees the read and their gradient flows through the op's inputs.
     try:
         return tf.convert_to_tensor(value, dtype=dtype)
     except (TypeError, ValueError) as error:
