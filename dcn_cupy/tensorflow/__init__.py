@@ -56,13 +56,14 @@ def _eager(tensors) -> bool:
     return tf.executing_eagerly() and all(hasattr(t, "numpy") for t in tensors)
 
 
-def _call(function, tensors: list, out_dtypes: list, out_shapes: list):
-    """``function(*native arrays) -> tuple of native arrays`` applied to ``tensors``.
+def _call(function, tensors: list, names: list, out_dtypes: list, out_shapes: list):
+    """``function(*native arrays) -> tuple of native arrays`` applied to ``tensors`` (argument
+    ``names``, for error messages).
 
     Eagerly: zero-copy views in and out. In a graph: one ``tf.numpy_function`` (host arrays).
     """
     if _eager(tensors):
-        natives = [LIBRARY.to_native(t, name)[0] for t, name in zip(tensors, _names(tensors))]
+        natives = [LIBRARY.to_native(t, name)[0] for t, name in zip(tensors, names)]
         return [LIBRARY.from_native(r) for r in function(*natives)]
 
     def host(*arrays):
@@ -72,10 +73,6 @@ def _call(function, tensors: list, out_dtypes: list, out_shapes: list):
     for result, shape in zip(results, out_shapes):
         result.set_shape(shape)
     return results
-
-
-def _names(tensors) -> list:
-    return [f"argument {i}" for i in range(len(tensors))]
 
 
 def _as_tensor(value, dtype=None, name: str = "input"):
@@ -146,7 +143,7 @@ def _deform_conv(ndim: Optional[int], transposed: bool, input, weight, offset, m
         def run_forward(*arrays):
             return (forward(**dict(zip(names, arrays)), **params),)
 
-        (y,) = _call(run_forward, list(tensors), [dtype], [y_shape])
+        (y,) = _call(run_forward, list(tensors), names, [dtype], [y_shape])
 
         def grad(dy):
             def run_backward(g, *arrays):
@@ -154,7 +151,7 @@ def _deform_conv(ndim: Optional[int], transposed: bool, input, weight, offset, m
                 return tuple(getattr(grads, name) for name in names)
 
             shapes = [t.shape for t in tensors]
-            return _call(run_backward, [tf.convert_to_tensor(dy, dtype)] + list(tensors),
+            return _call(run_backward, [tf.convert_to_tensor(dy, dtype)] + list(tensors), ["grad_output"] + names,
                          [dtype] * len(names), shapes)
 
         return y, grad
@@ -167,11 +164,11 @@ def _mask_activation(forward, backward, mask, *args):
 
     @tf.custom_gradient
     def op(t):
-        (y,) = _call(lambda a: (forward(a, *args),), [t], [t.dtype], [t.shape])
+        (y,) = _call(lambda a: (forward(a, *args),), [t], ["mask"], [t.dtype], [t.shape])
 
         def grad(dy):
             (g,) = _call(lambda gy, out: (backward(gy, out, *args),),
-                         [tf.convert_to_tensor(dy, t.dtype), y], [t.dtype], [t.shape])
+                         [tf.convert_to_tensor(dy, t.dtype), y], ["grad_output", "output"], [t.dtype], [t.shape])
             return g
 
         return y, grad
