@@ -7,7 +7,9 @@ Results are written only where asked (``--json PATH``); ``--plot FILE.png`` draw
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import os
 import sys
 import tempfile
@@ -81,6 +83,27 @@ def _json_argument(argv: list):
     return None
 
 
+class _Without(io.TextIOBase):
+    """A stdout that drops the lines mentioning ``text``."""
+
+    def __init__(self, stream, text: str):
+        self.stream, self.text, self.pending = stream, text, ""
+
+    def write(self, data: str) -> int:
+        self.pending += data
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            if self.text not in line:
+                self.stream.write(line + "\n")
+        return len(data)
+
+    def flush(self) -> None:
+        if self.pending and self.text not in self.pending:
+            self.stream.write(self.pending)
+            self.pending = ""
+        self.stream.flush()
+
+
 def run(argv: list) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print("usage: python -m dcn_cupy bench [--plot FILE.png] [--json FILE.json] [BENCHMARK ARGS...]\n"
@@ -117,7 +140,13 @@ def run(argv: list) -> int:
         argv = argv + ["--json", json_path]
     try:
         module = load_script(path, f"_dcn_cupy_benchmark_{kind.lower()}")
-        result = module.main(list(argv))
+        if scratch is None:
+            result = module.main(list(argv))
+        else:  # the scratch file is the CLI's business: do not announce it
+            quiet = _Without(sys.stdout, scratch)
+            with contextlib.redirect_stdout(quiet):
+                result = module.main(list(argv))
+            quiet.flush()
         status = int(result) if isinstance(result, int) else 0
         if plot is not None and status == 0:
             from . import _plot

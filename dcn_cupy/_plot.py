@@ -82,7 +82,10 @@ def plot_file(json_path, png_path) -> None:
                         ax.annotate(f"{value:.3g}", (bar.get_x() + bar.get_width() / 2, value),
                                     ha="center", va="bottom", fontsize=7)
             ax.set_xticks(np.arange(len(precisions)), precisions)
-            ax.set_yscale("log")
+            ax.set_yscale("log")  # times differ by orders of magnitude across peers and precisions
+            shown = [r[4] for r in rows if r[0] == shape and r[2] == mode]
+            if shown:  # bars start well below the smallest one, so that their heights compare
+                ax.set_ylim(min(shown) / 4, max(shown) * 2)
             ax.set_ylabel("ms (lower is better)")
             ax.set_title(f"{shape}: {mode}", fontsize=10)
             ax.grid(axis="y", alpha=0.3, which="both")
