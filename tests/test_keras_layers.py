@@ -112,6 +112,7 @@ def _check_training_and_saving(keras, tmp):
     from dcn_cupy import keras as dck
 
     rng = np.random.default_rng(1)
+    keras.utils.set_random_seed(1)
     inputs = keras.Input((10, 10, 2))
     h = dck.PackedDeformConv2D(6, 3, padding=1, mask_activation="sigmoid", name="deform")(inputs)
     h = keras.layers.Activation("relu")(h)
@@ -123,9 +124,9 @@ def _check_training_and_saving(keras, tmp):
     x = rng.standard_normal((32, 10, 10, 2)).astype(np.float32)
     target = (x[:, 3:6, 4:7, 0].mean(axis=(1, 2)) - x[:, :, :, 1].mean(axis=(1, 2)))[:, None]
     before = float(model.evaluate(x, target, verbose=0))
-    model.fit(x, target, epochs=6, batch_size=8, verbose=0)
+    model.fit(x, target, epochs=12, batch_size=8, verbose=0)
     after = float(model.evaluate(x, target, verbose=0))
-    assert np.isfinite(after) and after < 0.8 * before, (before, after)
+    assert np.isfinite(after) and after < 0.7 * before, (before, after)
     for layer in ("deform", "up"):  # the predictors started at zero and received gradients
         assert np.abs(keras.ops.convert_to_numpy(model.get_layer(layer).offset_kernel)).max() > 0, layer
         assert np.abs(keras.ops.convert_to_numpy(model.get_layer(layer).mask_kernel)).max() > 0, layer
