@@ -67,7 +67,7 @@ def _check_layers(keras, tmp):
                 return a if data_format == "channels_first" else _to_last(a, ndim)
 
             # offsets and masks as inputs
-            conv = getattr(dck, f"DeformConv{ndim}D")(6, 2, strides=2, padding=1, groups=2,
+            conv = getattr(dck, f"DeformConv{ndim}D")(6, 2, strides=2, padding=1, groups=2, offset_groups=2,
                                                       bias_initializer="random_normal", data_format=data_format)
             q = tuple((s + 2 - 2) // 2 + 1 for s in sizes[ndim])
             offset = fractional_offsets(rng, (2, 2 * K * ndim) + q).astype(np.float32)
@@ -158,6 +158,13 @@ def _check_errors(keras):
             assert message in str(error), (kwargs, error)
         else:
             raise AssertionError(f"no error for {kwargs}")
+    layer = dck.DeformConv2D(4, 3, offset_groups=2, data_format="channels_first")
+    try:
+        layer([np.zeros((1, 2, 6, 6), "float32"), np.zeros((1, 18, 4, 4), "float32")])
+    except ValueError as error:
+        assert "offset must have 36 channels (offset_groups=2" in str(error), error
+    else:
+        raise AssertionError("no error for offsets of the wrong offset_groups")
     print("argument errors")
 
 

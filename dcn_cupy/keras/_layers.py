@@ -204,9 +204,17 @@ class _DeformConv(_DeformConvBase):
         return inputs, None, None
 
     def build(self, input_shape):
-        x_shape = input_shape[0] if isinstance(input_shape, (list, tuple)) and isinstance(
-            input_shape[0], (list, tuple)) else input_shape
-        self._build_kernel(self._channels(x_shape))
+        nested = isinstance(input_shape, (list, tuple)) and isinstance(input_shape[0], (list, tuple))
+        shapes = list(input_shape) if nested else [input_shape]
+        self._build_kernel(self._channels(shapes[0]))
+        # offsets and masks given as inputs must have the channels offset_groups/mask_groups say
+        n, K = self._ndim, self._taps
+        for name, shape, expected in (("offset", shapes[1] if len(shapes) > 1 else None, n * K * self.offset_groups),
+                                      ("mask", shapes[2] if len(shapes) > 2 else None, K * self.mask_groups)):
+            if shape is not None and self._channels(shape) != expected:
+                groups = "offset_groups" if name == "offset" else "mask_groups"
+                raise ValueError(f"{name} must have {expected} channels ({groups}={getattr(self, groups)}, "
+                                 f"kernel_size={self.kernel_size}), got {self._channels(shape)}")
 
     def compute_output_shape(self, input_shape):
         x_shape = input_shape[0] if isinstance(input_shape, (list, tuple)) and isinstance(
