@@ -24,8 +24,8 @@ workspace included), read off CuPy's pool (dcn_cupy, through a memory hook) or t
 allocator statistics.
 
 Usage: ``python benchmarks/gpu.py [--quick] [--json PATH] [--only 2d|3d]``; ``main(argv)`` is
-what ``python -m dcn_cupy bench`` calls. Prints a table and writes JSON. Without a CUDA device
-(or CuPy) it says so and returns 0.
+what ``python -m dcn_cupy bench`` calls. Prints a table; writes JSON only where asked. Without a
+CUDA device (or CuPy) it says so and returns 0.
 """
 
 from __future__ import annotations
@@ -370,7 +370,7 @@ def _fmt(value, spec="{:8.3f}"):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/gpu.py", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
-    parser.add_argument("--json", default="bench_gpu.json", help="where to write the results (JSON)")
+    parser.add_argument("--json", default=None, help="write the results as JSON to this path (default: nowhere)")
     parser.add_argument("--only", choices=("1d", "2d", "3d"), default=None)
     parser.add_argument("--shapes", default=None, help="comma-separated indices into SHAPES")
     parser.add_argument("--shape", default=None,

@@ -1,4 +1,4 @@
-"""The command line: ``python -m dcn_cupy info / check / bench``."""
+"""The command line: ``python -m dcn_cupy info / check / bench`` (bench --plot included)."""
 
 import os
 import subprocess
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dcn_cupy import __main__ as cli
+from dcn_cupy import _bench, _info
 from dcn_cupy._backends import cpu
 
 REPO = Path(__file__).resolve().parent.parent
@@ -22,8 +23,21 @@ def test_info_mentions_numba_and_cpu_backend(capsys):
     assert "dcn_cupy" in out and "NumPy" in out and "ml_dtypes" in out
     assert "Backends:" in out
     assert "  cpu " in out
-    if not cli.cuda_devices():
+    assert "threadpoolctl" in out and "Numba cache" in out
+    for framework in ("PyTorch", "JAX", "TensorFlow", "Keras"):
+        assert framework in out
+    if not _info.cuda_devices():
         assert "cuda  none" in out
+
+
+def test_info_imports_no_framework():
+    """info reads versions from metadata: it imports no deep-learning framework (and is fast)."""
+    code = ("import sys; from dcn_cupy.__main__ import main; main(['info']); "
+            "print('IMPORTED', sorted(m for m in ('torch', 'jax', 'tensorflow', 'keras') if m in sys.modules))")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "IMPORTED []" in result.stdout
 
 
 def test_check_cpu_passes(capsys):
@@ -35,6 +49,9 @@ def test_check_cpu_passes(capsys):
     assert "MISMATCH" not in out and "ERROR" not in out
     assert "passed" in out
     assert "max rel. error" in out  # the summary table
+    # the table is printed once: one row per case, no per-case progress lines repeating it
+    assert out.count("deform_conv2d grad offset") == 1
+    assert out.count("mask_sigmoid grad") == 1
 
 
 def test_check_reports_a_wrong_forward(monkeypatch, capsys):
@@ -75,7 +92,7 @@ def test_check_reports_a_wrong_gradient_and_an_exception(monkeypatch, capsys):
 
 
 def test_check_unavailable_backend_or_no_match(capsys):
-    if not cli.cuda_devices():
+    if not _info.cuda_devices():
         assert cli.main(["check", "--device", "cuda"]) == 2
         assert "not available" in capsys.readouterr().err
     assert cli.main(["check", "--device", "cpu", "-k", "no such case"]) == 2
@@ -88,17 +105,18 @@ def test_no_command_is_a_usage_error(capsys):
 
 
 def test_bench_falls_back_to_cpu(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(cli, "cuda_devices", lambda: [])
+    monkeypatch.setattr(_info, "cuda_devices", lambda: [])
     folder = tmp_path / "benchmarks"
     folder.mkdir()
     (folder / "cpu.py").write_text("def main(argv=None):\n    print('cpu bench', argv)\n    return 0\n")
-    monkeypatch.setattr(cli, "benchmarks_dir", lambda: folder)
+    monkeypatch.setattr(_bench, "benchmarks_dir", lambda: folder)
     assert cli.main(["bench", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "cpu bench ['--repeats', '1']" in out
 
     # A GPU but no gpu.py: say so and fall back to the CPU benchmark.
-    monkeypatch.setattr(cli, "cuda_devices", lambda: [(0, "Fake GPU", "9.0")])
+    monkeypatch.setattr(_info, "cuda_devices", lambda: [(0, "Fake GPU", "9.0")])
+    monkeypatch.setattr(_bench, "torch_installed", lambda: True)
     assert cli.main(["bench"]) == 0
     out = capsys.readouterr().out
     assert "gpu.py is missing" in out and "cpu bench" in out
@@ -107,9 +125,67 @@ def test_bench_falls_back_to_cpu(monkeypatch, capsys, tmp_path):
     assert cli.main(["bench", "-x"]) == 3
     assert "gpu bench ['-x']" in capsys.readouterr().out
 
-    monkeypatch.setattr(cli, "benchmarks_dir", lambda: tmp_path / "nowhere")
+    # A GPU and gpu.py, but no torch (which gpu.py needs): say so and fall back.
+    monkeypatch.setattr(_bench, "torch_installed", lambda: False)
+    assert cli.main(["bench"]) == 0
+    out = capsys.readouterr().out
+    assert "PyTorch is not installed" in out and "cpu bench" in out
+
+    monkeypatch.setattr(_bench, "benchmarks_dir", lambda: tmp_path / "nowhere")
     assert cli.main(["bench"]) == 2
     assert "not installed with the package" in capsys.readouterr().err
+
+
+_FAKE_CPU_BENCH = """
+import json
+def main(argv=None):
+    path = argv[argv.index("--json") + 1]
+    rows = [{"library": lib, "mode": mode, "median_ms": ms}
+            for lib, mode, ms in (("dcn_cupy", "forward", 10.0), ("dcn_cupy", "forward+backward", 50.0),
+                                  ("torchvision", "forward", 60.0), ("torchvision", "forward+backward", 500.0))]
+    json.dump({"benchmark": "cpu", "config": {"batch": 2, "in_channels": 4, "out_channels": 4, "size": [8, 8],
+               "dtype": "float32"}, "environment": {}, "results": rows}, open(path, "w"))
+    return 0
+"""
+
+
+def test_bench_plot_writes_a_png_and_nothing_else(monkeypatch, capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(_info, "cuda_devices", lambda: [])
+    folder = tmp_path / "benchmarks"
+    folder.mkdir()
+    (folder / "cpu.py").write_text(_FAKE_CPU_BENCH)
+    monkeypatch.setattr(_bench, "benchmarks_dir", lambda: folder)
+    monkeypatch.chdir(tmp_path)
+    png = tmp_path / "out" / "bench.png"
+    assert cli.main(["bench", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert f"wrote {png}" in capsys.readouterr().out
+    # the scratch JSON the plot was drawn from is gone; nothing else was written
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["bench.png", "cpu.py"]
+
+
+def test_plot_reads_the_gpu_benchmark_format(tmp_path):
+    pytest.importorskip("matplotlib")
+    import json
+
+    from dcn_cupy import _plot
+    rows = [{"impl": impl, "shape": "2D B=8", "precision": p, "fwd_ms": ms, "fwdbwd_ms": 4 * ms}
+            for impl, ms in (("dcn_cupy", 1.0), ("torchvision", 2.0)) for p in ("fp32", "fp16")]
+    rows.append({"impl": "torchvision", "shape": "3D", "precision": "fp32", "error": "no 3D"})
+    report = {"meta": {"device": "Fake GPU"}, "results": rows}
+    assert len(_plot.records(report)) == 8
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps(report))
+    _plot.plot_file(path, tmp_path / "g.png")
+    assert (tmp_path / "g.png").stat().st_size > 10_000
+
+
+def test_cpu_benchmark_targets_come_from_benchmarks_readme():
+    module = _bench.load_script(REPO / "benchmarks" / "cpu.py", "_test_cpu_targets")
+    targets = module.read_targets()
+    assert set(targets) == {"forward", "forward+backward"}
+    assert all(limit > 0 for limit, _ in targets.values())
 
 
 def test_real_cpu_benchmark_smoke(tmp_path, capsys):
@@ -117,7 +193,7 @@ def test_real_cpu_benchmark_smoke(tmp_path, capsys):
     import json
 
     out_json = tmp_path / "cpu.json"
-    module = cli._load_script(REPO / "benchmarks" / "cpu.py", "_test_cpu_benchmark")
+    module = _bench.load_script(REPO / "benchmarks" / "cpu.py", "_test_cpu_benchmark")
     assert module.main(["--batch", "1", "--in-channels", "4", "--out-channels", "4", "--size", "8",
                         "--warmup", "0", "--repeats", "2", "--json", str(out_json)]) == 0
     out = capsys.readouterr().out

@@ -7,7 +7,7 @@ import pytest
 import dcn_cupy
 from dcn_cupy._interop import BFLOAT16
 
-from cases import ARGUMENTS, directional_derivative, random_case, relative_error
+from dcn_cupy.testing import ARGUMENTS, directional_derivative, random_case, relative_error
 
 SEEDS = range(6)
 

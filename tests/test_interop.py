@@ -6,7 +6,7 @@ import pytest
 import dcn_cupy
 from dcn_cupy._interop import BFLOAT16, to_native
 
-from cases import ARGUMENTS, random_case, relative_error
+from dcn_cupy.testing import ARGUMENTS, random_case, relative_error
 
 
 def _torch_case(dtype_name):

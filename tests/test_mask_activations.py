@@ -7,7 +7,7 @@ import dcn_cupy
 from dcn_cupy import reference
 from dcn_cupy._interop import BFLOAT16
 
-from cases import relative_error
+from dcn_cupy.testing import relative_error
 
 
 def central_difference(f, x, v, g, h=1e-6):
