@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import threading
 from typing import Any, NamedTuple, Optional, Protocol, runtime_checkable
 
@@ -128,16 +129,34 @@ def register_library(library, *, first: bool = False) -> None:
         _by_type[np.ndarray] = _NUMPY
 
 
+#: Libraries registered on first sight of one of their objects (top-level module of the type ->
+#: "module:function" that registers them), so that importing dcn_cupy imports none of them.
+_LAZY_LIBRARIES = {
+    "tensorflow": "dcn_cupy.tensorflow._library:register",
+    "tf_keras": "dcn_cupy.tensorflow._library:register",
+}
+
+
+def _register_lazy_library(array) -> bool:
+    """Register the library of ``array`` if it is one of ``_LAZY_LIBRARIES``; whether it was."""
+    target = _LAZY_LIBRARIES.get(type(array).__module__.split(".")[0])
+    if target is None:
+        return False
+    module, function = target.split(":")
+    before = len(_libraries)
+    getattr(importlib.import_module(module), function)()
+    return len(_libraries) != before
+
+
 def library_of(array):
     """The registered library that owns ``array`` (the DLPack catch-all when none claims it)."""
     t = type(array)
     lib = _by_type.get(t)
     if lib is None:
-        for candidate in _libraries:
-            if candidate.owns(array):
-                lib = candidate
-                break
-        else:
+        lib = next((c for c in _libraries if c.owns(array)), None)
+        if lib is None and _register_lazy_library(array):
+            lib = next((c for c in _libraries if c.owns(array)), None)
+        if lib is None:
             lib = _DLPACK
         if not _is_capsule(array):
             _by_type[t] = lib

@@ -178,9 +178,6 @@ def test_tensorflow_array_library():
 
 def test_core_api_returns_tensorflow_tensors():
     """With the interop registry (DESIGN §3), the core functions take and return tf.Tensors."""
-    from dcn_cupy import _interop
-    if not hasattr(_interop, "register_library"):
-        pytest.skip("the interop registry (dcn_cupy._interop.register_library) is not in this build")
     rng = np.random.default_rng(6)
     x = tf.constant(rng.standard_normal((1, 2, 5, 5)), tf.float32)
     w = tf.constant(rng.standard_normal((3, 2, 3, 3)), tf.float32)
@@ -192,6 +189,9 @@ def test_core_api_returns_tensorflow_tensors():
     capsule = tf.experimental.dlpack.to_dlpack(x)
     y_capsule = dcn_cupy.deform_conv2d(capsule, w.numpy(), padding=1)
     np.testing.assert_allclose(np.asarray(y_capsule), y.numpy(), rtol=1e-6)
+    # arguments share one library (DESIGN §2); the message names TensorFlow, not "dlpack"
+    with pytest.raises(TypeError, match=r"weight must come from the same library as input \(tensorflow\), got numpy"):
+        dcn_cupy.deform_conv2d(x, w.numpy(), padding=1)
 
 
 def test_a_small_keras_model_trains():
