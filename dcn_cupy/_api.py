@@ -130,8 +130,7 @@ def _conv_backward(ndim, grad_output, input, weight, offset, mask, bias, stride,
         else:
             if wanted & {"input", "weight", "offset", "mask"}:
                 grads["input"], grads["weight"], grads["offset"], grads["mask"] = call.backend.conv_backward(
-                    gy, x, w, off, msk, geom,
-                    "input" in wanted, "weight" in wanted, "offset" in wanted, "mask" in wanted,
+                    gy, x, w, off, msk, geom, wanted & {"input", "weight", "offset", "mask"},
                 )
             if "bias" in wanted:
                 grads["bias"] = _channel_sum(xp, gy, dtype)
@@ -157,7 +156,7 @@ def _transpose_forward(ndim, input, weight, offset, mask, bias, stride, padding,
         y = call.backend.conv_backward(
             call.contiguous("input", batched), None, xp.ascontiguousarray(n["weight"]),
             call.contiguous("offset", batched), call.contiguous("mask", batched), geom,
-            True, False, False, False, bias=call.contiguous("bias", True),
+            frozenset({"input"}), bias=call.contiguous("bias", True),
         )[0]
     return call.result(y, batched)
 
@@ -189,7 +188,7 @@ def _transpose_backward(ndim, grad_output, input, weight, offset, mask, bias, st
                 grads["input"] = call.backend.conv_forward(gy, w, off, msk, None, geom)
             if wanted & {"weight", "offset", "mask"}:
                 _, grads["weight"], grads["offset"], grads["mask"] = call.backend.conv_backward(
-                    z, gy, w, off, msk, geom, False, "weight" in wanted, "offset" in wanted, "mask" in wanted,
+                    z, gy, w, off, msk, geom, wanted & {"weight", "offset", "mask"},
                 )
             if "bias" in wanted:
                 grads["bias"] = _channel_sum(xp, gy, dtype)
