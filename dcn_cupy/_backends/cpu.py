@@ -248,7 +248,7 @@ def _announce_compilation(dispatcher, dtype, folder):
 
 
 # ---------------------------------------------------------------------------------------------
-# The thread pool that runs the kernels' jobs.
+# The thread pool that runs the kernels' jobs and the GEMMs' blocks.
 
 _pool = None
 _pool_lock = threading.Lock()
@@ -277,31 +277,17 @@ def _executor(workers):
         return _pool
 
 
-def _after_fork_in_child():
-    # The parent's pool threads do not exist in the child: start afresh (and never wait on them).
-    global _pool, _pool_lock, _compile_lock
-    _pool = None
-    _pool_lock = threading.Lock()
-    _compile_lock = threading.RLock()
+def _run_parts(run, parts):
+    """``run(i)`` for i in range(parts), on up to ``num_threads()`` threads, the caller's included.
 
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _parallel_for(name, dtype, args, jobs):
-    """Run kernel ``name`` over ``jobs`` jobs, shared out among ``num_threads()`` threads.
-
-    The jobs are cut into parts by the shape alone; every job writes only its own elements, so
-    the result is the same for any thread count and any order.
+    What a part computes depends on ``i`` alone (never on the thread that runs it), so results
+    are the same for any thread count.
     """
-    kernel = _compiled_kernel(name, dtype)
-    threads = min(num_threads(), jobs)
+    threads = min(num_threads(), parts)
     if threads <= 1:
-        kernel(*args, 0, jobs)
+        for i in range(parts):
+            run(i)
         return
-    parts = min(jobs, threads * _PARTS_PER_THREAD)
-    edges = [jobs * i // parts for i in range(parts + 1)]
     counter = itertools.count()
     lock = threading.Lock()
 
@@ -311,7 +297,7 @@ def _parallel_for(name, dtype, args, jobs):
                 i = next(counter)
             if i >= parts:
                 return
-            kernel(*args, edges[i], edges[i + 1])
+            run(i)
 
     futures = [_executor(threads - 1).submit(work) for _ in range(threads - 1)]
     try:
@@ -319,6 +305,106 @@ def _parallel_for(name, dtype, args, jobs):
     finally:
         for future in futures:
             future.result()
+
+
+def _parallel_for(name, dtype, args, jobs):
+    """Kernel ``name`` over its ``jobs`` jobs, cut into parts by the shape alone; every job
+    writes only its own elements."""
+    kernel = _compiled_kernel(name, dtype)
+    parts = min(jobs, num_threads() * _PARTS_PER_THREAD)
+    edges = [jobs * i // parts for i in range(parts + 1)]
+    _run_parts(lambda i: kernel(*args, edges[i], edges[i + 1]), parts)
+
+
+def _blocks(n, least=256, most=16):
+    """Edges of a split of range(n) into blocks of >= ``least`` (at most ``most`` blocks)."""
+    parts = max(1, min(most, n // least))
+    return [n * i // parts for i in range(parts + 1)]
+
+
+def _matmul_columns(a, b, out):
+    """``out[..., s:e] = a @ b[..., s:e]`` for stacked (.., M, K) @ (.., K, N), column blocks in parallel."""
+    edges = _blocks(b.shape[-1])
+    _run_parts(lambda i: np.matmul(a, b[..., edges[i]:edges[i + 1]], out=out[..., edges[i]:edges[i + 1]]),
+               len(edges) - 1)
+
+
+def _add_weight_gradient(grad_w, gy, cols):
+    """``grad_w[g] += sum_b gy[b, g] @ cols[b, g]^T``, blocks of grad_w's columns in parallel.
+
+    grad_w: (G, C_out/G, C_in/G * K) float64; gy: (B, G, C_out/G, P); cols: (B, G, C_in/G * K, P).
+    """
+    edges = _blocks(cols.shape[2], least=32)
+
+    def run(i):
+        s, e = edges[i], edges[i + 1]
+        for b in range(gy.shape[0]):
+            grad_w[:, :, s:e] += np.matmul(gy[b], cols[b, :, s:e].transpose(0, 2, 1))
+
+    _run_parts(run, len(edges) - 1)
+
+
+class _SingleThreadedBlas:
+    """Holds BLAS to one thread while any call of the backend runs, in any thread.
+
+    Process-wide and reference-counted: the first call to enter sets the limit, the last to leave
+    restores what it found, so overlapping calls from several threads leave BLAS's thread count
+    exactly as it was. The GEMMs run in blocks on dcn_cupy's own threads instead, where a
+    multi-threaded BLAS would compete with them for the cores.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._limiter = None
+        self._controller = None
+
+    def _limit(self):
+        if self._controller is None:
+            try:
+                from threadpoolctl import ThreadpoolController
+                self._controller = ThreadpoolController()
+            except ImportError:
+                self._controller = False
+                warnings.warn(
+                    "threadpoolctl is not installed: dcn_cupy's CPU backend cannot hold BLAS to one "
+                    "thread, and its GEMMs run 2-4x slower where BLAS's threads compete with its own; "
+                    "pip install threadpoolctl", RuntimeWarning, stacklevel=_caller_stacklevel())
+        return self._controller.limit(limits=1, user_api="blas") if self._controller else None
+
+    def __enter__(self):
+        with self._lock:
+            if self._depth == 0:
+                self._limiter = self._limit()
+            self._depth += 1
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0 and self._limiter is not None:
+                self._limiter.restore_original_limits()
+                self._limiter = None
+
+    def after_fork_in_child(self):
+        if self._depth and self._limiter is not None:  # forked while another thread ran a call
+            self._limiter.restore_original_limits()
+        self._lock, self._depth, self._limiter = threading.Lock(), 0, None
+
+
+_single_threaded_blas = _SingleThreadedBlas()
+
+
+def _after_fork_in_child():
+    # The parent's pool threads do not exist in the child: start afresh (and never wait on them).
+    global _pool, _pool_lock, _compile_lock
+    _pool = None
+    _pool_lock = threading.Lock()
+    _compile_lock = threading.RLock()
+    _single_threaded_blas.after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -675,6 +761,12 @@ def _add_bias(out, bias, ndim):
 
 
 def conv_forward(x, weight, offset, mask, bias, geom):
+    """``y = deform_conv(x) (+ bias)``, shape ``geom.y_shape``, in ``x``'s dtype."""
+    with _single_threaded_blas:
+        return _conv_forward(x, weight, offset, mask, bias, geom)
+
+
+def _conv_forward(x, weight, offset, mask, bias, geom):
     dtype = compute_dtype(x.dtype)
     space = _Workspace(geom, dtype, columns=True, column_grads=False, dweight=False, grads=False,
                        input_copy=_needs_copy(x, dtype))
@@ -689,7 +781,7 @@ def conv_forward(x, weight, offset, mask, bias, geom):
         plan = _Plan(geom, chunk, off, False, dtype)
         columns = _columns(staged[1], msk, plan, geom, dtype)
         cols = columns.reshape(chunk.batch, geom.groups, -1, chunk.positions)
-        np.matmul(w[None], cols, out=y[chunk.b0:chunk.b1, :, :, chunk.q0:chunk.q1])
+        _matmul_columns(w[None], cols, y[chunk.b0:chunk.b1, :, :, chunk.q0:chunk.q1])
     y = y.reshape(geom.y_shape)
     _add_bias(y, bias, geom.ndim)
     return y.astype(x.dtype, copy=False)
@@ -701,6 +793,11 @@ def conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias=None)
     mask gradients. Returns ``(grad_x, grad_weight, grad_offset, grad_mask)``, None where not
     wanted. ``x`` may be None when only the input gradient is wanted; ``bias`` is added to the
     input gradient (the transposed forward)."""
+    with _single_threaded_blas:
+        return _conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias)
+
+
+def _conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias):
     dtype = compute_dtype(grad_output.dtype)
     out_dtype = grad_output.dtype
     need_input, need_weight = "input" in wanted, "weight" in wanted
@@ -727,14 +824,12 @@ def conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias=None)
         plan = _Plan(geom, chunk, off, need_offset, dtype)
         if need_weight:
             cols = _columns(xc, msk, plan, geom, dtype).reshape(batch, geom.groups, -1, positions)
-            for b in range(batch):  # one sample at a time: a temporary the size of the weight
-                grad_w += np.matmul(gy[b], cols[b].transpose(0, 2, 1))
+            _add_weight_gradient(grad_w, gy, cols)
             del cols
         if not need_grads:
             continue
         column_grads = np.empty((batch, geom.in_channels * geom.kernel_volume, positions), dtype=dtype)
-        np.matmul(w.transpose(0, 2, 1)[None], gy,
-                  out=column_grads.reshape(batch, geom.groups, -1, positions))
+        _matmul_columns(w.transpose(0, 2, 1)[None], gy, column_grads.reshape(batch, geom.groups, -1, positions))
         m, has_mask, mask_groups = _mask_args(msk, geom, dtype)
         if need_input:
             _parallel_for("_col2im", dtype, (column_grads, m, has_mask, mask_groups, plan.index, plan.weight,
