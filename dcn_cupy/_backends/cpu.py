@@ -642,6 +642,8 @@ class _Workspace:
         rows = geom.in_channels * geom.kernel_volume * (int(columns) + int(column_grads))
         staged = geom.offset_groups * geom.kernel_volume * geom.ndim + geom.mask_groups * geom.kernel_volume
         grad_rows = staged if grads else 0
+        # _offset_mask_grads keeps per-group corner sums of one tap in every running thread.
+        grad_rows += num_threads() * max(geom.offset_groups, 1) * (1 << geom.ndim) if dweight else 0
         self.per_position = plan + itemsize * (rows + staged + geom.out_channels) + 8 * grad_rows
         self.per_sample = geom.in_channels * geom.input_size * itemsize if input_copy else 0
         self.limit = workspace_limit()
@@ -662,7 +664,7 @@ class _Workspace:
     @property
     def bytes(self) -> int:
         """The workspace one chunk uses, at most the limit."""
-        return self.per_sample * self.samples + self.per_position * min(self.box_positions, self.geom.output_size)
+        return self.samples * self.per_sample + self.samples * self.box_positions * self.per_position
 
     def chunks(self):
         geom = self.geom
@@ -782,6 +784,7 @@ def _conv_forward(x, weight, offset, mask, bias, geom):
         columns = _columns(staged[1], msk, plan, geom, dtype)
         cols = columns.reshape(chunk.batch, geom.groups, -1, chunk.positions)
         _matmul_columns(w[None], cols, y[chunk.b0:chunk.b1, :, :, chunk.q0:chunk.q1])
+        del plan, columns, cols, off, msk  # before the next chunk allocates its own
     y = y.reshape(geom.y_shape)
     _add_bias(y, bias, geom.ndim)
     return y.astype(x.dtype, copy=False)
@@ -827,6 +830,7 @@ def _conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias):
             _add_weight_gradient(grad_w, gy, cols)
             del cols
         if not need_grads:
+            del plan, off, msk, gy
             continue
         column_grads = np.empty((batch, geom.in_channels * geom.kernel_volume, positions), dtype=dtype)
         _matmul_columns(w.transpose(0, 2, 1)[None], gy, column_grads.reshape(batch, geom.groups, -1, positions))
@@ -850,14 +854,16 @@ def _conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias):
                     grad_off[chunk.b0:chunk.b1, :, chunk.q0:chunk.q1] = g_off
                 if need_mask:
                     grad_m[chunk.b0:chunk.b1, :, chunk.q0:chunk.q1] = g_m
+            del g_off, g_m
+        del plan, column_grads, off, msk, gy  # before the next chunk allocates its own
     if need_input:
         grad_x = grad_x.reshape(geom.x_shape)
         _add_bias(grad_x, bias, geom.ndim)
     return (
         None if grad_x is None else grad_x.astype(out_dtype, copy=False),
-        None if grad_w is None else grad_w.reshape(geom.weight_shape).astype(out_dtype),
-        None if grad_off is None else grad_off.reshape(geom.offset_shape).astype(out_dtype),
-        None if grad_m is None else grad_m.reshape(geom.mask_shape).astype(out_dtype),
+        None if grad_w is None else grad_w.reshape(geom.weight_shape).astype(out_dtype, copy=False),
+        None if grad_off is None else grad_off.reshape(geom.offset_shape).astype(out_dtype, copy=False),
+        None if grad_m is None else grad_m.reshape(geom.mask_shape).astype(out_dtype, copy=False),
     )
 
 
