@@ -33,8 +33,10 @@ started by dcn_cupy, so
 
 The thread count is ``NUMBA_NUM_THREADS`` (default: the CPU count), or ``numba.get_num_threads()``
 once the calling process has started Numba's threading layer (so ``numba.set_num_threads`` is
-honoured). BLAS keeps its own threads: the pool's threads sleep while a GEMM runs. The GEMMs and
-the kernels never change process-wide state (no threadpoolctl limits).
+honoured). The GEMMs run in blocks of columns on the same pool, with BLAS held to one thread
+(threadpoolctl) while any call runs: one process-wide, reference-counted limit, set by the first
+call to enter and restored by the last to leave, so concurrent calls leave BLAS as they found it.
+Work is cut into parts by the shapes alone, so results are bitwise the same for any thread count.
 
 Compilation and its cache. Each kernel is compiled once per compute dtype (float32, float64),
 for explicit signatures whose input arrays are read-only, so that read-only and writeable arrays
@@ -322,11 +324,17 @@ def _blocks(n, least=256, most=16):
     return [n * i // parts for i in range(parts + 1)]
 
 
-def _matmul_columns(a, b, out):
-    """``out[..., s:e] = a @ b[..., s:e]`` for stacked (.., M, K) @ (.., K, N), column blocks in parallel."""
-    edges = _blocks(b.shape[-1])
-    _run_parts(lambda i: np.matmul(a, b[..., edges[i]:edges[i + 1]], out=out[..., edges[i]:edges[i + 1]]),
-               len(edges) - 1)
+def _matmul(a, b, out):
+    """``out = a @ b`` for stacked (.., M, K) @ (.., K, N), in blocks on the pool: blocks of columns
+    when there are many, else of rows (a chunk of a few positions still uses every thread)."""
+    columns = _blocks(b.shape[-1])
+    if len(columns) > 2:
+        _run_parts(lambda i: np.matmul(a, b[..., columns[i]:columns[i + 1]],
+                                       out=out[..., columns[i]:columns[i + 1]]), len(columns) - 1)
+        return
+    rows = _blocks(a.shape[-2], least=64)
+    _run_parts(lambda i: np.matmul(a[..., rows[i]:rows[i + 1], :], b, out=out[..., rows[i]:rows[i + 1], :]),
+               len(rows) - 1)
 
 
 def _add_weight_gradient(grad_w, gy, cols):
@@ -783,7 +791,7 @@ def _conv_forward(x, weight, offset, mask, bias, geom):
         plan = _Plan(geom, chunk, off, False, dtype)
         columns = _columns(staged[1], msk, plan, geom, dtype)
         cols = columns.reshape(chunk.batch, geom.groups, -1, chunk.positions)
-        _matmul_columns(w[None], cols, y[chunk.b0:chunk.b1, :, :, chunk.q0:chunk.q1])
+        _matmul(w[None], cols, y[chunk.b0:chunk.b1, :, :, chunk.q0:chunk.q1])
         del plan, columns, cols, off, msk  # before the next chunk allocates its own
     y = y.reshape(geom.y_shape)
     _add_bias(y, bias, geom.ndim)
@@ -833,7 +841,7 @@ def _conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias):
             del plan, off, msk, gy
             continue
         column_grads = np.empty((batch, geom.in_channels * geom.kernel_volume, positions), dtype=dtype)
-        _matmul_columns(w.transpose(0, 2, 1)[None], gy, column_grads.reshape(batch, geom.groups, -1, positions))
+        _matmul(w.transpose(0, 2, 1)[None], gy, column_grads.reshape(batch, geom.groups, -1, positions))
         m, has_mask, mask_groups = _mask_args(msk, geom, dtype)
         if need_input:
             _parallel_for("_col2im", dtype, (column_grads, m, has_mask, mask_groups, plan.index, plan.weight,
