@@ -208,7 +208,7 @@ def _compiled_kernel(name, dtype):
         if kernel is not None:
             return kernel
         py_func = _KERNELS[name]
-        dispatcher = njit(nogil=True)(py_func)
+        dispatcher = njit(nogil=True, error_model="numpy")(py_func)  # no divisor here is ever zero
         folder = cache_location()
         if folder is not None:
             try:
@@ -324,10 +324,16 @@ def _blocks(n, least=256, most=16):
     return [n * i // parts for i in range(parts + 1)]
 
 
+#: Fewest columns of a GEMM block (narrower blocks cost more in BLAS's packing than they gain),
+#: and of a block of the weight gradient's columns; measured on 2 cores (benchmarks/README.md).
+_GEMM_COLUMNS = 1024
+_WEIGHT_GRAD_COLUMNS = 128
+
+
 def _matmul(a, b, out):
     """``out = a @ b`` for stacked (.., M, K) @ (.., K, N), in blocks on the pool: blocks of columns
     when there are many, else of rows (a chunk of a few positions still uses every thread)."""
-    columns = _blocks(b.shape[-1])
+    columns = _blocks(b.shape[-1], least=_GEMM_COLUMNS)
     if len(columns) > 2:
         _run_parts(lambda i: np.matmul(a, b[..., columns[i]:columns[i + 1]],
                                        out=out[..., columns[i]:columns[i + 1]]), len(columns) - 1)
@@ -342,7 +348,7 @@ def _add_weight_gradient(grad_w, gy, cols):
 
     grad_w: (G, C_out/G, C_in/G * K) float64; gy: (B, G, C_out/G, P); cols: (B, G, C_in/G * K, P).
     """
-    edges = _blocks(cols.shape[2], least=32)
+    edges = _blocks(cols.shape[2], least=_WEIGHT_GRAD_COLUMNS)
 
     def run(i):
         s, e = edges[i], edges[i + 1]
