@@ -52,7 +52,9 @@ copies of a chunk's inputs) stays within ``DCN_CUPY_CPU_WORKSPACE_BYTES`` (a siz
 ``64M``; default ``DEFAULT_WORKSPACE_BYTES``): chunks are several samples when one sample fits,
 else boxes of output positions of one sample. A call whose smallest chunk (one output position)
 does not fit is refused with a ``MemoryError`` before anything is allocated. Inputs are read
-chunk by chunk, so a broadcast (zero-stride) batch is never copied whole.
+chunk by chunk, so a broadcast (zero-stride) batch is never copied whole. Outside the bound:
+the outputs (with float64 accumulators for the weight, offset and mask gradients) and the weight
+gradient's GEMM temporaries (at most the weight's size).
 """
 
 from __future__ import annotations
