@@ -573,3 +573,38 @@ def test_works_from_threads_and_after_fork_with_every_threading_layer(layer):
     if "UNAVAILABLE" in out:
         pytest.skip(f"Numba's {layer} threading layer does not load here: {out.strip()}")
     assert f"LAYER OK {layer}" in out, out
+
+
+_FIRST_USE = _PROBLEM + """
+import threading, warnings
+warnings.simplefilter("always")
+barrier = threading.Barrier(4)
+got, errors = [None] * 4, []
+
+def worker(i):
+    try:
+        barrier.wait()
+        got[i] = run(i % 2)
+    except Exception as error:
+        errors.append(error)
+
+with warnings.catch_warnings(record=True) as caught:
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+assert not errors, errors
+for i in range(4):
+    check(got[i], i % 2)
+    assert all(np.array_equal(a, b) for a, b in zip(got[i], got[i % 2]))
+names = [w.category.__name__ for w in caught]
+assert names == ["CompilationWarning"], names
+print("FIRST USE OK")
+"""
+
+
+def test_concurrent_first_use_compiles_once():
+    """Four threads call at once in a process that has compiled nothing (no disk cache)."""
+    out = _python(_FIRST_USE, env={"DCN_CUPY_NUMBA_CACHE": "0"}, timeout=300).stdout
+    assert "FIRST USE OK" in out, out
