@@ -1,13 +1,13 @@
-"""CPU backend: Numba-parallel sampling kernels and NumPy matmul (BLAS) GEMMs.
+"""CPU backend: Numba sampling kernels on a pool of Python threads, and NumPy matmul (BLAS) GEMMs.
 
 One code path serves N = 1, 2 and 3: spatial axes are padded in front to three with size-1
 axes (kernel 1, stride 1, padding 0, dilation 1), which always sample at their single index,
 and only the N real axes get two interpolation corners each.
 
-The work of one batch chunk goes through a *sampling plan*: for every (sample, offset group,
-tap, output position) the flat input indices and N-linear weights of its 2^N corners (and
-their derivatives along each axis, when the offset gradient is wanted). The plan is shared by
-the C_in / G_o channels of an offset group. Then
+The work of one *chunk* (some samples, or a box of output positions of one sample) goes through
+a *sampling plan*: for every (sample, offset group, tap, output position) the flat input
+indices and N-linear weights of its 2^N corners (and their derivatives along each axis, when the
+offset gradient is wanted). The plan is shared by the C_in / G_o channels of an offset group. Then
 
 * forward:   columns[c*K + t, q] = mask * sum_corners weight * x[c, index]; y = W_g @ columns_g
 * to input:  column grads = W_g^T @ grad_y_g, scattered back through the plan (col2im)
@@ -15,66 +15,427 @@ the C_in / G_o channels of an offset group. Then
 * offset, mask: per (sample, tap), a sum over channels of column grads times the sampled
   value (mask) or its derivative (offset).
 
-Every parallel loop owns the elements it writes (channels in col2im, taps in the offset and
+Every kernel loop owns the elements it writes (channels in col2im, taps in the offset and
 mask gradients), so there are no data races and no atomics, and results do not depend on
 the number of threads. Half types are computed in float32 and cast back.
+
+Threads, fork and process state. The kernels are serial Numba functions compiled with
+``nogil=True``; ``_parallel_for`` shares each kernel's jobs out among a pool of Python threads
+(the caller's thread works too). Numba's own threading layer (tbb, omp or workqueue) is never
+started by dcn_cupy, so
+
+* a process that used dcn_cupy can ``fork`` (``multiprocessing``, a torch ``DataLoader`` with
+  workers): the child starts a fresh pool, where GNU OpenMP (Numba's ``omp`` layer) would kill
+  it and ``workqueue`` is not thread-safe;
+* calls from several Python threads run concurrently and safely, whatever threading layer the
+  rest of the process uses (``NUMBA_THREADING_LAYER`` only affects the caller's own kernels);
+* compilation is about 3x faster than with ``parallel=True`` (no parfor passes).
+
+The thread count is ``NUMBA_NUM_THREADS`` (default: the CPU count), or ``numba.get_num_threads()``
+once the calling process has started Numba's threading layer (so ``numba.set_num_threads`` is
+honoured). The GEMMs run in blocks of columns on the same pool, with BLAS held to one thread
+(threadpoolctl) while any call runs: one process-wide, reference-counted limit, set by the first
+call to enter and restored by the last to leave, so concurrent calls leave BLAS as they found it.
+Work is cut into parts by the shapes alone, so results are bitwise the same for any thread count.
+
+Compilation and its cache. Each kernel is compiled once per compute dtype (float32, float64),
+for explicit signatures whose input arrays are read-only, so that read-only and writeable arrays
+share one compilation. The first compilation warns once (``CompilationWarning``). Compiled code
+is cached on disk in ``$DCN_CUPY_NUMBA_CACHE`` if set to a directory, else ``$NUMBA_CACHE_DIR``,
+else ``$XDG_CACHE_HOME/dcn_cupy/numba`` (``~/.cache/dcn_cupy/numba``); never in the package's
+source tree unless that variable says so. ``DCN_CUPY_NUMBA_CACHE=0`` turns the disk cache off.
+Where no cache directory is writable (a read-only install and home), the kernels are compiled in
+memory, with one warning.
+
+Memory. The workspace of a chunk (columns, column gradients, sampling plan and the staging
+copies of a chunk's inputs) stays within ``DCN_CUPY_CPU_WORKSPACE_BYTES`` (a size such as
+``64M``; default ``DEFAULT_WORKSPACE_BYTES``): chunks are several samples when one sample fits,
+else boxes of output positions of one sample. A call whose smallest chunk (one output position)
+does not fit is refused with a ``MemoryError`` before anything is allocated. Inputs are read
+chunk by chunk, so a broadcast (zero-stride) batch is never copied whole. Outside the bound:
+the outputs (with float64 accumulators for the weight, offset and mask gradients) and the weight
+gradient's GEMM temporaries (at most the weight's size).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import logging
 import os
+import sys
+import threading
+import time
+import warnings
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit, types
 
 from .._interop import compute_dtype
+from .._limits import format_size, size_from_env
 
 xp = np
 
-#: Upper bound, in bytes, of the per-chunk workspace (columns and sampling plan).
-WORKSPACE_LIMIT_BYTES = int(os.environ.get("DCN_CUPY_CPU_WORKSPACE_BYTES", 512 * 2**20))
+#: Default upper bound of the per-chunk workspace, chosen by measurement (benchmarks/README.md,
+#: "CPU workspace limit").
+DEFAULT_WORKSPACE_BYTES = 64 * 2**20
+
+#: Set (in bytes) to override ``DCN_CUPY_CPU_WORKSPACE_BYTES``; None reads the variable per call.
+WORKSPACE_LIMIT_BYTES = None
+
+_log = logging.getLogger("dcn_cupy")
+
+
+class CompilationWarning(UserWarning):
+    """The CPU kernels are being compiled (the first call of a dtype on this machine)."""
+
+
+def workspace_limit() -> int:
+    """The workspace bound in bytes: ``WORKSPACE_LIMIT_BYTES`` or ``DCN_CUPY_CPU_WORKSPACE_BYTES``."""
+    if WORKSPACE_LIMIT_BYTES is not None:
+        return int(WORKSPACE_LIMIT_BYTES)
+    return size_from_env("DCN_CUPY_CPU_WORKSPACE_BYTES", DEFAULT_WORKSPACE_BYTES)
 
 
 def device_context(device_id: int):
     return contextlib.nullcontext()
 
 
-_blas_controller = None
+# ---------------------------------------------------------------------------------------------
+# Compilation: one dispatcher per (kernel, compute dtype), explicit signatures, own cache place.
+
+_KERNELS = {}
+_compiled = {}
+_compile_lock = threading.RLock()
+_warned = set()
+
+#: About how long the first compilation of one dtype takes (2 cores), quoted in the warning.
+_COMPILE_SECONDS = "5"
 
 
-def _single_threaded_blas():
-    """Hold BLAS to one thread while the backend runs, where threadpoolctl is installed.
+def _kernel(py_func):
+    """Register a kernel; it is compiled per dtype on first use (``_compiled_kernel``)."""
+    _KERNELS[py_func.__name__] = py_func
+    return py_func
 
-    The GEMMs run between Numba's parallel loops, whose worker threads are still spinning when
-    a multi-threaded BLAS starts its own: the two pools fight over the cores (forward 44 ms
-    against 21 ms, backward 118 ms against 44 ms, on 2 cores at B=2, C=64, 56x56).
+
+def _signature(name, dtype):
+    """The one signature of kernel ``name`` for compute dtype ``dtype``: inputs read-only."""
+    f = numba.from_dtype(np.dtype(dtype))
+    i64, flag = types.int64, types.boolean
+
+    def array(dt, ndim, readonly=False):
+        return types.Array(dt, ndim, "C", readonly=readonly)
+
+    ints = array(i64, 1, True)
+    index, weight = array(i64, 5, True), array(f, 5, True)
+    args = {
+        "_sampling_plan": (array(f, 3, True), flag, i64, i64, ints, ints, ints, ints, ints, ints,
+                           array(i64, 5), array(f, 5), array(f, 6), flag),
+        "_im2col": (array(f, 3, True), array(f, 3, True), flag, i64, index, weight, array(f, 3)),
+        "_col2im": (array(f, 3, True), array(f, 3, True), flag, i64, index, weight, array(f, 3)),
+        "_offset_mask_grads": (array(f, 3, True), array(f, 3, True), array(f, 3, True), flag, i64, index,
+                               weight, array(f, 6, True), i64, flag, flag, array(types.float64, 3),
+                               array(types.float64, 3)),
+    }[name]
+    return types.void(*args, i64, i64)
+
+
+def cache_location():
+    """The folder of the on-disk kernel cache, or None when it is turned off.
+
+    ``DCN_CUPY_NUMBA_CACHE``: ``0`` (off), a folder, or unset/``1`` (the default below);
+    else ``NUMBA_CACHE_DIR``; else ``$XDG_CACHE_HOME/dcn_cupy/numba`` or ``~/.cache/dcn_cupy/numba``.
     """
-    global _blas_controller
-    if _blas_controller is None:
-        try:
-            from threadpoolctl import ThreadpoolController
-            _blas_controller = ThreadpoolController()
-        except ImportError:  # an optional dependency: without it BLAS keeps its threads
-            _blas_controller = False
-    if not _blas_controller:
-        return contextlib.nullcontext()
-    return _blas_controller.limit(limits=1, user_api="blas")
+    setting = os.environ.get("DCN_CUPY_NUMBA_CACHE", "").strip()
+    if setting.lower() in ("0", "false", "no", "off"):
+        return None
+    if setting and setting.lower() not in ("1", "true", "yes", "on"):
+        return os.path.abspath(os.path.expanduser(setting))
+    if numba.config.CACHE_DIR:
+        return os.path.abspath(os.path.expanduser(numba.config.CACHE_DIR))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "dcn_cupy", "numba")
+
+
+def _function_cache(py_func, folder):
+    """A Numba FunctionCache that lives in ``folder``; raises RuntimeError if it is not writable."""
+    from numba.core import caching
+
+    class Locator(caching.UserProvidedCacheLocator):
+        def __init__(self, func, py_file):
+            super().__init__(func, py_file)
+            self._cache_path = os.path.join(folder, self.get_suitable_cache_subpath(py_file))
+
+        @classmethod
+        def from_function(cls, func, py_file):
+            return super(caching.UserProvidedCacheLocator, cls).from_function(func, py_file)
+
+    class Impl(caching.CompileResultCacheImpl):
+        _locator_classes = [Locator]
+
+    class Cache(caching.FunctionCache):
+        _impl_class = Impl
+
+    return Cache(py_func)
+
+
+def _warn_once(key, message):
+    with _compile_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(message, CompilationWarning, stacklevel=_caller_stacklevel())
+
+
+def _caller_stacklevel():
+    """The stack level of the first frame outside dcn_cupy, Numba and the standard library."""
+    skip = tuple(os.path.dirname(os.path.abspath(module.__file__)) for module in (numba, contextlib))
+    skip += (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _compiled_kernel(name, dtype):
+    """Kernel ``name`` compiled (or loaded from the cache) for compute dtype ``dtype``."""
+    key = (name, np.dtype(dtype))
+    kernel = _compiled.get(key)
+    if kernel is not None:
+        return kernel
+    with _compile_lock:
+        kernel = _compiled.get(key)
+        if kernel is not None:
+            return kernel
+        py_func = _KERNELS[name]
+        dispatcher = njit(nogil=True, error_model="numpy")(py_func)  # no divisor here is ever zero
+        folder = cache_location()
+        if folder is not None:
+            try:
+                dispatcher._cache = _function_cache(py_func, folder)
+            except RuntimeError:  # Numba's "no locator available": the folder is not writable
+                _warn_once("cache", (
+                    f"dcn_cupy cannot write its Numba kernel cache in {folder!r}: compiling the CPU "
+                    f"kernels in memory, again in every process. Set DCN_CUPY_NUMBA_CACHE to a "
+                    f"writable folder to keep them (or to 0 to silence this)."))
+                folder = None
+        signature = _signature(name, dtype)
+        tic = time.perf_counter()
+        with _announce_compilation(dispatcher, dtype, folder):
+            dispatcher.compile(signature)
+        dispatcher.disable_compile()  # a call with other types is a bug here, not a reason to compile
+        _log.debug("dcn_cupy: %s for %s ready in %.2f s", name, np.dtype(dtype), time.perf_counter() - tic)
+        _compiled[key] = dispatcher
+        return dispatcher
+
+
+@contextlib.contextmanager
+def _announce_compilation(dispatcher, dtype, folder):
+    """Warn, once per dtype, when Numba really compiles (a cache miss), before it does."""
+    from numba.core import event
+
+    class Listener(event.Listener):
+        def on_start(self, ev):
+            if ev.data.get("dispatcher") is dispatcher:
+                where = f"cached in {folder}" if folder else "not cached: every new process compiles again"
+                _warn_once(("compile", np.dtype(dtype)), (
+                    f"dcn_cupy is compiling its CPU kernels for {np.dtype(dtype)} with Numba; this takes "
+                    f"about {_COMPILE_SECONDS} s on 2 cores, once per dtype ({where})."))
+
+        def on_end(self, ev):
+            pass
+
+    with event.install_listener("numba:compile", Listener()):
+        yield
 
 
 # ---------------------------------------------------------------------------------------------
-# Numba kernels. Spatial parameters are int64 arrays of length 3 (padded in front).
+# The thread pool that runs the kernels' jobs and the GEMMs' blocks.
+
+_pool = None
+_pool_lock = threading.Lock()
+#: Parts per thread in _parallel_for: a few, so that a busy core does not hold the others up.
+_PARTS_PER_THREAD = 4
 
 
-@njit(parallel=True, cache=True)
+def num_threads() -> int:
+    """Threads the kernels use: Numba's setting (``NUMBA_NUM_THREADS``, ``numba.set_num_threads``)."""
+    from numba.np.ufunc import parallel
+
+    if parallel._is_initialized:  # the process started Numba's layer: honour set_num_threads
+        return numba.get_num_threads()
+    return max(1, int(numba.config.NUMBA_NUM_THREADS))
+
+
+def _executor(workers):
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < workers:
+            from concurrent.futures import ThreadPoolExecutor
+
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dcn_cupy-cpu")
+        return _pool
+
+
+def _run_parts(run, parts):
+    """``run(i)`` for i in range(parts), on up to ``num_threads()`` threads, the caller's included.
+
+    What a part computes depends on ``i`` alone (never on the thread that runs it), so results
+    are the same for any thread count.
+    """
+    threads = min(num_threads(), parts)
+    if threads <= 1:
+        for i in range(parts):
+            run(i)
+        return
+    counter = itertools.count()
+    lock = threading.Lock()
+
+    def work():
+        while True:
+            with lock:
+                i = next(counter)
+            if i >= parts:
+                return
+            run(i)
+
+    futures = [_executor(threads - 1).submit(work) for _ in range(threads - 1)]
+    try:
+        work()
+    finally:
+        for future in futures:
+            future.result()
+
+
+def _parallel_for(name, dtype, args, jobs):
+    """Kernel ``name`` over its ``jobs`` jobs, cut into parts by the shape alone; every job
+    writes only its own elements."""
+    kernel = _compiled_kernel(name, dtype)
+    parts = min(jobs, num_threads() * _PARTS_PER_THREAD)
+    edges = [jobs * i // parts for i in range(parts + 1)]
+    _run_parts(lambda i: kernel(*args, edges[i], edges[i + 1]), parts)
+
+
+def _blocks(n, least=256, most=16):
+    """Edges of a split of range(n) into blocks of >= ``least`` (at most ``most`` blocks)."""
+    parts = max(1, min(most, n // least))
+    return [n * i // parts for i in range(parts + 1)]
+
+
+#: Fewest columns of a GEMM block (narrower blocks cost more in BLAS's packing than they gain),
+#: and of a block of the weight gradient's columns; measured on 2 cores (benchmarks/README.md).
+_GEMM_COLUMNS = 1024
+_WEIGHT_GRAD_COLUMNS = 128
+
+
+def _matmul(a, b, out):
+    """``out = a @ b`` for stacked (.., M, K) @ (.., K, N), in blocks on the pool: blocks of columns
+    when there are many, else of rows (a chunk of a few positions still uses every thread)."""
+    columns = _blocks(b.shape[-1], least=_GEMM_COLUMNS)
+    if len(columns) > 2:
+        _run_parts(lambda i: np.matmul(a, b[..., columns[i]:columns[i + 1]],
+                                       out=out[..., columns[i]:columns[i + 1]]), len(columns) - 1)
+        return
+    rows = _blocks(a.shape[-2], least=64)
+    _run_parts(lambda i: np.matmul(a[..., rows[i]:rows[i + 1], :], b, out=out[..., rows[i]:rows[i + 1], :]),
+               len(rows) - 1)
+
+
+def _add_weight_gradient(grad_w, gy, cols):
+    """``grad_w[g] += sum_b gy[b, g] @ cols[b, g]^T``, blocks of grad_w's columns in parallel.
+
+    grad_w: (G, C_out/G, C_in/G * K) float64; gy: (B, G, C_out/G, P); cols: (B, G, C_in/G * K, P).
+    """
+    edges = _blocks(cols.shape[2], least=_WEIGHT_GRAD_COLUMNS)
+
+    def run(i):
+        s, e = edges[i], edges[i + 1]
+        for b in range(gy.shape[0]):
+            grad_w[:, :, s:e] += np.matmul(gy[b], cols[b, :, s:e].transpose(0, 2, 1))
+
+    _run_parts(run, len(edges) - 1)
+
+
+class _SingleThreadedBlas:
+    """Holds BLAS to one thread while any call of the backend runs, in any thread.
+
+    Process-wide and reference-counted: the first call to enter sets the limit, the last to leave
+    restores what it found, so overlapping calls from several threads leave BLAS's thread count
+    exactly as it was. The GEMMs run in blocks on dcn_cupy's own threads instead, where a
+    multi-threaded BLAS would compete with them for the cores.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._limiter = None
+        self._controller = None
+
+    def _limit(self):
+        if self._controller is None:
+            try:
+                from threadpoolctl import ThreadpoolController
+                self._controller = ThreadpoolController()
+            except ImportError:
+                self._controller = False
+                warnings.warn(
+                    "threadpoolctl is not installed: dcn_cupy's CPU backend cannot hold BLAS to one "
+                    "thread, and its GEMMs run 2-4x slower where BLAS's threads compete with its own; "
+                    "pip install threadpoolctl", RuntimeWarning, stacklevel=_caller_stacklevel())
+        return self._controller.limit(limits=1, user_api="blas") if self._controller else None
+
+    def __enter__(self):
+        with self._lock:
+            if self._depth == 0:
+                self._limiter = self._limit()
+            self._depth += 1
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0 and self._limiter is not None:
+                self._limiter.restore_original_limits()
+                self._limiter = None
+
+    def after_fork_in_child(self):
+        if self._depth and self._limiter is not None:  # forked while another thread ran a call
+            self._limiter.restore_original_limits()
+        self._lock, self._depth, self._limiter = threading.Lock(), 0, None
+
+
+_single_threaded_blas = _SingleThreadedBlas()
+
+
+def _after_fork_in_child():
+    # The parent's pool threads do not exist in the child: start afresh (and never wait on them).
+    global _pool, _pool_lock, _compile_lock
+    _pool = None
+    _pool_lock = threading.Lock()
+    _compile_lock = threading.RLock()
+    _single_threaded_blas.after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# ---------------------------------------------------------------------------------------------
+# Numba kernels. Spatial parameters are int64 arrays of length 3 (padded in front). Each kernel
+# runs the jobs [start, stop) of its loop; _parallel_for shares the jobs out among threads.
+
+
+@_kernel
 def _sampling_plan(offset, has_offset, n_offset_groups, ndim, in_shape, out_shape, kernel, stride,
-                   padding, dilation, index, weight, dweight, want_dweight):
+                   padding, dilation, index, weight, dweight, want_dweight, start, stop):
     batch = index.shape[0]
     taps = index.shape[2]
     positions = index.shape[3]
     corners = index.shape[4]
-    for job in prange(batch * n_offset_groups * taps):
+    for job in range(start, stop):  # jobs: batch * n_offset_groups * taps
         b = job // (n_offset_groups * taps)
         g = (job // taps) % n_offset_groups
         t = job % taps
@@ -170,7 +531,7 @@ def _sampling_plan(offset, has_offset, n_offset_groups, ndim, in_shape, out_shap
                             dweight[b, g, t, q, c, a] = w0 * w1 * s2
 
 
-@njit(cache=True, inline="always")
+@njit(nogil=True, inline="always", error_model="numpy")
 def _exact_sample(x, b, c, index, weight, g, t, q, corners):
     """The N-linear sample over the corners of non-zero weight only: a zero-weight corner
     reads nothing (no 0 * inf). The kernels sum every corner first, which is the same value
@@ -183,14 +544,14 @@ def _exact_sample(x, b, c, index, weight, g, t, q, corners):
     return value
 
 
-@njit(parallel=True, cache=True)
-def _im2col(x, mask, has_mask, n_mask_groups, index, weight, columns):
+@_kernel
+def _im2col(x, mask, has_mask, n_mask_groups, index, weight, columns, start, stop):
     batch, channels, _ = x.shape
     n_offset_groups = index.shape[1]
     taps = index.shape[2]
     positions = index.shape[3]
     corners = index.shape[4]
-    for job in prange(batch * channels):
+    for job in range(start, stop):  # jobs: batch * channels
         b = job // channels
         c = job % channels
         g = c // (channels // n_offset_groups)
@@ -208,14 +569,14 @@ def _im2col(x, mask, has_mask, n_mask_groups, index, weight, columns):
                 columns[b, row, q] = value
 
 
-@njit(parallel=True, cache=True)
-def _col2im(column_grads, mask, has_mask, n_mask_groups, index, weight, grad_x):
+@_kernel
+def _col2im(column_grads, mask, has_mask, n_mask_groups, index, weight, grad_x, start, stop):
     batch, channels, _ = grad_x.shape
     n_offset_groups = index.shape[1]
     taps = index.shape[2]
     positions = index.shape[3]
     corners = index.shape[4]
-    for job in prange(batch * channels):  # each job owns grad_x[b, c]
+    for job in range(start, stop):  # batch * channels jobs, each owns grad_x[b, c]
         b = job // channels
         c = job % channels
         g = c // (channels // n_offset_groups)
@@ -236,15 +597,15 @@ def _col2im(column_grads, mask, has_mask, n_mask_groups, index, weight, grad_x):
                             grad_x[b, c, index[b, g, t, q, k]] += value * w
 
 
-@njit(parallel=True, cache=True)
+@_kernel
 def _offset_mask_grads(x, column_grads, mask, has_mask, n_mask_groups, index, weight, dweight, ndim,
-                       want_offset, want_mask, grad_offset, grad_mask):
+                       want_offset, want_mask, grad_offset, grad_mask, start, stop):
     batch, channels, _ = x.shape
     n_offset_groups = index.shape[1]
     taps = index.shape[2]
     positions = index.shape[3]
     corners = index.shape[4]
-    for job in prange(batch * taps):  # each job owns the entries of tap t of sample b
+    for job in range(start, stop):  # batch * taps jobs, each owns the entries of tap t of sample b
         b = job // taps
         t = job % taps
         # corner_grads[g, q, k] = sum over the channels c of offset group g of
@@ -292,56 +653,138 @@ def _offset_mask_grads(x, column_grads, mask, has_mask, n_mask_groups, index, we
 
 
 # ---------------------------------------------------------------------------------------------
-# Driver
+# Chunks: which samples and output positions one pass over the workspace covers.
 
 
 def _padded(values, fill, ndim):
     return np.array((fill,) * (3 - ndim) + tuple(values), dtype=np.int64)
 
 
-class _Plan:
-    """The sampling plan of one batch chunk."""
+class _Chunk:
+    """Samples [b0, b1) at the output positions [q0, q1), a box of the (padded) output grid."""
 
-    def __init__(self, geom, offset, want_dweight, dtype):
+    __slots__ = ("b0", "b1", "q0", "q1", "out_shape", "padding", "all_positions")
+
+    def __init__(self, b0, b1, q0, q1, out_shape, padding, all_positions):
+        self.b0, self.b1, self.q0, self.q1 = b0, b1, q0, q1
+        self.out_shape, self.padding, self.all_positions = out_shape, padding, all_positions
+
+    @property
+    def batch(self):
+        return self.b1 - self.b0
+
+    @property
+    def positions(self):
+        return self.q1 - self.q0
+
+
+class _Workspace:
+    """The chunking of one call, checked against the workspace limit before anything is allocated.
+
+    Per output position of a sample a chunk holds: the sampling plan (an index and a weight per
+    corner, plus a slope per axis when the offset gradient is wanted), the columns and/or column
+    gradients (C_in * K values each), staging copies of the offset, mask and output (gradient)
+    rows, and float64 offset/mask gradient rows. Per sample: a copy of the input, when it has to
+    be converted or gathered from a strided batch.
+    """
+
+    def __init__(self, geom, dtype, *, columns, column_grads, dweight, grads, input_copy):
+        itemsize = dtype.itemsize
+        taps = max(geom.offset_groups, 1) * geom.kernel_volume
+        plan = taps * (1 << geom.ndim) * (8 + itemsize * (1 + (geom.ndim if dweight else 0)))
+        rows = geom.in_channels * geom.kernel_volume * (int(columns) + int(column_grads))
+        staged = geom.offset_groups * geom.kernel_volume * geom.ndim + geom.mask_groups * geom.kernel_volume
+        grad_rows = staged if grads else 0
+        # _offset_mask_grads keeps per-group corner sums of one tap in every running thread.
+        grad_rows += num_threads() * max(geom.offset_groups, 1) * (1 << geom.ndim) if dweight else 0
+        self.per_position = plan + itemsize * (rows + staged + geom.out_channels) + 8 * grad_rows
+        self.per_sample = geom.in_channels * geom.input_size * itemsize if input_copy else 0
+        self.limit = workspace_limit()
+        self.geom = geom
+        q = geom.output_size
+        whole = self.per_sample + q * self.per_position
+        if whole <= self.limit:
+            self.samples, self.box_positions = min(geom.batch, self.limit // whole), q
+        else:
+            least = self.per_sample + self.per_position
+            if least > self.limit:
+                raise MemoryError(
+                    f"dcn_cupy's CPU backend needs at least {format_size(least)} of workspace for one "
+                    f"output position of this convolution, over the limit of {format_size(self.limit)}; "
+                    f"raise DCN_CUPY_CPU_WORKSPACE_BYTES (e.g. 1G) to run it")
+            self.samples, self.box_positions = 1, (self.limit - self.per_sample) // self.per_position
+
+    @property
+    def bytes(self) -> int:
+        """The workspace one chunk uses, at most the limit."""
+        return self.samples * self.per_sample + self.samples * self.box_positions * self.per_position
+
+    def chunks(self):
+        geom = self.geom
         n = geom.ndim
-        batch = offset.shape[0] if offset is not None else geom.batch
+        out = _padded(geom.output_shape, 1, n)
+        padding = _padded(geom.padding, 0, n)
+        stride = _padded(geom.stride, 1, n)
+        q = geom.output_size
+        if self.box_positions >= q:
+            for b0 in range(0, geom.batch, self.samples):
+                yield _Chunk(b0, min(b0 + self.samples, geom.batch), 0, q, out, padding, True)
+            return
+        # Boxes: fixed indices on the axes before `axis`, a range of `rows` on it, whole axes after.
+        inner = [int(np.prod(out[a + 1:])) for a in range(3)]
+        axis = next(a for a in range(3) if inner[a] <= self.box_positions)
+        rows = self.box_positions // inner[axis]
+        for b in range(geom.batch):
+            for prefix in itertools.product(*(range(int(out[a])) for a in range(axis))):
+                for r0 in range(0, int(out[axis]), rows):
+                    r1 = min(r0 + rows, int(out[axis]))
+                    start = np.array(prefix + (r0,) + (0,) * (2 - axis), dtype=np.int64)
+                    shape = out.copy()
+                    shape[:axis] = 1
+                    shape[axis] = r1 - r0
+                    q0 = int(np.dot(start, inner))
+                    yield _Chunk(b, b + 1, q0, q0 + (r1 - r0) * inner[axis], shape, padding - start * stride, False)
+
+
+def _needs_copy(array, dtype):
+    """Whether a chunk of ``array`` must be copied: another dtype, or samples not evenly laid out."""
+    if array is None:
+        return False
+    per_sample = int(np.prod(array.shape[1:])) * array.itemsize
+    return array.dtype != dtype or (array.shape[0] > 1 and array.strides[0] != per_sample)
+
+
+def _stage(array, chunk, dtype, positions=True):
+    """``array[b0:b1]`` as a C-contiguous (Bc, C, P) array in ``dtype``, at the chunk's positions
+    when ``positions`` (else the whole grid); a view where no copy is needed."""
+    part = array[chunk.b0:chunk.b1]
+    part = part.reshape(chunk.batch, array.shape[1], -1)
+    if positions and not chunk.all_positions:
+        part = part[:, :, chunk.q0:chunk.q1]
+    return np.ascontiguousarray(part, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+
+
+class _Plan:
+    """The sampling plan of one chunk."""
+
+    def __init__(self, geom, chunk, offset, want_dweight, dtype):
+        n = geom.ndim
         groups = max(geom.offset_groups, 1)
         corners = 1 << n
-        shape = (batch, groups, geom.kernel_volume, geom.output_size, corners)
+        shape = (chunk.batch, groups, geom.kernel_volume, chunk.positions, corners)
         self.index = np.empty(shape, dtype=np.int64)
         self.weight = np.empty(shape, dtype=dtype)
         self.dweight = np.empty(shape + (n,) if want_dweight else (1,) * 6, dtype=dtype)
         has_offset = offset is not None
-        off = _flat(offset, batch, dtype) if has_offset else np.zeros((1, 1, 1), dtype)
-        _sampling_plan(
-            off, has_offset, groups, n, _padded(geom.input_shape, 1, n), _padded(geom.output_shape, 1, n),
-            _padded(geom.kernel_size, 1, n), _padded(geom.stride, 1, n), _padded(geom.padding, 0, n),
-            _padded(geom.dilation, 1, n), self.index, self.weight, self.dweight, want_dweight,
-        )
-
-    @staticmethod
-    def bytes_per_sample(geom, want_dweight, itemsize):
-        entries = max(geom.offset_groups, 1) * geom.kernel_volume * geom.output_size * (1 << geom.ndim)
-        return entries * (8 + itemsize * (1 + (geom.ndim if want_dweight else 0)))
-
-
-def _chunks(geom, itemsize, want_dweight=False):
-    """Batch slices whose columns and plan fit in WORKSPACE_LIMIT_BYTES."""
-    per_sample = (geom.in_channels * geom.kernel_volume * geom.output_size * itemsize
-                  + _Plan.bytes_per_sample(geom, want_dweight, itemsize))
-    size = max(1, min(geom.batch, WORKSPACE_LIMIT_BYTES // max(per_sample, 1)))
-    return [slice(start, min(start + size, geom.batch)) for start in range(0, geom.batch, size)]
-
-
-def _flat(array, batch, dtype):
-    """(B, C, *grid) -> contiguous (B, C, prod(grid)) in the compute dtype."""
-    return np.ascontiguousarray(array.reshape(batch, array.shape[1], -1), dtype=dtype)
-
-
-def _mask_args(mask, geom, dtype):
-    if mask is None:
-        return np.zeros((1, 1, 1), dtype), False, 1
-    return _flat(mask, mask.shape[0], dtype), True, geom.mask_groups
+        off = offset if has_offset else np.zeros((1, 1, 1), dtype)
+        args = (off, has_offset, groups, n, _padded(geom.input_shape, 1, n), chunk.out_shape,
+                _padded(geom.kernel_size, 1, n), _padded(geom.stride, 1, n), chunk.padding,
+                _padded(geom.dilation, 1, n), self.index, self.weight, self.dweight, want_dweight)
+        _parallel_for("_sampling_plan", dtype, args, chunk.batch * groups * geom.kernel_volume)
 
 
 def _grouped_weight(weight, geom, dtype):
@@ -351,20 +794,20 @@ def _grouped_weight(weight, geom, dtype):
     )
 
 
+def _mask_args(mask, geom, dtype):
+    if mask is None:
+        return np.zeros((1, 1, 1), dtype), False, 1
+    return mask, True, geom.mask_groups
+
+
 def _columns(x, mask, plan, geom, dtype):
-    batch = x.shape[0]
-    columns = np.empty((batch, geom.in_channels * geom.kernel_volume, geom.output_size), dtype=dtype)
+    """im2col of the staged chunk ``x`` (Bc, C_in, S) -> (Bc, C_in * K, P)."""
+    batch, positions = plan.index.shape[0], plan.index.shape[3]
+    columns = np.empty((batch, geom.in_channels * geom.kernel_volume, positions), dtype=dtype)
     m, has_mask, mask_groups = _mask_args(mask, geom, dtype)
-    _im2col(_flat(x, batch, dtype), m, has_mask, mask_groups, plan.index, plan.weight, columns)
+    _parallel_for("_im2col", dtype, (x, m, has_mask, mask_groups, plan.index, plan.weight, columns),
+                  batch * geom.in_channels)
     return columns
-
-
-def _column_grads(grad_output, w_grouped, geom, dtype):
-    """W_g^T @ grad_y_g for every sample and group: (B, C_in * K, Q)."""
-    batch = grad_output.shape[0]
-    gy = _flat(grad_output, batch, dtype).reshape(batch, geom.groups, geom.out_channels_per_group, -1)
-    cols = np.matmul(w_grouped.transpose(0, 2, 1)[None], gy)
-    return np.ascontiguousarray(cols.reshape(batch, geom.in_channels * geom.kernel_volume, geom.output_size))
 
 
 def _add_bias(out, bias, ndim):
@@ -373,84 +816,112 @@ def _add_bias(out, bias, ndim):
 
 
 def conv_forward(x, weight, offset, mask, bias, geom):
-    with _single_threaded_blas():
+    """``y = deform_conv(x) (+ bias)``, shape ``geom.y_shape``, in ``x``'s dtype."""
+    with _single_threaded_blas:
         return _conv_forward(x, weight, offset, mask, bias, geom)
 
 
 def _conv_forward(x, weight, offset, mask, bias, geom):
     dtype = compute_dtype(x.dtype)
+    space = _Workspace(geom, dtype, columns=True, column_grads=False, dweight=False, grads=False,
+                       input_copy=_needs_copy(x, dtype))
     w = _grouped_weight(weight, geom, dtype)
     y = np.empty((geom.batch, geom.groups, geom.out_channels_per_group, geom.output_size), dtype=dtype)
-    for part in _chunks(geom, dtype.itemsize):
-        off = None if offset is None else offset[part]
-        msk = None if mask is None else mask[part]
-        plan = _Plan(geom.with_batch(part.stop - part.start), off, False, dtype)
-        columns = _columns(x[part], msk, plan, geom, dtype)
-        cols = columns.reshape(columns.shape[0], geom.groups, -1, geom.output_size)
-        np.matmul(w[None], cols, out=y[part])
+    staged = None
+    for chunk in space.chunks():
+        if staged is None or staged[0] != (chunk.b0, chunk.b1):
+            staged = ((chunk.b0, chunk.b1), _stage(x, chunk, dtype, positions=False))
+        off = None if offset is None else _stage(offset, chunk, dtype)
+        msk = None if mask is None else _stage(mask, chunk, dtype)
+        plan = _Plan(geom, chunk, off, False, dtype)
+        columns = _columns(staged[1], msk, plan, geom, dtype)
+        cols = columns.reshape(chunk.batch, geom.groups, -1, chunk.positions)
+        _matmul(w[None], cols, y[chunk.b0:chunk.b1, :, :, chunk.q0:chunk.q1])
+        del plan, columns, cols, off, msk  # before the next chunk allocates its own
     y = y.reshape(geom.y_shape)
     _add_bias(y, bias, geom.ndim)
     return y.astype(x.dtype, copy=False)
 
 
 def conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias=None):
-    """Every requested gradient in one pass over the batch: the plan and the column gradients
-    are shared by the input, offset and mask gradients. ``x`` may be None when only the input
-    gradient is wanted; ``bias`` is added to the input gradient (the transposed forward)."""
-    with _single_threaded_blas():
-        return _conv_backward(grad_output, x, weight, offset, mask, geom, "input" in wanted, "weight" in wanted,
-                              "offset" in wanted, "mask" in wanted, bias)
+    """Every gradient in ``wanted`` (a frozenset of "input", "weight", "offset", "mask") in one
+    pass over the batch: the plan and the column gradients are shared by the input, offset and
+    mask gradients. Returns ``(grad_x, grad_weight, grad_offset, grad_mask)``, None where not
+    wanted. ``x`` may be None when only the input gradient is wanted; ``bias`` is added to the
+    input gradient (the transposed forward)."""
+    with _single_threaded_blas:
+        return _conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias)
 
 
-def _conv_backward(grad_output, x, weight, offset, mask, geom, need_input, need_weight, need_offset, need_mask,
-                   bias):
+def _conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias):
     dtype = compute_dtype(grad_output.dtype)
     out_dtype = grad_output.dtype
-    need_offset = need_offset and offset is not None
-    need_mask = need_mask and mask is not None
+    need_input, need_weight = "input" in wanted, "weight" in wanted
+    need_offset = "offset" in wanted and offset is not None
+    need_mask = "mask" in wanted and mask is not None
+    need_grads = need_input or need_offset or need_mask
+    space = _Workspace(geom, dtype, columns=need_weight, column_grads=need_grads, dweight=need_offset,
+                       grads=need_offset or need_mask,
+                       input_copy=(need_weight or need_offset or need_mask) and _needs_copy(x, dtype))
     w = _grouped_weight(weight, geom, dtype)
     grad_x = np.zeros((geom.batch, geom.in_channels, geom.input_size), dtype=dtype) if need_input else None
     grad_w = np.zeros(w.shape, dtype=np.float64) if need_weight else None
     grad_off = np.zeros(geom.offset_shape[:2] + (geom.output_size,), np.float64) if need_offset else None
     grad_m = np.zeros(geom.mask_shape[:2] + (geom.output_size,), np.float64) if need_mask else None
-    for part in _chunks(geom, dtype.itemsize, want_dweight=need_offset):
-        batch = part.stop - part.start
-        off = None if offset is None else offset[part]
-        msk = None if mask is None else mask[part]
-        plan = _Plan(geom.with_batch(batch), off, need_offset, dtype)
-        m, has_mask, mask_groups = _mask_args(msk, geom, dtype)
+    staged = None
+    for chunk in space.chunks():
+        batch, positions = chunk.batch, chunk.positions
+        if (need_weight or need_offset or need_mask) and (staged is None or staged[0] != (chunk.b0, chunk.b1)):
+            staged = ((chunk.b0, chunk.b1), _stage(x, chunk, dtype, positions=False))
+        xc = None if staged is None else staged[1]
+        off = None if offset is None else _stage(offset, chunk, dtype)
+        msk = None if mask is None else _stage(mask, chunk, dtype)
+        gy = _stage(grad_output, chunk, dtype).reshape(batch, geom.groups, geom.out_channels_per_group, positions)
+        plan = _Plan(geom, chunk, off, need_offset, dtype)
         if need_weight:
-            columns = _columns(x[part], msk, plan, geom, dtype)
-            cols = columns.reshape(batch, geom.groups, -1, geom.output_size)
-            gy = _flat(grad_output[part], batch, dtype).reshape(batch, geom.groups, geom.out_channels_per_group, -1)
-            grad_w += np.matmul(gy, cols.transpose(0, 1, 3, 2)).sum(axis=0)
-        if not (need_input or need_offset or need_mask):
+            cols = _columns(xc, msk, plan, geom, dtype).reshape(batch, geom.groups, -1, positions)
+            _add_weight_gradient(grad_w, gy, cols)
+            del cols
+        if not need_grads:
+            del plan, off, msk, gy
             continue
-        column_grads = _column_grads(grad_output[part], w, geom, dtype)
+        column_grads = np.empty((batch, geom.in_channels * geom.kernel_volume, positions), dtype=dtype)
+        _matmul(w.transpose(0, 2, 1)[None], gy, column_grads.reshape(batch, geom.groups, -1, positions))
+        m, has_mask, mask_groups = _mask_args(msk, geom, dtype)
         if need_input:
-            _col2im(column_grads, m, has_mask, mask_groups, plan.index, plan.weight, grad_x[part])
+            _parallel_for("_col2im", dtype, (column_grads, m, has_mask, mask_groups, plan.index, plan.weight,
+                                             grad_x[chunk.b0:chunk.b1]), batch * geom.in_channels)
         if need_offset or need_mask:
-            _offset_mask_grads(
-                _flat(x[part], batch, dtype), column_grads, m, has_mask, mask_groups, plan.index, plan.weight,
-                plan.dweight, geom.ndim, need_offset, need_mask,
-                grad_off[part] if need_offset else np.zeros((1, 1, 1)),
-                grad_m[part] if need_mask else np.zeros((1, 1, 1)),
-            )
+            def rows(full):
+                if full is None:
+                    return np.zeros((1, 1, 1))
+                if chunk.all_positions:
+                    return full[chunk.b0:chunk.b1]
+                return np.zeros((batch, full.shape[1], positions))
+            g_off, g_m = rows(grad_off), rows(grad_m)
+            _parallel_for("_offset_mask_grads", dtype, (
+                xc, column_grads, m, has_mask, mask_groups, plan.index, plan.weight, plan.dweight,
+                geom.ndim, need_offset, need_mask, g_off, g_m), batch * geom.kernel_volume)
+            if not chunk.all_positions:
+                if need_offset:
+                    grad_off[chunk.b0:chunk.b1, :, chunk.q0:chunk.q1] = g_off
+                if need_mask:
+                    grad_m[chunk.b0:chunk.b1, :, chunk.q0:chunk.q1] = g_m
+            del g_off, g_m
+        del plan, column_grads, off, msk, gy  # before the next chunk allocates its own
     if need_input:
         grad_x = grad_x.reshape(geom.x_shape)
         _add_bias(grad_x, bias, geom.ndim)
     return (
         None if grad_x is None else grad_x.astype(out_dtype, copy=False),
-        None if grad_w is None else grad_w.reshape(geom.weight_shape).astype(out_dtype),
-        None if grad_off is None else grad_off.reshape(geom.offset_shape).astype(out_dtype),
-        None if grad_m is None else grad_m.reshape(geom.mask_shape).astype(out_dtype),
+        None if grad_w is None else grad_w.reshape(geom.weight_shape).astype(out_dtype, copy=False),
+        None if grad_off is None else grad_off.reshape(geom.offset_shape).astype(out_dtype, copy=False),
+        None if grad_m is None else grad_m.reshape(geom.mask_shape).astype(out_dtype, copy=False),
     )
 
 
 def threading_layer() -> str:
-    """Numba's threading layer and thread count, for ``python -m dcn_cupy info``."""
-    try:
-        layer = numba.threading_layer()
-    except ValueError:  # no parallel kernel has run yet
-        layer = "not yet chosen"
-    return f"numba {numba.__version__}, {numba.get_num_threads()} threads, layer {layer}"
+    """How the kernels run, for ``python -m dcn_cupy info``."""
+    folder = cache_location()
+    return (f"numba {numba.__version__}, {num_threads()} threads (dcn_cupy's thread pool; Numba's "
+            f"threading layer is not used), kernel cache {folder or 'off (DCN_CUPY_NUMBA_CACHE=0)'}")
