@@ -52,13 +52,14 @@ import cupy
 
 from .._geometry import ConvGeometry
 from .._interop import BFLOAT16, compute_dtype
+from .._limits import size_from_env
 from . import PRIMITIVES, cuda_source_dir
 
 xp = cupy
 
 #: Upper bound, in bytes, of an executable's workspace (columns, column grads, GEMM outputs,
 #: staging). Read when a plan is built.
-WORKSPACE_LIMIT_BYTES = int(os.environ.get("DCN_CUPY_CUDA_WORKSPACE_BYTES", 256 * 2**20))
+WORKSPACE_LIMIT_BYTES = size_from_env("DCN_CUPY_CUDA_WORKSPACE_BYTES", 256 * 2**20)  # "256M", "2G", bytes
 
 _BLOCK = 256
 _MAX_GRID = 1 << 20          # grid-stride loops cover the rest
