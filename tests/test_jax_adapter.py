@@ -16,6 +16,7 @@ jnp = pytest.importorskip("jax.numpy")
 import dcn_cupy  # noqa: E402
 import dcn_cupy.jax as dj  # noqa: E402
 from dcn_cupy import reference  # noqa: E402
+from dcn_cupy.testing import fractional_offsets  # noqa: E402
 from dcn_cupy.jax import _callbacks  # noqa: E402
 
 NAMES = ("input", "weight", "offset", "mask", "bias")
@@ -50,11 +51,6 @@ def mechanism():
         dj.set_callback_mechanism(old)
 
 
-def _offsets(rng, shape):
-    """Offsets whose fractional parts lie in [0.2, 0.8] (sample positions away from integers)."""
-    return rng.integers(-1, 2, size=shape) + rng.uniform(0.2, 0.8, size=shape)
-
-
 # name: (N, transposed, input shape, weight shape, offset groups, mask groups, hyper-parameters)
 CONFIGS = {
     "conv1d": (1, False, (2, 4, 7), (4, 2, 3), 2, 1, dict(stride=2, padding=1, dilation=1, groups=2)),
@@ -82,7 +78,7 @@ def make_case(name, seed=0):
     arrays = {
         "input": rng.standard_normal(xshape),
         "weight": rng.standard_normal(wshape),
-        "offset": _offsets(rng, (xshape[0], g_o * volume * n) + tuple(grid)),
+        "offset": fractional_offsets(rng, (xshape[0], g_o * volume * n) + tuple(grid)),
         "mask": rng.uniform(0.5, 1.5, (xshape[0], g_m * volume) + tuple(grid)),
         "bias": rng.standard_normal(c_out),
     }
@@ -423,7 +419,7 @@ def test_vmap(x64, mechanism, which):
     a = jax_args(arrays)
     rng = np.random.default_rng(9)
     xs = jnp.asarray(rng.standard_normal((3,) + arrays["input"].shape))
-    offs = jnp.asarray(_offsets(rng, (3,) + arrays["offset"].shape))
+    offs = jnp.asarray(fractional_offsets(rng, (3,) + arrays["offset"].shape))
     ws = jnp.asarray(rng.standard_normal((3,) + arrays["weight"].shape))
 
     def conv(x, w, off):
