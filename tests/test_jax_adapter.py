@@ -16,8 +16,8 @@ jnp = pytest.importorskip("jax.numpy")
 import dcn_cupy  # noqa: E402
 import dcn_cupy.jax as dj  # noqa: E402
 from dcn_cupy import reference  # noqa: E402
-from dcn_cupy.testing import fractional_offsets  # noqa: E402
 from dcn_cupy.jax import _callbacks  # noqa: E402
+from dcn_cupy.testing import fractional_offsets  # noqa: E402
 
 NAMES = ("input", "weight", "offset", "mask", "bias")
 STEP = 1e-6
