@@ -60,6 +60,7 @@ gradient's GEMM temporaries (at most the weight's size).
 from __future__ import annotations
 
 import contextlib
+import math
 import itertools
 import logging
 import os
@@ -531,7 +532,7 @@ def _sampling_plan(offset, has_offset, n_offset_groups, ndim, in_shape, out_shap
                             dweight[b, g, t, q, c, a] = w0 * w1 * s2
 
 
-@njit(nogil=True, inline="always", error_model="numpy")
+@njit(nogil=True, error_model="numpy")
 def _exact_sample(x, b, c, index, weight, g, t, q, corners):
     """The N-linear sample over the corners of non-zero weight only: a zero-weight corner
     reads nothing (no 0 * inf). The kernels sum every corner first, which is the same value
@@ -562,7 +563,7 @@ def _im2col(x, mask, has_mask, n_mask_groups, index, weight, columns, start, sto
                 value = 0.0
                 for k in range(corners):
                     value += weight[b, g, t, q, k] * x[b, c, index[b, g, t, q, k]]
-                if not np.isfinite(value):
+                if not math.isfinite(value):
                     value = _exact_sample(x, b, c, index, weight, g, t, q, corners)
                 if has_mask:
                     value *= mask[b, m_row + t, q]
@@ -587,7 +588,7 @@ def _col2im(column_grads, mask, has_mask, n_mask_groups, index, weight, grad_x, 
                 value = column_grads[b, row, q]
                 if has_mask:
                     value *= mask[b, m_row + t, q]
-                if np.isfinite(value):
+                if math.isfinite(value):
                     for k in range(corners):
                         grad_x[b, c, index[b, g, t, q, k]] += value * weight[b, g, t, q, k]
                 else:  # zero-weight corners receive nothing, not 0 * inf
@@ -627,7 +628,7 @@ def _offset_mask_grads(x, column_grads, mask, has_mask, n_mask_groups, index, we
                         corner_grads[g, q, k] += scaled * v
                 if want_mask:
                     term = grad * value
-                    if not np.isfinite(term):
+                    if not math.isfinite(term):
                         # A tap that samples nothing has a zero gradient whatever grad holds.
                         used = False
                         for k in range(corners):
@@ -643,7 +644,7 @@ def _offset_mask_grads(x, column_grads, mask, has_mask, n_mask_groups, index, we
                         total = 0.0
                         for k in range(corners):
                             total += dweight[b, g, t, q, k, a] * corner_grads[g, q, k]
-                        if not np.isfinite(total):  # outside and zero-slope corners add nothing
+                        if not math.isfinite(total):  # outside and zero-slope corners add nothing
                             total = 0.0
                             for k in range(corners):
                                 slope = dweight[b, g, t, q, k, a]
