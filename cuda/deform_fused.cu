@@ -39,7 +39,16 @@
 using dcn::Geom;
 using dcn::Traits;
 
+// Experimental (off by default): blend the fp16 corners in half2 arithmetic (HFMA2) instead of
+// float, a quarter of the blend's instructions at a few fp16 ulps more error per sample.
+#ifndef DCN_FUSED_HALF_BLEND
+#define DCN_FUSED_HALF_BLEND 0
+#endif
+
 namespace fused {
+
+template <typename T> struct IsHalf { static const bool value = false; };
+template <> struct IsHalf<__half> { static const bool value = true; };
 
 constexpr int THREADS = 256;   // 8 warps: BN/32 along the positions x the rest along the channels
 
@@ -463,8 +472,24 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     // Step order: taps inner (a chunk of channels for every tap, then the next chunk: the
     // corners of one chunk stay in L1 across the taps; corner sets computed per tap and chunk)
     // or taps outer (every chunk of one tap, then the next tap: corner sets computed per tap).
-    auto step_tap = [&](int step) { return taps_inner ? step % K : step / chunks; };
-    auto step_chunk = [&](int step) { return taps_inner ? step / K : step % chunks; };
+    // Steps are located in non-decreasing order: a cursor advanced one step at a time replaces
+    // the divisions by the runtime K and chunks (the kernel is bound by issued instructions).
+    int cur_step = 0, cur_tap = 0, cur_chunk = 0;
+    auto locate = [&](int step) {
+        while (cur_step < step) {
+            ++cur_step;
+            if (taps_inner) {
+                if (++cur_tap == K) { cur_tap = 0; ++cur_chunk; }
+            } else {
+                if (++cur_chunk == chunks) { cur_chunk = 0; ++cur_tap; }
+            }
+        }
+    };
+    auto step_tap = [&](int step) { locate(step); return cur_tap; };
+    auto step_chunk = [&](int step) { locate(step); return cur_chunk; };
+    // Offset / mask group of an absolute channel (no division where there is one group).
+    auto offset_group = [&](int c) { return per_go >= channels ? 0 : c / per_go; };
+    auto mask_group = [&](int c) { return per_gm >= channels ? 0 : c / per_gm; };
 
     // This thread's sampling position and channel slice.
     const int sn = tid / TPP;
@@ -487,18 +512,22 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     smp.reset();
     uint4 raw[UNIFORM && ENGINE != 2 ? NC : 1][NV];   // uniform: the corners' vectors; else the finished values
 
+    // This thread's weight vectors: row w_r0 + j * W_RSTEP of the tile, channels w_cv.. of the chunk.
+    static_assert(THREADS % (BK / VEC) == 0, "weight copy rows");
+    constexpr int W_RSTEP = THREADS / (BK / VEC);
+    const int w_r0 = tid / (BK / VEC);
+    const int w_cv = (tid % (BK / VEC)) * VEC;
+    const T* const w_row0 = wr + ((I)(grp * Cog + m0 + w_r0) * K * Cgp + w_cv);
     auto weight_issue = [&](int step, int buf) {
         const int t = step_tap(step);
         const int c0 = step_chunk(step) * BK;
+        const T* const src0 = w_row0 + ((I)t * Cgp + c0);
 #pragma unroll
         for (int j = 0; j < A_VECS; ++j) {
-            const int v = tid + j * THREADS;
-            const int r = v / (BK / VEC);
-            const int cv = (v % (BK / VEC)) * VEC;
-            const int o = m0 + r;
-            const bool full = o < Cog;
-            const T* src = wr + (((I)(grp * Cog + (full ? o : 0)) * K + t) * Cgp + c0 + cv);
-            copy16_async(As0 + buf * BM * LD + tile_offset<ENGINE, LD, BK, VEC>(r, cv / VEC), src, full);
+            const int r = w_r0 + j * W_RSTEP;
+            const bool full = m0 + r < Cog;
+            const T* src = full ? src0 + (I)j * W_RSTEP * K * Cgp : wr;
+            copy16_async(As0 + buf * BM * LD + tile_offset<ENGINE, LD, BK, VEC>(r, w_cv / VEC), src, full);
         }
     };
     auto weight_copy = [&](int step, int buf) {
@@ -519,7 +548,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             smp.clear();
         } else {
             cabs = grp * Cg + cl;
-            smp.update(t, cabs / per_go, cabs / per_gm, svalid, g, qc, off_q, msk_q, K, Q, sample_row);
+            smp.update(t, offset_group(cabs), mask_group(cabs), svalid, g, qc, off_q, msk_q, K, Q, sample_row);
         }
         uint4* const raw_s = Raw0 + stage * NC * NV * THREADS + tid;
         float* const wts_s = Wts0 + stage * NC * THREADS + tid;
@@ -536,7 +565,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             const int cl2 = step_chunk(step + 1) * BK + sh;
             if (cl2 < Cg) {
                 const int cabs2 = grp * Cg + cl2;
-                smp.prefetch(t2, cabs2 / per_go, cabs2 / per_gm, svalid, off_q, msk_q, K, Q);
+                smp.prefetch(t2, offset_group(cabs2), mask_group(cabs2), svalid, off_q, msk_q, K, Q);
             }
         }
     };
@@ -577,7 +606,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 return;
             }
             const int cabs = grp * Cg + cl;
-            smp.update(t, cabs / per_go, cabs / per_gm, svalid, g, qc, off_q, msk_q, K, Q, sample_row);
+            smp.update(t, offset_group(cabs), mask_group(cabs), svalid, g, qc, off_q, msk_q, K, Q, sample_row);
 #pragma unroll
             for (int c = 0; c < NC; ++c) {
                 if (smp.row[c] >= 0) {
@@ -592,7 +621,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 const int cl2 = step_chunk(step + 1) * BK + sh;
                 if (cl2 < Cg) {
                     const int cabs2 = grp * Cg + cl2;
-                    smp.prefetch(t2, cabs2 / per_go, cabs2 / per_gm, svalid, off_q, msk_q, K, Q);
+                    smp.prefetch(t2, offset_group(cabs2), mask_group(cabs2), svalid, off_q, msk_q, K, Q);
                 }
             }
         } else {
@@ -603,7 +632,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 const int c = cl + j;
                 if (c < Cg) {
                     const int cabs = grp * Cg + c;
-                    smp.update(t, cabs / per_go, cabs / per_gm, svalid, g, qc, off_q, msk_q, K, Q, sample_row);
+                    smp.update(t, offset_group(cabs), mask_group(cabs), svalid, g, qc, off_q, msk_q, K, Q, sample_row);
 #pragma unroll
                     for (int k = 0; k < NC; ++k) {
                         if (smp.row[k] >= 0) val[j] += smp.weight[k] * Traits<T>::load(xcl[smp.row[k] * Cp + cabs]);
@@ -621,7 +650,27 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         auto dst = [&](int v) -> uint4& {
             return *reinterpret_cast<uint4*>(bt + tile_offset<ENGINE, LD, BK, VEC>(sn, sh / VEC + v));
         };
-        if constexpr (UNIFORM) {
+        if constexpr (UNIFORM && DCN_FUSED_HALF_BLEND && IsHalf<T>::value) {
+            __half2 h[NV][4];
+#pragma unroll
+            for (int v = 0; v < NV; ++v)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) h[v][j] = __float2half2_rn(0.0f);
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                if (smp.row[c] >= 0) {
+                    const __half2 w2 = __float2half2_rn(smp.weight[c]);
+#pragma unroll
+                    for (int v = 0; v < NV; ++v) {
+                        const __half2* p = reinterpret_cast<const __half2*>(&raw[c][v]);
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) h[v][j] = __hfma2(w2, p[j], h[v][j]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int v = 0; v < NV; ++v) dst(v) = *reinterpret_cast<const uint4*>(h[v]);
+        } else if constexpr (UNIFORM) {
             float acc[CPT];
 #pragma unroll
             for (int j = 0; j < CPT; ++j) acc[j] = 0.0f;
