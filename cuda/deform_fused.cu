@@ -20,7 +20,9 @@
 //     two warpgroups, m64nBNk16 / k8 from shared-memory descriptors; fp16, bf16, TF32), which
 //     runs asynchronously while the threads sample the next step.
 // The next step's weight copy and corner loads are issued before this step's MMAs complete
-// (two shared-memory buffers, one barrier per step).
+// (two shared-memory buffers, one barrier per step). ENGINE 2 (benchmarks only, not in the
+// host's TILES: measured slower, NOTES-gpu.md) is ENGINE 0 with the corners copied by cp.async
+// DEPTH steps ahead into a shared-memory ring and blended from there.
 //
 // Semantics (DESIGN.md section 1): a position with a coordinate <= -1, >= S_a or non-finite
 // samples 0; a corner outside the grid or of N-linear weight exactly 0 is not read.
@@ -31,24 +33,16 @@
 //
 // Template parameters: T storage type, I index type (int or long long), N spatial dims,
 // PREC (0: T's own tensor-core format; 1: TF32; 2: 3xTF32), the tile BM x BN x BK, MINB (blocks
-// per multiprocessor asked of the register allocator), UNIFORM (16-byte-vector sampler), ENGINE.
-// Dynamic shared memory: 2 * (BM + BN) * (BK + PAD) elements of T (PAD = 0 for wgmma).
+// per multiprocessor asked of the register allocator), UNIFORM (16-byte-vector sampler), ENGINE,
+// DEPTH (ENGINE 2's ring). Dynamic shared memory: 2 * (BM + BN) * (BK + PAD) elements of T
+// (PAD = 0 for wgmma); ENGINE 2: cuda_fused.smem_bytes.
 
 #include "dcn_common.cuh"
 
 using dcn::Geom;
 using dcn::Traits;
 
-// Experimental (off by default): blend the fp16 corners in half2 arithmetic (HFMA2) instead of
-// float, a quarter of the blend's instructions at a few fp16 ulps more error per sample.
-#ifndef DCN_FUSED_HALF_BLEND
-#define DCN_FUSED_HALF_BLEND 0
-#endif
-
 namespace fused {
-
-template <typename T> struct IsHalf { static const bool value = false; };
-template <> struct IsHalf<__half> { static const bool value = true; };
 
 constexpr int THREADS = 256;   // 8 warps: BN/32 along the positions x the rest along the channels
 
@@ -650,27 +644,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         auto dst = [&](int v) -> uint4& {
             return *reinterpret_cast<uint4*>(bt + tile_offset<ENGINE, LD, BK, VEC>(sn, sh / VEC + v));
         };
-        if constexpr (UNIFORM && DCN_FUSED_HALF_BLEND && IsHalf<T>::value) {
-            __half2 h[NV][4];
-#pragma unroll
-            for (int v = 0; v < NV; ++v)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) h[v][j] = __float2half2_rn(0.0f);
-#pragma unroll
-            for (int c = 0; c < NC; ++c) {
-                if (smp.row[c] >= 0) {
-                    const __half2 w2 = __float2half2_rn(smp.weight[c]);
-#pragma unroll
-                    for (int v = 0; v < NV; ++v) {
-                        const __half2* p = reinterpret_cast<const __half2*>(&raw[c][v]);
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) h[v][j] = __hfma2(w2, p[j], h[v][j]);
-                    }
-                }
-            }
-#pragma unroll
-            for (int v = 0; v < NV; ++v) dst(v) = *reinterpret_cast<const uint4*>(h[v]);
-        } else if constexpr (UNIFORM) {
+        if constexpr (UNIFORM) {
             float acc[CPT];
 #pragma unroll
             for (int j = 0; j < CPT; ++j) acc[j] = 0.0f;

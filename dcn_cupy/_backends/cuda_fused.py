@@ -57,6 +57,8 @@ DTYPES = tuple(_VEC)
 #: those measured (NOTES-gpu.md); one is chosen per shape (plan_config). The first of each
 #: engine (the smallest) also has the per-channel sampler and the 64-bit indices. wgmma tiles
 #: (sm_90a) need a compute capability 9.0 device and compute fp16, bf16 and TF32 (not 3xTF32).
+#: ENGINE 2 (the corner pipeline: cp.async corner copies several steps ahead) is not listed:
+#: slower than ENGINE 0 wherever measured; ``benchmarks/stages.py --tiles`` still times it.
 TILES = {
     "half": ((64, 64, 64, 1, 0), (256, 64, 64, 1, 0), (128, 128, 64, 1, 0),
              (128, 64, 64, 1, 1), (256, 128, 32, 1, 1), (128, 128, 64, 1, 1)),
