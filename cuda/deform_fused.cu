@@ -20,7 +20,9 @@
 //     two warpgroups, m64nBNk16 / k8 from shared-memory descriptors; fp16, bf16, TF32), which
 //     runs asynchronously while the threads sample the next step.
 // The next step's weight copy and corner loads are issued before this step's MMAs complete
-// (two shared-memory buffers, one barrier per step).
+// (two shared-memory buffers, one barrier per step). ENGINE 2 (benchmarks only, not in the
+// host's TILES: measured slower, NOTES-gpu.md) is ENGINE 0 with the corners copied by cp.async
+// DEPTH steps ahead into a shared-memory ring and blended from there.
 //
 // Semantics (DESIGN.md section 1): a position with a coordinate <= -1, >= S_a or non-finite
 // samples 0; a corner outside the grid or of N-linear weight exactly 0 is not read.
@@ -31,8 +33,9 @@
 //
 // Template parameters: T storage type, I index type (int or long long), N spatial dims,
 // PREC (0: T's own tensor-core format; 1: TF32; 2: 3xTF32), the tile BM x BN x BK, MINB (blocks
-// per multiprocessor asked of the register allocator), UNIFORM (16-byte-vector sampler), ENGINE.
-// Dynamic shared memory: 2 * (BM + BN) * (BK + PAD) elements of T (PAD = 0 for wgmma).
+// per multiprocessor asked of the register allocator), UNIFORM (16-byte-vector sampler), ENGINE,
+// DEPTH (ENGINE 2's ring). Dynamic shared memory: 2 * (BM + BN) * (BK + PAD) elements of T
+// (PAD = 0 for wgmma); ENGINE 2: cuda_fused.smem_bytes.
 
 #include "dcn_common.cuh"
 
@@ -59,6 +62,9 @@ __device__ __forceinline__ void copy16_async(void* dst, const void* src, bool fu
 }
 __device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void copy_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+// Wait until at most P of this thread's committed cp.async groups are pending.
+template <int P>
+__device__ __forceinline__ void copy_wait_pending() { asm volatile("cp.async.wait_group %0;\n" :: "n"(P) : "memory"); }
 
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -116,7 +122,7 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], 
 // 8-row group next to each other (leading byte offset 128, stride byte offset BK/VEC*128).
 template <int ENGINE, int LD, int BK, int VEC>
 __device__ __forceinline__ int tile_offset(int row, int kv) {
-    if constexpr (ENGINE == 0) {
+    if constexpr (ENGINE != 1) {
         return row * LD + kv * VEC;
     } else {
         return ((row >> 3) * (BK / VEC) + kv) * (8 * VEC) + (row & 7) * VEC;
@@ -403,7 +409,8 @@ __global__ void fused_weight_rows(const T* __restrict__ w, T* __restrict__ wr, c
     }
 }
 
-template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool UNIFORM, int ENGINE>
+template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool UNIFORM, int ENGINE,
+          int DEPTH = 1>
 __global__ void __launch_bounds__(fused::THREADS, MINB)
 deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const T* __restrict__ offset,
                      const T* __restrict__ mask, const T* __restrict__ bias, T* __restrict__ y,
@@ -414,7 +421,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     using namespace fused;
     constexpr int VEC = Tile<T>::VEC;
     constexpr int TPP = THREADS / BN;            // sampling threads per position
-    constexpr int LD = ENGINE == 0 ? BK + Tile<T>::PAD : BK;  // shared row length (A: per output channel, B: per position)
+    constexpr int LD = ENGINE != 1 ? BK + Tile<T>::PAD : BK;  // shared row length (A: per output channel, B: per position)
     constexpr int CPT = BK / TPP;                // channels per sampling thread
     constexpr int NV = CPT / VEC;                // 16-byte vectors per sampling thread
     constexpr int NC = 1 << N;
@@ -423,13 +430,19 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     constexpr int MT = WM / 16, NT = WN / 8;     // mma tiles per warp
     constexpr int A_VECS = BM * BK / VEC / THREADS;  // weight vectors copied per thread and step
     static_assert(A_VECS >= 1 && NV >= 1 && MT >= 1 && NT % 2 == 0 && BM * BK % (VEC * THREADS) == 0, "tile shape");
-    static_assert(ENGINE == 0 || (BM % 128 == 0 && (BN == 64 || BN == 128) && PREC != 2),
+    static_assert(ENGINE != 2 || (UNIFORM && DEPTH >= 1), "corner pipeline: 16-byte sampler only");
+    static_assert(ENGINE != 1 || (BM % 128 == 0 && (BN == 64 || BN == 128) && PREC != 2),
                   "wgmma: 2 warpgroups of BM/2 rows (m64 instructions) x BN positions, TF32 or half");
 
-    // Two buffers of the weight tile (BM rows of LD) and of the sampled tile (BN rows of LD).
+    // Buffers of the weight tile (BM rows of LD; ENGINE 2: DEPTH + 1 of them) and two of the
+    // sampled tile (BN rows of LD); ENGINE 2 then the ring of raw corner vectors (DEPTH stages
+    // of NC x NV x THREADS, thread-fastest) and of the corner weights (DEPTH x NC x THREADS).
+    constexpr int A_BUFS = ENGINE == 2 ? DEPTH + 1 : 2;
     extern __shared__ __align__(128) unsigned char fused_smem[];
     T* const As0 = reinterpret_cast<T*>(fused_smem);
-    T* const Bs0 = As0 + 2 * BM * LD;
+    T* const Bs0 = As0 + A_BUFS * BM * LD;
+    uint4* const Raw0 = reinterpret_cast<uint4*>(Bs0 + 2 * BN * LD);
+    float* const Wts0 = reinterpret_cast<float*>(Raw0 + (ENGINE == 2 ? DEPTH * NC * NV * THREADS : 0));
 
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
@@ -453,8 +466,24 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     // Step order: taps inner (a chunk of channels for every tap, then the next chunk: the
     // corners of one chunk stay in L1 across the taps; corner sets computed per tap and chunk)
     // or taps outer (every chunk of one tap, then the next tap: corner sets computed per tap).
-    auto step_tap = [&](int step) { return taps_inner ? step % K : step / chunks; };
-    auto step_chunk = [&](int step) { return taps_inner ? step / K : step % chunks; };
+    // Steps are located in non-decreasing order: a cursor advanced one step at a time replaces
+    // the divisions by the runtime K and chunks (the kernel is bound by issued instructions).
+    int cur_step = 0, cur_tap = 0, cur_chunk = 0;
+    auto locate = [&](int step) {
+        while (cur_step < step) {
+            ++cur_step;
+            if (taps_inner) {
+                if (++cur_tap == K) { cur_tap = 0; ++cur_chunk; }
+            } else {
+                if (++cur_chunk == chunks) { cur_chunk = 0; ++cur_tap; }
+            }
+        }
+    };
+    auto step_tap = [&](int step) { locate(step); return cur_tap; };
+    auto step_chunk = [&](int step) { locate(step); return cur_chunk; };
+    // Offset / mask group of an absolute channel (no division where there is one group).
+    auto offset_group = [&](int c) { return per_go >= channels ? 0 : c / per_go; };
+    auto mask_group = [&](int c) { return per_gm >= channels ? 0 : c / per_gm; };
 
     // This thread's sampling position and channel slice.
     const int sn = tid / TPP;
@@ -475,22 +504,89 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     }
     fused::Sampler<I, N> smp;
     smp.reset();
-    uint4 raw[UNIFORM ? NC : 1][NV];   // uniform: the corners' vectors; else the finished values
+    uint4 raw[UNIFORM && ENGINE != 2 ? NC : 1][NV];   // uniform: the corners' vectors; else the finished values
 
-    auto weight_copy = [&](int step, int buf) {
+    // This thread's weight vectors: row w_r0 + j * W_RSTEP of the tile, channels w_cv.. of the chunk.
+    static_assert(THREADS % (BK / VEC) == 0, "weight copy rows");
+    constexpr int W_RSTEP = THREADS / (BK / VEC);
+    const int w_r0 = tid / (BK / VEC);
+    const int w_cv = (tid % (BK / VEC)) * VEC;
+    const T* const w_row0 = wr + ((I)(grp * Cog + m0 + w_r0) * K * Cgp + w_cv);
+    auto weight_issue = [&](int step, int buf) {
         const int t = step_tap(step);
         const int c0 = step_chunk(step) * BK;
+        const T* const src0 = w_row0 + ((I)t * Cgp + c0);
 #pragma unroll
         for (int j = 0; j < A_VECS; ++j) {
-            const int v = tid + j * THREADS;
-            const int r = v / (BK / VEC);
-            const int cv = (v % (BK / VEC)) * VEC;
-            const int o = m0 + r;
-            const bool full = o < Cog;
-            const T* src = wr + (((I)(grp * Cog + (full ? o : 0)) * K + t) * Cgp + c0 + cv);
-            copy16_async(As0 + buf * BM * LD + tile_offset<ENGINE, LD, BK, VEC>(r, cv / VEC), src, full);
+            const int r = w_r0 + j * W_RSTEP;
+            const bool full = m0 + r < Cog;
+            const T* src = full ? src0 + (I)j * W_RSTEP * K * Cgp : wr;
+            copy16_async(As0 + buf * BM * LD + tile_offset<ENGINE, LD, BK, VEC>(r, w_cv / VEC), src, full);
         }
+    };
+    auto weight_copy = [&](int step, int buf) {
+        weight_issue(step, buf);
         copy_commit();
+    };
+
+    // ENGINE 2: issue this thread's corner vectors of `step` as cp.async copies into ring stage
+    // step % DEPTH (zero-filled for corners not read, whose weight is stored as 0), with the
+    // weight tile into A buffer step % (DEPTH + 1); nothing waits on them here.
+    auto corner_issue = [&](int step) {
+        const int stage = step % DEPTH;
+        weight_issue(step, step % A_BUFS);
+        const int t = step_tap(step);
+        const int cl = step_chunk(step) * BK + sh;
+        int cabs = 0;
+        if (cl >= Cg) {
+            smp.clear();
+        } else {
+            cabs = grp * Cg + cl;
+            smp.update(t, offset_group(cabs), mask_group(cabs), svalid, g, qc, off_q, msk_q, K, Q, sample_row);
+        }
+        uint4* const raw_s = Raw0 + stage * NC * NV * THREADS + tid;
+        float* const wts_s = Wts0 + stage * NC * THREADS + tid;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const bool read = smp.row[c] >= 0;
+            wts_s[c * THREADS] = read ? smp.weight[c] : 0.0f;
+            const T* src = read ? xcl + smp.row[c] * Cp + cabs : xcl;
+#pragma unroll
+            for (int v = 0; v < NV; ++v) copy16_async(raw_s + (c * NV + v) * THREADS, src + (read ? v * VEC : 0), read);
+        }
+        if (step + 1 < steps) {
+            const int t2 = step_tap(step + 1);
+            const int cl2 = step_chunk(step + 1) * BK + sh;
+            if (cl2 < Cg) {
+                const int cabs2 = grp * Cg + cl2;
+                smp.prefetch(t2, offset_group(cabs2), mask_group(cabs2), svalid, off_q, msk_q, K, Q);
+            }
+        }
+    };
+
+    // ENGINE 2: blend the corners of `step` (ring stage step % DEPTH, this thread's own copies,
+    // complete) into B buffer step & 1.
+    auto corner_blend = [&](int step) {
+        const int stage = step % DEPTH;
+        const uint4* const raw_s = Raw0 + stage * NC * NV * THREADS + tid;
+        const float* const wts_s = Wts0 + stage * NC * THREADS + tid;
+        float acc[CPT];
+#pragma unroll
+        for (int j = 0; j < CPT; ++j) acc[j] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const float w = wts_s[c * THREADS];
+#pragma unroll
+            for (int v = 0; v < NV; ++v) Vec<T>::add(acc + v * VEC, w, raw_s[(c * NV + v) * THREADS]);
+        }
+        if constexpr (PREC == 1) {
+#pragma unroll
+            for (int j = 0; j < CPT; ++j) acc[j] = __uint_as_float(to_tf32(acc[j]));
+        }
+        T* const bt = Bs0 + (step & 1) * BN * LD;
+#pragma unroll
+        for (int v = 0; v < NV; ++v)
+            *reinterpret_cast<uint4*>(bt + tile_offset<ENGINE, LD, BK, VEC>(sn, sh / VEC + v)) = Vec<T>::pack(acc + v * VEC);
     };
 
     // Issue this thread's loads for `step` (uniform: raw corner vectors; otherwise the whole
@@ -504,7 +600,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 return;
             }
             const int cabs = grp * Cg + cl;
-            smp.update(t, cabs / per_go, cabs / per_gm, svalid, g, qc, off_q, msk_q, K, Q, sample_row);
+            smp.update(t, offset_group(cabs), mask_group(cabs), svalid, g, qc, off_q, msk_q, K, Q, sample_row);
 #pragma unroll
             for (int c = 0; c < NC; ++c) {
                 if (smp.row[c] >= 0) {
@@ -519,7 +615,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 const int cl2 = step_chunk(step + 1) * BK + sh;
                 if (cl2 < Cg) {
                     const int cabs2 = grp * Cg + cl2;
-                    smp.prefetch(t2, cabs2 / per_go, cabs2 / per_gm, svalid, off_q, msk_q, K, Q);
+                    smp.prefetch(t2, offset_group(cabs2), mask_group(cabs2), svalid, off_q, msk_q, K, Q);
                 }
             }
         } else {
@@ -530,7 +626,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 const int c = cl + j;
                 if (c < Cg) {
                     const int cabs = grp * Cg + c;
-                    smp.update(t, cabs / per_go, cabs / per_gm, svalid, g, qc, off_q, msk_q, K, Q, sample_row);
+                    smp.update(t, offset_group(cabs), mask_group(cabs), svalid, g, qc, off_q, msk_q, K, Q, sample_row);
 #pragma unroll
                     for (int k = 0; k < NC; ++k) {
                         if (smp.row[k] >= 0) val[j] += smp.weight[k] * Traits<T>::load(xcl[smp.row[k] * Cp + cabs]);
@@ -586,9 +682,9 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
-    auto multiply = [&](int buf) {
-        const T* A = As0 + buf * BM * LD;
-        const T* B = Bs0 + buf * BN * LD;
+    auto multiply = [&](int abuf, int bbuf) {
+        const T* A = As0 + abuf * BM * LD;
+        const T* B = Bs0 + bbuf * BN * LD;
         if constexpr (PREC == 0) {
 #pragma unroll
             for (int kk = 0; kk < BK; kk += 16) {
@@ -664,27 +760,51 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         }
     };
 
-    // Prologue: step 0 into buffer 0.
-    weight_copy(0, 0);
-    sample_load(0);
-    sample_store(0);
-    copy_wait_all();
+    if constexpr (ENGINE == 2) {
+        // Corner pipeline: the copies of steps s+1 .. s+DEPTH are in flight while step s
+        // multiplies (one cp.async group per step, empty past the last step).
+#pragma unroll
+        for (int s = 0; s < DEPTH; ++s) {
+            if (s < steps) corner_issue(s);
+            copy_commit();
+        }
+        copy_wait_pending<DEPTH - 1>();
+        corner_blend(0);
+        __syncthreads();
+    } else {
+        // Prologue: step 0 into buffer 0.
+        weight_copy(0, 0);
+        sample_load(0);
+        sample_store(0);
+        copy_wait_all();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if constexpr (ENGINE == 1) proxy_fence();   // generic-proxy writes, read by wgmma next
+        if constexpr (ENGINE == 1) proxy_fence();   // generic-proxy writes, read by wgmma next
 #endif
-    __syncthreads();
-    if constexpr (ENGINE == 0) {
-        for (int s = 0; s < steps; ++s) {
-            const int cur = s & 1;
-            const bool more = s + 1 < steps;
-            if (more) {
-                weight_copy(s + 1, cur ^ 1);
-                sample_load(s + 1);
+        __syncthreads();
+    }
+    if constexpr (ENGINE != 1) {
+        if constexpr (ENGINE == 2) {
+            for (int s = 0; s < steps; ++s) {
+                if (s + DEPTH < steps) corner_issue(s + DEPTH);
+                copy_commit();
+                multiply(s % A_BUFS, s & 1);
+                copy_wait_pending<DEPTH - 1>();   // this thread's copies of step s + 1 are done
+                if (s + 1 < steps) corner_blend(s + 1);
+                __syncthreads();
             }
-            multiply(cur);
-            if (more) sample_store(cur ^ 1);
-            copy_wait_all();
-            __syncthreads();
+        } else {
+            for (int s = 0; s < steps; ++s) {
+                const int cur = s & 1;
+                const bool more = s + 1 < steps;
+                if (more) {
+                    weight_copy(s + 1, cur ^ 1);
+                    sample_load(s + 1);
+                }
+                multiply(cur, cur);
+                if (more) sample_store(cur ^ 1);
+                copy_wait_all();
+                __syncthreads();
+            }
         }
 
         // Epilogue: accumulators (+ bias) -> y[b, grp*Cog + o, q], straight from the fragments.

@@ -57,6 +57,8 @@ DTYPES = tuple(_VEC)
 #: those measured (NOTES-gpu.md); one is chosen per shape (plan_config). The first of each
 #: engine (the smallest) also has the per-channel sampler and the 64-bit indices. wgmma tiles
 #: (sm_90a) need a compute capability 9.0 device and compute fp16, bf16 and TF32 (not 3xTF32).
+#: ENGINE 2 (the corner pipeline: cp.async corner copies several steps ahead) is not listed:
+#: slower than ENGINE 0 wherever measured; ``benchmarks/stages.py --tiles`` still times it.
 TILES = {
     "half": ((64, 64, 64, 1, 0), (256, 64, 64, 1, 0), (128, 128, 64, 1, 0),
              (128, 64, 64, 1, 1), (256, 128, 32, 1, 1), (128, 128, 64, 1, 1)),
@@ -84,19 +86,44 @@ def _precisions(dtype) -> tuple:
 
 
 def _tiles(dtype, index64: bool = False) -> tuple:
-    """The tiles of a dtype; with 64-bit indices (huge problems) only the first of each engine."""
+    """The tiles of a dtype; with 64-bit indices (huge problems) only the first of engines 0 and 1."""
     tiles = TILES["float" if np.dtype(dtype) == np.float32 else "half"]
     if index64:
-        tiles = tuple(tile for i, tile in enumerate(tiles) if all(t[4] != tile[4] for t in tiles[:i]))
+        tiles = tuple(tile for i, tile in enumerate(tiles)
+                      if tile[4] != 2 and all(t[4] != tile[4] for t in tiles[:i]))
     return tiles
+
+
+#: Shared memory an ENGINE 2 (corner pipeline) kernel may take; its ring depth is the largest
+#: (at most MAX_DEPTH) that fits. Hopper allows 227 KiB per block.
+PIPELINE_SMEM_BYTES = 220 * 1024
+MAX_DEPTH = 4
+
+
+def smem_bytes(dtype, ndim: int, tile: tuple, depth: int = 0) -> int:
+    """Dynamic shared memory of a tile (engine 2: with a ring of ``depth`` corner stages)."""
+    bm, bn, bk, _, engine = tile
+    item, vec = np.dtype(dtype).itemsize, _VEC[np.dtype(dtype)]
+    if engine != 2:
+        return 2 * (bm + bn) * (bk + (vec if engine == 0 else 0)) * item
+    return ((depth + 1) * bm + 2 * bn) * (bk + vec) * item + depth * (1 << ndim) * (bn * bk * item + _THREADS * 4)
+
+
+def pipeline_depth(dtype, ndim: int, tile: tuple) -> int:
+    """The corner-ring depth of an engine 2 tile (0: does not fit; 1 for the other engines)."""
+    if tile[4] != 2:
+        return 1
+    return max((d for d in range(1, MAX_DEPTH + 1) if smem_bytes(dtype, ndim, tile, d) <= PIPELINE_SMEM_BYTES),
+               default=0)
 
 
 def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, uniform: bool) -> str:
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
     bm, bn, bk, minb, engine = tile
+    depth = f", {pipeline_depth(dtype, ndim, tile)}" if engine == 2 else ""
     return (f"deform_fused_forward<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}, "
-            f"{'true' if uniform else 'false'}, {engine}>")
+            f"{'true' if uniform else 'false'}, {engine}{depth}>")
 
 
 def name_expressions(dtype, ndim: int, index64: bool, engine: int = 0) -> tuple:
@@ -107,7 +134,7 @@ def name_expressions(dtype, ndim: int, index64: bool, engine: int = 0) -> tuple:
     names = [kernel_name(dtype, index64, ndim, prec, tile, uniform)
              for prec in _precisions(dtype) for tile in _tiles(dtype, index64) for uniform in (True, False)
              if tile[4] == engine and not (engine == 1 and prec == 2)
-             and (uniform or tile == _per_channel_tile(dtype, engine))]
+             and (uniform or tile == _per_channel_tile(dtype, engine)) and pipeline_depth(dtype, ndim, tile)]
     names += [f"fused_channels_last<{t}, {i}>", f"fused_weight_rows<{t}, {i}>"]
     return tuple(names)
 
@@ -115,7 +142,7 @@ def name_expressions(dtype, ndim: int, index64: bool, engine: int = 0) -> tuple:
 def all_module_keys():
     """(dtype, ndim, index64, engine) of every module this algorithm can build."""
     return [(dtype, ndim, index64, engine) for dtype in DTYPES for ndim in (1, 2, 3) for index64 in (False, True)
-            for engine in (0, 1)]
+            for engine in (0, 1, 2) if any(tile[4] == engine for tile in _tiles(dtype, index64))]
 
 
 #: NVRTC options of the wgmma modules (CuPy's RawModule names the device's plain architecture).
@@ -241,8 +268,8 @@ def _uniform(geom, tile) -> bool:
 
 def _per_channel_tile(dtype, engine: int) -> tuple:
     """The one tile per engine instantiated with the per-channel sampler (and 64-bit indices):
-    the first of TILES."""
-    return next(tile for tile in _tiles(dtype) if tile[4] == engine)
+    the first of TILES (engine 2, the corner pipeline, has none: engine 0's)."""
+    return next(tile for tile in _tiles(dtype) if tile[4] == (0 if engine == 2 else engine))
 
 
 def _candidates(geom, dtype, wgmma: bool, index64: bool = False) -> list:
@@ -250,8 +277,9 @@ def _candidates(geom, dtype, wgmma: bool, index64: bool = False) -> list:
     to 64 (else the shortest), wgmma ones only where the device and precision allow, and of the
     tiles whose threads would cross a group boundary only the per-channel one of each engine."""
     Cog = geom.out_channels // geom.groups
-    tiles = [tile for tile in _tiles(dtype, index64) if (tile[4] == 0 or wgmma)
-             and (_uniform(geom, tile) or tile == _per_channel_tile(dtype, tile[4]))]
+    tiles = [tile for tile in _tiles(dtype, index64) if (tile[4] != 1 or wgmma)
+             and (_uniform(geom, tile) or tile == _per_channel_tile(dtype, tile[4]))
+             and pipeline_depth(dtype, geom.ndim, tile)]
     limit = max(64, _round_up(Cog, 64))
     fitting = [tile for tile in tiles if tile[0] <= limit]
     return fitting or [min(tiles)]
@@ -263,7 +291,7 @@ def _choose_tile(geom, dtype, positions: int, multiprocessors: int, wgmma: bool,
     else the one with the most blocks."""
     groups = geom.groups
     Cog = geom.out_channels // groups
-    candidates = sorted(_candidates(geom, dtype, wgmma, index64), key=lambda tile: (-tile[4], -tile[0], -tile[1]))
+    candidates = sorted(_candidates(geom, dtype, wgmma, index64), key=lambda tile: (-(tile[4] == 1), -tile[4], -tile[0], -tile[1]))
     blocks = lambda tile: -(-positions // tile[1]) * -(-Cog // tile[0]) * groups  # noqa: E731
     for tile in candidates:
         if blocks(tile) >= 2 * multiprocessors:
@@ -320,7 +348,10 @@ class LaunchConfig:
             raise ValueError(f"tile {self.tile} has no per-channel sampler; this geometry needs one "
                              f"(the per-channel tile is {_per_channel_tile(dtype, engine)})")
         self.m_tiles = -(-self.Cog // bm)
-        self.smem_bytes = 2 * (bm + bn) * (bk + (vec if engine == 0 else 0)) * self.itemsize
+        self.depth = pipeline_depth(dtype, geom.ndim, self.tile)
+        if not self.depth:
+            raise ValueError(f"tile {self.tile} does not fit shared memory for {geom.ndim}-d sampling")
+        self.smem_bytes = smem_bytes(dtype, geom.ndim, self.tile, self.depth)
         self.weight_elems = Co * self.K * self.Cgp
         self.xcl_elems = n * self.S * self.Cp
         self.workspace_bytes = _round_up(self.xcl_elems * self.itemsize, _ALIGN) + self.weight_elems * self.itemsize
@@ -329,7 +360,8 @@ class LaunchConfig:
     def description(self) -> str:
         prec = {0: str(self.dtype), 1: "tf32", 2: "3xtf32"}[self.precision]
         bm, bn, bk, _, engine = self.tile
-        return (f"cuda/fused: {prec} {'wgmma' if engine else 'mma.sync'}, tile {bm}x{bn}x{bk}, "
+        engine_name = ("mma.sync", "wgmma", f"mma.sync, {self.depth}-step corner pipeline")[engine]
+        return (f"cuda/fused: {prec} {engine_name}, tile {bm}x{bn}x{bk}, "
                 f"{'16-byte vector' if self.uniform else 'per-channel'} sampling, "
                 f"taps {'inner' if self.taps_inner else 'outer'}, "
                 f"chunks of {self.chunk} samples, {'64' if self.index64 else '32'}-bit index")
