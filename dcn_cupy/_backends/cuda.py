@@ -313,7 +313,9 @@ _handles = threading.local()
 
 def _cublas_library():
     """libcublas through ctypes: CuPy's binding refuses every cuBLAS call during a stream
-    capture, and does not expose cublasSetWorkspace."""
+    capture, and does not expose cublasSetWorkspace. Loaded as a ``PyDLL``: its calls keep the
+    GIL (they only enqueue work), where a ``CDLL`` call releases it and may then wait for
+    another thread to hand it back (~160 µs per GEMM under cProfile inside torch's backward, H200)."""
     global _libcublas
     if _libcublas is None:
         import ctypes
@@ -321,13 +323,13 @@ def _cublas_library():
         lib = None
         for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so", "cublas64_13.dll", "cublas64_12.dll"):
             try:
-                lib = ctypes.CDLL(name)
+                lib = ctypes.PyDLL(name)
                 break
             except OSError:
                 continue
         if lib is None:
             from cuda import pathfinder
-            lib = ctypes.CDLL(pathfinder.load_nvidia_dynamic_lib("cublas").abs_path)
+            lib = ctypes.PyDLL(pathfinder.load_nvidia_dynamic_lib("cublas").abs_path)
         p, i, i64, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_size_t
         lib.cublasCreate_v2.argtypes = [ctypes.POINTER(p)]
         lib.cublasSetStream_v2.argtypes = [p, p]
@@ -580,13 +582,55 @@ def _kernel_op(kernel, grid, block, args, shared_mem=0):
     return (0, function.ptr, int(grid[0]), int(block[0]), int(shared_mem), params.ptr, params)
 
 
-_launch_kernel = cupy.cuda.driver.launchKernel
+def _driver_launch():
+    """``cuLaunchKernel`` through a ``PyDLL`` of the driver (keeps the GIL: see
+    _cublas_library), else CuPy's binding (which releases it)."""
+    import ctypes
+    for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+        try:
+            lib = ctypes.PyDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        return cupy.cuda.driver.launchKernel, cupy.cuda.runtime.memsetAsync
+    fn = lib.cuLaunchKernel
+    p, u = ctypes.c_void_p, ctypes.c_uint
+    fn.argtypes = [p, u, u, u, u, u, u, u, p, p, p]
+    fn.restype = ctypes.c_int
+
+    def launch(f, gx, gy, gz, bx, by, bz, shared_mem, stream, params, extra):
+        status = fn(f, gx, gy, gz, bx, by, bz, shared_mem, stream, params, extra or None)
+        if status:
+            raise RuntimeError(f"cuLaunchKernel failed with CUresult {status}")
+
+    zero = lib.cuMemsetD8Async
+    zero.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t, p]
+    zero.restype = ctypes.c_int
+
+    def memset(ptr, value, size, stream):
+        status = zero(ptr, value, size, stream)
+        if status:
+            raise RuntimeError(f"cuMemsetD8Async failed with CUresult {status}")
+
+    return launch, memset
+
+
+_launch_kernel = None
+_memset = None
+
+
+def _launch_function():
+    global _launch_kernel, _memset
+    if _launch_kernel is None:
+        _launch_kernel, _memset = _driver_launch()
+    return _launch_kernel
 
 
 def _replay(ops, handle) -> None:
     """Run recorded launches: 0 kernel, 1 GEMM, 2 memset (on CuPy's current stream)."""
     stream = cupy.cuda.get_current_stream().ptr
-    launch = _launch_kernel
+    launch = _launch_kernel or _launch_function()
     for op in ops:
         kind = op[0]
         if kind == 0:
@@ -595,7 +639,7 @@ def _replay(ops, handle) -> None:
         elif kind == 1:
             op[1](handle, op[2], op[3], op[4])
         else:
-            cupy.cuda.runtime.memsetAsync(op[1], 0, op[2], stream)
+            _memset(op[1], 0, op[2], stream)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -660,8 +704,9 @@ def channel_sum(kernel, grad_output, out) -> None:
                        channels, inner], dtype=np.int64)
     params = np.arange(6, dtype=np.uint64) * np.uint64(8) + np.uint64(values.ctypes.data)
     function = kernel.kernel if hasattr(kernel, "kernel") else kernel
-    _launch_kernel(function.ptr, channels, 1, 1, _CHANNEL_SUM_BLOCK, 1, 1, 0, cupy.cuda.get_current_stream().ptr,
-                   params.ctypes.data, 0)
+    launch = _launch_kernel or _launch_function()
+    launch(function.ptr, channels, 1, 1, _CHANNEL_SUM_BLOCK, 1, 1, 0, cupy.cuda.get_current_stream().ptr,
+           params.ctypes.data, 0)
 
 
 class _Executable:
