@@ -370,9 +370,11 @@ def _prepare_cublas(device_id: int, workspace_ptr: int, workspace_bytes: int) ->
     handle = _own_handle(device_id)
     state = (cupy.cuda.get_current_stream().ptr, workspace_ptr, workspace_bytes)
     last = _handles.__dict__.setdefault("state", {})
-    if last.get(handle) != state:  # the handle is this thread's own: nothing else changes it
+    previous = last.get(handle)
+    if previous != state:  # the handle is this thread's own: nothing else changes it
         lib = _cublas_library()
-        _check(lib.cublasSetStream_v2(handle, state[0]), "cublasSetStream")
+        if previous is None or previous[0] != state[0]:  # (resets the workspace to cuBLAS's own pool)
+            _check(lib.cublasSetStream_v2(handle, state[0]), "cublasSetStream")
         _check(lib.cublasSetWorkspace_v2(handle, workspace_ptr, workspace_bytes), "cublasSetWorkspace")
         last[handle] = state
     return handle
