@@ -314,8 +314,8 @@ _handles = threading.local()
 def _cublas_library():
     """libcublas through ctypes: CuPy's binding refuses every cuBLAS call during a stream
     capture, and does not expose cublasSetWorkspace. Loaded as a ``PyDLL``: its calls keep the
-    GIL (they only enqueue work), where a ``CDLL`` call releases it and may then wait for
-    another thread to hand it back (~160 µs per GEMM under cProfile inside torch's backward, H200)."""
+    GIL (they only enqueue work), where a ``CDLL`` call releases it and must take it back, from
+    another thread (torch's autograd runs backward on its own) if that one holds it."""
     global _libcublas
     if _libcublas is None:
         import ctypes
