@@ -152,6 +152,16 @@ class Plan:
         self._fwd = self._exec.get(fwd, (None, None))[1]
         self._bwd = self._exec.get("conv_backward", (None, None))
         self._bwd_input = self._exec.get(bwd, (None, None)) if transposed else None
+        # On CUDA the bias gradient is one kernel launch, compiled with the plan; None: the
+        # array library's sum (CPU, or no CUDA compiler/device where the plan was built).
+        self._bias_sum = None
+        if device == "cuda" and geom.batch > 0 and shapes["bias"] is not None:
+            try:
+                from ._backends import cuda as _cuda_backend
+                with self._device_ctx:
+                    self._bias_sum = (_cuda_backend.channel_sum_kernel(self.dtype), _cuda_backend.channel_sum)
+            except Exception:
+                self._bias_sum = None
 
     # -----------------------------------------------------------------------------------------
     # description
@@ -461,7 +471,15 @@ class Plan:
                 executable.run({"grad_output": z, "input": gy, "weight": w, "offset": off, "mask": msk, "bias": None,
                                 "wanted": params}, {n: view(n) for n in params}, ws)
         if "bias" in wanted:
-            grads["bias"] = _channel_sum(xp, gy, dtype, outs.get("bias"))
+            if self._bias_sum is not None:
+                target = outs.get("bias")
+                if target is None:
+                    target = xp.empty(self._shapes["bias"], dtype=dtype)
+                kernel, channel_sum = self._bias_sum
+                channel_sum(kernel, gy, target)
+                grads["bias"] = target
+            else:
+                grads["bias"] = _channel_sum(xp, gy, dtype, outs.get("bias"))
         return grads
 
     def _empty_batch_gradients(self, wanted, outs) -> dict:

@@ -314,7 +314,9 @@ _handles = threading.local()
 
 def _cublas_library():
     """libcublas through ctypes: CuPy's binding refuses every cuBLAS call during a stream
-    capture, and does not expose cublasSetWorkspace."""
+    capture, and does not expose cublasSetWorkspace. Loaded as a ``PyDLL``: its calls keep the
+    GIL (they only enqueue work), where a ``CDLL`` call releases it and must take it back, from
+    another thread (torch's autograd runs backward on its own) if that one holds it."""
     global _libcublas
     if _libcublas is None:
         import ctypes
@@ -322,13 +324,13 @@ def _cublas_library():
         lib = None
         for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so", "cublas64_13.dll", "cublas64_12.dll"):
             try:
-                lib = ctypes.CDLL(name)
+                lib = ctypes.PyDLL(name)
                 break
             except OSError:
                 continue
         if lib is None:
             from cuda import pathfinder
-            lib = ctypes.CDLL(pathfinder.load_nvidia_dynamic_lib("cublas").abs_path)
+            lib = ctypes.PyDLL(pathfinder.load_nvidia_dynamic_lib("cublas").abs_path)
         p, i, i64, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_size_t
         lib.cublasCreate_v2.argtypes = [ctypes.POINTER(p)]
         lib.cublasSetStream_v2.argtypes = [p, p]
@@ -369,9 +371,11 @@ def _prepare_cublas(device_id: int, workspace_ptr: int, workspace_bytes: int) ->
     handle = _own_handle(device_id)
     state = (cupy.cuda.get_current_stream().ptr, workspace_ptr, workspace_bytes)
     last = _handles.__dict__.setdefault("state", {})
-    if last.get(handle) != state:  # the handle is this thread's own: nothing else changes it
+    previous = last.get(handle)
+    if previous != state:  # the handle is this thread's own: nothing else changes it
         lib = _cublas_library()
-        _check(lib.cublasSetStream_v2(handle, state[0]), "cublasSetStream")
+        if previous is None or previous[0] != state[0]:  # (resets the workspace to cuBLAS's own pool)
+            _check(lib.cublasSetStream_v2(handle, state[0]), "cublasSetStream")
         _check(lib.cublasSetWorkspace_v2(handle, workspace_ptr, workspace_bytes), "cublasSetWorkspace")
         last[handle] = state
     return handle
@@ -539,19 +543,173 @@ def _plain_batch(*arrays) -> bool:
     return True
 
 
+_PARAM_ALIGN = 16
+
+
+def _param_bytes(value) -> bytes:
+    """One kernel argument as cuLaunchKernel reads it: a pointer (None: null), a NumPy scalar or
+    a NumPy structured value (the Geom struct)."""
+    if value is None:
+        return bytes(8)
+    if isinstance(value, (np.generic, np.ndarray)):
+        return value.tobytes()
+    raise TypeError(f"a recorded kernel argument must be None or a NumPy value, got {type(value).__name__}")
+
+
+class _Params:
+    """The argument block of one recorded launch, packed once: a buffer holding every argument
+    (16-byte aligned slots) and the array of pointers to them that cuLaunchKernel takes."""
+
+    __slots__ = ("storage", "pointers", "ptr")
+
+    def __init__(self, args):
+        blobs = [_param_bytes(a) for a in args]
+        offsets, size = [], 0
+        for blob in blobs:
+            offsets.append(size)
+            size += -(-max(len(blob), 1) // _PARAM_ALIGN) * _PARAM_ALIGN
+        self.storage = np.zeros(max(size, _PARAM_ALIGN), dtype=np.uint8)
+        for blob, offset in zip(blobs, offsets):
+            self.storage[offset:offset + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
+        base = self.storage.ctypes.data
+        self.pointers = np.array([base + o for o in offsets] or [0], dtype=np.uint64)
+        self.ptr = self.pointers.ctypes.data
+
+
+def _kernel_op(kernel, grid, block, args, shared_mem=0):
+    """A recorded launch of a RawKernel (on the current device): its CUfunction, launch
+    configuration and argument block, launched by cuLaunchKernel on replay (a few µs less than
+    CuPy's argument processing per launch)."""
+    params = _Params(args)
+    function = kernel.kernel if hasattr(kernel, "kernel") else kernel   # a RawKernel, or a Function
+    return (0, function.ptr, int(grid[0]), int(block[0]), int(shared_mem), params.ptr, params)
+
+
+def _driver_launch():
+    """``cuLaunchKernel`` through a ``PyDLL`` of the driver (keeps the GIL: see
+    _cublas_library), else CuPy's binding (which releases it)."""
+    import ctypes
+    for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+        try:
+            lib = ctypes.PyDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        return cupy.cuda.driver.launchKernel, cupy.cuda.runtime.memsetAsync
+    fn = lib.cuLaunchKernel
+    p, u = ctypes.c_void_p, ctypes.c_uint
+    fn.argtypes = [p, u, u, u, u, u, u, u, p, p, p]
+    fn.restype = ctypes.c_int
+
+    def launch(f, gx, gy, gz, bx, by, bz, shared_mem, stream, params, extra):
+        status = fn(f, gx, gy, gz, bx, by, bz, shared_mem, stream, params, extra or None)
+        if status:
+            raise RuntimeError(f"cuLaunchKernel failed with CUresult {status}")
+
+    zero = lib.cuMemsetD8Async
+    zero.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t, p]
+    zero.restype = ctypes.c_int
+
+    def memset(ptr, value, size, stream):
+        status = zero(ptr, value, size, stream)
+        if status:
+            raise RuntimeError(f"cuMemsetD8Async failed with CUresult {status}")
+
+    return launch, memset
+
+
+_launch_kernel = None
+_memset = None
+
+
+def _launch_function():
+    global _launch_kernel, _memset
+    if _launch_kernel is None:
+        _launch_kernel, _memset = _driver_launch()
+    return _launch_kernel
+
+
 def _replay(ops, handle) -> None:
     """Run recorded launches: 0 kernel, 1 GEMM, 2 memset (on CuPy's current stream)."""
-    stream = None
+    stream = cupy.cuda.get_current_stream().ptr
+    launch = _launch_kernel or _launch_function()
     for op in ops:
         kind = op[0]
         if kind == 0:
-            op[1](op[2], op[3], op[4], shared_mem=op[5])
+            if op[2]:
+                launch(op[1], op[2], 1, 1, op[3], 1, 1, op[4], stream, op[5], 0)
         elif kind == 1:
             op[1](handle, op[2], op[3], op[4])
         else:
-            if stream is None:
-                stream = cupy.cuda.get_current_stream().ptr
-            cupy.cuda.runtime.memsetAsync(op[1], 0, op[2], stream)
+            _memset(op[1], 0, op[2], stream)
+
+
+# ---------------------------------------------------------------------------------------------
+# the bias gradient: one launch (CuPy's sum + astype cost ~45 µs of host time per backward)
+
+_CHANNEL_SUM_SOURCE = r"""
+// dst[c] = sum over b, q of src[b * batch_stride + c * inner + q], accumulated in Traits<T>::acc in
+// a fixed order (one block per channel): the bias gradient, deterministic.
+template <typename T>
+__global__ void channel_sum(const T* __restrict__ src, T* __restrict__ dst, const long long batch,
+                            const long long batch_stride, const long long channels, const long long inner) {
+    typedef typename dcn::Traits<T>::acc A;
+    __shared__ A part[256];
+    const long long c = blockIdx.x;
+    const long long total = batch * inner;
+    A s = 0;
+    for (long long i = threadIdx.x; i < total; i += blockDim.x) {
+        const long long b = i / inner;
+        s += dcn::Traits<T>::load(src[b * batch_stride + c * inner + (i - b * inner)]);
+    }
+    part[threadIdx.x] = s;
+    __syncthreads();
+    for (int h = blockDim.x / 2; h > 0; h >>= 1) {
+        if (threadIdx.x < h) part[threadIdx.x] += part[threadIdx.x + h];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) dst[c] = dcn::Traits<T>::store(part[0]);
+}
+"""
+_CHANNEL_SUM_BLOCK = 256
+
+
+def channel_sum_source() -> str:
+    """The bias-gradient module: the common header and ``channel_sum``."""
+    return "\n".join(_inline(cuda_source_dir(), "dcn_common.cuh", set())) + "\n" + _CHANNEL_SUM_SOURCE
+
+
+def channel_sum_kernel(dtype):
+    """The compiled ``channel_sum<T>`` on the current device (built with the plan, never during
+    a capture)."""
+    name = f"channel_sum<{_CTYPES[np.dtype(dtype)]}>"
+    key = (cupy.cuda.runtime.getDevice(), name)
+    fn = _functions.get(key)
+    if fn is None:
+        with _compile_lock:
+            fn = _functions.get(key)
+            if fn is None:
+                module = cupy.RawModule(code=channel_sum_source(), options=compile_options(), name_expressions=(name,))
+                fn = _functions[key] = module.get_function(name)
+                fn.kernel  # load it now
+    return fn
+
+
+def channel_sum(kernel, grad_output, out) -> None:
+    """``out[c] = grad_output[:, c].sum()`` (batch and spatial axes) in one launch on CuPy's
+    current stream; ``grad_output`` C-contiguous within each sample, ``out`` contiguous."""
+    batch, channels = grad_output.shape[0], grad_output.shape[1]
+    inner = math.prod(grad_output.shape[2:])
+    if channels == 0:
+        return
+    values = np.array([grad_output.data.ptr, out.data.ptr, batch, grad_output.strides[0] // grad_output.itemsize,
+                       channels, inner], dtype=np.int64)
+    params = np.arange(6, dtype=np.uint64) * np.uint64(8) + np.uint64(values.ctypes.data)
+    function = kernel.kernel if hasattr(kernel, "kernel") else kernel
+    launch = _launch_kernel or _launch_function()
+    launch(function.ptr, channels, 1, 1, _CHANNEL_SUM_BLOCK, 1, 1, 0, cupy.cuda.get_current_stream().ptr,
+           params.ctypes.data, 0)
 
 
 class _Executable:
@@ -694,11 +852,11 @@ class _Forward(_Executable):
         cols, gout = self.layout.ptr(ws, "cols"), self.layout.ptr(ws, "gemm")
         for c in self.chunks:
             q, k = c.n * c.Q, c.kernels
-            ops.append((0, k["im2col"], _grid(C * q), _BLOCK1, (
+            ops.append(_kernel_op(k["im2col"], _grid(C * q), _BLOCK1, (
                 _u64(x + c.start * C * S * it), _at(offset, c.start * off_ch * Q * it),
                 _at(mask, c.start * m_ch * Q * it), _u64(cols), c.struct, c.i_n, self.i_C, self.i_Go, self.i_Gm), 0))
             ops.append((1, self.gemms[q], w, cols, gout))
-            ops.append((0, k["to_batch"], _grid(Co * q), _BLOCK1, (
+            ops.append(_kernel_op(k["to_batch"], _grid(Co * q), _BLOCK1, (
                 _u64(gout), _at(bias, 0), _u64(out + c.start * Co * Q * it), c.i_n, self.i_Co, c.i_q), 0))
         return ops
 
@@ -812,13 +970,13 @@ class _Backward(_Executable):
         for c in self.chunks:
             q, k = c.n * c.Q, c.kernels
             gemm_w, gemm_cgrad = self.gemms[q]
-            ops.append((0, k["to_columns"], _grid(Co * q), _BLOCK1, (
+            ops.append(_kernel_op(k["to_columns"], _grid(Co * q), _BLOCK1, (
                 _u64(gy + c.start * Co * Q * it), _u64(gy_cols), c.i_n, self.i_Co, c.i_q), 0))
             x_part = _at(x, c.start * C * S * it)
             off = _at(offset, c.start * self.off_ch * Q * it)
             msk = _at(mask, c.start * self.m_ch * Q * it)
             if need_weight:
-                ops.append((0, k["im2col"], _grid(C * q), _BLOCK1, (
+                ops.append(_kernel_op(k["im2col"], _grid(C * q), _BLOCK1, (
                     x_part, off, msk, _u64(cols), c.struct, c.i_n, self.i_C, self.i_Go, self.i_Gm), 0))
                 ops.append((1, gemm_w, gy_cols, cols, w_acc))
             if not need_cgrad:
@@ -831,12 +989,12 @@ class _Backward(_Executable):
                 else:
                     gx = grad_x + c.start * C * S * it
                 blocks = -(-c.Q // _TILE) * C * c.n
-                ops.append((0, k["col2im"], (min(blocks, _MAX_GRID),), (_TILE,), (
+                ops.append(_kernel_op(k["col2im"], (min(blocks, _MAX_GRID),), (_TILE,), (
                     _u64(cgrad), off, msk, _u64(gx), c.struct, c.i_n, self.i_C, self.i_Go, self.i_Gm,
                     np.int32(self.halo), np.int32(c.cap)), c.cap * self.acc.itemsize))
                 if half:
                     total = c.n * C * S
-                    ops.append((0, self.final, _grid(total), _BLOCK1, (
+                    ops.append(_kernel_op(self.final, _grid(total), _BLOCK1, (
                         _u64(gx), _at(bias, 0), _u64(grad_x + c.start * C * S * it), self.final_index(total),
                         self.i_C, self.final_index(S)), 0))
             if need_offset or need_mask:
@@ -844,7 +1002,7 @@ class _Backward(_Executable):
                 g_m = _at(grad_m if need_mask else None, c.start * self.m_ch * Q * it)
 
                 def grouped(want, groups, go, gm):
-                    ops.append((0, k[want], _grid(c.n * groups * K * c.Q), _BLOCK1, (
+                    ops.append(_kernel_op(k[want], _grid(c.n * groups * K * c.Q), _BLOCK1, (
                         _u64(cgrad), x_part, off, msk, go, gm, c.struct, c.i_n, self.i_C, self.i_Go, self.i_Gm,
                         np.int32(groups)), 0))
 
@@ -857,10 +1015,10 @@ class _Backward(_Executable):
                     grouped((False, True), self.Gm, None, g_m)
         if need_input and not half and bias is not None:
             total = B * C * S
-            ops.append((0, self.final, _grid(total), _BLOCK1, (
+            ops.append(_kernel_op(self.final, _grid(total), _BLOCK1, (
                 _u64(grad_x), _u64(bias), _u64(grad_x), self.final_index(total), self.i_C, self.final_index(S)), 0))
         if need_weight and half:
-            ops.append((0, self.final, _grid(w_size), _BLOCK1, (
+            ops.append(_kernel_op(self.final, _grid(w_size), _BLOCK1, (
                 _u64(w_acc), None, _u64(grad_w), self.final_index(w_size), np.int32(1), self.final_index(1)), 0))
         return ops
 

@@ -58,6 +58,9 @@ def _backward(transposed: bool, grad_output: Tensor, tensors: Sequence[Optional[
     if not wanted:
         return tuple(grads)
     plan = _plans.plan_for(transposed, tensors, hyper)
+    if not grad_output.is_contiguous() and not (grad_output.dim() > 1 and grad_output.shape[0] > 0
+                                                 and grad_output[0].is_contiguous()):
+        grad_output = grad_output.contiguous()   # torch's copy: cheaper than CuPy's in the plan
     args = [_runtime.native(grad_output)] + [_runtime.native(t) for t in tensors]
     out = {name: _runtime.native(g) for name, g in zip(NAMES, grads) if name in wanted}
     with _runtime.cuda_scope(input):

@@ -49,6 +49,14 @@ def device_index(t: torch.Tensor) -> int:
     return torch.cuda.current_device() if index is None else index
 
 
+#: CuPy views of contiguous CUDA tensors by (address, shape, dtype, device). A view does not
+#: own its memory (the tensor does; a call uses a view only while its tensor is alive): the
+#: same address, shape and dtype make the same view, whichever tensor holds that memory now.
+#: Parameters and the caching allocator's reused blocks hit it, saving ~5 µs per tensor.
+_views: dict = {}
+_MAX_VIEWS = 512
+
+
 def native(t: Optional[torch.Tensor]):
     """A NumPy (CPU) or CuPy (CUDA) array sharing ``t``'s memory, strides kept.
 
@@ -60,6 +68,20 @@ def native(t: Optional[torch.Tensor]):
     if t.is_neg():
         t = t.resolve_neg()
     dtype = _VIEW_DTYPES.get(t.dtype) or numpy_dtype(t.dtype)
+    if t.is_cuda and t.is_contiguous():  # the common case: a cached view, see _views
+        key = (t.data_ptr(), t.shape, dtype, t.get_device())
+        found = _views.get(key)
+        if found is not None:
+            return found
+        numel = t.numel()
+        cupy = cupy_or_none()
+        if cupy is not None and numel:
+            memory = cupy.cuda.UnownedMemory(key[0], numel * dtype.itemsize, None, key[3])
+            view = cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(memory, 0))
+            if len(_views) >= _MAX_VIEWS:
+                _views.clear()
+            _views[key] = view
+            return view
     if t.device.type == "cpu":
         t = t.detach()
         if dtype == BFLOAT16:
@@ -145,10 +167,36 @@ def _torch_allocator(cupy):
     return _allocator
 
 
-@contextlib.contextmanager
+class _Scope:
+    """The device, torch's stream and torch's allocator entered as one context (a plain class:
+    a generator-based context manager costs a few µs per call)."""
+
+    __slots__ = ("contexts",)
+
+    def __init__(self, cupy, index: int):
+        self.contexts = (cupy.cuda.Device(index), _cupy_stream(cupy, index),
+                         cupy.cuda.using_allocator(_torch_allocator(cupy)))
+
+    def __enter__(self):
+        entered = 0
+        try:
+            for context in self.contexts:
+                context.__enter__()
+                entered += 1
+        except BaseException:
+            for context in reversed(self.contexts[:entered]):
+                context.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for context in reversed(self.contexts):
+            context.__exit__(*exc)
+        return False
+
+
 def _cuda(cupy, index: int):
-    with cupy.cuda.Device(index), _cupy_stream(cupy, index), cupy.cuda.using_allocator(_torch_allocator(cupy)):
-        yield
+    return _Scope(cupy, index)
 
 
 def cuda_scope(t: torch.Tensor):
