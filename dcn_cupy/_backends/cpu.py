@@ -474,9 +474,9 @@ def _sampling_plan(offset, has_offset, n_offset_groups, ndim, in_shape, out_shap
                         for a in range(ndim):
                             dweight[b, g, t, q, c, a] = 0.0
                 continue
-            l0 = np.floor(p0)
-            l1 = np.floor(p1)
-            l2 = np.floor(p2)
+            l0 = math.floor(p0)
+            l1 = math.floor(p1)
+            l2 = math.floor(p2)
             f0 = p0 - l0
             f1 = p1 - l1
             f2 = p2 - l2
