@@ -16,7 +16,8 @@ its box); checks the float64 results against the reference.
 Then the fused forward (cuda/fused, ``fused_cases``, through plans with
 ``algorithm="cuda/fused"`` and, per tile, its launch configurations): both samplers, every
 precision, N = 1, 2, 3, poisoned offsets, partial tiles, one-sample chunks and the 64-bit
-instantiation, checked against the reference; ``--fused-only`` runs just those (for racecheck).
+instantiation, checked against the reference; ``--fused-only`` runs just those (for racecheck); ``--robustness-only`` just the degenerate-shape
+and non-finite cases.
 Without a CUDA device (or CuPy) it says so and exits with status 0.
 """
 
@@ -223,6 +224,10 @@ def main() -> int:
     if "--fused-only" in sys.argv or "--fused-quick" in sys.argv:
         count = fused_cases(quick="--fused-quick" in sys.argv)
         print(f"SANITIZE RUN OK: {count} fused cases")
+        return 0
+    if "--robustness-only" in sys.argv:  # degenerate shapes and non-finite inputs (issue 11)
+        count = robustness_cases()
+        print(f"SANITIZE RUN OK: {count} robustness cases")
         return 0
     count = 0
     # every dtype: the automatic choice (cuda/fused forwards for the half types), and for the
