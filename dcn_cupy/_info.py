@@ -7,7 +7,6 @@ CuPy is imported, and only when installed, to list the CUDA devices.
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import platform
 import sys
 from pathlib import Path
@@ -77,19 +76,13 @@ def _cuda_versions() -> str:
 
 
 def numba_cache_location() -> str:
-    """Where Numba keeps the compiled CPU kernels between processes (``cache=True``)."""
-    configured = os.environ.get("NUMBA_CACHE_DIR")
-    if configured:
-        return f"{configured} (NUMBA_CACHE_DIR)"
-    # Numba's default: __pycache__ next to the source where writable, else a per-user folder.
-    source = Path(__file__).resolve().parent / "_backends"
-    if os.access(source, os.W_OK):
-        return f"{source / '__pycache__'} (next to the sources; set NUMBA_CACHE_DIR to move it)"
-    try:
-        from numba.misc.appdirs import AppDirs
-        return f"{AppDirs(appname='numba', appauthor=False).user_cache_dir} (per user; sources are read-only)"
-    except Exception:
-        return "a per-user cache folder (sources are read-only)"
+    """Where the CPU backend keeps its compiled kernels between processes, and how to move it."""
+    from ._backends import cpu
+
+    folder = cpu.cache_location()
+    if folder is None:
+        return "off (DCN_CUPY_NUMBA_CACHE=0): every process compiles again"
+    return f"{folder} (DCN_CUPY_NUMBA_CACHE sets another folder, 0 turns it off)"
 
 
 def _threadpoolctl() -> str:

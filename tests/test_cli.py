@@ -15,6 +15,17 @@ from dcn_cupy._backends import cpu
 REPO = Path(__file__).resolve().parent.parent
 
 
+def test_info_reports_the_kernel_cache_the_backend_uses(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("DCN_CUPY_NUMBA_CACHE", str(tmp_path / "kernels"))
+    assert cli.main(["info"]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("Numba cache"))
+    assert str(tmp_path / "kernels") in line and cpu.cache_location() == str(tmp_path / "kernels")
+    monkeypatch.setenv("DCN_CUPY_NUMBA_CACHE", "0")
+    assert cli.main(["info"]) == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("Numba cache"))
+    assert line.split(None, 2)[2].startswith("off"), line
+
+
 def test_info_mentions_numba_and_cpu_backend(capsys):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out

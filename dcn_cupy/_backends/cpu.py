@@ -923,6 +923,5 @@ def _conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias):
 
 def threading_layer() -> str:
     """How the kernels run, for ``python -m dcn_cupy info``."""
-    folder = cache_location()
     return (f"numba {numba.__version__}, {num_threads()} threads (dcn_cupy's thread pool; Numba's "
-            f"threading layer is not used), kernel cache {folder or 'off (DCN_CUPY_NUMBA_CACHE=0)'}")
+            f"threading layer is not used)")
