@@ -192,13 +192,14 @@ class Plan:
             f"  stride={g.stride} padding={g.padding} dilation={g.dilation} groups={g.groups} "
             f"offset_groups={g.offset_groups} mask_groups={g.mask_groups}"
             + (f" deterministic" if self.deterministic else "") + (" tf32" if self.allow_tf32 else ""),
-            f"  {self.algorithm}" + (f" (forced: {self.forced})" if self.forced else " (automatic: highest "
-                                     "priority algorithm that serves the configuration)"),
+            f"  {self.algorithm}" + (f" (forced: {self.forced})" if self.forced else " (automatic: the "
+                                     "highest-priority algorithm that serves and recommends itself)"),
         ]
-        use = ("conv_backward", "conv_forward") if self.transposed else ("conv_forward", "conv_backward")
-        roles = dict(zip(use, ("forward", "backward-to-input" if self.transposed else "backward")))
+        # By duality the transposed forward is the conv's backward to its input.
+        roles = ({"conv_backward": "forward; weight/offset/mask gradients", "conv_forward": "input gradient"}
+                 if self.transposed else {"conv_forward": "forward", "conv_backward": "backward"})
         for primitive, (name, what) in self._exec.items():
-            role = roles[primitive] if not self.transposed or primitive == "conv_backward" else roles[primitive]
+            role = roles[primitive]
             if name is None:
                 lines.append(f"  {primitive}: unavailable: {what}")
             else:
