@@ -29,31 +29,13 @@ Measured on one NVIDIA H200 (2026-11-26, CuPy 14.2, CUDA 13), ms:
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu import no_gpu_reason  # noqa: E402
-
-
-def _time(fn, warmup: int, repeats: int, inner: int) -> float:
-    import cupy
-    for _ in range(warmup):
-        fn()
-    cupy.cuda.Device().synchronize()
-    times = []
-    for _ in range(repeats):
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        for _ in range(inner):
-            fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) / inner)
-    return statistics.median(times)
+from gpu import _time_cupy as _time, no_gpu_reason  # noqa: E402
 
 
 def _bits(result) -> tuple:

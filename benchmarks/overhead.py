@@ -124,13 +124,17 @@ def _torch_cuda():
     return torch
 
 
-def path_plan(device, rng):
+def _device_arrays(device, rng):
+    """The tiny problem's arrays on ``device`` (CuPy on "cuda", with the GPU kept busy)."""
     a = _arrays(rng)
-    busy = None
-    if device == "cuda":
-        cupy = _cupy()
-        a = {k: cupy.asarray(v) for k, v in a.items()}
-        busy = _Busy("cupy")
+    if device != "cuda":
+        return a, None
+    cupy = _cupy()
+    return {k: cupy.asarray(v) for k, v in a.items()}, _Busy("cupy")
+
+
+def path_plan(device, rng):
+    a, busy = _device_arrays(device, rng)
     p = dcn_cupy.plan(**a, padding=1)
     y = p.forward(**a)
     gy = y.copy()
@@ -150,12 +154,7 @@ def path_plan(device, rng):
 
 
 def path_functional(device, rng):
-    a = _arrays(rng)
-    busy = None
-    if device == "cuda":
-        cupy = _cupy()
-        a = {k: cupy.asarray(v) for k, v in a.items()}
-        busy = _Busy("cupy")
+    a, busy = _device_arrays(device, rng)
     gy = dcn_cupy.deform_conv2d(**a, padding=1)
 
     def fwd():

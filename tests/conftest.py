@@ -1,6 +1,33 @@
-"""Shared test configuration: the ``gpu`` marker skips where no CUDA device is visible."""
+"""Shared test configuration: the ``gpu`` marker skips where no CUDA device is visible, and the
+NVRTC toolchain that the compile tests need (no GPU needed)."""
+
+import os
 
 import pytest
+
+#: CI sets it: compile tests then fail, instead of skipping, where NVRTC or the headers are missing.
+REQUIRE_NVRTC = bool(os.environ.get("DCN_CUPY_REQUIRE_NVRTC"))
+
+
+def _unavailable(reason: str):
+    if REQUIRE_NVRTC:
+        pytest.fail(f"DCN_CUPY_REQUIRE_NVRTC is set but {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def nvrtc_toolchain():
+    """``(nvrtc, nvrtc_version, dcn_cupy._backends.cuda)``: CuPy's NVRTC binding and the CUDA
+    backend module whose ``cuda_include_dirs()`` found the CUDA headers."""
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+        version = nvrtc.getVersion()
+    except Exception as error:  # ImportError, or the NVRTC library not found
+        _unavailable(f"CuPy/NVRTC is not available ({type(error).__name__}: {str(error)[:200]})")
+    from dcn_cupy._backends import cuda
+    if not cuda.cuda_include_dirs():
+        _unavailable("the CUDA headers (cuda_fp16.h; the nvidia-cuda-runtime wheel) were not found")
+    return nvrtc, version, cuda
 
 
 def _cuda_device_count() -> int:

@@ -15,27 +15,12 @@ import re
 import numpy as np
 import pytest
 
-REQUIRE = bool(os.environ.get("DCN_CUPY_REQUIRE_NVRTC"))
 ARCH = os.environ.get("DCN_CUPY_NVRTC_ARCH", "sm_90")
 
 
-def _unavailable(reason: str):
-    if REQUIRE:
-        pytest.fail(f"DCN_CUPY_REQUIRE_NVRTC is set but {reason}")
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
-def toolchain():
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-        version = nvrtc.getVersion()
-    except Exception as error:  # ImportError, or the NVRTC library not found
-        _unavailable(f"CuPy/NVRTC is not available ({type(error).__name__}: {str(error)[:200]})")
-    from dcn_cupy._backends import cuda
-    if not cuda.cuda_include_dirs():
-        _unavailable("the CUDA headers (cuda_fp16.h; the nvidia-cuda-runtime wheel) were not found")
-    return nvrtc, version, cuda
+def toolchain(nvrtc_toolchain):
+    return nvrtc_toolchain
 
 
 def _compile(nvrtc, source, names, options):
@@ -91,16 +76,12 @@ def test_every_instantiation_compiles(toolchain, key):
     assert "warning" not in log.lower(), log
 
 
-def test_every_kernel_is_instantiated_and_launched():
+def test_every_kernel_is_instantiated_and_launched(toolchain):
     """The source defines exactly the kernels the module instantiates, and the backend launches
     each of them (no dead kernel variants)."""
-    try:
-        import cupy  # noqa: F401
-    except Exception as error:
-        _unavailable(f"CuPy is not available ({type(error).__name__}: {str(error)[:200]})")
     import inspect
 
-    from dcn_cupy._backends import cuda
+    cuda = toolchain[2]
     defined = set(re.findall(r"__global__\s+void\s+(\w+)\s*\(", cuda.module_source()))
     for key in cuda.all_module_keys():
         instantiated = {name.split("<", 1)[0] for name in cuda.name_expressions(*key)}

@@ -29,7 +29,6 @@ from dcn_cupy._interop import BFLOAT16
 
 from cases import fractional_offsets, random_case, relative_error
 
-REQUIRE = bool(os.environ.get("DCN_CUPY_REQUIRE_NVRTC"))
 ARCH = os.environ.get("DCN_CUPY_NVRTC_ARCH", "sm_90")
 
 TOL = {"float16": 3e-3, "bfloat16": 2.4e-2, "tf32": 3e-3, "float32": 1e-5}
@@ -49,19 +48,9 @@ def _fused():
 
 
 @pytest.fixture(scope="module")
-def toolchain():
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-        nvrtc.getVersion()
-    except Exception as error:
-        if REQUIRE:
-            pytest.fail(f"DCN_CUPY_REQUIRE_NVRTC is set but NVRTC is unavailable: {error}")
-        pytest.skip(f"CuPy/NVRTC is not available ({type(error).__name__})")
-    from dcn_cupy._backends import cuda, cuda_fused
-    if not cuda.cuda_include_dirs():
-        if REQUIRE:
-            pytest.fail("DCN_CUPY_REQUIRE_NVRTC is set but the CUDA headers were not found")
-        pytest.skip("the CUDA headers (cuda_fp16.h) were not found")
+def toolchain(nvrtc_toolchain):
+    nvrtc, _, cuda = nvrtc_toolchain
+    from dcn_cupy._backends import cuda_fused
     return nvrtc, cuda, cuda_fused
 
 

@@ -20,7 +20,6 @@ against float64 gradients of the same rounded inputs).
 from __future__ import annotations
 
 import itertools
-import math
 import os
 
 import numpy as np
@@ -33,7 +32,6 @@ from dcn_cupy._interop import BFLOAT16
 
 from cases import ARGUMENTS, directional_derivative, relative_error
 
-REQUIRE = bool(os.environ.get("DCN_CUPY_REQUIRE_NVRTC"))
 ARCH = os.environ.get("DCN_CUPY_NVRTC_ARCH", "sm_90")
 DTYPES = (np.dtype(np.float16), BFLOAT16, np.dtype(np.float32), np.dtype(np.float64))
 DTYPE_IDS = ("float16", "bfloat16", "float32", "float64")
@@ -128,22 +126,6 @@ def test_collide_case_really_collides():
 # without a GPU: compilation, the registry, the CPU backend
 
 
-def _nvrtc():
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-        nvrtc.getVersion()
-    except Exception as error:
-        if REQUIRE:
-            pytest.fail(f"DCN_CUPY_REQUIRE_NVRTC is set but NVRTC is unavailable: {error}")
-        pytest.skip(f"CuPy/NVRTC is not available ({type(error).__name__})")
-    from dcn_cupy._backends import cuda
-    if not cuda.cuda_include_dirs():
-        if REQUIRE:
-            pytest.fail("DCN_CUPY_REQUIRE_NVRTC is set but the CUDA headers were not found")
-        pytest.skip("the CUDA headers (cuda_fp16.h) were not found")
-    return nvrtc
-
-
 def _module_keys():
     try:
         from dcn_cupy._backends import cuda
@@ -154,8 +136,8 @@ def _module_keys():
 
 @pytest.mark.parametrize("key", _module_keys(),
                          ids=lambda k: f"{np.dtype(k[0]).name}-{k[1]}d-{'i64' if k[2] else 'i32'}")
-def test_deterministic_module_compiles(key):
-    nvrtc = _nvrtc()
+def test_deterministic_module_compiles(key, nvrtc_toolchain):
+    nvrtc = nvrtc_toolchain[0]
     from dcn_cupy._backends import cuda, cuda_deterministic
     source = cuda_deterministic.module_source()
     names = cuda_deterministic.name_expressions(*key)
