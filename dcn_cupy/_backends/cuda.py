@@ -365,11 +365,11 @@ def _own_handle(device_id: int) -> int:
     return handle
 
 
-def _prepare_cublas(device_id: int, workspace_ptr: int, workspace_bytes: int) -> int:
-    """The handle, on CuPy's current stream, with the plan's workspace (set after the stream:
-    cublasSetStream resets the workspace)."""
+def _prepare_cublas(device_id: int, workspace_ptr: int, workspace_bytes: int, stream=None) -> int:
+    """The handle, on ``stream`` (default: CuPy's current stream), with the plan's workspace
+    (set after the stream: cublasSetStream resets the workspace)."""
     handle = _own_handle(device_id)
-    state = (cupy.cuda.get_current_stream().ptr, workspace_ptr, workspace_bytes)
+    state = (cupy.cuda.get_current_stream().ptr if stream is None else stream, workspace_ptr, workspace_bytes)
     last = _handles.__dict__.setdefault("state", {})
     previous = last.get(handle)
     if previous != state:  # the handle is this thread's own: nothing else changes it
@@ -630,9 +630,9 @@ def _launch_function():
     return _launch_kernel
 
 
-def _replay(ops, handle) -> None:
-    """Run recorded launches: 0 kernel, 1 GEMM, 2 memset (on CuPy's current stream)."""
-    stream = cupy.cuda.get_current_stream().ptr
+def _replay(ops, handle, stream: int) -> None:
+    """Run recorded launches on ``stream``: 0 kernel, 1 GEMM (``handle`` is set to that stream),
+    2 memset."""
     launch = _launch_kernel or _launch_function()
     for op in ops:
         kind = op[0]
@@ -700,22 +700,28 @@ def channel_sum(kernel, grad_output, out) -> None:
     """``out[c] = grad_output[:, c].sum()`` (batch and spatial axes) in one launch on CuPy's
     current stream; ``grad_output`` C-contiguous within each sample, ``out`` contiguous."""
     batch, channels = grad_output.shape[0], grad_output.shape[1]
-    inner = math.prod(grad_output.shape[2:])
+    channel_sum_pointers(kernel, grad_output.data.ptr, out.data.ptr, batch,
+                         grad_output.strides[0] // grad_output.itemsize, channels,
+                         math.prod(grad_output.shape[2:]), cupy.cuda.get_current_stream().ptr)
+
+
+def channel_sum_pointers(kernel, src: int, dst: int, batch: int, batch_stride: int, channels: int, inner: int,
+                         stream: int) -> None:
+    """:func:`channel_sum` on raw pointers (element strides) and an explicit stream."""
     if channels == 0:
         return
-    values = np.array([grad_output.data.ptr, out.data.ptr, batch, grad_output.strides[0] // grad_output.itemsize,
-                       channels, inner], dtype=np.int64)
+    values = np.array([src, dst, batch, batch_stride, channels, inner], dtype=np.int64)
     params = np.arange(6, dtype=np.uint64) * np.uint64(8) + np.uint64(values.ctypes.data)
     function = kernel.kernel if hasattr(kernel, "kernel") else kernel
     launch = _launch_kernel or _launch_function()
-    launch(function.ptr, channels, 1, 1, _CHANNEL_SUM_BLOCK, 1, 1, 0, cupy.cuda.get_current_stream().ptr,
-           params.ctypes.data, 0)
+    launch(function.ptr, channels, 1, 1, _CHANNEL_SUM_BLOCK, 1, 1, 0, stream, params.ctypes.data, 0)
 
 
 class _Executable:
     """What forward and backward share: sizes, kernels, chunks and the workspace layout."""
 
     needs_scatter = False
+    pointer_path = False      # whether run_pointers serves every call (set by the subclasses)
 
     def __init__(self, spec):
         geom = self.geom = spec.geom
@@ -775,8 +781,11 @@ class _Executable:
         return (f"cuda/im2col {name}: {how}, {index} index, workspace {self.workspace_bytes} bytes "
                 f"(limit {self.limit})" + (", TF32 GEMMs" if self.spec.allow_tf32 and self.dtype == np.float32 else ""))
 
-    def _cublas(self, ws):
-        return _prepare_cublas(self.device_id, ws.data.ptr + self.layout.slots["cublas"][0], self.cublas_bytes)
+    def _cublas(self, ws, stream=None):
+        """The cuBLAS handle on ``stream`` (default: CuPy's current) with this call's workspace
+        (``ws``: the workspace array or its address)."""
+        base = ws if isinstance(ws, int) else ws.data.ptr
+        return _prepare_cublas(self.device_id, base + self.layout.slots["cublas"][0], self.cublas_bytes, stream)
 
     @staticmethod
     def _samples(array, start, stop):
@@ -813,6 +822,7 @@ class _Forward(_Executable):
             per_position += (off_ch + m_ch + self.Co) * it
             n, rows = _plan_chunks(self.geom, per_position, fixed, 0, self.limit, "forward")
         self.rows = rows
+        self.pointer_path = rows is None   # run_pointers serves every call (no staging)
         nq = n * self.Q if rows is None else rows * self.inner
         layout = self.layout = _Layout()
         layout.add("cublas", self.cublas_bytes, np.uint8)
@@ -834,15 +844,21 @@ class _Forward(_Executable):
 
     def run(self, args, out, ws):
         x, w, offset, mask, bias = args["input"], args["weight"], args["offset"], args["mask"], args["bias"]
-        handle = self._cublas(ws)
         if REPLAY and self.rows is None and _plain_batch(x, offset, mask):
-            key = (x.data.ptr, w.data.ptr, _ptr(offset), _ptr(mask), _ptr(bias), out.data.ptr, ws.data.ptr)
-            cached = self._cache  # (key, ops), read and replaced as one object: safe across threads
-            if cached is None or cached[0] != key:
-                cached = self._cache = (key, self._record(*key))
-            _replay(cached[1], handle)
+            self.run_pointers((x.data.ptr, w.data.ptr, _ptr(offset), _ptr(mask), _ptr(bias)), out.data.ptr,
+                              ws.data.ptr, cupy.cuda.get_current_stream().ptr)
         else:
-            self._direct(x, w, offset, mask, bias, out, ws, handle)
+            self._direct(x, w, offset, mask, bias, out, ws, self._cublas(ws))
+
+    def run_pointers(self, inputs, out, ws, stream) -> None:
+        """``run`` on raw device addresses (inputs: x, w, offset, mask, bias; 0 for an absent
+        one) of C-contiguous batched arrays, on ``stream``: the recorded launches of these
+        addresses, replayed (recorded on first use)."""
+        key = inputs + (out, ws)
+        cached = self._cache  # (key, ops), read and replaced as one object: safe across threads
+        if cached is None or cached[0] != key:
+            cached = self._cache = (key, self._record(*key))
+        _replay(cached[1], self._cublas(ws, stream), stream)
 
     def _record(self, x, w, offset, mask, bias, out, ws):
         """The launches of a call on these pointers (contiguous batch, no staging)."""
@@ -906,6 +922,7 @@ class _Backward(_Executable):
             per_position += 2 * (self.off_ch + self.m_ch) * it
             n, rows = _plan_chunks(geom, per_position, fixed, per_sample, self.limit, "backward")
         self.rows = rows
+        self.pointer_path = rows is None   # run_pointers serves every call (no staging)
         nq = n * self.Q if rows is None else rows * self.inner
         layout = self.layout = _Layout()
         layout.add("cublas", self.cublas_bytes, np.uint8)
@@ -940,16 +957,22 @@ class _Backward(_Executable):
     def run(self, args, out, ws):
         gy, x, w = args["grad_output"], args["input"], args["weight"]
         offset, mask, bias, wanted = args["offset"], args["mask"], args.get("bias"), args["wanted"]
-        handle = self._cublas(ws)
         if REPLAY and self.rows is None and _plain_batch(gy, x, offset, mask):
-            key = (gy.data.ptr, _ptr(x), w.data.ptr, _ptr(offset), _ptr(mask), _ptr(bias), ws.data.ptr, wanted,
-                   _ptr(out.get("input")), _ptr(out.get("weight")), _ptr(out.get("offset")), _ptr(out.get("mask")))
-            cached = self._cache  # (key, ops), read and replaced as one object: safe across threads
-            if cached is None or cached[0] != key:
-                cached = self._cache = (key, self._record(*key))
-            _replay(cached[1], handle)
+            self.run_pointers((gy.data.ptr, _ptr(x), w.data.ptr, _ptr(offset), _ptr(mask), _ptr(bias)), wanted,
+                              (_ptr(out.get("input")), _ptr(out.get("weight")), _ptr(out.get("offset")),
+                               _ptr(out.get("mask"))), ws.data.ptr, cupy.cuda.get_current_stream().ptr)
         else:
-            self._direct(args, out, ws, handle)
+            self._direct(args, out, ws, self._cublas(ws))
+
+    def run_pointers(self, inputs, wanted, outs, ws, stream) -> None:
+        """``run`` on raw device addresses: inputs (grad_output, x, w, offset, mask, bias), the
+        gradients' outputs (input, weight, offset, mask; 0 where not wanted), of C-contiguous
+        batched arrays, on ``stream`` (recorded launches, replayed)."""
+        key = inputs + (ws, wanted) + outs
+        cached = self._cache  # (key, ops), read and replaced as one object: safe across threads
+        if cached is None or cached[0] != key:
+            cached = self._cache = (key, self._record(*key))
+        _replay(cached[1], self._cublas(ws, stream), stream)
 
     def _record(self, gy, x, w, offset, mask, bias, ws, wanted, grad_x, grad_w, grad_off, grad_m):
         """The launches of a call on these pointers (contiguous batch, no staging)."""

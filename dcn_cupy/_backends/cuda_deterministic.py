@@ -101,6 +101,7 @@ class _DeterministicBackward(_cuda._Backward):
     """``conv_backward`` of ``cuda/im2col`` with the fixed-point input-gradient scatter."""
 
     needs_scatter = False   # the box capacity is counted in 64-bit integers here
+    pointer_path = False    # run_pointers would replay _Backward's (atomic) launches: run() only
 
     def __init__(self, spec):
         _cuda._Executable.__init__(self, spec)
