@@ -25,7 +25,7 @@ import numpy as np
 
 from . import _backends, _geometry
 from ._interop import (_DLPACK, BFLOAT16, _by_type, _TORCH_DTYPES, check_dtype, compute_dtype, cupy_or_none,
-                       from_native, library_of)
+                       library_of)
 
 __all__ = ["Gradients", "Plan", "plan", "cached_plan", "clear_plan_cache", "PLAN_CACHE_SIZE"]
 
@@ -154,14 +154,24 @@ class Plan:
         self._bwd_input = self._exec.get(bwd, (None, None)) if transposed else None
         # On CUDA the bias gradient is one kernel launch, compiled with the plan; None: the
         # array library's sum (CPU, or no CUDA compiler/device where the plan was built).
-        self._bias_sum = None
+        self._bias_sum = self._bias_sum_pointers = None
         if device == "cuda" and geom.batch > 0 and shapes["bias"] is not None:
             try:
                 from ._backends import cuda as _cuda_backend
                 with self._device_ctx:
-                    self._bias_sum = (_cuda_backend.channel_sum_kernel(self.dtype), _cuda_backend.channel_sum)
+                    kernel = _cuda_backend.channel_sum_kernel(self.dtype)
             except Exception:
-                self._bias_sum = None
+                kernel = None
+            if kernel is not None:
+                self._bias_sum = (kernel, _cuda_backend.channel_sum)
+                batch, channels, *spatial = out      # the bias gradient sums grad_output over all but C
+                inner = int(np.prod(spatial, dtype=np.int64))
+
+                def bias_sum_pointers(grad_output, target, stream):
+                    _cuda_backend.channel_sum_pointers(kernel, grad_output, target, batch, channels * inner,
+                                                       channels, inner, stream)
+
+                self._bias_sum_pointers = bias_sum_pointers
 
     # -----------------------------------------------------------------------------------------
     # description
@@ -191,7 +201,7 @@ class Plan:
             f"dcn_cupy.Plan {op}{g.ndim}d on {where}, {self.dtype.name}: {args} -> {self.output_shape}",
             f"  stride={g.stride} padding={g.padding} dilation={g.dilation} groups={g.groups} "
             f"offset_groups={g.offset_groups} mask_groups={g.mask_groups}"
-            + (f" deterministic" if self.deterministic else "") + (" tf32" if self.allow_tf32 else ""),
+            + (" deterministic" if self.deterministic else "") + (" tf32" if self.allow_tf32 else ""),
             f"  {self.algorithm}" + (f" (forced: {self.forced})" if self.forced else " (automatic: the "
                                      "highest-priority algorithm that serves and recommends itself)"),
         ]
@@ -379,6 +389,60 @@ class Plan:
             else:
                 result[name] = value if lib is _DLPACK else lib.from_native(value, None)
         return Gradients(**result)
+
+    # -----------------------------------------------------------------------------------------
+    # raw device addresses (adapters that hold C-contiguous arrays of exactly the plan's shapes,
+    # dtype and device, e.g. torch tensors of the configuration the plan was built for)
+
+    def _pointer_ready(self, *executables) -> bool:
+        return self.geom.batch > 0 and all(e is not None and getattr(e, "pointer_path", False) for e in executables)
+
+    def launch_forward(self, pointers, out: int, workspace: int, stream: int) -> bool:
+        """The forward on raw device addresses, with nothing checked: ``pointers`` = (input,
+        weight, offset, mask, bias) (0 for an absent one), ``out`` the result's, ``workspace``
+        at least ``workspace_bytes`` (0 when that is 0), ``stream`` a ``cudaStream_t``; the
+        plan's device must be current. False (and nothing run) where the chosen algorithm has
+        no raw-address path: call :meth:`forward` then."""
+        exe = self._fwd
+        if not self._pointer_ready(exe):
+            return False
+        if self.transposed:
+            x, w, off, msk, b = pointers
+            exe.run_pointers((x, 0, w, off, msk, b), _ONLY_INPUT, (out, 0, 0, 0), workspace, stream)
+        else:
+            exe.run_pointers(tuple(pointers), out, workspace, stream)
+        return True
+
+    def launch_backward(self, grad_output: int, pointers, wanted, outs, workspace: int, stream: int) -> bool:
+        """:meth:`backward` on raw device addresses, as :meth:`launch_forward`: ``wanted`` a
+        frozenset of gradient names (as :meth:`_wanted` normalises them), ``outs`` name ->
+        address of each wanted gradient."""
+        x, w, off, msk, _ = pointers
+        core = wanted & _CORE
+        params = core & _PARAMS
+        if "bias" in wanted and self._bias_sum_pointers is None:
+            return False
+        gx, gw, goff, gm = (outs.get(n, 0) for n in ("input", "weight", "offset", "mask"))
+        if not self.transposed:
+            if core:
+                exe = self._bwd[1]
+                if not self._pointer_ready(exe):
+                    return False
+                exe.run_pointers((grad_output, x if params else 0, w, off, msk, 0), core, (gx, gw, goff, gm),
+                                 workspace, stream)
+        elif core:
+            # z (the transposed op's input) is the convolution's grad_output; grad_output its input.
+            to_input = self._bwd_input[1] if "input" in core else None
+            to_params = self._bwd[1] if params else None
+            if not self._pointer_ready(*(e for e in (to_input, to_params) if e is not None)):
+                return False
+            if to_input is not None:
+                to_input.run_pointers((grad_output, w, off, msk, 0), gx, workspace, stream)
+            if to_params is not None:
+                to_params.run_pointers((x, grad_output, w, off, msk, 0), params, (0, gw, goff, gm), workspace, stream)
+        if "bias" in wanted:
+            self._bias_sum_pointers(grad_output, outs["bias"], stream)
+        return True
 
     # -----------------------------------------------------------------------------------------
     # native execution (arrays checked; the device and stream are current)

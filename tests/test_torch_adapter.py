@@ -505,6 +505,70 @@ def test_gradcheck_cuda_float64(kind, label):
     torch.testing.assert_close(fn(**to(args, "cuda"), **params).cpu(), cpu, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.gpu
+@cuda_only
+@pytest.mark.parametrize("kind, label", [("conv", "2d"), ("conv", "1d"), ("transpose", "2d"), ("transpose", "3d")])
+@pytest.mark.parametrize("wrt", ["all", "input", "bias", "weight+mask"])
+def test_raw_address_path_equals_array_path(kind, label, wrt, monkeypatch):
+    """Contiguous CUDA tensors reach the plan as raw addresses (Plan.launch_forward/backward);
+    the results equal the array path's (views, checks, CuPy scopes) for every gradient subset."""
+    from dcn_cupy import _plan
+    from dcn_cupy.torch import _runtime
+
+    if kind == "conv":
+        n, kwargs = CONV_CASES[label]
+        args, params = conv_case(n, **kwargs)
+        fn = getattr(dct, f"deform_conv{n}d")
+    else:
+        n, kwargs = TRANSPOSE_CASES[label]
+        args, params = transpose_case(n, **kwargs)
+        fn = getattr(dct, f"deform_conv_transpose{n}d")
+    names = {"all": NAMES, "input": ("input",), "bias": ("bias",), "weight+mask": ("weight", "mask")}[wrt]
+    calls = []
+    for method in ("launch_forward", "launch_backward"):
+        original = getattr(_plan.Plan, method)
+
+        def spy(self, *a, _original=original, _method=method, **k):
+            done = _original(self, *a, **k)
+            calls.append((_method, done))
+            return done
+
+        monkeypatch.setattr(_plan.Plan, method, spy)
+
+    def run():
+        leaves = {k: v.cuda().requires_grad_(k in names) for k, v in args.items() if v is not None}
+        y = fn(**leaves, **params)
+        y.backward(torch.linspace(-1, 1, y.numel(), dtype=F64, device="cuda").reshape(y.shape))
+        return y.detach(), {k: v.grad for k, v in leaves.items() if k in names}
+
+    y_fast, g_fast = run()
+    assert ("launch_forward", True) in calls and ("launch_backward", True) in calls, calls
+    calls.clear()
+    monkeypatch.setattr(_runtime, "launch_stream", lambda tensors: None)
+    y_slow, g_slow = run()
+    assert not calls
+    torch.testing.assert_close(y_fast, y_slow, rtol=1e-12, atol=1e-12)
+    assert set(g_fast) == set(names)
+    for k in names:
+        torch.testing.assert_close(g_fast[k], g_slow[k], rtol=1e-10, atol=1e-10, msg=k)
+
+
+@pytest.mark.gpu
+@cuda_only
+def test_raw_address_path_is_skipped_for_non_contiguous_tensors():
+    from dcn_cupy.torch import _runtime
+
+    n, kwargs = CONV_CASES["2d"]
+    args, params = conv_case(n, **kwargs)
+    cuda = {k: v.cuda() for k, v in args.items()}
+    assert _runtime.launch_stream(tuple(cuda[k] for k in NAMES)) is not None
+    strided = dict(cuda, input=cuda["input"].transpose(2, 3).contiguous().transpose(2, 3))
+    assert _runtime.launch_stream(tuple(strided[k] for k in NAMES)) is None
+    assert _runtime.launch_stream(tuple(dict(cuda, weight=cuda["weight"].float())[k] for k in NAMES)) is None
+    torch.testing.assert_close(dct.deform_conv2d(**strided, **params), dct.deform_conv2d(**cuda, **params),
+                               rtol=1e-12, atol=1e-12)
+
+
 def _stream_case():
     n, kwargs = CONV_CASES["2d"]
     return conv_case(n, **dict(kwargs, batch=4, c_in=8, c_out=8, spatial=(33, 31)))

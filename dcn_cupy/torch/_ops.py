@@ -37,10 +37,19 @@ def _static(*shapes) -> bool:
 # running a plan on tensors
 
 
+def _address(t: Optional[Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
 def _forward(transposed: bool, tensors: Sequence[Optional[Tensor]], hyper) -> Tensor:
     input = tensors[0]
     plan = _plans.plan_for(transposed, tensors, hyper)
     out = torch.empty(plan.output_shape, dtype=input.dtype, device=input.device)
+    stream = _runtime.launch_stream(tensors)
+    if stream is not None:  # the plan's shapes hold by construction: its launches on raw addresses
+        workspace = _workspace_tensor(plan, input)
+        if plan.launch_forward(tuple(_address(t) for t in tensors), out.data_ptr(), _address(workspace), stream):
+            return out
     with _runtime.cuda_scope(input):
         plan.forward(*(_runtime.native(t) for t in tensors), out=_runtime.native(out),
                      workspace=_workspace(plan, input))
@@ -61,6 +70,13 @@ def _backward(transposed: bool, grad_output: Tensor, tensors: Sequence[Optional[
     if not grad_output.is_contiguous() and not (grad_output.dim() > 1 and grad_output.shape[0] > 0
                                                  and grad_output[0].is_contiguous()):
         grad_output = grad_output.contiguous()   # torch's copy: cheaper than CuPy's in the plan
+    stream = _runtime.launch_stream((grad_output,) + tuple(tensors))
+    if stream is not None:
+        workspace = _workspace_tensor(plan, input)
+        outs = {name: g.data_ptr() for name, g in zip(NAMES, grads) if name in wanted}
+        if plan.launch_backward(grad_output.data_ptr(), tuple(_address(t) for t in tensors), frozenset(wanted), outs,
+                                _address(workspace), stream):
+            return tuple(grads)
     args = [_runtime.native(grad_output)] + [_runtime.native(t) for t in tensors]
     out = {name: _runtime.native(g) for name, g in zip(NAMES, grads) if name in wanted}
     with _runtime.cuda_scope(input):
@@ -81,11 +97,14 @@ def _backward(transposed: bool, grad_output: Tensor, tensors: Sequence[Optional[
     return tuple(grads)
 
 
-def _workspace(plan, like: Tensor):
+def _workspace_tensor(plan, like: Tensor) -> Optional[Tensor]:
+    """The plan's workspace from torch's caching allocator (None when it needs none)."""
     size = plan.workspace_bytes
-    if not size:
-        return None
-    return _runtime.native(torch.empty(size, dtype=torch.uint8, device=like.device))
+    return torch.empty(size, dtype=torch.uint8, device=like.device) if size else None
+
+
+def _workspace(plan, like: Tensor):
+    return _runtime.native(_workspace_tensor(plan, like))
 
 
 def _wanted(needs_input_grad, tensors) -> List[bool]:

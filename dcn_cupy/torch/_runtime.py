@@ -104,6 +104,29 @@ def native(t: Optional[torch.Tensor]):
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), tuple(s * itemsize for s in stride))
 
 
+try:
+    _current_device = torch._C._cuda_getDevice
+except AttributeError:  # pragma: no cover - a torch without it
+    _current_device = torch.cuda.current_device
+
+
+def launch_stream(tensors) -> Optional[int]:
+    """torch's current stream (a ``cudaStream_t``) when ``tensors`` (the first one present)
+    can go to a plan as raw addresses: all CUDA, contiguous, of one dtype, on the current
+    device, none lazily negated; None otherwise (the caller takes the array path)."""
+    first = tensors[0]
+    if not first.is_cuda:
+        return None
+    index = first.get_device()
+    if index != _current_device():
+        return None
+    dtype = first.dtype
+    for t in tensors:
+        if t is not None and (t.dtype != dtype or t.get_device() != index or not t.is_contiguous() or t.is_neg()):
+            return None
+    return _current_raw_stream(index)
+
+
 def allow_tf32(t: torch.Tensor) -> bool:
     """Whether float32 GEMMs on ``t``'s device may use TF32: torch's own switch, as torchvision's op."""
     return t.device.type == "cuda" and t.dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32)
