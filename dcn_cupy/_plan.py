@@ -599,13 +599,19 @@ def _parse_device(device) -> tuple:
     raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 
 
+_linalg = None   # cupy._core._routines_linalg, imported on first use (an import statement per call costs ~2 µs)
+
+
 def default_allow_tf32(dtype, device: str) -> bool:
     """CuPy's setting for float32 GEMMs (TF32 when ``CUPY_TF32=1`` or set_compute_type)."""
+    global _linalg
     if device != "cuda" or dtype != np.float32:
         return False
     try:
-        from cupy._core import _routines_linalg as linalg
-        return linalg.get_compute_type(np.float32) == getattr(linalg, "COMPUTE_TYPE_TF32", 7)
+        if _linalg is None:
+            from cupy._core import _routines_linalg
+            _linalg = _routines_linalg
+        return _linalg.get_compute_type(np.float32) == getattr(_linalg, "COMPUTE_TYPE_TF32", 7)
     except Exception:
         return False
 
