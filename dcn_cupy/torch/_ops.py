@@ -41,9 +41,10 @@ def _address(t: Optional[Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _forward(transposed: bool, tensors: Sequence[Optional[Tensor]], hyper) -> Tensor:
+def _forward(transposed: bool, tensors: Sequence[Optional[Tensor]], hyper, plan=None) -> Tensor:
     input = tensors[0]
-    plan = _plans.plan_for(transposed, tensors, hyper)
+    if plan is None:
+        plan = _plans.plan_for(transposed, tensors, hyper)
     out = torch.empty(plan.output_shape, dtype=input.dtype, device=input.device)
     stream = _runtime.launch_stream(tensors)
     if stream is not None:  # the plan's shapes hold by construction: its launches on raw addresses
@@ -57,16 +58,18 @@ def _forward(transposed: bool, tensors: Sequence[Optional[Tensor]], hyper) -> Te
 
 
 def _backward(transposed: bool, grad_output: Tensor, tensors: Sequence[Optional[Tensor]], hyper,
-              wrt: Sequence[bool]):
+              wrt: Sequence[bool], plan=None):
     """The five gradients; one not computed is an empty tensor (custom-op schemas have no
-    optional outputs)."""
+    optional outputs). ``plan``: the forward's, when still the one to use."""
     input = tensors[0]
     wanted = [name for name, w, t in zip(NAMES, wrt, tensors) if w and t is not None]
     grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) if name in wanted else input.new_empty(0)
              for name, t in zip(NAMES, tensors)]
     if not wanted:
         return tuple(grads)
-    plan = _plans.plan_for(transposed, tensors, hyper)
+    if (plan is None or plan.deterministic != torch.are_deterministic_algorithms_enabled()
+            or plan.allow_tf32 != _runtime.allow_tf32(input)):
+        plan = _plans.plan_for(transposed, tensors, hyper)
     if not grad_output.is_contiguous() and not (grad_output.dim() > 1 and grad_output.shape[0] > 0
                                                  and grad_output[0].is_contiguous()):
         grad_output = grad_output.contiguous()   # torch's copy: cheaper than CuPy's in the plan
@@ -250,14 +253,16 @@ class EagerConv(torch.autograd.Function):
         tensors = (input, weight, offset, mask, bias)
         ctx.save_for_backward(*tensors)
         ctx.transposed, ctx.hyper = transposed, hyper
-        return _forward(transposed, tensors, hyper)
+        # the plan the backward uses too (unless torch's deterministic or TF32 flag changes meanwhile)
+        ctx.plan = _plans.plan_for(transposed, tensors, hyper)
+        return _forward(transposed, tensors, hyper, ctx.plan)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output):
         tensors = ctx.saved_tensors
         wanted = _wanted(ctx.needs_input_grad[2:], tensors)
-        grads = _backward(ctx.transposed, grad_output, tensors, ctx.hyper, wanted)
+        grads = _backward(ctx.transposed, grad_output, tensors, ctx.hyper, wanted, ctx.plan)
         return (None, None) + _empty_to_none(grads, wanted)
 
 
