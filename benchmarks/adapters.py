@@ -8,7 +8,11 @@ padding 1, DCNv2 (offset + mask + bias). Each path runs a forward and every grad
 * ``torch PackedDeformConv2d step``: a training step (forward, backward, SGD step) of the
   packed module (its two inner offset/mask convolutions are extra work the plan does not do);
 * the same step captured once in a CUDA graph and replayed;
-* ``jax jit(grad)``: ``jax.jit(jax.grad(...))`` of a DCNv2 layer, all five gradients.
+* ``jax jit(grad)``: ``jax.jit(jax.grad(...))`` of a DCNv2 layer, all five gradients (the
+  callbacks launch the plan on XLA's buffer addresses), and the same with that raw-address path
+  switched off (CuPy arrays over the buffers, the plan's checks, CuPy device/stream scopes).
+  The loss is linear in the layer's output, so XLA drops the forward callback: only the
+  backward runs. ``jax jit(vjp)`` returns the output and the five gradients: the plan's work.
 
 Times are wall-clock milliseconds per iteration (host time included: that is the overhead
 measured), median of several repeats of a loop, the device synchronised at the end of each.
@@ -166,11 +170,12 @@ def bench_torch_packed_graph(repeats, inner):
     return _time(graph.replay, torch.cuda.synchronize, repeats, inner)
 
 
-def bench_jax(host, repeats, inner):
+def bench_jax(host, repeats, inner, raw_addresses=True, with_output=False):
     import jax
     import jax.numpy as jnp
 
     import dcn_cupy.jax as dj
+    from dcn_cupy.jax import _callbacks
 
     if jax.devices()[0].platform != "gpu":
         raise RuntimeError(f"JAX runs on {jax.devices()[0].platform}, not on the GPU")
@@ -180,13 +185,22 @@ def bench_jax(host, repeats, inner):
     def loss(x, w, off, m, b):
         return jnp.vdot(dj.deform_conv2d(x, w, off, m, b, padding=1), grad)
 
-    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    def forward_and_gradients(*args):
+        y, vjp = jax.vjp(lambda *a: dj.deform_conv2d(*a, padding=1), *args)
+        return y, vjp(grad)
+
+    step = jax.jit(forward_and_gradients if with_output else jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
     out = []
 
     def run():
         out[:] = [step(*args)]
 
-    return _time(run, lambda: jax.block_until_ready(out), repeats, inner)
+    old = _callbacks.RAW_ADDRESSES
+    _callbacks.RAW_ADDRESSES = raw_addresses   # read at every execution of the callbacks
+    try:
+        return _time(run, lambda: jax.block_until_ready(out), repeats, inner)
+    finally:
+        _callbacks.RAW_ADDRESSES = old
 
 
 def main(argv=None) -> int:
@@ -215,6 +229,12 @@ def main(argv=None) -> int:
     ]
     if not opts.no_jax:
         paths.append(("dcn_cupy.jax jit(grad), all five gradients", lambda: bench_jax(host, opts.repeats, opts.inner)))
+        paths.append(("  the same, raw-address path off (CuPy arrays)",
+                      lambda: bench_jax(host, opts.repeats, opts.inner, raw_addresses=False)))
+        paths.append(("dcn_cupy.jax jit(vjp): output and five gradients",
+                      lambda: bench_jax(host, opts.repeats, opts.inner, with_output=True)))
+        paths.append(("  the same, raw-address path off (CuPy arrays)",
+                      lambda: bench_jax(host, opts.repeats, opts.inner, raw_addresses=False, with_output=True)))
     width = max(len(label) for label, _ in paths) + 2
     print(f"{'plan forward+backward (CuPy arrays)':<{width}}  {base:8.3f} ms  1.00x plan")
     results = {}

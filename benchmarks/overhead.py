@@ -220,10 +220,11 @@ def path_dcn_torch_graph(device, rng):
     return g_fwd.replay, g_both.replay, _Busy("torch")
 
 
-def path_jax_jit(device, rng):
+def path_jax_jit(device, rng, raw_addresses=True):
     jax = _need("jax")
     jnp = _need("jax.numpy")
     dj = _need("dcn_cupy.jax")
+    from dcn_cupy.jax import _callbacks
     try:
         target = jax.devices("gpu" if device == "cuda" else "cpu")[0]
     except Exception:
@@ -236,12 +237,27 @@ def path_jax_jit(device, rng):
     args = tuple(a[n] for n in names)
 
     def fwd():
-        f(*args).block_until_ready()
+        _callbacks.RAW_ADDRESSES = raw_addresses   # read at every execution of the callbacks
+        try:
+            f(*args).block_until_ready()
+        finally:
+            _callbacks.RAW_ADDRESSES = True
 
     def both():
-        jax.block_until_ready(g(*args))
+        _callbacks.RAW_ADDRESSES = raw_addresses
+        try:
+            jax.block_until_ready(g(*args))
+        finally:
+            _callbacks.RAW_ADDRESSES = True
 
     return fwd, both, None
+
+
+def path_jax_jit_arrays(device, rng):
+    """The same with the raw-address path off: CuPy arrays over XLA's buffers, checked by the plan."""
+    if device != "cuda":
+        raise _Skip("the raw-address path is CUDA only")
+    return path_jax_jit(device, rng, raw_addresses=False)
 
 
 def path_torchvision(device, rng):
@@ -347,6 +363,7 @@ PATHS = [
     ("dcn_cupy.torch eager", path_dcn_torch, ("cuda", "cpu")),
     ("dcn_cupy.torch, torch.cuda.graph replay", path_dcn_torch_graph, ("cuda",)),
     ("dcn_cupy.jax, jax.jit", path_jax_jit, ("cuda", "cpu")),
+    ("dcn_cupy.jax, jax.jit, raw-address path off", path_jax_jit_arrays, ("cuda",)),
     ("torchvision.ops.deform_conv2d", path_torchvision, ("cuda", "cpu")),
     ("dense torch conv2d", path_dense, ("cuda", "cpu")),
 ]

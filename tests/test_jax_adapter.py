@@ -536,3 +536,119 @@ def test_gpu_vmap_and_mask_activations(x64):
     kernel = arrays["weight"].shape[2:]
     check_scalar_function(lambda m: dj.mask_softmax2d(m, kernel), lambda m: reference.mask_softmax(m, kernel),
                           arrays["mask"], jit=True, device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+# the raw-address path (buffer_callback on CUDA, no vmapped axes)
+
+
+def _spy_launches(monkeypatch, refuse=False):
+    """Record (method, done, wanted) of every Plan.launch_forward/launch_backward; ``refuse``:
+    answer False without running (the callbacks must then take the array path)."""
+    from dcn_cupy import _plan
+
+    calls = []
+    for method in ("launch_forward", "launch_backward"):
+        original = getattr(_plan.Plan, method)
+
+        def spy(self, *a, _original=original, _method=method, **k):
+            done = False if refuse else _original(self, *a, **k)
+            calls.append((_method, done, tuple(sorted(a[2])) if _method == "launch_backward" else None))
+            return done
+
+        monkeypatch.setattr(_plan.Plan, method, spy)
+    return calls
+
+
+def test_cpu_buffers_take_the_array_path(x64, monkeypatch):
+    calls = _spy_launches(monkeypatch)
+    n, transposed, arrays, params = make_case("conv2d")
+    fn, ref_fn = functions(n, transposed)
+    check_forward(fn, ref_fn, arrays, params, jit=True)
+    check_gradients(fn, ref_fn, arrays, params, jit=True)
+    assert not calls
+
+
+RAW_SUBSETS = {"all": NAMES, "weight+mask": ("weight", "mask"), "input": ("input",), "bias": ("bias",)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("name", ["conv2d", "transpose2d"])
+def test_gpu_raw_address_path_equals_array_path(x64, monkeypatch, name, dtype):
+    """jit forward and jit(grad) (every gradient, and subsets) on GPU buffers reach the trace's
+    plan through Plan.launch_forward/launch_backward; the results equal the array path's."""
+    device = _gpu()
+    if _callbacks._buffer_callback is None:
+        pytest.skip("jax.experimental.buffer_callback is not available")
+    assert dj.callback_mechanism() == "buffer_callback"
+    n, transposed, arrays, params = make_case(name)
+    fn, _ = functions(n, transposed)
+    jdtype = getattr(jnp, dtype)
+    args = jax_args(arrays, dtype=jdtype, device=device)
+    forward = jax.jit(lambda a: fn(**a, **params))
+    shape = jax.eval_shape(forward, args).shape
+    cotangent = jax.device_put(jnp.asarray(np.random.default_rng(5).standard_normal(shape), jdtype), device)
+    grad = jax.jit(jax.grad(lambda diff, fixed: jnp.sum(fn(**diff, **fixed, **params) * cotangent)))
+
+    def run():
+        y = forward(args)
+        grads = {key: grad({k: args[k] for k in names}, {k: args[k] for k in NAMES if k not in names})
+                 for key, names in RAW_SUBSETS.items()}
+        return jax.block_until_ready((y, grads))
+
+    calls = _spy_launches(monkeypatch)
+    y_fast, g_fast = run()
+    assert calls and all(done for _, done, _ in calls), calls
+    # jit(grad) of a loss linear in y: XLA drops the (side-effect free) forward callback
+    assert sum(m == "launch_forward" for m, _, _ in calls) >= 1
+    assert sorted(w for m, _, w in calls if m == "launch_backward") == sorted(
+        tuple(sorted(names)) for names in RAW_SUBSETS.values())
+    calls.clear()
+    monkeypatch.setattr(_callbacks, "RAW_ADDRESSES", False)   # read at every execution
+    y_slow, g_slow = run()
+    assert not calls
+    monkeypatch.setattr(_callbacks, "RAW_ADDRESSES", True)
+    refused = _spy_launches(monkeypatch, refuse=True)          # a launch answering False: the array path
+    y_back, g_back = run()
+    assert sum(m == "launch_backward" for m, _, _ in refused) == len(RAW_SUBSETS) and refused[0][0] == "launch_forward"
+
+    def same(got, want, what):
+        assert got.dtype == jdtype and got.devices() == {device}, what
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        if dtype == "float64":
+            np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10, err_msg=what)
+        else:  # float32 gradients accumulate with atomics: the order may differ
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()), err_msg=what)
+
+    for y_other, g_other in ((y_slow, g_slow), (y_back, g_back)):
+        same(y_fast, y_other, "forward")
+        for key, names in RAW_SUBSETS.items():
+            assert set(g_fast[key]) == set(names)
+            for k in names:
+                same(g_fast[key][k], g_other[key][k], f"{key}: {k}")
+
+
+@pytest.mark.gpu
+def test_gpu_vmap_takes_the_array_path(x64, monkeypatch):
+    device = _gpu()
+    _, _, arrays, params = make_case("conv2d")
+    a = jax_args(arrays, device=device)
+    xs = jax.device_put(jnp.asarray(np.random.default_rng(4).standard_normal((3,) + arrays["input"].shape)), device)
+
+    def conv(x, w):
+        return dj.deform_conv2d(x, w, a["offset"], a["mask"], a["bias"], **params)
+
+    calls = _spy_launches(monkeypatch)
+    got = jax.jit(jax.vmap(conv, in_axes=(0, None)))(xs, a["weight"])
+    per_example = jax.jit(jax.vmap(jax.grad(lambda w, x: jnp.sum(conv(x, w) ** 2)), in_axes=(None, 0)))(
+        a["weight"], xs)
+    jax.block_until_ready((got, per_example))
+    assert not calls
+    one = jax.jit(conv)
+    one_grad = jax.jit(jax.grad(lambda w, x: jnp.sum(conv(x, w) ** 2)))
+    for i in range(3):
+        np.testing.assert_allclose(np.asarray(got[i]), np.asarray(one(xs[i], a["weight"])), rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(np.asarray(per_example[i]), np.asarray(one_grad(a["weight"], xs[i])),
+                                   rtol=1e-10, atol=1e-10)
+    assert calls and all(done for _, done, _ in calls)

@@ -21,6 +21,8 @@ class Callee(NamedTuple):
 
     ``call(*operands) -> results`` computes; ``into(operands, outs)``, when given, writes the
     results straight into the output buffers (used when there are no vmapped axes).
+    ``launch(device_id, addresses, out_addresses, stream) -> bool``, when given, runs the
+    operation on raw CUDA addresses (no vmapped axes; False: it did nothing, use ``into``).
     """
 
     call: Callable
@@ -30,6 +32,7 @@ class Callee(NamedTuple):
     out_per_sample: Tuple[bool, ...]
     elementwise: bool                  # any shape goes: broadcast and call once
     dtypes: Tuple[np.dtype, ...]       # true dtype of each operand (bfloat16 travels as uint16)
+    launch: Optional[Callable] = None
 
 
 def array_module(array):

@@ -5,6 +5,10 @@
   ``__cuda_array_interface__`` without synchronising; CUDA kernels run on XLA's compute stream
   (``cupy.cuda.Stream.from_external``) and write their results straight into XLA's output
   buffers where the operation supports it (the convolutions' plans take ``out=``).
+  The convolutions go faster still on CUDA when no vmapped axes are present: the trace's plan
+  is launched on the buffers' raw device addresses and XLA's stream (``Plan.launch_forward`` /
+  ``launch_backward``: no CuPy arrays, no per-call checks, no CuPy device or stream scopes),
+  with a workspace kept per (device, stream); the array path remains the fallback.
 * ``jax.pure_callback`` (the fallback, or ``set_callback_mechanism("pure")``): operands are
   copied to host memory, the CPU backend runs, results are copied back.
 
@@ -98,7 +102,11 @@ def _pure_host(callee: Callee, out_shapes, dtype, *arrays):
 # buffer_callback: XLA's buffers, XLA's stream
 
 
-_DL_CPU, _DL_CUDA_HOST = 1, 3
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST = 1, 2, 3
+
+#: Whether buffer_callback executions may hand XLA's CUDA buffers to a plan as raw addresses
+#: (read at every execution; False: always the CuPy array path, e.g. for a baseline).
+RAW_ADDRESSES = True
 
 
 def _buffer_to_native(buffer, dtype=None):
@@ -156,8 +164,79 @@ def _xla_stream(cupy, ptr: int, device_id: int):
     return stream
 
 
+_workspaces: dict = {}   # (device, stream pointer) -> (cupy MemoryPointer, bytes)
+
+
+def cuda_workspace(device_id: int, stream: int, nbytes: int) -> int:
+    """The address of a workspace of at least ``nbytes`` for kernels queued on XLA's ``stream``
+    (0 when ``nbytes`` is 0); ``device_id`` must be current.
+
+    One buffer per (device, stream), grown when a larger one is asked for: the kernels that
+    use it are ordered by the stream, so reusing it is safe. It comes from CuPy's allocator
+    with ``stream`` current, so that a replaced buffer goes back to that stream's free list of
+    CuPy's pool (reused only in the stream's order)."""
+    if not nbytes:
+        return 0
+    key = (device_id, stream)
+    found = _workspaces.get(key)
+    if found is not None and found[1] >= nbytes:
+        return found[0].ptr
+    import cupy
+
+    with _xla_stream(cupy, stream, device_id):
+        memory = cupy.cuda.alloc(nbytes)
+    if found is None and len(_workspaces) > 64:
+        _workspaces.clear()
+    _workspaces[key] = (memory, nbytes)
+    return memory.ptr
+
+
+def _address(buffer) -> int:
+    """A CUDA buffer's device address; 0 when it cannot go as one (strided, or empty)."""
+    interface = buffer.__cuda_array_interface__
+    if interface.get("strides") is not None:   # XLA's buffers are dense row-major: never seen
+        return 0
+    return interface["data"][0]
+
+
+def _launch(callee: Callee, device_id: int, ctx, outs, buffers) -> bool:
+    """``callee.launch`` on the buffers' addresses, on XLA's stream, ``device_id`` current."""
+    try:
+        addresses = [_address(b) for b in buffers]
+        out_addresses = [_address(o) for o in outs]
+    except Exception:  # pragma: no cover - a buffer without __cuda_array_interface__
+        return False
+    if 0 in addresses or 0 in out_addresses:
+        return False
+    stream = int(ctx.stream)
+    runtime = _cuda_runtime()
+    if runtime.getDevice() == device_id:
+        return callee.launch(device_id, addresses, out_addresses, stream)
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        return callee.launch(device_id, addresses, out_addresses, stream)
+
+
+_runtime = None
+
+
+def _cuda_runtime():
+    global _runtime
+    if _runtime is None:
+        import cupy
+
+        _runtime = cupy.cuda.runtime
+    return _runtime
+
+
 def _buffer_host(callee: Callee, dtype, ctx, outs, *buffers):
-    device_type, device_id = (int(v) for v in buffers[0].__dlpack_device__())
+    first = buffers[0]
+    if callee.launch is not None and RAW_ADDRESSES and first.ndim == callee.in_ndims[0]:
+        device_type, device_id = first.__dlpack_device__()
+        if device_type == _DL_CUDA and _launch(callee, int(device_id), ctx, outs, buffers):
+            return
+    device_type, device_id = (int(v) for v in first.__dlpack_device__())
     ins = [_buffer_to_native(b, d) for b, d in zip(buffers, callee.dtypes)]
     out_arrays = [_buffer_to_native(o, dtype) for o in outs]
     if device_type in (_DL_CPU, _DL_CUDA_HOST):
@@ -174,18 +253,21 @@ def _buffer_host(callee: Callee, dtype, ctx, outs, *buffers):
 
 
 def dispatch(call: Callable, args: list, per_sample: tuple, out_shapes: list, out_per_sample: tuple, dtype,
-             elementwise: bool = False, into: Optional[Callable] = None) -> tuple:
+             elementwise: bool = False, into: Optional[Callable] = None, launch: Optional[Callable] = None) -> tuple:
     """Stage ``call(*args)`` (the core, with None for absent arguments) out of a trace.
 
     ``args`` must already be shaped as the traced path wants them (batch axis present); results
     are returned in the order of ``out_shapes``, all of ``dtype``. ``into(args, outs)``, when
     given, writes the results into native output arrays itself (no vmapped axes).
+    ``launch(device_id, addresses, out_addresses, stream) -> bool``, when given, runs on CUDA
+    buffers as raw addresses (0 for an absent argument; no vmapped axes; the device current);
+    False sends the call to ``into``.
     """
     index = [i for i, a in enumerate(args) if a is not None]
     present = [args[i] for i in index]
 
-    def full(natives):
-        result = [None] * len(args)
+    def full(natives, absent=None):
+        result = [absent] * len(args)
         for i, a in zip(index, natives):
             result[i] = a
         return result
@@ -194,8 +276,13 @@ def dispatch(call: Callable, args: list, per_sample: tuple, out_shapes: list, ou
         return call(*full(natives))
 
     native_into = None if into is None else (lambda natives, outs: into(full(natives), outs))
+
+    def native_launch(device_id, addresses, out_addresses, stream):
+        return launch(device_id, full(addresses, 0), out_addresses, stream)
+
     callee = Callee(native_call, native_into, tuple(a.ndim for a in present), tuple(per_sample[i] for i in index),
-                    tuple(out_per_sample), elementwise, tuple(np.dtype(a.dtype) for a in present))
+                    tuple(out_per_sample), elementwise, tuple(np.dtype(a.dtype) for a in present),
+                    None if launch is None else native_launch)
     wire = _wire_dtype(dtype)
     result_types = tuple(jax.ShapeDtypeStruct(tuple(shape), wire) for shape in out_shapes)
     operands = [_to_wire(a) for a in present]

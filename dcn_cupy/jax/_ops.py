@@ -3,7 +3,9 @@
 Eagerly (concrete arrays) the core's functional API is called with the ``jax.Array``\\ s
 (DLPack, zero-copy). Under tracing a convolution builds its plan at trace time from the traced
 shapes (``jax.ShapeDtypeStruct``\\ s) and keeps it in the callback's closure: each execution
-only checks the buffers against the plan and runs it, writing into XLA's output buffers.
+runs it, writing into XLA's output buffers: on CUDA buffers without vmapped axes straight on
+their addresses (the trace fixed every shape and dtype, so nothing is checked), otherwise on
+arrays over the buffers, which the plan checks.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 
 from .. import _api, _geometry
 from .._interop import SUPPORTED_DTYPES
-from ._callbacks import Tracer, callback_mechanism, dispatch, is_traced
+from ._callbacks import Tracer, callback_mechanism, cuda_workspace, dispatch, is_traced
 
 try:
     from jax.custom_derivatives import SymbolicZero as _SymbolicZero
@@ -119,16 +121,26 @@ class _Plans:
         self._build = functools.partial(dcn_cupy.plan, *specs, cfg.stride, cfg.padding, cfg.dilation, cfg.groups,
                                         **kwargs)
         self._plans = {}
+        self._cuda = {}   # CUDA device id -> plan (the same plans, found without a string)
         where = _trace_device()
         if where is not None:
             self._plans[where] = self._build(device=where)
 
-    def of(self, native):
-        """The plan for the device of a native (NumPy/CuPy) array."""
-        where = "cpu" if isinstance(native, np.ndarray) else f"cuda:{native.device.id}"
+    def _on(self, where: str):
         plan = self._plans.get(where)
         if plan is None:
             plan = self._plans[where] = self._build(device=where)
+        return plan
+
+    def of(self, native):
+        """The plan for the device of a native (NumPy/CuPy) array."""
+        return self._on("cpu" if isinstance(native, np.ndarray) else f"cuda:{native.device.id}")
+
+    def cuda(self, device_id: int):
+        """The plan for CUDA device ``device_id``."""
+        plan = self._cuda.get(device_id)
+        if plan is None:
+            plan = self._cuda[device_id] = self._on(f"cuda:{device_id}")
         return plan
 
 
@@ -157,7 +169,12 @@ def _conv_forward_impl(cfg: _ConvConfig, x, w, off, m, b):
     def into(natives, outs):
         plans.of(natives[0]).forward(*natives, out=outs[0])
 
-    (y,) = dispatch(call, args, tuple(_PER_SAMPLE[n] for n in _NAMES), [out_shape], (True,), x.dtype, into=into)
+    def launch(device_id, pointers, outs, stream):
+        plan = plans.cuda(device_id)
+        return plan.launch_forward(pointers, outs[0], cuda_workspace(device_id, stream, plan.workspace_bytes), stream)
+
+    (y,) = dispatch(call, args, tuple(_PER_SAMPLE[n] for n in _NAMES), [out_shape], (True,), x.dtype, into=into,
+                    launch=launch)
     return y if batched else y[0]
 
 
@@ -180,9 +197,17 @@ def _conv_backward_impl(cfg: _ConvConfig, g, x, w, off, m, b, wanted: tuple):
     def into(natives, outs):
         plans.of(natives[0]).backward(*natives, wrt=order, out=dict(zip(order, outs)))
 
+    wanted_set = frozenset(order)
+
+    def launch(device_id, pointers, outs, stream):
+        plan = plans.cuda(device_id)
+        return plan.launch_backward(pointers[0], pointers[1:], wanted_set, dict(zip(order, outs)),
+                                    cuda_workspace(device_id, stream, plan.workspace_bytes), stream)
+
     per_sample = tuple(_PER_SAMPLE[n] for n in ("grad_output",) + _NAMES)
     out_shapes = [(1,) + values[n].shape if (_PER_SAMPLE[n] and not batched) else values[n].shape for n in order]
-    outs = dispatch(call, args, per_sample, out_shapes, tuple(_PER_SAMPLE[n] for n in order), x.dtype, into=into)
+    outs = dispatch(call, args, per_sample, out_shapes, tuple(_PER_SAMPLE[n] for n in order), x.dtype, into=into,
+                    launch=launch)
     results = dict(zip(order, outs))
     return tuple(
         None if n not in results else (results[n] if batched or not _PER_SAMPLE[n] else results[n][0])
