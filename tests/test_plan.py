@@ -393,3 +393,20 @@ def test_concurrent_first_use_on_the_gpu():
     for y in results:
         np.testing.assert_array_equal(y, results[0])
     assert relative_error(results[0], case.reference()) < 1e-5
+
+
+def test_cuda_recordings_keep_the_last_few_address_sets():
+    """The CUDA executables replay launches recorded per set of addresses: a caller alternating
+    between buffer sets (XLA, a caching allocator) must hit, and the cache stays bounded."""
+    pytest.importorskip("cupy")
+    from dcn_cupy._backends.cuda import Recordings
+
+    r = Recordings()
+    assert r.get((1, 2)) is None
+    assert r.put((1, 2), "a") == "a" and r.put((3, 4), "b") == "b"
+    assert r.get((1, 2)) == "a" and r.get((3, 4)) == "b"   # alternating sets both hit
+    for i in range(Recordings.SIZE):
+        r.put((10, i), i)
+    assert len(r.entries) == Recordings.SIZE
+    assert r.get((1, 2)) is None and r.get((3, 4)) is None   # the oldest went first
+    assert r.get((10, Recordings.SIZE - 1)) == Recordings.SIZE - 1

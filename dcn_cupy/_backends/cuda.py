@@ -630,6 +630,34 @@ def _launch_function():
     return _launch_kernel
 
 
+class Recordings:
+    """The recorded launches of an executable for its last few sets of addresses (most recent
+    last). A few, not one: callers alternate between buffer sets (XLA keeps the previous step's
+    outputs alive; a caching allocator hands back one of two blocks), and a re-recording costs
+    far more host time than a replay. Safe across threads: entries are only added and dropped
+    whole (a lost race records twice)."""
+
+    SIZE = 8
+
+    __slots__ = ("entries",)
+
+    def __init__(self):
+        self.entries = {}
+
+    def get(self, key):
+        return self.entries.get(key)
+
+    def put(self, key, ops):
+        entries = self.entries
+        while len(entries) >= self.SIZE:
+            try:
+                entries.pop(next(iter(entries)), None)
+            except (StopIteration, RuntimeError):  # emptied or changed by another thread meanwhile
+                break
+        entries[key] = ops
+        return ops
+
+
 def _replay(ops, handle, stream: int) -> None:
     """Run recorded launches on ``stream``: 0 kernel, 1 GEMM (``handle`` is set to that stream),
     2 memset."""
@@ -741,7 +769,7 @@ class _Executable:
         self._grids = {}
         # cuBLAS's workspace, carved from the plan's (a quarter of the limit at most)
         self.cublas_bytes = min(int(CUBLAS_WORKSPACE_BYTES), self.limit // 4) // _ALIGN * _ALIGN
-        self._cache = None
+        self._recordings = Recordings()
 
     def kernels(self, index64: bool) -> dict:
         """Every kernel function of this executable for one index width (compiled here)."""
@@ -855,10 +883,10 @@ class _Forward(_Executable):
         one) of C-contiguous batched arrays, on ``stream``: the recorded launches of these
         addresses, replayed (recorded on first use)."""
         key = inputs + (out, ws)
-        cached = self._cache  # (key, ops), read and replaced as one object: safe across threads
-        if cached is None or cached[0] != key:
-            cached = self._cache = (key, self._record(*key))
-        _replay(cached[1], self._cublas(ws, stream), stream)
+        ops = self._recordings.get(key)
+        if ops is None:
+            ops = self._recordings.put(key, self._record(*key))
+        _replay(ops, self._cublas(ws, stream), stream)
 
     def _record(self, x, w, offset, mask, bias, out, ws):
         """The launches of a call on these pointers (contiguous batch, no staging)."""
@@ -969,10 +997,10 @@ class _Backward(_Executable):
         gradients' outputs (input, weight, offset, mask; 0 where not wanted), of C-contiguous
         batched arrays, on ``stream`` (recorded launches, replayed)."""
         key = inputs + (ws, wanted) + outs
-        cached = self._cache  # (key, ops), read and replaced as one object: safe across threads
-        if cached is None or cached[0] != key:
-            cached = self._cache = (key, self._record(*key))
-        _replay(cached[1], self._cublas(ws, stream), stream)
+        ops = self._recordings.get(key)
+        if ops is None:
+            ops = self._recordings.put(key, self._record(*key))
+        _replay(ops, self._cublas(ws, stream), stream)
 
     def _record(self, gy, x, w, offset, mask, bias, ws, wanted, grad_x, grad_w, grad_off, grad_m):
         """The launches of a call on these pointers (contiguous batch, no staging)."""
