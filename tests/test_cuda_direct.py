@@ -561,7 +561,7 @@ def test_non_default_stream_and_graph_capture():
         y[...] = 0
         for g in grads.values():
             g[...] = 0
-        # capture forward + backward (bias gradient: one launch too), replay on new data
+        # capture forward + backward (the bias gradient is one launch too) and replay it
         stream.begin_capture()
         p.forward(**arrays, out=y)
         p.backward(gy, **arrays, out=grads)
