@@ -1,7 +1,8 @@
 // dcn_cupy: "direct" deformable convolution kernels for small problems (cuda/direct).
 //
-// One launch per primitive part, no workspace, no GEMM: each output element is computed by
-// one thread (one warp for the weight gradient) looping over the reduction. For small
+// One launch per primitive part, no workspace, no GEMM: each output element is computed by a
+// few adjacent threads of one warp (a whole warp for the weight gradient) that split its
+// reduction and add their parts with a fixed butterfly of shuffles. For small
 // problems the host time of the im2col path's launches (im2col + cuBLAS + layout; backward:
 // six launches, two GEMMs and two memsets) dominates; here a forward is one launch, a
 // backward at most three (fill of the input gradient, data gradients, weight gradient).
@@ -66,15 +67,19 @@ struct SampleCorners {
 
 // y[b, co, q] = bias[co] + sum_t sum_{c in group(co)} w[co, c - c0, t] * mask[b, gm(c), t, q]
 //               * sample(x[b, c], position(t, q) + offset[b, go(c), t, :, q])
-// One thread per output element (b, co, q) (grid-stride loop, q fastest: a warp shares (b, co),
-// so weight loads are broadcasts and offset/mask loads coalesce). Taps outer, channels inner:
-// a tap's position and corners are computed once per run of channels of one offset group.
+// `lanes` (a power of two <= 32) adjacent threads per output element (b, co, q) (q next fastest:
+// a warp shares (b, co), so weight loads are broadcasts and offset/mask loads coalesce); lane r
+// takes the taps t = r (mod lanes), channels inner, then a fixed butterfly sums the lanes
+// (deterministic). A tap's position and corners are computed once per run of channels of one
+// offset and mask group. Threads past the end mirror the last element (the warp stays whole for
+// the shuffles) and store nothing.
 template <typename T, typename I, int N>
 __global__ void direct_forward(const T* __restrict__ x, const T* __restrict__ weight,
                                const T* __restrict__ offset, const T* __restrict__ mask,
                                const T* __restrict__ bias, T* __restrict__ y, const Geom<N> g,
                                const int batch, const int channels, const int out_channels,
-                               const int groups, const int offset_groups, const int mask_groups) {
+                               const int groups, const int offset_groups, const int mask_groups,
+                               const int lanes) {
     typedef typename Traits<T>::acc A;
     const I Q = dcn::prod_size<N, I>(g.out_size);
     const I S = dcn::prod_size<N, I>(g.in_size);
@@ -83,50 +88,56 @@ __global__ void direct_forward(const T* __restrict__ x, const T* __restrict__ we
     const int Cog = out_channels / groups;
     const int per_og = offset != nullptr ? channels / offset_groups : channels;
     const int per_mg = mask != nullptr ? channels / mask_groups : channels;
-    const I total = (I)batch * out_channels * Q;
-    for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
-        const I q = idx % Q;
-        const I rest = idx / Q;
+    const I outputs = (I)batch * out_channels * Q;
+    const I total = outputs * lanes;
+    const int lane = threadIdx.x & 31;
+    const int r = lane & (lanes - 1);
+    // the loop condition is that of the warp's first thread: every lane runs every shuffle
+    for (I idx = dcn::global_thread_index<I>(); idx - lane < total; idx += dcn::global_thread_stride<I>()) {
+        const bool active = idx < total;
+        const I o = active ? idx / lanes : outputs - 1;
+        const I q = o % Q;
+        const I rest = o / Q;
         const int co = (int)(rest % out_channels);
         const int b = (int)(rest / out_channels);
-        int qc[N], tc[N];
+        int qc[N];
         dcn::unravel<N, I>(q, g.out_size, qc);
-#pragma unroll
-        for (int a = 0; a < N; ++a) tc[a] = 0;
         const int c0 = (co / Cog) * Cg;
         const int c1 = c0 + Cg;
         const T* wrow = weight + (I)co * Cg * K;
         A acc = A(0);
-        for (int t = 0; t < K; ++t) {
+        for (int t = r; t < K; t += lanes) {
+            int tc[N];
+            dcn::unravel<N, I>((I)t, g.ksize, tc);
             int c = c0;
             while (c < c1) {
                 const int go = c / per_og;
-                const int run_end = min(c1, (go + 1) * per_og);
+                const int gm = c / per_mg;
+                const int run_end = min(c1, min((go + 1) * per_og, (gm + 1) * per_mg));
                 const T* off = offset == nullptr ? nullptr
                     : offset + (((I)b * offset_groups + go) * K + t) * (I)N * Q + q;
                 A pos[N];
                 dcn::tap_position<T, A, I, N>(g, qc, tc, off, Q, pos);
                 direct::SampleCorners<A, I, N> sc;
                 sc.compute(pos, g.in_size);
-                int current_gm = -1;
-                A m = A(1);
-                for (; c < run_end; ++c) {
-                    A v = sc.sample(x + ((I)b * channels + c) * S);
-                    if (mask != nullptr) {
-                        const int gm = c / per_mg;
-                        if (gm != current_gm) {
-                            current_gm = gm;
-                            m = Traits<T>::load(mask[(((I)b * mask_groups + gm) * K + t) * Q + q]);
-                        }
-                        v *= m;
-                    }
-                    acc += Traits<T>::load(wrow[(I)(c - c0) * K + t]) * v;
+                const A m = mask != nullptr ? Traits<T>::load(mask[(((I)b * mask_groups + gm) * K + t) * Q + q])
+                                            : A(1);   // v * 1 == v exactly (inf and NaN included)
+                const T* xc = x + ((I)b * channels + c) * S;
+                const T* wc = wrow + (I)(c - c0) * K + t;
+                const int n = run_end - c;
+#pragma unroll 4
+                for (int i = 0; i < n; ++i) {
+                    const A v = sc.sample(xc + (I)i * S) * m;
+                    acc += Traits<T>::load(wc[(I)i * K]) * v;
                 }
+                c = run_end;
             }
-            dcn::next_tap<N>(tc, g.ksize);
         }
-        if (bias != nullptr) acc += Traits<T>::load(bias[co]);
-        y[idx] = Traits<T>::store(acc);
+        for (int s = lanes >> 1; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+        if (active && r == 0) {
+            if (bias != nullptr) acc += Traits<T>::load(bias[co]);
+            y[o] = Traits<T>::store(acc);
+        }
     }
 }
 
@@ -142,15 +153,19 @@ __global__ void direct_fill_input(const T* __restrict__ bias, T* __restrict__ ds
     }
 }
 
-// The data gradients: one thread per (b, t, q) (q fastest), looping over every input channel c
-// in order. Per channel: cg = sum over the output channels co of c's conv group of
-// w[co, c - c0, t] * grad_y[b, co, q] (the column gradient of the im2col path), then
+// The data gradients: `lanes` adjacent threads per (b, t, q) (q next fastest) sweep the input
+// channels in chunks of `lanes` (lane r takes channel chunk + r; `lanes` divides the channel
+// runs of the offset and of the mask groups, so a chunk never straddles a group). Per channel:
+// cg = sum over the output channels co of c's conv group of w[co, c - c0, t] * grad_y[b, co, q]
+// (the column gradient of the im2col path), then
 //   WANT_X:      grad_x[b, c, corner] += corner weight * cg * mask   (atomics, after fill_input)
 //   WANT_OFFSET: grad_offset[b, go, t, a, q] = sum_{c in go} cg * mask * d sample / d P_a
 //   WANT_MASK:   grad_mask[b, gm, t, q]      = sum_{c in gm} cg * sample
-// Offset and mask groups are contiguous channel ranges: each thread stores its offset (mask)
-// gradient once, when the run of channels of that group ends (plain stores: deterministic, no
+// Offset and mask groups are contiguous channel ranges: when a group's run ends, its lanes'
+// sums are added by a fixed butterfly and lane 0 stores them (plain stores: deterministic, no
 // zeroing needed). The position and corners of a tap are computed once per offset group.
+// Threads past the end mirror the last element (the warp stays whole for the shuffles) and
+// write nothing.
 template <typename T, typename I, int N, bool WANT_X, bool WANT_OFFSET, bool WANT_MASK>
 __global__ void direct_backward_data(const T* __restrict__ grad_y, const T* __restrict__ x,
                                      const T* __restrict__ weight, const T* __restrict__ offset,
@@ -158,7 +173,7 @@ __global__ void direct_backward_data(const T* __restrict__ grad_y, const T* __re
                                      T* __restrict__ grad_offset, T* __restrict__ grad_mask,
                                      const Geom<N> g, const int batch, const int channels,
                                      const int out_channels, const int groups,
-                                     const int offset_groups, const int mask_groups) {
+                                     const int offset_groups, const int mask_groups, const int lanes) {
     typedef typename Traits<T>::acc A;
     constexpr bool GEOMETRY = WANT_OFFSET || WANT_MASK;   // needs samples and their derivatives
     const I Q = dcn::prod_size<N, I>(g.out_size);
@@ -168,10 +183,15 @@ __global__ void direct_backward_data(const T* __restrict__ grad_y, const T* __re
     const int Cog = out_channels / groups;
     const int per_og = offset != nullptr ? channels / offset_groups : channels;
     const int per_mg = mask != nullptr ? channels / mask_groups : channels;
-    const I total = (I)batch * K * Q;
-    for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
-        const I q = idx % Q;
-        const I rest = idx / Q;
+    const I items = (I)batch * K * Q;
+    const I total = items * lanes;
+    const int lane = threadIdx.x & 31;
+    const int r = lane & (lanes - 1);
+    for (I idx = dcn::global_thread_index<I>(); idx - lane < total; idx += dcn::global_thread_stride<I>()) {
+        const bool active = idx < total;
+        const I item = active ? idx / lanes : items - 1;
+        const I q = item % Q;
+        const I rest = item / Q;
         const int t = (int)(rest % K);
         const int b = (int)(rest / K);
         int qc[N], tc[N];
@@ -187,8 +207,9 @@ __global__ void direct_backward_data(const T* __restrict__ grad_y, const T* __re
         A gmask = A(0);
         int current_go = -1, current_gm = -1;
         A m = A(1);
-        for (int c = 0; c < channels; ++c) {
-            const int go = c / per_og;
+        for (int chunk = 0; chunk < channels; chunk += lanes) {
+            const int c = chunk + r;
+            const int go = c / per_og;    // the same for every lane of the chunk
             const int gm = c / per_mg;
             if (go != current_go) {
                 current_go = go;
@@ -212,10 +233,11 @@ __global__ void direct_backward_data(const T* __restrict__ grad_y, const T* __re
                 const T* wcol = weight + ((I)grp * Cog * Cg + (c - grp * Cg)) * K + t;
                 const T* gyg = gy + (I)grp * Cog * Q;
                 A cg = A(0);
+#pragma unroll 4
                 for (int j = 0; j < Cog; ++j) {
                     cg += Traits<T>::load(wcol[(I)j * Cg * K]) * Traits<T>::load(gyg[(I)j * Q]);
                 }
-                if (WANT_X) {
+                if (WANT_X && active) {
                     A v = cg;
                     if (mask != nullptr) v *= m;
                     if (v != A(0)) {
@@ -270,18 +292,24 @@ __global__ void direct_backward_data(const T* __restrict__ grad_y, const T* __re
                     }
                 }
             }
-            // the end of a group's run of channels: store its gradient, start the next
-            const bool last = c + 1 == channels;
-            if (WANT_OFFSET && (last || (c + 1) / per_og != go)) {
+            // the end of a group's run of channels (the same chunk for the whole warp): sum the
+            // lanes, store, start the next group
+            const int next = chunk + lanes;
+            const bool last = next >= channels;
+            if (WANT_OFFSET && (last || next / per_og != go)) {
                 T* out = grad_offset + (((I)b * offset_groups + go) * K + t) * (I)N * Q + q;
 #pragma unroll
                 for (int a = 0; a < N; ++a) {
-                    out[(I)a * Q] = Traits<T>::store(goff[a]);
+                    A v = goff[a];
+                    for (int s = lanes >> 1; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
+                    if (active && r == 0) out[(I)a * Q] = Traits<T>::store(v);
                     goff[a] = A(0);
                 }
             }
-            if (WANT_MASK && (last || (c + 1) / per_mg != gm)) {
-                grad_mask[(((I)b * mask_groups + gm) * K + t) * Q + q] = Traits<T>::store(gmask);
+            if (WANT_MASK && (last || next / per_mg != gm)) {
+                A v = gmask;
+                for (int s = lanes >> 1; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
+                if (active && r == 0) grad_mask[(((I)b * mask_groups + gm) * K + t) * Q + q] = Traits<T>::store(v);
                 gmask = A(0);
             }
         }

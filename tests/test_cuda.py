@@ -30,6 +30,15 @@ cupy = pytest.importorskip("cupy")
 
 pytestmark = pytest.mark.gpu
 
+
+@pytest.fixture(autouse=True)
+def _im2col():
+    """This file tests cuda/im2col: its small cases would otherwise go to cuda/direct (which
+    tests/test_cuda_direct.py covers)."""
+    from dcn_cupy._backends import use_algorithm
+    with use_algorithm("cuda/im2col"):
+        yield
+
 HALF_TOL = {np.dtype(np.float16): 3e-3, BFLOAT16: 2.4e-2}
 HALF_GRAD_TOL = {np.dtype(np.float16): 5e-3, BFLOAT16: 4e-2}
 

@@ -162,6 +162,26 @@ def test_threshold_setting(monkeypatch):
         cuda_direct._int_from_env("DCN_CUPY_DIRECT_MAX_MACS", 5)
 
 
+def test_lanes_never_straddle_a_group():
+    """The data-gradient lanes split the input channels in chunks inside one offset group and one
+    mask group; the forward's split the taps."""
+    pytest.importorskip("cupy")
+    from dcn_cupy._backends import cuda_direct
+    for C, Go, Gm, expected in ((16, 1, 1, 8), (8, 2, 4, 2), (8, 1, 8, 1), (12, 1, 1, 4), (6, 3, 1, 2),
+                                (3, 1, 1, 1), (64, 4, 2, 8), (16, 0, 0, 8), (16, 0, 2, 8), (24, 2, 0, 4)):
+        geom, _ = conv_geometry((1, C, 5, 5), (4, C, 3, 3), (1, 18 * Go, 3, 3) if Go else None,
+                                (1, 9 * Gm, 3, 3) if Gm else None, None, 1, 0, 1, 1)
+        lanes = cuda_direct.backward_lanes(geom)
+        assert lanes == expected, (C, Go, Gm, lanes)
+        for groups in (Go, Gm):
+            if groups:
+                assert (C // groups) % lanes == 0
+    for k, expected in (((1, 1), 1), ((3, 1), 2), ((3, 3), 8), ((2, 2), 4), ((3, 3, 3), 8)):
+        n = len(k)
+        geom, _ = conv_geometry((1, 2) + (5,) * n, (2, 2) + k, None, None, None, 1, 0, 1, 1)
+        assert cuda_direct.forward_lanes(geom) == expected, k
+
+
 # ---------------------------------------------------------------------------------------------
 # on a GPU, cuda/direct forced
 
@@ -202,7 +222,7 @@ def reference_backward(case, grad_output, arrays=None):
 
 
 def forced():
-    return dcn_cupy.use_algorithm(DIRECT)
+    return _backends.use_algorithm(DIRECT)
 
 
 def _check_plan_is_direct(case, arrays):
@@ -466,7 +486,16 @@ def test_automatic_choice_on_a_gpu():
     a = {k: cupy.asarray(v.astype(np.float32)) for k, v in a.items()}
     p = dcn_cupy.plan(**a, padding=1)
     assert p.algorithm == f"forward: {DIRECT}, backward: {DIRECT}", str(p)
-    assert "cuda/direct forward: one launch" in str(p) and "32-bit index" in str(p)
+    assert "cuda/direct forward: one launch (8 lane(s)" in str(p) and "32-bit index" in str(p)
+    # the numbers (8 lanes per output and per (sample, tap, position))
+    y = p.forward(**a)
+    host_a = {k: host(v) for k, v in a.items()}
+    assert relative_error(host(y), reference.deform_conv(**host_a, padding=1)) < 1e-5
+    gy = rng.standard_normal(y.shape)
+    grads = p.backward(cupy.asarray(gy.astype(np.float32)), **a)
+    expected = reference.deform_conv_backward(gy.astype(np.float32).astype(np.float64), **host_a, padding=1)
+    for name, value in zip(ARGUMENTS, expected):
+        assert relative_error(host(getattr(grads, name)), value) < 1e-4, name
     big = dict(a, input=cupy.zeros((4, 64, 32, 32), np.float32), weight=cupy.zeros((64, 64, 3, 3), np.float32),
                offset=cupy.zeros((4, 18, 32, 32), np.float32), mask=cupy.zeros((4, 9, 32, 32), np.float32),
                bias=cupy.zeros(64, np.float32))

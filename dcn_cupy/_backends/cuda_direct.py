@@ -5,12 +5,16 @@ For a small convolution the host time of the im2col path dominates: a forward is
 memsets. ``cuda/deform_direct.cu`` computes each output element with one thread (one warp per
 weight-gradient element) looping over the whole reduction, with no workspace:
 
-* forward:  ``direct_forward``, one thread per output element ``(b, C_out, q)``; one launch.
+* forward:  ``direct_forward``, a few lanes per output element ``(b, C_out, q)`` splitting the
+  taps; one launch.
 * backward: ``direct_fill_input`` (the input gradient starts at the C_in-long bias of the
-  transposed convolution, or 0: no memset), ``direct_backward_data`` (one thread per
-  ``(b, tap, q)`` over every input channel: the input gradient by atomics, the offset and mask
-  gradients by plain stores, once per group) and ``direct_backward_weight`` (a warp per weight
-  element, fixed-order reduction); only the parts the wanted gradients need.
+  transposed convolution, or 0: no memset), ``direct_backward_data`` (a few lanes per
+  ``(b, tap, q)`` splitting the input channels: the input gradient by atomics, the offset and
+  mask gradients by plain stores, once per group) and ``direct_backward_weight`` (a warp per
+  weight element); only the parts the wanted gradients need.
+
+Lanes that split one reduction are adjacent threads of a warp, summed by a fixed butterfly of
+shuffles: every result but the input gradient (atomics) is bitwise repeatable.
 
 The semantics are those of ``cuda/im2col`` (the same corner rules of ``dcn_common.cuh``); only
 the order of the floating-point sums differs.
@@ -28,6 +32,7 @@ compiled when the executable is built (never during a CUDA-graph capture).
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 
@@ -45,6 +50,8 @@ _CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 _BLOCK = 128
 _BLOCK1 = (_BLOCK,)
 _MAX_GRID = 1 << 20
+#: The most lanes that split one output element's reduction (a power of two dividing 32).
+MAX_LANES = 8
 #: The (grad_x, grad_offset, grad_mask) variants of direct_backward_data.
 _DATA_VARIANTS = tuple((x, o, m) for x in (False, True) for o in (False, True) for m in (False, True)
                        if x or o or m)
@@ -135,6 +142,25 @@ def _contiguous(array):
     return cupy.ascontiguousarray(array)
 
 
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def forward_lanes(geom) -> int:
+    """Lanes per output element of the forward: they split the K taps."""
+    return min(MAX_LANES, _pow2_floor(geom.kernel_volume))
+
+
+def backward_lanes(geom) -> int:
+    """Lanes per (sample, tap, position) of the data gradients: they split the input channels in
+    chunks that never straddle an offset or mask group (a power of two dividing both runs)."""
+    C = geom.in_channels
+    per_offset = C // geom.offset_groups if geom.offset_groups else C
+    per_mask = C // geom.mask_groups if geom.mask_groups else C
+    common = math.gcd(per_offset, per_mask)
+    return min(MAX_LANES, common & -common)
+
+
 def macs(geom) -> int:
     """Multiply-adds of the forward: B * prod(Q) * C_out * C_in/groups * K."""
     return (geom.batch * geom.output_size * geom.out_channels * geom.in_channels_per_group
@@ -149,13 +175,15 @@ class _Executable:
 
     def __init__(self, spec, counts):
         geom = self.geom = spec.geom
+        self.lanes = forward_lanes(geom)
+        self.data_lanes = backward_lanes(geom)
         self.dtype = np.dtype(spec.dtype)
         self.B, self.C, self.Co, self.G = geom.batch, geom.in_channels, geom.out_channels, geom.groups
         self.K, self.Q, self.S, self.N = geom.kernel_volume, geom.output_size, geom.input_size, geom.ndim
         self.Cg = geom.in_channels_per_group
         self.off_ch = geom.offset_groups * self.K * self.N
         self.m_ch = geom.mask_groups * self.K
-        self.index64 = _cuda._index64(self.B * self.C * self.S, self.B * self.Co * self.Q,
+        self.index64 = _cuda._index64(self.B * self.C * self.S, self.B * self.Co * self.Q * self.lanes,
                                       self.B * max(self.off_ch, 1) * self.Q, self.B * max(self.m_ch, 1) * self.Q,
                                       *counts)
         self.index = np.int64 if self.index64 else np.int32
@@ -181,7 +209,7 @@ class _Forward(_Executable):
 
     def __init__(self, spec):
         super().__init__(spec, ())
-        self.description = self._describe("forward: one launch (a thread per output element)")
+        self.description = self._describe(f"forward: one launch ({self.lanes} lane(s) per output element)")
 
     def run(self, args, out, workspace) -> None:
         x, offset, mask = (_contiguous(args[n]) for n in ("input", "offset", "mask"))
@@ -195,9 +223,9 @@ class _Forward(_Executable):
 
     def _record(self, x, w, offset, mask, bias, out):
         u = np.uint64
-        return [_cuda._kernel_op(self.kernels["forward"], _grid(self.B * self.Co * self.Q), _BLOCK1, (
+        return [_cuda._kernel_op(self.kernels["forward"], _grid(self.B * self.Co * self.Q * self.lanes), _BLOCK1, (
             u(x), u(w), _cuda._at(offset, 0), _cuda._at(mask, 0), _cuda._at(bias, 0), u(out), self.struct)
-            + self.ints, 0)]
+            + self.ints + (np.int32(self.lanes),), 0)]
 
 
 class _Backward(_Executable):
@@ -206,10 +234,11 @@ class _Backward(_Executable):
     def __init__(self, spec):
         geom = spec.geom
         weight_threads = 32 * geom.out_channels * geom.in_channels_per_group * geom.kernel_volume
-        super().__init__(spec, (weight_threads, geom.batch * geom.kernel_volume * geom.output_size))
+        super().__init__(spec, (weight_threads,
+                                geom.batch * geom.kernel_volume * geom.output_size * backward_lanes(geom)))
         self.description = self._describe(
-            "backward: up to 3 launches (input-gradient fill, data gradients a thread per (sample, tap, "
-            "position), weight gradient a warp per element)")
+            f"backward: up to 3 launches (input-gradient fill; data gradients, {self.data_lanes} lane(s) per "
+            f"(sample, tap, position); weight gradient, a warp per element)")
 
     def run(self, args, out, workspace) -> None:
         gy, x, offset, mask = (_contiguous(args[n]) for n in ("grad_output", "input", "offset", "mask"))
@@ -233,10 +262,12 @@ class _Backward(_Executable):
             ops.append(_cuda._kernel_op(self.kernels["fill"], _grid(total), _BLOCK1, (
                 at(bias, 0), u(grad_x), self.index(total), np.int32(self.C), self.index(self.S)), 0))
         if want_x or want_o or want_m:
-            ops.append(_cuda._kernel_op(self.kernels[(want_x, want_o, want_m)], _grid(self.B * self.K * self.Q),
-                                        _BLOCK1, (u(gy), at(x, 0), u(w), at(offset, 0), at(mask, 0),
-                                                  at(grad_x if want_x else 0, 0), at(grad_off if want_o else 0, 0),
-                                                  at(grad_m if want_m else 0, 0), self.struct) + self.ints, 0))
+            ops.append(_cuda._kernel_op(self.kernels[(want_x, want_o, want_m)],
+                                        _grid(self.B * self.K * self.Q * self.data_lanes), _BLOCK1, (
+                                            u(gy), at(x, 0), u(w), at(offset, 0), at(mask, 0),
+                                            at(grad_x if want_x else 0, 0), at(grad_off if want_o else 0, 0),
+                                            at(grad_m if want_m else 0, 0), self.struct)
+                                        + self.ints + (np.int32(self.data_lanes),), 0))
         if grad_w:
             threads = 32 * self.Co * self.Cg * self.K
             ops.append(_cuda._kernel_op(self.kernels["weight"], _grid(threads), _BLOCK1, (
