@@ -10,8 +10,10 @@ gradient), with caller-provided outputs (the plan API):
   (benchmarks/overhead.py's method and helpers).
 
 A call costs about max(GPU, host) when calls are issued back to back; the ratio column is
-that of direct over im2col (< 1: direct is faster). The threshold printed at the end is the
-largest MAC count up to which direct wins (forward and forward + backward) on every shape.
+that of direct over im2col (< 1: direct is faster); "auto" is what the registry picks without
+forcing (cuda/direct's ``recommends``: MACs and channel rules). The threshold printed at the end
+is the largest MAC count up to which direct wins (forward and forward + backward) on every shape
+that passes the channel rule (``cuda_direct.MAX_CHANNEL_PRODUCT``).
 
     python benchmarks/direct.py
 """
@@ -81,7 +83,7 @@ def _gpu_us(cupy, busy, call, host_us, calls=20, repeats=3) -> float:
 
 def measure(cupy, busy, label, B, C, spatial, rng) -> dict:
     a = _arrays(cupy, B, C, spatial, rng)
-    row = {}
+    row = {"auto": dcn_cupy.plan(**a, padding=1).algorithm.split(",")[0].split(": ")[1]}
     for algorithm in ALGORITHMS:
         p = dcn_cupy.plan(**a, padding=1, algorithm=algorithm)
         y = cupy.empty(p.output_shape, np.float32)
@@ -110,14 +112,15 @@ def main() -> int:
         print(f"skipped: {reason}")
         return 0
     import cupy
+    from dcn_cupy._backends import cuda_direct
     busy = _Busy("cupy")
     rng = np.random.default_rng(0)
     began = time.perf_counter()
     print(f"# cuda/direct vs cuda/im2col, float32 DCNv2, {_device_name()}")
     print("GPU / host: µs per call; ratio: max(GPU, host) of direct / of im2col (< 1: direct wins)\n")
     print("| shape | MACs | fwd direct GPU / host | fwd im2col GPU / host | fwd ratio "
-          "| f+b direct GPU / host | f+b im2col GPU / host | f+b ratio |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| f+b direct GPU / host | f+b im2col GPU / host | f+b ratio | auto |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     results = []
     for label, B, C, spatial in SHAPES:
         macs = B * math.prod(spatial) * C * C * 3 ** len(spatial)
@@ -128,8 +131,9 @@ def main() -> int:
             ratio = max(d) / max(i)
             ratios.append(ratio)
             cells += [f"{d[0]:.1f} / {d[1]:.1f}", f"{i[0]:.1f} / {i[1]:.1f}", f"{ratio:.2f}"]
-        results.append((macs, ratios))
-        print(f"| {label} | {macs:,} | " + " | ".join(cells) + " |", flush=True)
+        if C * C <= cuda_direct.MAX_CHANNEL_PRODUCT:
+            results.append((macs, ratios))
+        print(f"| {label} | {macs:,} | " + " | ".join(cells) + f" | {row['auto']} |", flush=True)
     # the largest MAC count below which direct wins on every shape (forward and forward+backward)
     threshold = 0
     for macs, ratios in sorted(results):
@@ -137,9 +141,11 @@ def main() -> int:
             break
         threshold = macs
     losers = [f"{m:,}" for m, r in sorted(results) if max(r) > 1.0]
-    print(f"\nimplied threshold: direct wins on every shape up to {threshold:,} MACs "
+    print(f"\nchannel rule: C_in * C_out/groups <= {cuda_direct.MAX_CHANNEL_PRODUCT}; MACs limit now "
+          f"{cuda_direct.MAX_MACS:,}")
+    print(f"implied threshold: direct wins on every shape (within the channel rule) up to {threshold:,} MACs "
           f"(2^{math.log2(threshold):.1f})" if threshold else "\nimplied threshold: none (direct never wins)")
-    print(f"shapes where im2col wins: {', '.join(losers) or 'none'}")
+    print(f"shapes (within the channel rule) where im2col wins: {', '.join(losers) or 'none'}")
     print(f"({time.perf_counter() - began:.0f} s)")
     return 0
 
