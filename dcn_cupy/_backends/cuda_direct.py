@@ -69,9 +69,10 @@ def _int_from_env(name: str, default: int) -> int:
 
 #: Chosen automatically only when B * prod(Q) * C_out * C_in/groups * K is at most this.
 #: From benchmarks/direct.py (H200, float32 DCNv2, max(GPU, host) µs per call against
-#: cuda/im2col): direct is faster, forward and forward+backward, on every measured shape up to
-#: 3.5M MACs that passes the channel rule below (0.35-0.9x); at 9.4M (2D B1 C64 16x16) it is
-#: 1.2x / 1.35x slower, at 18.9M 2x.
+#: cuda/im2col, two runs): direct is faster forward and forward+backward on every measured
+#: shape up to 2.4M MACs that passes the channel rule below (0.34-0.84x); 3D B1 C16 8^3 (3.5M)
+#: breaks even forward (0.92x / 1.03x) and wins forward+backward (0.56x / 0.87x); 2D B1 C64
+#: 16x16 (9.4M) is 1.2-1.35x slower, 2D B2 C32 32x32 (18.9M) 2x.
 MAX_MACS = _int_from_env("DCN_CUPY_DIRECT_MAX_MACS", 2**22)
 #: ... and C_in * C_out/groups (the serial multiply-adds of one data-gradient thread, over
 #: MAX_LANES lanes) at most this: 2D B1 C128 4x4 (2.4M MACs, 16384) is 1.8x slower than im2col
