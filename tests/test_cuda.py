@@ -30,6 +30,15 @@ cupy = pytest.importorskip("cupy")
 
 pytestmark = pytest.mark.gpu
 
+
+@pytest.fixture(autouse=True)
+def _im2col():
+    """This file tests cuda/im2col: its small cases would otherwise go to cuda/direct (which
+    tests/test_cuda_direct.py covers)."""
+    from dcn_cupy._backends import use_algorithm
+    with use_algorithm("cuda/im2col"):
+        yield
+
 HALF_TOL = {np.dtype(np.float16): 3e-3, BFLOAT16: 2.4e-2}
 HALF_GRAD_TOL = {np.dtype(np.float16): 5e-3, BFLOAT16: 4e-2}
 
@@ -288,7 +297,8 @@ def test_chunked_batch_equals_one_chunk(transposed, monkeypatch):
     for limit in limits:  # from chunks of samples down to slabs of output rows, then too small
         monkeypatch.setattr(cuda, "WORKSPACE_LIMIT_BYTES", limit)
         try:
-            p = dcn_cupy.plan(**case.arrays(to_gpu()), **case.params, transposed=transposed)
+            p = dcn_cupy.plan(**case.arrays(to_gpu()), **case.params, transposed=transposed,
+                              algorithm="cuda/im2col")   # plan() does not read use_algorithm
             y = case.forward(**case.arrays(to_gpu()), **case.params)
             g = case.backward(gy, **case.arrays(to_gpu()), **case.params)
         except MemoryError:  # the limit is below one row of output positions

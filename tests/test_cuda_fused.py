@@ -436,11 +436,13 @@ def test_non_finite_input_reaches_exactly_the_dense_convolution_pattern(wide, pr
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
-def test_plans_choose_and_force_fused(dtype):
+def test_plans_choose_and_force_fused(dtype, monkeypatch):
     """The plan layer: automatic choice (fused for the half types, im2col for float32), forced
     selection through ``algorithm=`` and ``use_algorithm``, and the transposed convolution's
     backward-to-input (a conv forward by duality) on the fused kernel."""
     cupy = _cupy()
+    from dcn_cupy._backends import cuda_direct
+    monkeypatch.setattr(cuda_direct, "MAX_MACS", 0)   # the choice among the other CUDA algorithms
     import dcn_cupy
     from dcn_cupy._backends import use_algorithm
     rng = np.random.default_rng(12)

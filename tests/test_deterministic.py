@@ -178,8 +178,10 @@ def _spec(deterministic, dtype=np.float32, device="cuda"):
     return _backends.PlanSpec(geom, np.dtype(dtype), device, 0, deterministic, False)
 
 
-def test_registry_chooses_the_deterministic_backward():
+def test_registry_chooses_the_deterministic_backward(monkeypatch):
     pytest.importorskip("cupy")
+    from dcn_cupy._backends import cuda_direct
+    monkeypatch.setattr(cuda_direct, "MAX_MACS", 0)   # the choice among the other CUDA algorithms
     chosen = lambda spec, primitive: "{0.device}/{0.algorithm}".format(_backends.choose(spec, primitive)[0])
     assert chosen(_spec(True), "conv_backward") == "cuda/im2col-deterministic"
     assert chosen(_spec(False), "conv_backward") == "cuda/im2col"
@@ -418,8 +420,10 @@ def test_non_finite_contributions_are_order_free():
 
 
 @pytest.mark.gpu
-def test_plan_descriptions_and_broadcast_batch():
+def test_plan_descriptions_and_broadcast_batch(monkeypatch):
     cupy = _cupy()
+    from dcn_cupy._backends import cuda_direct
+    monkeypatch.setattr(cuda_direct, "MAX_MACS", 0)   # the choice among the other CUDA algorithms
     case = Collide(2, True, seed=5, batch=3)
     arrays = case.arrays(cupy.asarray)
     p = dcn_cupy.plan(**arrays, **case.params, transposed=True, deterministic=True)
