@@ -193,8 +193,9 @@ _forced = threading.local()
 
 @contextlib.contextmanager
 def use_algorithm(name: Optional[str]):
-    """Force ``name`` (e.g. ``"cuda/im2col"``) for plans built in this thread, the functional
-    API's included (it is part of their cache key). ``None`` restores the automatic choice."""
+    """Force ``name`` (e.g. ``"cuda/im2col"``) for the functional API's plans built in this
+    thread (it is part of their cache key; :func:`dcn_cupy.plan` takes ``algorithm=`` instead).
+    ``None`` restores the automatic choice."""
     if name is not None:
         backend_named(name)
     previous = getattr(_forced, "name", None)
@@ -214,13 +215,14 @@ _cuda_settings = None
 
 
 def cuda_settings() -> tuple:
-    """The CUDA backend's module settings (workspace limit, tile sizes), read when its
-    executables are built: part of the functional API's plan key, so that a changed setting
-    builds new plans."""
+    """The CUDA backends' module settings (workspace limit, tile sizes, cuda/direct's size
+    limits), read when their executables are built or chosen: part of the functional API's
+    plan key, so that a changed setting builds new plans."""
     global _cuda_settings
     if _cuda_settings is None:
-        _cuda_settings = importlib.import_module("dcn_cupy._backends.cuda").settings
-    return _cuda_settings()
+        _cuda_settings = tuple(importlib.import_module(f"dcn_cupy._backends.{name}").settings
+                               for name in ("cuda", "cuda_direct"))
+    return tuple(settings() for settings in _cuda_settings)
 
 
 def get_backend(device: str):

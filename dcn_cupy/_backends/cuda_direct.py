@@ -80,6 +80,11 @@ MAX_MACS = _int_from_env("DCN_CUPY_DIRECT_MAX_MACS", 2**22)
 MAX_CHANNEL_PRODUCT = 2**12
 
 
+def settings() -> tuple:
+    """The limits of the automatic choice (part of the functional API's plan key)."""
+    return (MAX_MACS, MAX_CHANNEL_PRODUCT)
+
+
 def _b(flag: bool) -> str:
     return "true" if flag else "false"
 
@@ -199,16 +204,16 @@ class _Executable:
                                                 max(geom.mask_groups, 1)))
         with cupy.cuda.Device(spec.device_id):
             self.kernels = _kernels(self.dtype, self.N, self.index64)
-        self._cache = None
+        self._recordings = _cuda.Recordings()
 
     def _describe(self, what: str) -> str:
         return f"cuda/direct {what}, {'64' if self.index64 else '32'}-bit index, no workspace"
 
     def _replay(self, key, stream) -> None:
-        cached = self._cache  # (key, ops), read and replaced as one object: safe across threads
-        if cached is None or cached[0] != key:
-            cached = self._cache = (key, self._record(*key))
-        _cuda._replay(cached[1], None, stream)
+        ops = self._recordings.get(key)
+        if ops is None:
+            ops = self._recordings.put(key, self._record(*key))
+        _cuda._replay(ops, None, stream)
 
 
 class _Forward(_Executable):
