@@ -585,6 +585,19 @@ def _kernel_op(kernel, grid, block, args, shared_mem=0):
     return (0, function.ptr, int(grid[0]), int(block[0]), int(shared_mem), params.ptr, params)
 
 
+_INVALID_CONTEXT = 201   # CUDA_ERROR_INVALID_CONTEXT
+
+
+def _make_context_current() -> bool:
+    """Make the runtime's current device's primary context current on this thread. A thread
+    that has made no runtime call has none, and CuPy's ``Device`` context skips
+    ``cudaSetDevice`` when the device is already the current one (as device 0 is on a new
+    thread): the first driver-API launch there fails with CUDA_ERROR_INVALID_CONTEXT."""
+    runtime = cupy.cuda.runtime
+    runtime.setDevice(runtime.getDevice())
+    return True
+
+
 def _driver_launch():
     """``cuLaunchKernel`` through a ``PyDLL`` of the driver (keeps the GIL: see
     _cublas_library), else CuPy's binding (which releases it)."""
@@ -604,6 +617,8 @@ def _driver_launch():
 
     def launch(f, gx, gy, gz, bx, by, bz, shared_mem, stream, params, extra):
         status = fn(f, gx, gy, gz, bx, by, bz, shared_mem, stream, params, extra or None)
+        if status == _INVALID_CONTEXT and _make_context_current():
+            status = fn(f, gx, gy, gz, bx, by, bz, shared_mem, stream, params, extra or None)
         if status:
             raise RuntimeError(f"cuLaunchKernel failed with CUresult {status}")
 
@@ -613,6 +628,8 @@ def _driver_launch():
 
     def memset(ptr, value, size, stream):
         status = zero(ptr, value, size, stream)
+        if status == _INVALID_CONTEXT and _make_context_current():
+            status = zero(ptr, value, size, stream)
         if status:
             raise RuntimeError(f"cuMemsetD8Async failed with CUresult {status}")
 
