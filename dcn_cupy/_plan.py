@@ -165,13 +165,8 @@ class Plan:
             if kernel is not None:
                 self._bias_sum = (kernel, _cuda_backend.channel_sum)
                 batch, channels, *spatial = out      # the bias gradient sums grad_output over all but C
-                inner = int(np.prod(spatial, dtype=np.int64))
-
-                def bias_sum_pointers(grad_output, target, stream):
-                    _cuda_backend.channel_sum_pointers(kernel, grad_output, target, batch, channels * inner,
-                                                       channels, inner, stream)
-
-                self._bias_sum_pointers = bias_sum_pointers
+                self._bias_sum_pointers = _cuda_backend.ChannelSum(kernel, batch, channels,
+                                                                   int(np.prod(spatial, dtype=np.int64)))
 
     # -----------------------------------------------------------------------------------------
     # description
@@ -260,7 +255,7 @@ class Plan:
         if dev != self.device or dev_id != self.device_id:
             where = "cpu" if self.device == "cpu" else f"cuda:{self.device_id}"
             raise ValueError(f"{name} must be on the plan's device {where}, got {dev if dev == 'cpu' else f'cuda:{dev_id}'}")
-        if not native.flags.c_contiguous:
+        if not (native._c_contiguous if self.device == "cuda" else native.flags.c_contiguous):
             raise ValueError(f"{name} must be C-contiguous")
         if nbytes is not None and native.nbytes < nbytes:
             raise ValueError(f"{name} must hold at least {nbytes} bytes (plan.workspace_bytes), got {native.nbytes}")
@@ -450,11 +445,31 @@ class Plan:
     def _batched(self, a):
         return a if a is None or self.batched else a[None]
 
+    def _all_contiguous(self, natives) -> bool:
+        """CUDA arrays (CuPy), each C-contiguous: the raw-address path takes them as they are."""
+        if self.device != "cuda":
+            return False
+        for a in natives:
+            if a is not None and not a._c_contiguous:
+                return False
+        return True
+
+    @staticmethod
+    def _address(a) -> int:
+        return 0 if a is None else a.data.ptr
+
     def _forward(self, natives, out=None, workspace=None):
         xp = self._xp
         x, w, off, msk, b = natives
         y = out if out is not None else xp.empty(self.output_shape, dtype=self.dtype)
         if self.geom.batch == 0:
+            return y
+        if self._pointer_ready(self._fwd) and self._all_contiguous(natives):
+            # one pass: no per-executable re-checks, views or batch axes
+            ws = self._workspace(workspace)
+            address = self._address
+            self.launch_forward((address(x), address(w), address(off), address(msk), address(b)), y.data.ptr,
+                                address(ws), xp.cuda.get_current_stream().ptr)
             return y
         batched = self.batched
         yb = y if batched else y[None]
@@ -489,6 +504,20 @@ class Plan:
             if target is None:
                 target = xp.empty(self._shapes[name], dtype=dtype)
             grads[name] = target
+        core = wanted & _CORE
+        if self._all_contiguous(natives):
+            address = self._address
+            targets = {name: address(grads[name]) for name in core}
+            if "bias" in wanted and self._bias_sum_pointers is not None:
+                grads["bias"] = outs.get("bias")
+                if grads["bias"] is None:
+                    grads["bias"] = xp.empty(self._shapes["bias"], dtype=dtype)
+                targets["bias"] = address(grads["bias"])
+            if "bias" not in wanted or "bias" in targets:
+                ws = self._workspace(workspace) if core else None
+                if self.launch_backward(address(gy), (address(x), address(w), address(off), address(msk), 0),
+                                        wanted, targets, address(ws), xp.cuda.get_current_stream().ptr):
+                    return grads
         batched = self.batched
         if not batched:
             gy = gy[None]
@@ -501,7 +530,6 @@ class Plan:
             off = _sample_contiguous(xp, off)
         if msk is not None:
             msk = _sample_contiguous(xp, msk)
-        core = wanted & _CORE
         ws = self._workspace(workspace) if core else None
 
         def view(name):  # the batched view of a per-sample gradient

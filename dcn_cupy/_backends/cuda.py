@@ -750,6 +750,26 @@ def channel_sum(kernel, grad_output, out) -> None:
                          math.prod(grad_output.shape[2:]), cupy.cuda.get_current_stream().ptr)
 
 
+class ChannelSum:
+    """:func:`channel_sum` of C-contiguous ``(batch, channels, *inner)`` arrays on raw addresses:
+    ``ChannelSum(kernel, batch, channels, inner)(src, dst, stream)``, the launch recorded per
+    address pair and replayed."""
+
+    def __init__(self, kernel, batch: int, channels: int, inner: int):
+        self.kernel, self.batch, self.channels, self.inner = kernel, batch, channels, inner
+        self._recordings = Recordings()
+
+    def __call__(self, src: int, dst: int, stream: int) -> None:
+        if self.channels == 0:
+            return
+        key = (src, dst)
+        ops = self._recordings.get(key)
+        if ops is None:
+            ops = self._recordings.put(key, [_kernel_op(self.kernel, (self.channels,), (_CHANNEL_SUM_BLOCK,), tuple(
+                np.int64(v) for v in (src, dst, self.batch, self.channels * self.inner, self.channels, self.inner)))])
+        _replay(ops, None, stream)
+
+
 def channel_sum_pointers(kernel, src: int, dst: int, batch: int, batch_stride: int, channels: int, inner: int,
                          stream: int) -> None:
     """:func:`channel_sum` on raw pointers (element strides) and an explicit stream."""
