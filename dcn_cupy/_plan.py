@@ -398,6 +398,15 @@ class Plan:
         at least ``workspace_bytes`` (0 when that is 0), ``stream`` a ``cudaStream_t``; the
         plan's device must be current. False (and nothing run) where the chosen algorithm has
         no raw-address path: call :meth:`forward` then."""
+        return self._forward_addresses(pointers, out, workspace, stream)
+
+    def launch_backward(self, grad_output: int, pointers, wanted, outs, workspace: int, stream: int) -> bool:
+        """:meth:`backward` on raw device addresses, as :meth:`launch_forward`: ``wanted`` a
+        frozenset of gradient names (as :meth:`_wanted` normalises them), ``outs`` name ->
+        address of each wanted gradient."""
+        return self._backward_addresses(grad_output, pointers, wanted, outs, workspace, stream)
+
+    def _forward_addresses(self, pointers, out, workspace, stream) -> bool:
         exe = self._fwd
         if not self._pointer_ready(exe):
             return False
@@ -408,10 +417,7 @@ class Plan:
             exe.run_pointers(tuple(pointers), out, workspace, stream)
         return True
 
-    def launch_backward(self, grad_output: int, pointers, wanted, outs, workspace: int, stream: int) -> bool:
-        """:meth:`backward` on raw device addresses, as :meth:`launch_forward`: ``wanted`` a
-        frozenset of gradient names (as :meth:`_wanted` normalises them), ``outs`` name ->
-        address of each wanted gradient."""
+    def _backward_addresses(self, grad_output, pointers, wanted, outs, workspace, stream) -> bool:
         x, w, off, msk, _ = pointers
         core = wanted & _CORE
         params = core & _PARAMS
@@ -468,8 +474,8 @@ class Plan:
             # one pass: no per-executable re-checks, views or batch axes
             ws = self._workspace(workspace)
             address = self._address
-            self.launch_forward((address(x), address(w), address(off), address(msk), address(b)), y.data.ptr,
-                                address(ws), xp.cuda.get_current_stream().ptr)
+            self._forward_addresses((address(x), address(w), address(off), address(msk), address(b)), y.data.ptr,
+                                    address(ws), xp.cuda.get_current_stream().ptr)
             return y
         batched = self.batched
         yb = y if batched else y[None]
@@ -515,8 +521,8 @@ class Plan:
                 targets["bias"] = address(grads["bias"])
             if "bias" not in wanted or "bias" in targets:
                 ws = self._workspace(workspace) if core else None
-                if self.launch_backward(address(gy), (address(x), address(w), address(off), address(msk), 0),
-                                        wanted, targets, address(ws), xp.cuda.get_current_stream().ptr):
+                if self._backward_addresses(address(gy), (address(x), address(w), address(off), address(msk), 0),
+                                            wanted, targets, address(ws), xp.cuda.get_current_stream().ptr):
                     return grads
         batched = self.batched
         if not batched:
