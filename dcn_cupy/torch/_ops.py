@@ -41,12 +41,16 @@ def _address(t: Optional[Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _forward(transposed: bool, tensors: Sequence[Optional[Tensor]], hyper, plan=None) -> Tensor:
+def _forward(transposed: bool, tensors: Sequence[Optional[Tensor]], hyper, plan=None, ctx=None) -> Tensor:
+    """The forward; ``ctx`` (an autograd context) records in ``ctx.raw`` whether the tensors
+    passed the raw-address checks (the backward then checks only ``grad_output``)."""
     input = tensors[0]
     if plan is None:
         plan = _plans.plan_for(transposed, tensors, hyper)
     out = torch.empty(plan.output_shape, dtype=input.dtype, device=input.device)
     stream = _runtime.launch_stream(tensors)
+    if ctx is not None:
+        ctx.raw = stream is not None
     if stream is not None:  # the plan's shapes hold by construction: its launches on raw addresses
         workspace = _workspace_tensor(plan, input)
         if plan.launch_forward(tuple(_address(t) for t in tensors), out.data_ptr(), _address(workspace), stream):
@@ -58,9 +62,11 @@ def _forward(transposed: bool, tensors: Sequence[Optional[Tensor]], hyper, plan=
 
 
 def _backward(transposed: bool, grad_output: Tensor, tensors: Sequence[Optional[Tensor]], hyper,
-              wrt: Sequence[bool], plan=None):
+              wrt: Sequence[bool], plan=None, raw: bool = False):
     """The five gradients; one not computed is an empty tensor (custom-op schemas have no
-    optional outputs). ``plan``: the forward's, when still the one to use."""
+    optional outputs). ``plan``: the forward's, when still the one to use; ``raw``: the saved
+    ``tensors`` passed the raw-address checks in the forward (autograd refuses saved tensors
+    changed in place since)."""
     input = tensors[0]
     wanted = [name for name, w, t in zip(NAMES, wrt, tensors) if w and t is not None]
     grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) if name in wanted else input.new_empty(0)
@@ -73,7 +79,10 @@ def _backward(transposed: bool, grad_output: Tensor, tensors: Sequence[Optional[
     if not grad_output.is_contiguous() and not (grad_output.dim() > 1 and grad_output.shape[0] > 0
                                                  and grad_output[0].is_contiguous()):
         grad_output = grad_output.contiguous()   # torch's copy: cheaper than CuPy's in the plan
-    stream = _runtime.launch_stream((grad_output,) + tuple(tensors))
+    if raw and grad_output.dtype == input.dtype and grad_output.get_device() == input.get_device():
+        stream = _runtime.launch_stream((grad_output,))
+    else:
+        stream = _runtime.launch_stream((grad_output,) + tuple(tensors))
     if stream is not None:
         workspace = _workspace_tensor(plan, input)
         outs = {name: g.data_ptr() for name, g in zip(NAMES, grads) if name in wanted}
@@ -255,14 +264,14 @@ class EagerConv(torch.autograd.Function):
         ctx.transposed, ctx.hyper = transposed, hyper
         # the plan the backward uses too (unless torch's deterministic or TF32 flag changes meanwhile)
         ctx.plan = _plans.plan_for(transposed, tensors, hyper)
-        return _forward(transposed, tensors, hyper, ctx.plan)
+        return _forward(transposed, tensors, hyper, ctx.plan, ctx)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output):
         tensors = ctx.saved_tensors
         wanted = _wanted(ctx.needs_input_grad[2:], tensors)
-        grads = _backward(ctx.transposed, grad_output, tensors, ctx.hyper, wanted, ctx.plan)
+        grads = _backward(ctx.transposed, grad_output, tensors, ctx.hyper, wanted, ctx.plan, ctx.raw)
         return (None, None) + _empty_to_none(grads, wanted)
 
 
