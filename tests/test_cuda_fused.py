@@ -342,6 +342,35 @@ def test_large_output_channel_tiles_and_batch_spanning_tiles():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_every_half_tile_in_every_dimension(ndim):
+    """Every tile of the half types (MINB 1 and 2; wgmma where the device has it), float16 and
+    bfloat16, both step orders, in 1-d, 2-d and 3-d: the tuner may pick any of them for any N
+    (the MINB 2 tiles spill in 3-d, benchmarks/fused_regs.py)."""
+    cupy = _cupy()
+    fused = _fused()
+    rng = np.random.default_rng(40 + ndim)
+    arrays, params = wide_case(rng, ndim, groups=1, offset_groups=2, mask_groups=1, c_in=128, c_out=160, batch=2)
+    geom = _geometry.conv_geometry(*(None if arrays[k] is None else arrays[k].shape
+                                     for k in ("input", "weight", "offset", "mask", "bias")), **params)[0]
+    for precision in ("float16", "bfloat16"):
+        dtype = DTYPE[precision]
+        dev = {k: cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
+        expected = reference.deform_conv(**{k: a.astype(dtype).astype(np.float64) for k, a in arrays.items()},
+                                         **params)
+        for tile in fused._tiles(dtype):
+            if tile[4] == 1 and not fused.wgmma_available():
+                continue
+            for taps_inner in (True, False):
+                config = fused.LaunchConfig(geom, dtype, False, tile=tile, taps_inner=taps_inner)
+                assert config.uniform
+                out = cupy.full(geom.y_shape, np.nan, dtype=dtype)
+                fused.run_forward(config, dev["input"], dev["weight"], dev["offset"], dev["mask"], dev["bias"], out)
+                got = cupy.asnumpy(out).astype(np.float64)
+                assert relative_error(got, expected) < TOL[precision], (precision, tile, taps_inner)
+
+
+@pytest.mark.gpu
 def test_matches_cpu_backend():
     cupy = _cupy()
     from dcn_cupy._backends import cpu

@@ -59,9 +59,13 @@ DTYPES = tuple(_VEC)
 #: (sm_90a) need a compute capability 9.0 device and compute fp16, bf16 and TF32 (not 3xTF32).
 #: ENGINE 2 (the corner pipeline: cp.async corner copies several steps ahead) is not listed:
 #: slower than ENGINE 0 wherever measured; ``benchmarks/stages.py --tiles`` still times it.
+#: The half tiles with MINB 2 (128 registers, two 256-thread blocks per SM; no spills in 1-d and
+#: 2-d, ``benchmarks/fused_regs.py``) were 34-35% faster than 64x64x64 MINB 1 at B=32 C64 56x56
+#: and second only to 256x64x64 MINB 1 at C256 / C512 (NOTES-gpu.md, fused3).
 TILES = {
     "half": ((64, 64, 64, 1, 0), (256, 64, 64, 1, 0), (128, 128, 64, 1, 0),
-             (128, 64, 64, 1, 1), (256, 128, 32, 1, 1), (128, 128, 64, 1, 1)),
+             (128, 64, 64, 1, 1), (256, 128, 32, 1, 1), (128, 128, 64, 1, 1),
+             (64, 128, 32, 2, 0), (64, 64, 64, 2, 0), (128, 64, 64, 2, 0)),
     "float": ((64, 64, 32, 1, 0), (256, 64, 32, 1, 0), (128, 128, 16, 1, 0),
               (128, 64, 32, 1, 1), (256, 128, 16, 1, 1), (128, 128, 32, 1, 1)),
 }

@@ -1,0 +1,123 @@
+"""Time fused-forward tiles of your choice (TILES and others) on a few shapes, each checked first.
+
+    python benchmarks/fused_tiles.py [--shapes '8,256,56;32,64,56;16,512,14'] [--dtypes float16,bfloat16]
+        [--tiles 'BM,BN,BK,MINB,ENGINE;...'] [--budget 190]
+
+Per shape (B, C_in = C_out, HxW, 3x3, padding 1, offsets and mask, DCNv2) and dtype: the float32
+reference through a ``cuda/im2col`` plan (strict float32) on the same (rounded) inputs; then
+per tile (those of TILES that ``_candidates`` keeps for the shape, then ``--tiles``, each
+instantiated on demand: a tile outside TILES gets a module of its own) and step order: the
+relative error in the norm against that reference (must be < 3e-3 fp16, 2.4e-2 bf16), the
+kernel alone (CuPy events, median of 5 x 10 launches, all candidates timed in two interleaved
+rounds, best round kept) and the whole forward (``run_forward``: weight re-layout,
+channels-last copy, kernel). ``--budget`` seconds: no new shape is started past it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+
+from dcn_cupy._interop import BFLOAT16  # noqa: E402
+from gpu import _device_name, _time_cupy, no_gpu_reason  # noqa: E402
+
+DTYPES = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16}
+TOL = {"float16": 3e-3, "bfloat16": 2.4e-2}
+EXTRA = "128,64,32,2,0;128,64,64,2,0;64,128,32,2,0;64,64,64,2,0;256,64,32,2,0;128,64,64,2,1;128,64,32,2,1;128,64,32,1,0"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="8,256,56;32,64,56;16,512,14")
+    parser.add_argument("--dtypes", default="float16")
+    parser.add_argument("--tiles", default=EXTRA)
+    parser.add_argument("--budget", type=float, default=190.0)
+    args = parser.parse_args(argv)
+    reason = no_gpu_reason()
+    if reason is not None:
+        print(f"fused_tiles.py: {reason}: nothing to time.")
+        return 0
+    import cupy
+    import dcn_cupy
+    from dcn_cupy import _geometry
+    from dcn_cupy._backends import cuda_fused as fu
+    t0 = time.time()
+    extra = [tuple(int(v) for v in tile.split(",")) for tile in args.tiles.split(";") if tile]
+    sms, wgmma = fu._multiprocessors(), fu.wgmma_available()
+    print(f"device: {_device_name()}, {sms} SMs, wgmma {wgmma}", flush=True)
+    for shape in [s for s in args.shapes.split(";") if s]:
+        B, C, H = (int(v) for v in shape.split(","))
+        for dname in [d for d in args.dtypes.split(",") if d]:
+            if time.time() - t0 > args.budget:
+                print(f"budget of {args.budget:.0f} s spent: B={B} C={C} {H}x{H} {dname} skipped", flush=True)
+                continue
+            dtype = DTYPES[dname]
+            rng = cupy.random.default_rng(0)
+            x = rng.standard_normal((B, C, H, H), dtype=cupy.float32).astype(dtype)
+            w = (rng.standard_normal((C, C, 3, 3), dtype=cupy.float32) / (C * 9) ** 0.5).astype(dtype)
+            off = (rng.standard_normal((B, 18, H, H), dtype=cupy.float32) * 2).astype(dtype)
+            msk = rng.random((B, 9, H, H), dtype=cupy.float32).astype(dtype)
+            f32 = [a.astype(cupy.float32) for a in (x, w, off, msk)]
+            ref = dcn_cupy.plan(*f32, padding=1, algorithm="cuda/im2col", allow_tf32=False).forward(*f32)
+            geom, _ = _geometry.conv_geometry(x.shape, w.shape, off.shape, msk.shape, None, padding=1)
+            flop = 2.0 * C * C * 9 * B * H * H
+            cands = fu._candidates(geom, dtype, wgmma)
+            limit = max(64, -(-C // 64) * 64)
+            tiles = list(cands) + [t for t in extra if t not in cands and t[0] <= limit and (t[4] != 1 or wgmma)]
+            out = cupy.empty(geom.y_shape, dtype=dtype)
+            runs = []   # (label, kernel fn, whole fn)
+            for tile in tiles:
+                for taps_inner in (0, 1):
+                    try:
+                        c = fu.LaunchConfig(geom, dtype, False, sms, tile=tile, taps_inner=bool(taps_inner))
+                        ws = cupy.empty(c.workspace_bytes, dtype=np.uint8)
+                        out.fill(np.nan)
+                        fu.run_forward(c, x, w, off, msk, None, out, ws)
+                        kern = c.kernel("forward")
+                    except Exception as error:
+                        print(f"  {tile} taps {'in' if taps_inner else 'out'}: {type(error).__name__}: "
+                              f"{str(error)[:300]}", flush=True)
+                        continue
+                    d = out.astype(cupy.float32) - ref
+                    err = float(cupy.linalg.norm(d) / cupy.linalg.norm(ref))
+                    ok = err < TOL[dname]
+                    xcl, wr = fu._views(c, ws)
+                    kargs = (xcl, wr, off, msk, None, out, c.struct, np.int32(B), np.int32(C), np.int32(c.Cp),
+                             np.int32(C), np.int32(1), np.int32(1), np.int32(1), np.int32(c.Cgp),
+                             np.int32(fu._batch_stride(off)), np.int32(fu._batch_stride(msk)), np.int32(taps_inner))
+                    label = ("%dx%dx%d minb %d %s" % (tile[:4] + (("mma", "wgmma", "pipe")[tile[4]],))
+                             + (" taps in " if taps_inner else " taps out"))
+                    runs.append(dict(label=label, err=err, ok=ok, regs=fu.num_registers(kern), blocks=c.blocks(B),
+                                     kernel=(lambda kern=kern, c=c, kargs=kargs:
+                                             kern((c.blocks(B),), (256,), kargs, shared_mem=c.smem_bytes)),
+                                     whole=(lambda c=c, ws=ws: fu.run_forward(c, x, w, off, msk, None, out, ws)),
+                                     k=float("inf"), f=float("inf")))
+            for _ in range(2):    # two interleaved rounds, the best kept
+                for r in runs:
+                    if r["ok"]:
+                        r["k"] = min(r["k"], _time_cupy(r["kernel"], 3, 5, 10))
+                        r["f"] = min(r["f"], _time_cupy(r["whole"], 3, 5, 10))
+            print(f"== B={B} C={C}->{C} {H}x{H} 3x3 {dname} (candidates of TILES: {len(cands)}; "
+                  f"{time.time() - t0:.0f} s)")
+            print("| tile | regs | blocks | rel err | kernel ms | TFLOP/s | whole fwd ms |")
+            print("| --- | --- | --- | --- | --- | --- | --- |")
+            best = min((r["k"] for r in runs if r["ok"]), default=float("inf"))
+            for r in sorted(runs, key=lambda r: r["k"]):
+                mark = " *" if r["k"] == best else ""
+                print(f"| {r['label']}{mark} | {r['regs']} | {r['blocks']} | {r['err']:.2e}{'' if r['ok'] else ' FAIL'}"
+                      f" | {r['k']:.4f} | {flop / r['k'] / 1e9:.1f} | {r['f']:.4f} |", flush=True)
+            del runs
+            cupy.get_default_memory_pool().free_all_blocks()
+    print(f"total {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
