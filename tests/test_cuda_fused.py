@@ -472,6 +472,8 @@ def test_plans_choose_and_force_fused(dtype, monkeypatch):
     cupy = _cupy()
     from dcn_cupy._backends import cuda_direct
     monkeypatch.setattr(cuda_direct, "MAX_MACS", 0)   # the choice among the other CUDA algorithms
+    from dcn_cupy._backends import cuda_fused
+    monkeypatch.setattr(cuda_fused, "fused_versus_im2col", lambda *a: (1.0, 2.0))   # fused measured faster
     import dcn_cupy
     from dcn_cupy._backends import use_algorithm
     rng = np.random.default_rng(12)
@@ -527,3 +529,34 @@ def test_broadcast_batch_chunks_and_64bit_indices(monkeypatch):
     assert relative_error(cupy.asnumpy(out).astype(np.float64), expected) < TOL["float16"]
     with pytest.raises(ValueError, match="workspace must hold at least"):
         fused.FusedForward(config).run(dev, out, workspace[:10])
+
+
+@pytest.mark.gpu
+def test_automatic_choice_follows_the_fused_versus_im2col_measurement(monkeypatch):
+    """For the half types the plan times the fused forward (its tuned tile) against cuda/im2col's
+    once per configuration and takes the faster; without a measurement (no tuning) fused."""
+    cupy = _cupy()
+    import dcn_cupy
+    from dcn_cupy._backends import cuda_direct, cuda_fused
+    monkeypatch.setattr(cuda_direct, "MAX_MACS", 0)
+    rng = np.random.default_rng(5)
+    case = random_case(rng, 2, False, channels_scale=16)
+    arrays = case.arrays(lambda a: cupy.asarray(a.astype(np.float16)))
+    geom = dcn_cupy.plan(**arrays, **case.params).geom
+
+    measured = cuda_fused.fused_versus_im2col(geom, np.float16, False)
+    assert len(measured) == 2 and all(0 < t < 1e4 for t in measured), measured
+    assert cuda_fused.fused_versus_im2col(geom, np.float16, False) is measured   # measured once
+    dcn_cupy.clear_plan_cache()
+    auto = dcn_cupy.plan(**arrays, **case.params)
+    winner = "cuda/im2col" if measured[1] < measured[0] else "cuda/fused"
+    assert auto.algorithm.startswith(f"forward: {winner}"), (auto.algorithm, measured)
+
+    monkeypatch.setattr(cuda_fused, "fused_versus_im2col", lambda *a: (2.0, 1.0))
+    slower = dcn_cupy.plan(**arrays, **case.params)
+    assert slower.algorithm.startswith("forward: cuda/im2col"), slower.algorithm
+    monkeypatch.setattr(cuda_fused, "fused_versus_im2col", lambda *a: None)
+    assert dcn_cupy.plan(**arrays, **case.params).algorithm.startswith("forward: cuda/fused")
+    y = slower.forward(**arrays)
+    rounded = {k: None if a is None else a.astype(np.float16).astype(np.float64) for k, a in case.arrays_.items()}
+    assert relative_error(cupy.asnumpy(y).astype(np.float64), case.reference(rounded)) < 3e-3

@@ -11,10 +11,12 @@ which keeps float32 accuracy; float32 accumulation). Per call, and part of the t
 * the weight is re-laid as ``(C_out, K, Cgp)`` (rows along the input channels of one tap,
   ``Cgp`` = C_in/groups rounded up to the step's channel chunk, zero-padded).
 
-Serves ``conv_forward`` for float16 and bfloat16 on CUDA (``FusedBackend.serves``); float32
-(TF32 or 3xTF32 here, both tested) measured slower than ``cuda/im2col`` and stays there, as
-does float64. The transposed convolution's backward-to-input is such a forward, so it runs here
-too.
+Serves ``conv_forward`` for float16 and bfloat16 on CUDA (``FusedBackend.serves``); the
+automatic choice takes it per configuration where it measured faster than ``cuda/im2col``'s
+forward (both timed once on one batch chunk when the plan is built: ``fused_versus_im2col``;
+e.g. at B=16 C512 14x14 fp16 im2col is faster). float32 (TF32 or 3xTF32 here, both tested)
+measured slower than ``cuda/im2col`` and stays there unless forced, as does float64. The
+transposed convolution's backward-to-input is such a forward, so it runs here too.
 
 Launch parameters per shape: a tile (output channels x positions x channels per step) and an
 MMA engine, ``mma.sync`` (any GPU of compute capability 8.0 or more) or ``wgmma`` (sm_90a, the
@@ -470,6 +472,55 @@ def _time_configs(configs: list, args: tuple, out, rounds: int = 2, repeats: int
     return best
 
 
+def _random_arguments(g, dtype):
+    """(x, weight, offset, mask, bias=None) of geometry ``g`` on random data, and an output."""
+    rng = cupy.random.default_rng(0)
+    rand = lambda shape, scale=1.0: (rng.standard_normal(shape, dtype=np.float32) * scale).astype(dtype)  # noqa: E731
+    args = (rand(g.x_shape), rand(g.weight_shape, 1.0 / math.sqrt(g.in_channels_per_group * g.kernel_volume)),
+            rand(g.offset_shape) if g.has_offset else None,
+            rng.random(g.mask_shape, dtype=np.float32).astype(dtype) if g.has_mask else None, None)
+    return args, cupy.empty(g.y_shape, dtype=dtype)
+
+
+#: (device, geometry, dtype, precision) -> (fused ms, im2col ms), measured once per key.
+_versus = {}
+
+
+def fused_versus_im2col(geom, dtype, allow_tf32: bool):
+    """``(fused ms, im2col ms)``: the whole forward of one batch chunk on random data, fused with
+    its tuned launch configuration against ``cuda/im2col``'s executable, timed alike (each run
+    once first, then the best of interleaved repeats); None when ``TUNE`` is off or a CUDA
+    graph is being captured. Cached per device, geometry, dtype and precision."""
+    dtype = np.dtype(dtype)
+    config = plan_config(geom, dtype, allow_tf32)
+    key = (cupy.cuda.runtime.getDevice(), geom, dtype.str, config.precision)
+    found = _versus.get(key)
+    if found is not None or not TUNE or _capturing():
+        return found
+    from . import PlanSpec
+    g = geom.with_batch(config.chunk)
+    args, out = _random_arguments(g, dtype)
+    fused = LaunchConfig(g, dtype, allow_tf32, _multiprocessors(), tile=config.tile, taps_inner=config.taps_inner)
+    fused_ws = cupy.empty(fused.workspace_bytes, dtype=np.uint8)
+    im2col = _cuda._Forward(PlanSpec(g, dtype, "cuda", key[0], False, bool(allow_tf32)))
+    im2col_ws = cupy.empty(im2col.workspace_bytes, dtype=np.uint8)
+    named = dict(zip(("input", "weight", "offset", "mask", "bias"), args))
+    runs = (lambda: run_forward(fused, *args, out, fused_ws), lambda: im2col.run(named, out, im2col_ws))
+    for run in runs:
+        run()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    best = [math.inf, math.inf]
+    for _ in range(3):
+        for i, run in enumerate(runs):
+            start.record()
+            run()
+            stop.record()
+            stop.synchronize()
+            best[i] = min(best[i], cupy.cuda.get_elapsed_time(start, stop))
+    found = _versus[key] = tuple(best)
+    return found
+
+
 def plan_config(geom, dtype, allow_tf32: bool) -> LaunchConfig:
     """The launch configuration of a forward: its tile and step order (taps inner or outer)
     chosen by timing the candidates once on random data of one batch chunk (cached per device,
@@ -485,12 +536,7 @@ def plan_config(geom, dtype, allow_tf32: bool) -> LaunchConfig:
     if not TUNE or _capturing():
         return static
     g = geom.with_batch(static.chunk)
-    rng = cupy.random.default_rng(0)
-    rand = lambda shape, scale=1.0: (rng.standard_normal(shape, dtype=np.float32) * scale).astype(dtype)  # noqa: E731
-    args = (rand(g.x_shape), rand(g.weight_shape, 1.0 / math.sqrt(g.in_channels_per_group * g.kernel_volume)),
-            rand(g.offset_shape) if g.has_offset else None,
-            rng.random(g.mask_shape, dtype=np.float32).astype(dtype) if g.has_mask else None, None)
-    out = cupy.empty(g.y_shape, dtype=dtype)
+    args, out = _random_arguments(g, dtype)
     orders = (True, False) if g.kernel_volume > 1 and g.in_channels_per_group > 32 else (True,)
     choices = [(tile, taps_inner)
                for tile in _candidates(geom, dtype, wgmma and static.precision != 2, static.index64)
@@ -577,9 +623,18 @@ class FusedBackend:
         return None
 
     def recommends(self, spec, primitive: str):
-        """None where the automatic choice should take cuda/fused; else why not."""
+        """None where the automatic choice should take cuda/fused; else why not. For the half
+        types the fused forward (its tuned tile) and cuda/im2col's are timed once on one batch
+        chunk of the configuration (:func:`fused_versus_im2col`), and the faster is taken;
+        without a measurement (``DCN_CUPY_FUSED_TUNE=0``, or a CUDA-graph capture) the fused
+        kernel is."""
         if np.dtype(spec.dtype) not in PREFERRED_DTYPES:
             return "float32 measured slower than cuda/im2col (force algorithm='cuda/fused' to use it)"
+        with cupy.cuda.Device(spec.device_id):
+            timed = fused_versus_im2col(spec.geom, spec.dtype, bool(spec.allow_tf32))
+        if timed is not None and timed[1] < timed[0]:
+            return (f"cuda/im2col measured faster for this configuration ({timed[1]:.3f} ms against "
+                    f"{timed[0]:.3f} ms on one batch chunk)")
         return None
 
     def build(self, spec, primitive: str) -> FusedForward:
