@@ -398,7 +398,6 @@ def test_matches_torchvision(precision):
     rng = np.random.default_rng(9)
     arrays, params = wide_case(rng, 2, groups=1, offset_groups=2, mask_groups=2, c_in=64, c_out=64, batch=4,
                                stride=(2, 1), padding=(1, 2), dilation=(1, 2))
-    dtype = DTYPE[precision]
     dev = torch.device("cuda", cupy.cuda.runtime.getDevice())
     tdtype = {"float32": torch.float32, "float16": torch.float16}[precision]
     t = {k: torch.from_numpy(a).to(dev, tdtype) for k, a in arrays.items()}
