@@ -67,6 +67,16 @@ class PlanSpec:
 
 @runtime_checkable
 class Executable(Protocol):
+    """What a backend builds for one primitive of one plan.
+
+    Optionally (CUDA), ``pointer_path = True`` and ``run_pointers``, the same computation on raw
+    device addresses of C-contiguous batched arrays and an explicit ``cudaStream_t``, for the
+    plan's one-pass and adapter paths (``Plan.launch_forward/launch_backward``):
+    ``run_pointers((x, w, offset, mask, bias), out, workspace, stream)`` for ``conv_forward``,
+    ``run_pointers((grad_output, x, w, offset, mask, bias), wanted, (grad_x, grad_w, grad_offset,
+    grad_mask), workspace, stream)`` for ``conv_backward`` (0 for an absent or unwanted one).
+    """
+
     workspace_bytes: int
     description: str         # one line, e.g. "cuda/im2col: 2 chunks of 4 samples, 32-bit index"
 
