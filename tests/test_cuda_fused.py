@@ -124,8 +124,9 @@ class _Spec:
         self.deterministic = False
 
 
-def test_serves_rule():
+def test_serves_rule(monkeypatch):
     fused = _fused()
+    monkeypatch.setattr(fused, "fused_versus_im2col", lambda *a: None)   # no measurement: the rule
     backend = fused.BACKEND
     assert backend.device == "cuda" and backend.algorithm == "fused" and backend.priority > 10
     assert "float64 stays on cuda/im2col" in backend.serves(_Spec(np.float64), "conv_forward")
@@ -134,6 +135,18 @@ def test_serves_rule():
     assert backend.primitives == ("conv_forward",)
     assert "only the forward" in backend.serves(_Spec(np.float32), "conv_backward")
     assert "CUDA" in backend.serves(_Spec(np.float32, device="cpu"), "conv_forward")
+
+
+def test_recommends_without_a_device_falls_back_to_the_rule():
+    """With CuPy but no usable CUDA device (CI), nothing is measured and the half types take
+    the fused kernel by the rule."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            pytest.skip("a CUDA device is present")
+    except cupy.cuda.runtime.CUDARuntimeError:
+        pass
+    assert _fused().BACKEND.recommends(_Spec(np.float16), "conv_forward") is None
 
 
 @pytest.mark.gpu

@@ -630,8 +630,11 @@ class FusedBackend:
         kernel is."""
         if np.dtype(spec.dtype) not in PREFERRED_DTYPES:
             return "float32 measured slower than cuda/im2col (force algorithm='cuda/fused' to use it)"
-        with cupy.cuda.Device(spec.device_id):
-            timed = fused_versus_im2col(spec.geom, spec.dtype, bool(spec.allow_tf32))
+        try:
+            with cupy.cuda.Device(spec.device_id):
+                timed = fused_versus_im2col(spec.geom, spec.dtype, bool(spec.allow_tf32))
+        except cupy.cuda.runtime.CUDARuntimeError:   # no usable device here: the rule (fused)
+            timed = None
         if timed is not None and timed[1] < timed[0]:
             return (f"cuda/im2col measured faster for this configuration ({timed[1]:.3f} ms against "
                     f"{timed[0]:.3f} ms on one batch chunk)")
