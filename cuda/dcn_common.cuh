@@ -293,6 +293,49 @@ __device__ __forceinline__ void next_tap(int (&tc)[N], const int (&ksize)[N]) {
     }
 }
 
+// One channel's share of the offset and mask gradients at a valid position `cr` of `plane`:
+// gmask += cg * sample, goff[a] += cg * m * d sample / d P_a. Corners of zero weight (slope) are
+// skipped, not multiplied (no 0 * inf); a sum with no such corner adds nothing at all, whatever
+// cg holds.
+template <bool WANT_OFFSET, bool WANT_MASK, typename T, typename A, typename I, int N>
+__device__ __forceinline__ void accumulate_position_gradients(const Corners<A, I, N>& cr,
+                                                              const T* __restrict__ plane, A cg, A m,
+                                                              A (&goff)[N], A& gmask) {
+    A v[1 << N];
+#pragma unroll
+    for (int k = 0; k < (1 << N); ++k) {
+        v[k] = cr.ok[k] ? Traits<T>::load(plane[cr.index[k]]) : A(0);
+    }
+    if (WANT_MASK) {
+        A s = A(0);
+        bool used = false;
+#pragma unroll
+        for (int k = 0; k < (1 << N); ++k) {
+            if (cr.weight[k] != A(0)) {
+                s += cr.weight[k] * v[k];
+                used = true;
+            }
+        }
+        if (used) gmask += cg * s;
+    }
+    if (WANT_OFFSET) {
+        const A scale = cg * m;
+#pragma unroll
+        for (int a = 0; a < N; ++a) {
+            A d = A(0);
+            bool used = false;
+#pragma unroll
+            for (int k = 0; k < (1 << N); ++k) {
+                if (cr.dweight[k][a] != A(0)) {
+                    d += cr.dweight[k][a] * v[k];
+                    used = true;
+                }
+            }
+            if (used) goff[a] += scale * d;
+        }
+    }
+}
+
 __device__ __forceinline__ void atomic_accumulate(float* p, float v) { atomicAdd(p, v); }
 __device__ __forceinline__ void atomic_accumulate(double* p, double v) { atomicAdd(p, v); }
 

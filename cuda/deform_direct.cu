@@ -255,41 +255,8 @@ __global__ void direct_backward_data(const T* __restrict__ grad_y, const T* __re
                     }
                 }
                 if (GEOMETRY && cr.valid) {
-                    const T* plane = x + ((I)b * channels + c) * S;
-                    A v[1 << N];
-#pragma unroll
-                    for (int k = 0; k < (1 << N); ++k) {
-                        v[k] = cr.ok[k] ? Traits<T>::load(plane[cr.index[k]]) : A(0);
-                    }
-                    // Corners of zero weight (slope) are skipped, not multiplied: no 0 * inf.
-                    if (WANT_MASK) {
-                        A s = A(0);
-                        bool used = false;
-#pragma unroll
-                        for (int k = 0; k < (1 << N); ++k) {
-                            if (cr.weight[k] != A(0)) {
-                                s += cr.weight[k] * v[k];
-                                used = true;
-                            }
-                        }
-                        if (used) gmask += cg * s;
-                    }
-                    if (WANT_OFFSET) {
-                        const A scale = cg * m;
-#pragma unroll
-                        for (int a = 0; a < N; ++a) {
-                            A d = A(0);
-                            bool used = false;
-#pragma unroll
-                            for (int k = 0; k < (1 << N); ++k) {
-                                if (cr.dweight[k][a] != A(0)) {
-                                    d += cr.dweight[k][a] * v[k];
-                                    used = true;
-                                }
-                            }
-                            if (used) goff[a] += scale * d;
-                        }
-                    }
+                    dcn::accumulate_position_gradients<WANT_OFFSET, WANT_MASK>(cr, x + ((I)b * channels + c) * S,
+                                                                              cg, m, goff, gmask);
                 }
             }
             // the end of a group's run of channels (the same chunk for the whole warp): sum the
