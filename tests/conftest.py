@@ -30,6 +30,32 @@ def nvrtc_toolchain():
     return nvrtc, version, cuda
 
 
+@pytest.fixture(scope="session")
+def compile_module(nvrtc_toolchain):
+    """``compile_module(source, filename, names)``: compile one module's instantiations to a
+    cubin for ``DCN_CUPY_NVRTC_ARCH`` (default sm_90) with the backend's options, failing the
+    test with NVRTC's log on an error, a missing lowered name, an empty cubin or a warning."""
+    nvrtc, _, cuda = nvrtc_toolchain
+    arch = os.environ.get("DCN_CUPY_NVRTC_ARCH", "sm_90")
+
+    def compile_(source: str, filename: str, names) -> None:
+        program = nvrtc.createProgram(source, filename, (), ())
+        try:
+            for name in names:
+                nvrtc.addNameExpression(program, name)
+            try:
+                nvrtc.compileProgram(program, tuple(cuda.compile_options()) + (f"-arch={arch}",))
+            except nvrtc.NVRTCError:
+                pytest.fail("NVRTC compilation failed:\n" + nvrtc.getProgramLog(program))
+            assert all(nvrtc.getLoweredName(program, name) for name in names)
+            assert len(nvrtc.getCUBIN(program)) > 0
+            assert "warning" not in nvrtc.getProgramLog(program).lower()
+        finally:
+            nvrtc.destroyProgram(program)
+
+    return compile_
+
+
 def _cuda_device_count() -> int:
     try:
         import cupy

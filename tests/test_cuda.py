@@ -209,8 +209,9 @@ def test_plain_convolution_without_offset_is_exact_conv():
 # torchvision
 
 
+@pytest.mark.parametrize("algorithm", ["cuda/im2col", "cuda/direct"])
 @pytest.mark.parametrize("offset_groups,groups", [(1, 1), (2, 1), (4, 2)])
-def test_matches_torchvision_deform_conv2d_float64(offset_groups, groups):
+def test_matches_torchvision_deform_conv2d_float64(offset_groups, groups, algorithm):
     torch = pytest.importorskip("torch")
     ops = pytest.importorskip("torchvision.ops")
     if not torch.cuda.is_available():
@@ -230,6 +231,7 @@ def test_matches_torchvision_deform_conv2d_float64(offset_groups, groups):
     w = rand(C_out, C_in // groups, *k)
     bias = rand(C_out)
     off = rand(B, 2 * offset_groups * K, Ho, Wo, scale=2.0)
+    off[:, :, 0, 0] = 0.0   # integer positions, -1 included with padding: torchvision's kinks
     msk = (torch.rand(B, offset_groups * K, Ho, Wo, generator=g, dtype=torch.float64) * 1.4 + 0.1).to(dev)
     leaves = [t.clone().requires_grad_(True) for t in (x, w, off, msk, bias)]
     xt, wt, ot, mt, bt = leaves
@@ -237,12 +239,14 @@ def test_matches_torchvision_deform_conv2d_float64(offset_groups, groups):
     gy = torch.randn(y_tv.shape, generator=g, dtype=torch.float64).to(dev)
     y_tv.backward(gy)
 
-    y = dcn_cupy.deform_conv2d(x, w, off, msk, bias, stride=stride, padding=padding, dilation=dilation,
-                               groups=groups)
+    from dcn_cupy._backends import use_algorithm
+    with use_algorithm(algorithm):
+        y = dcn_cupy.deform_conv2d(x, w, off, msk, bias, stride=stride, padding=padding, dilation=dilation,
+                                   groups=groups)
+        grads = dcn_cupy.deform_conv2d_backward(gy, x, w, off, msk, bias, stride=stride, padding=padding,
+                                                dilation=dilation, groups=groups)
     assert isinstance(y, torch.Tensor) and y.device == dev and y.dtype == torch.float64
     assert relative_error(y.cpu().numpy(), y_tv.detach().cpu().numpy()) < 1e-10
-    grads = dcn_cupy.deform_conv2d_backward(gy, x, w, off, msk, bias, stride=stride, padding=padding,
-                                            dilation=dilation, groups=groups)
     for name, leaf in zip(("input", "weight", "offset", "mask", "bias"), leaves):
         got = getattr(grads, name)
         assert isinstance(got, torch.Tensor) and got.device == dev

@@ -10,15 +10,14 @@ GPU (``@pytest.mark.gpu``), with ``cuda/direct`` forced: forward and every gradi
 float64 reference (float64 1e-10, float32 1e-4 relative in norm), N = 1, 2, 3, conv and
 transposed, groups, offset groups != mask groups, stride/padding/dilation, with and without
 offset/mask/bias, every ``wrt`` subset, non-finite and huge offsets, batch 0 and 33, finite
-differences, the CPU backend, torchvision, batch strides of 0, 64-bit indices, streams and a
-CUDA-graph capture.
+differences, the CPU backend, batch strides of 0, 64-bit indices, streams and a CUDA-graph
+capture. Parity with torchvision: ``tests/test_cuda.py``'s test, run for each CUDA algorithm.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import os
 
 import numpy as np
 import pytest
@@ -28,7 +27,6 @@ from dcn_cupy import _backends, reference
 from dcn_cupy._geometry import conv_geometry
 from dcn_cupy.testing import ARGUMENTS, directional_derivative, random_case, relative_error
 
-ARCH = os.environ.get("DCN_CUPY_NVRTC_ARCH", "sm_90")
 DIRECT = "cuda/direct"
 SUBSETS = [frozenset(s) for r in range(1, 6) for s in itertools.combinations(ARGUMENTS, r)]
 
@@ -50,23 +48,9 @@ def _key_id(key):
 
 
 @pytest.mark.parametrize("key", _module_keys(), ids=_key_id)
-def test_every_instantiation_compiles(key, nvrtc_toolchain):
-    nvrtc, _, cuda = nvrtc_toolchain
+def test_every_instantiation_compiles(key, compile_module):
     from dcn_cupy._backends import cuda_direct
-    names = cuda_direct.name_expressions(*key)
-    program = nvrtc.createProgram(cuda_direct.module_source(), "deform_direct.cu", (), ())
-    try:
-        for name in names:
-            nvrtc.addNameExpression(program, name)
-        try:
-            nvrtc.compileProgram(program, tuple(cuda.compile_options()) + (f"-arch={ARCH}",))
-        except nvrtc.NVRTCError:
-            pytest.fail("NVRTC compilation failed:\n" + nvrtc.getProgramLog(program))
-        assert all(nvrtc.getLoweredName(program, name) for name in names)
-        assert len(nvrtc.getCUBIN(program)) > 0
-        assert "warning" not in nvrtc.getProgramLog(program).lower()
-    finally:
-        nvrtc.destroyProgram(program)
+    compile_module(cuda_direct.module_source(), "deform_direct.cu", cuda_direct.name_expressions(*key))
 
 
 def test_module_source_and_kernels():
@@ -434,45 +418,6 @@ def test_matches_cpu_backend(ndim, transposed):
         assert relative_error(host(y_gpu), host(y_cpu)) < tol
         for name in ARGUMENTS:
             assert relative_error(host(getattr(g_gpu, name)), host(getattr(g_cpu, name))) < tol, (dtype, name)
-
-
-@gpu
-@pytest.mark.parametrize("offset_groups,groups", [(1, 1), (2, 1), (4, 2)])
-def test_matches_torchvision_deform_conv2d_float64(offset_groups, groups):
-    cupy = _cupy()
-    torch = pytest.importorskip("torch")
-    ops = pytest.importorskip("torchvision.ops")
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA")
-    dev = torch.device("cuda", cupy.cuda.runtime.getDevice())
-    g = torch.Generator(device="cpu").manual_seed(offset_groups * 10 + groups)
-    B, C_in, C_out, H, W, k = 5, 8, 6, 11, 10, (3, 3)
-    stride, padding, dilation = 2, (1, 2), (2, 1)
-    Ho = (H + 2 * padding[0] - dilation[0] * (k[0] - 1) - 1) // stride + 1
-    Wo = (W + 2 * padding[1] - dilation[1] * (k[1] - 1) - 1) // stride + 1
-    K = k[0] * k[1]
-
-    def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dev)
-
-    x, w, bias = rand(B, C_in, H, W), rand(C_out, C_in // groups, *k), rand(C_out)
-    off = rand(B, 2 * offset_groups * K, Ho, Wo, scale=2.0)
-    off[:, :, 0, 0] = 0.0   # integer positions, -1 included with padding: torchvision's kinks
-    msk = (torch.rand(B, offset_groups * K, Ho, Wo, generator=g, dtype=torch.float64) * 1.4 + 0.1).to(dev)
-    leaves = [t.clone().requires_grad_(True) for t in (x, w, off, msk, bias)]
-    xt, wt, ot, mt, bt = leaves
-    y_tv = ops.deform_conv2d(xt, ot, wt, bt, stride=stride, padding=padding, dilation=dilation, mask=mt)
-    gy = torch.randn(y_tv.shape, generator=g, dtype=torch.float64).to(dev)
-    y_tv.backward(gy)
-    kw = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
-    with forced():
-        y = dcn_cupy.deform_conv2d(x, w, off, msk, bias, **kw)
-        grads = dcn_cupy.deform_conv2d_backward(gy, x, w, off, msk, bias, **kw)
-    assert isinstance(y, torch.Tensor) and y.device == dev
-    assert relative_error(y.cpu().numpy(), y_tv.detach().cpu().numpy()) < 1e-10
-    for name, leaf in zip(ARGUMENTS, leaves):
-        err = relative_error(getattr(grads, name).cpu().numpy(), leaf.grad.cpu().numpy())
-        assert err < 1e-10, f"{name}: {err}"
 
 
 @gpu

@@ -20,7 +20,6 @@ against float64 gradients of the same rounded inputs).
 from __future__ import annotations
 
 import itertools
-import os
 
 import numpy as np
 import pytest
@@ -32,7 +31,6 @@ from dcn_cupy._interop import BFLOAT16
 
 from cases import ARGUMENTS, directional_derivative, relative_error
 
-ARCH = os.environ.get("DCN_CUPY_NVRTC_ARCH", "sm_90")
 DTYPES = (np.dtype(np.float16), BFLOAT16, np.dtype(np.float32), np.dtype(np.float64))
 DTYPE_IDS = ("float16", "bfloat16", "float32", "float64")
 TOL = {np.dtype(np.float16): 5e-3, BFLOAT16: 4e-2, np.dtype(np.float32): 1e-4, np.dtype(np.float64): 1e-10}
@@ -136,24 +134,10 @@ def _module_keys():
 
 @pytest.mark.parametrize("key", _module_keys(),
                          ids=lambda k: f"{np.dtype(k[0]).name}-{k[1]}d-{'i64' if k[2] else 'i32'}")
-def test_deterministic_module_compiles(key, nvrtc_toolchain):
-    nvrtc = nvrtc_toolchain[0]
-    from dcn_cupy._backends import cuda, cuda_deterministic
-    source = cuda_deterministic.module_source()
-    names = cuda_deterministic.name_expressions(*key)
-    program = nvrtc.createProgram(source, "deform_deterministic.cu", (), ())
-    try:
-        for name in names:
-            nvrtc.addNameExpression(program, name)
-        try:
-            nvrtc.compileProgram(program, tuple(cuda.compile_options()) + (f"-arch={ARCH}",))
-        except nvrtc.NVRTCError:
-            pytest.fail("NVRTC compilation failed:\n" + nvrtc.getProgramLog(program))
-        assert all(nvrtc.getLoweredName(program, name) for name in names)
-        assert len(nvrtc.getCUBIN(program)) > 0
-        assert "warning" not in nvrtc.getProgramLog(program).lower()
-    finally:
-        nvrtc.destroyProgram(program)
+def test_deterministic_module_compiles(key, compile_module):
+    from dcn_cupy._backends import cuda_deterministic
+    compile_module(cuda_deterministic.module_source(), "deform_deterministic.cu",
+                   cuda_deterministic.name_expressions(*key))
 
 
 def test_deterministic_module_source_and_kernels():
