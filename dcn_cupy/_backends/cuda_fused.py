@@ -35,6 +35,7 @@ backend contract (``serves`` / ``build`` -> an executable with ``run(args, out, 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -452,24 +453,30 @@ def _capturing() -> bool:
         return True
 
 
-def _time_configs(configs: list, args: tuple, out, rounds: int = 2, repeats: int = 2) -> list:
-    """The best time (ms) of each configuration: every kernel run once first (module load, the
-    GPU's clocks up), then ``rounds`` passes over all of them, so that none is favoured by
-    running later."""
-    workspaces = [cupy.empty(config.workspace_bytes, dtype=np.uint8) for config in configs]
-    for config, ws in zip(configs, workspaces):
-        run_forward(config, *args, out, ws)
+def _best_times(runs: list, rounds: int = 2, repeats: int = 2) -> list:
+    """The best time (ms) of each callable: every one run once first (module load, the GPU's
+    clocks up), then ``rounds`` passes over all of them, so that none is favoured by running
+    later."""
+    for run in runs:
+        run()
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    best = [math.inf] * len(configs)
+    best = [math.inf] * len(runs)
     for _ in range(rounds):
-        for i, (config, ws) in enumerate(zip(configs, workspaces)):
+        for i, run in enumerate(runs):
             for _ in range(repeats):
                 start.record()
-                run_forward(config, *args, out, ws)
+                run()
                 stop.record()
                 stop.synchronize()
                 best[i] = min(best[i], cupy.cuda.get_elapsed_time(start, stop))
     return best
+
+
+def _time_configs(configs: list, args: tuple, out, rounds: int = 2, repeats: int = 2) -> list:
+    """The best time (ms) of each launch configuration's forward (:func:`_best_times`)."""
+    workspaces = [cupy.empty(config.workspace_bytes, dtype=np.uint8) for config in configs]
+    return _best_times([functools.partial(run_forward, config, *args, out, ws)
+                        for config, ws in zip(configs, workspaces)], rounds, repeats)
 
 
 def _random_arguments(g, dtype):
@@ -505,18 +512,8 @@ def fused_versus_im2col(geom, dtype, allow_tf32: bool):
     im2col = _cuda._Forward(PlanSpec(g, dtype, "cuda", key[0], False, bool(allow_tf32)))
     im2col_ws = cupy.empty(im2col.workspace_bytes, dtype=np.uint8)
     named = dict(zip(("input", "weight", "offset", "mask", "bias"), args))
-    runs = (lambda: run_forward(fused, *args, out, fused_ws), lambda: im2col.run(named, out, im2col_ws))
-    for run in runs:
-        run()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    best = [math.inf, math.inf]
-    for _ in range(3):
-        for i, run in enumerate(runs):
-            start.record()
-            run()
-            stop.record()
-            stop.synchronize()
-            best[i] = min(best[i], cupy.cuda.get_elapsed_time(start, stop))
+    best = _best_times([lambda: run_forward(fused, *args, out, fused_ws), lambda: im2col.run(named, out, im2col_ws)],
+                       rounds=3, repeats=1)
     found = _versus[key] = tuple(best)
     return found
 
