@@ -5,7 +5,8 @@
 // reduction and add their parts with a fixed butterfly of shuffles. For small
 // problems the host time of the im2col path's launches (im2col + cuBLAS + layout; backward:
 // six launches, two GEMMs and two memsets) dominates; here a forward is one launch, a
-// backward at most three (fill of the input gradient, data gradients, weight gradient).
+// backward at most two (the input gradient's fill with the weight and bias gradients, then the
+// data gradients).
 //
 // Layouts as in deform_conv.cu (the whole batch at once; Q = prod(out_size), S = prod(in_size),
 // K = prod(k)):
@@ -141,24 +142,12 @@ __global__ void direct_forward(const T* __restrict__ x, const T* __restrict__ we
     }
 }
 
-// grad_x[b, c, s] = bias[c] (0 where bias is null): the start of the input gradient's scatter
-// (and the transposed convolution's bias).
-template <typename T, typename I>
-__global__ void direct_fill_input(const T* __restrict__ bias, T* __restrict__ dst, const I total,
-                                  const int channels, const I inner) {
-    typedef typename Traits<T>::acc A;
-    for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
-        const A v = bias != nullptr ? Traits<T>::load(bias[(int)((idx / inner) % channels)]) : A(0);
-        dst[idx] = Traits<T>::store(v);
-    }
-}
-
 // The data gradients: `lanes` adjacent threads per (b, t, q) (q next fastest) sweep the input
 // channels in chunks of `lanes` (lane r takes channel chunk + r; `lanes` divides the channel
 // runs of the offset and of the mask groups, so a chunk never straddles a group). Per channel:
 // cg = sum over the output channels co of c's conv group of w[co, c - c0, t] * grad_y[b, co, q]
 // (the column gradient of the im2col path), then
-//   WANT_X:      grad_x[b, c, corner] += corner weight * cg * mask   (atomics, after fill_input)
+//   WANT_X:      grad_x[b, c, corner] += corner weight * cg * mask   (atomics, after the fill)
 //   WANT_OFFSET: grad_offset[b, go, t, a, q] = sum_{c in go} cg * mask * d sample / d P_a
 //   WANT_MASK:   grad_mask[b, gm, t, q]      = sum_{c in gm} cg * sample
 // Offset and mask groups are contiguous channel ranges: when a group's run ends, its lanes'
@@ -283,28 +272,56 @@ __global__ void direct_backward_data(const T* __restrict__ grad_y, const T* __re
     }
 }
 
-// grad_w[co, c - c0, t] = sum over b, q of grad_y[b, co, q] * mask[b, gm(c), t, q]
-//                         * sample(x[b, c], position(t, q) + offset[b, go(c), t, :, q])
-// One warp per weight element (grid-stride over warps; blockDim a multiple of 32): lane l sums
-// the positions p = b*Q + q with p = l (mod 32) in order, then a fixed butterfly reduction:
+// The parameter gradients and the input gradient's fill, in one launch (the data kernel, which
+// scatters into grad_x, is launched after it):
+//   fill (grad_x, when not null): grad_x[b, c, s] = fill_bias[c] (0 where fill_bias is null: the
+//     transposed convolution's bias), a grid-stride loop over all B * C * S elements;
+//   grad_w (when not null): grad_w[co, c - c0, t] = sum over b, q of grad_y[b, co, q]
+//     * mask[b, gm(c), t, q] * sample(x[b, c], position(t, q) + offset[b, go(c), t, :, q]);
+//   grad_bias (when not null): grad_bias[co] = sum over b, q of grad_y[b, co, q].
+// One warp per weight or bias element (grid-stride over warps; blockDim a multiple of 32): lane l
+// sums the positions p = b*Q + q with p = l (mod 32) in order, then a fixed butterfly reduction:
 // deterministic, and the lanes' loads of grad_y, offset and mask coalesce.
 template <typename T, typename I, int N>
-__global__ void direct_backward_weight(const T* __restrict__ grad_y, const T* __restrict__ x,
+__global__ void direct_backward_params(const T* __restrict__ grad_y, const T* __restrict__ x,
                                        const T* __restrict__ offset, const T* __restrict__ mask,
-                                       T* __restrict__ grad_w, const Geom<N> g, const int batch,
+                                       T* __restrict__ grad_w, T* __restrict__ grad_bias,
+                                       const T* __restrict__ fill_bias, T* __restrict__ grad_x,
+                                       const Geom<N> g, const int batch,
                                        const int channels, const int out_channels, const int groups,
                                        const int offset_groups, const int mask_groups) {
     typedef typename Traits<T>::acc A;
     const I Q = dcn::prod_size<N, I>(g.out_size);
     const I S = dcn::prod_size<N, I>(g.in_size);
+    if (grad_x != nullptr) {
+        const I total = (I)batch * channels * S;
+        for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
+            const A v = fill_bias != nullptr ? Traits<T>::load(fill_bias[(int)((idx / S) % channels)]) : A(0);
+            grad_x[idx] = Traits<T>::store(v);
+        }
+    }
     const int K = (int)dcn::prod_size<N, I>(g.ksize);
     const int Cg = channels / groups;
     const int Cog = out_channels / groups;
-    const I elements = (I)out_channels * Cg * K;
+    const I weights = grad_w != nullptr ? (I)out_channels * Cg * K : (I)0;
+    const I elements = weights + (grad_bias != nullptr ? out_channels : 0);
     const I BQ = (I)batch * Q;
     const int lane = threadIdx.x & 31;
     const I warp_stride = dcn::global_thread_stride<I>() / 32;
     for (I e = dcn::global_thread_index<I>() / 32; e < elements; e += warp_stride) {
+        A acc = A(0);
+        if (e >= weights) {  // a bias element
+            const int co = (int)(e - weights);
+            for (I p = lane; p < BQ; p += 32) {
+                const I q = p % Q;
+                const int b = (int)(p / Q);
+                acc += Traits<T>::load(grad_y[((I)b * out_channels + co) * Q + q]);
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            if (lane == 0) grad_bias[co] = Traits<T>::store(acc);
+            continue;
+        }
         const int t = (int)(e % K);
         const I rest = e / K;
         const int cl = (int)(rest % Cg);
@@ -314,7 +331,6 @@ __global__ void direct_backward_weight(const T* __restrict__ grad_y, const T* __
         const int gm = mask != nullptr ? c / (channels / mask_groups) : 0;
         int tc[N];
         dcn::unravel<N, I>((I)t, g.ksize, tc);
-        A acc = A(0);
         for (I p = lane; p < BQ; p += 32) {
             const I q = p % Q;
             const int b = (int)(p / Q);

@@ -155,7 +155,10 @@ class Plan:
         # On CUDA the bias gradient is one kernel launch, compiled with the plan; None: the
         # array library's sum (CPU, or no CUDA compiler/device where the plan was built).
         self._bias_sum = self._bias_sum_pointers = None
-        if device == "cuda" and geom.batch > 0 and shapes["bias"] is not None:
+        # A convolution's backward executable may compute the bias gradient in its own launches.
+        self._fold_bias = (not transposed and geom.batch > 0 and shapes["bias"] is not None
+                           and bool(getattr(self._bwd[1], "bias_gradient", False)))
+        if device == "cuda" and geom.batch > 0 and shapes["bias"] is not None and not self._fold_bias:
             try:
                 from ._backends import cuda as _cuda_backend
                 with self._device_ctx:
@@ -421,16 +424,20 @@ class Plan:
         x, w, off, msk, _ = pointers
         core = wanted & _CORE
         params = core & _PARAMS
-        if "bias" in wanted and self._bias_sum_pointers is None:
+        fold = self._fold_bias and "bias" in wanted
+        if "bias" in wanted and not fold and self._bias_sum_pointers is None:
             return False
         gx, gw, goff, gm = (outs.get(n, 0) for n in ("input", "weight", "offset", "mask"))
         if not self.transposed:
-            if core:
+            if core or fold:
                 exe = self._bwd[1]
                 if not self._pointer_ready(exe):
                     return False
-                exe.run_pointers((grad_output, x if params else 0, w, off, msk, 0), core, (gx, gw, goff, gm),
-                                 workspace, stream)
+                inputs = (grad_output, x if params else 0, w, off, msk, 0)
+                if fold:
+                    exe.run_pointers(inputs, wanted, (gx, gw, goff, gm, outs["bias"]), workspace, stream)
+                else:
+                    exe.run_pointers(inputs, core, (gx, gw, goff, gm), workspace, stream)
         elif core:
             # z (the transposed op's input) is the convolution's grad_output; grad_output its input.
             to_input = self._bwd_input[1] if "input" in core else None
@@ -441,7 +448,7 @@ class Plan:
                 to_input.run_pointers((grad_output, w, off, msk, 0), gx, workspace, stream)
             if to_params is not None:
                 to_params.run_pointers((x, grad_output, w, off, msk, 0), params, (0, gw, goff, gm), workspace, stream)
-        if "bias" in wanted:
+        if "bias" in wanted and not fold:
             self._bias_sum_pointers(grad_output, outs["bias"], stream)
         return True
 
@@ -503,8 +510,9 @@ class Plan:
         if geom.batch == 0:
             grads.update(self._empty_batch_gradients(wanted, outs))
             return grads
+        fold = self._fold_bias and "bias" in wanted
         for name in wanted:
-            if name == "bias":
+            if name == "bias" and not fold:
                 continue
             target = outs.get(name)
             if target is None:
@@ -514,10 +522,12 @@ class Plan:
         if self._all_contiguous(natives):
             address = self._address
             targets = {name: address(grads[name]) for name in core}
-            if "bias" in wanted and self._bias_sum_pointers is not None:
+            if "bias" in wanted and not fold and self._bias_sum_pointers is not None:
                 grads["bias"] = outs.get("bias")
                 if grads["bias"] is None:
                     grads["bias"] = xp.empty(self._shapes["bias"], dtype=dtype)
+                targets["bias"] = address(grads["bias"])
+            if fold:
                 targets["bias"] = address(grads["bias"])
             if "bias" not in wanted or "bias" in targets:
                 ws = self._workspace(workspace) if core else None
@@ -540,10 +550,10 @@ class Plan:
 
         def view(name):  # the batched view of a per-sample gradient
             g = grads[name]
-            return g if batched or name == "weight" else g[None]
+            return g if batched or name in ("weight", "bias") else g[None]
 
         if not self.transposed:
-            if core:
+            if core or fold:
                 name, executable = self._bwd
                 if name is None:
                     _unavailable(executable)
@@ -551,8 +561,9 @@ class Plan:
                     x = _sample_contiguous(xp, x)
                 else:
                     x = None
+                computed = wanted if fold else core
                 executable.run({"grad_output": gy, "input": x, "weight": w, "offset": off, "mask": msk, "bias": None,
-                                "wanted": core}, {n: view(n) for n in core}, ws)
+                                "wanted": computed}, {n: view(n) for n in computed}, ws)
         else:
             # z (the transposed op's input) is the convolution's grad_output; gy its input.
             if "input" in core:
@@ -569,7 +580,7 @@ class Plan:
                 z = _sample_contiguous(xp, x)
                 executable.run({"grad_output": z, "input": gy, "weight": w, "offset": off, "mask": msk, "bias": None,
                                 "wanted": params}, {n: view(n) for n in params}, ws)
-        if "bias" in wanted:
+        if "bias" in wanted and not fold:
             if self._bias_sum is not None:
                 target = outs.get("bias")
                 if target is None:

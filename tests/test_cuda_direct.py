@@ -67,7 +67,7 @@ def test_module_source_and_kernels():
         assert {n.split("<", 1)[0] for n in cuda_direct.name_expressions(*key)} == defined
     # every kernel (and every variant of the data-gradient kernel) is launched by an executable
     text = inspect.getsource(cuda_direct)
-    for key in ('kernels["forward"]', 'kernels["fill"]', 'kernels["weight"]', "kernels[(want_x, want_o, want_m)]"):
+    for key in ('kernels["forward"]', 'kernels["params"]', "kernels[(want_x, want_o, want_m)]"):
         assert key in text
     assert len(cuda_direct._DATA_VARIANTS) == 7
 

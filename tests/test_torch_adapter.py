@@ -218,6 +218,38 @@ def test_lazily_negated_tensor_is_resolved():
     torch.testing.assert_close(dct.deform_conv1d(**negated, **params), dct.deform_conv1d(**args, **params))
 
 
+def test_double_backward_is_refused_and_create_graph_gradients_are_right():
+    # The eager backward is differentiable once (torch's once_differentiable, applied when
+    # autograd records the backward): a second differentiation raises, as for torchvision's op.
+    args, params = conv_case(2, c_in=2, c_out=2, spatial=(4, 4))
+    leaves = {k: v.clone().requires_grad_() for k, v in args.items()}
+    y = dct.deform_conv2d(**leaves, **params)
+    gy = torch.ones_like(y, requires_grad=True)   # a grad_output that autograd differentiates
+    grads = torch.autograd.grad(y, list(leaves.values()), gy, create_graph=True)
+    ref = dcn_cupy.deform_conv2d_backward(torch.ones_like(y), **args, **params)
+    for name, g in zip(leaves, grads):
+        torch.testing.assert_close(g.detach(), getattr(ref, name))
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        grads[0].sum().backward()
+    # without create_graph the gradients are plain tensors
+    grads = torch.autograd.grad(dct.deform_conv2d(**leaves, **params).sum(), list(leaves.values()))
+    assert all(g.grad_fn is None and not g.requires_grad for g in grads)
+
+
+def test_hyper_parameters_checked_at_every_call():
+    # the checked hyper-parameters are memoised: a bad value still raises every time
+    args, params = conv_case(2, c_in=2, c_out=2, spatial=(4, 4))
+    good = dct.deform_conv2d(**args, **params)
+    for _ in range(2):
+        torch.testing.assert_close(dct.deform_conv2d(**args, **params), good, rtol=0, atol=0)
+        with pytest.raises(TypeError, match="stride must be an int, got bool True"):
+            dct.deform_conv2d(**args, **dict(params, stride=True))
+        with pytest.raises(ValueError, match=r"padding must be >= 0, got \(-1, 1\)"):
+            dct.deform_conv2d(**args, **dict(params, padding=(-1, 1)))
+        with pytest.raises(ValueError, match="stride must be an int or a sequence of 2 ints"):
+            dct.deform_conv2d(**args, **dict(params, stride=(1, 1, 1)))
+
+
 # ---------------------------------------------------------------------------------------------
 # custom ops
 

@@ -75,6 +75,12 @@ class Executable(Protocol):
     ``run_pointers((x, w, offset, mask, bias), out, workspace, stream)`` for ``conv_forward``,
     ``run_pointers((grad_output, x, w, offset, mask, bias), wanted, (grad_x, grad_w, grad_offset,
     grad_mask), workspace, stream)`` for ``conv_backward`` (0 for an absent or unwanted one).
+
+    Optionally, a ``conv_backward`` executable with ``bias_gradient = True`` computes the bias
+    gradient (the sum of grad_output over all but the channel axis) itself: the plan of a
+    (non-transposed) convolution then puts ``"bias"`` in ``wanted`` and passes its output in
+    ``out["bias"]`` (``run``) or as a fifth gradient address (``run_pointers``), and launches no
+    separate reduction.
     """
 
     workspace_bytes: int

@@ -7,11 +7,12 @@ weight-gradient element) looping over the whole reduction, with no workspace:
 
 * forward:  ``direct_forward``, a few lanes per output element ``(b, C_out, q)`` splitting the
   taps; one launch.
-* backward: ``direct_fill_input`` (the input gradient starts at the C_in-long bias of the
-  transposed convolution, or 0: no memset), ``direct_backward_data`` (a few lanes per
-  ``(b, tap, q)`` splitting the input channels: the input gradient by atomics, the offset and
-  mask gradients by plain stores, once per group) and ``direct_backward_weight`` (a warp per
-  weight element); only the parts the wanted gradients need.
+* backward: ``direct_backward_params`` (the input gradient's fill, from the C_in-long bias of
+  the transposed convolution or 0, no memset; a warp per weight and per bias element), then
+  ``direct_backward_data`` (a few lanes per ``(b, tap, q)`` splitting the input channels: the
+  input gradient by atomics, the offset and mask gradients by plain stores, once per group);
+  only the parts the wanted gradients need: at most two launches. The executable computes the
+  bias gradient itself (``bias_gradient = True``), saving the plan's separate launch.
 
 Lanes that split one reduction are adjacent threads of a warp, summed by a fixed butterfly of
 shuffles: every result but the input gradient (atomics) is bitwise repeatable.
@@ -104,8 +105,7 @@ def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
     """Every kernel instantiation of one module (one dtype, one N, one index width)."""
     t = _CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
-    names = [f"direct_forward<{t}, {i}, {ndim}>", f"direct_fill_input<{t}, {i}>",
-             f"direct_backward_weight<{t}, {i}, {ndim}>"]
+    names = [f"direct_forward<{t}, {i}, {ndim}>", f"direct_backward_params<{t}, {i}, {ndim}>"]
     names += [f"direct_backward_data<{t}, {i}, {ndim}, {_b(x)}, {_b(o)}, {_b(m)}>" for x, o, m in _DATA_VARIANTS]
     return tuple(names)
 
@@ -121,7 +121,7 @@ _lock = threading.Lock()
 
 def _kernels(dtype, ndim: int, index64: bool) -> dict:
     """The module's kernels on the current device, compiled and loaded once per device and key:
-    ``"forward"``, ``"fill"``, ``"weight"`` and ``(want_x, want_offset, want_mask)``."""
+    ``"forward"``, ``"params"`` and ``(want_x, want_offset, want_mask)``."""
     key = (cupy.cuda.runtime.getDevice(), np.dtype(dtype).str, ndim, index64)
     found = _modules.get(key)
     if found is None:
@@ -133,7 +133,7 @@ def _kernels(dtype, ndim: int, index64: bool) -> dict:
                 functions = [module.get_function(n) for n in names]
                 for fn in functions:
                     fn.kernel  # compile and load now (with the plan), never during a capture
-                found = dict(zip(("forward", "fill", "weight") + _DATA_VARIANTS, functions))
+                found = dict(zip(("forward", "params") + _DATA_VARIANTS, functions))
                 _modules[key] = found
     return found
 
@@ -241,38 +241,43 @@ class _Forward(_Executable):
 
 
 class _Backward(_Executable):
-    """``conv_backward``: fill + data gradients + weight gradient, each only when wanted."""
+    """``conv_backward``: the input gradient's fill with the weight and bias gradients, then the
+    data gradients, each launch only when a wanted gradient needs it."""
+
+    bias_gradient = True       # "bias" may be wanted: the sum of grad_output, in the params launch
 
     def __init__(self, spec):
         geom = spec.geom
-        weight_threads = 32 * geom.out_channels * geom.in_channels_per_group * geom.kernel_volume
+        weight_threads = 32 * geom.out_channels * (geom.in_channels_per_group * geom.kernel_volume + 1)
         super().__init__(spec, (weight_threads,
                                 geom.batch * geom.kernel_volume * geom.output_size * backward_lanes(geom)))
         self.description = self._describe(
-            f"backward: up to 3 launches (input-gradient fill; data gradients, {self.data_lanes} lane(s) per "
-            f"(sample, tap, position); weight gradient, a warp per element)")
+            f"backward: up to 2 launches (input-gradient fill with the weight and bias gradients, a warp per "
+            f"element; data gradients, {self.data_lanes} lane(s) per (sample, tap, position))")
 
     def run(self, args, out, workspace) -> None:
         gy, x, offset, mask = (_contiguous(args[n]) for n in ("grad_output", "input", "offset", "mask"))
         wanted = args["wanted"]
-        outs = tuple(_ptr(out.get(n)) if n in wanted else 0 for n in ("input", "weight", "offset", "mask"))
+        outs = tuple(_ptr(out.get(n)) if n in wanted else 0 for n in ("input", "weight", "offset", "mask", "bias"))
         self.run_pointers((gy.data.ptr, _ptr(x), args["weight"].data.ptr, _ptr(offset), _ptr(mask),
                            _ptr(args.get("bias"))), wanted, outs, 0, cupy.cuda.get_current_stream().ptr)
 
     def run_pointers(self, inputs, wanted, outs, workspace, stream) -> None:
         """``run`` on raw device addresses: inputs (grad_output, x, w, offset, mask, bias), the
-        gradients' outputs (input, weight, offset, mask; 0 where not wanted), C-contiguous
+        gradients' outputs (input, weight, offset, mask[, bias]; 0 where not wanted), C-contiguous
         batched arrays, on ``stream``."""
         self._replay(tuple(inputs) + tuple(outs), stream)
 
-    def _record(self, gy, x, w, offset, mask, bias, grad_x, grad_w, grad_off, grad_m):
+    def _record(self, gy, x, w, offset, mask, bias, grad_x, grad_w, grad_off, grad_m, grad_b=0):
         u, at = np.uint64, _cuda._at
         want_x, want_o, want_m = bool(grad_x), bool(grad_off) and bool(offset), bool(grad_m) and bool(mask)
         ops = []
-        if want_x:
-            total = self.B * self.C * self.S
-            ops.append(_cuda._kernel_op(self.kernels["fill"], _grid(total), _BLOCK1, (
-                at(bias, 0), u(grad_x), self.index(total), np.int32(self.C), self.index(self.S)), 0))
+        if want_x or grad_w or grad_b:
+            elements = (self.Co * self.Cg * self.K if grad_w else 0) + (self.Co if grad_b else 0)
+            threads = max(self.B * self.C * self.S if want_x else 0, 32 * elements)
+            ops.append(_cuda._kernel_op(self.kernels["params"], _grid(threads), _BLOCK1, (
+                u(gy), at(x, 0), at(offset, 0), at(mask, 0), at(grad_w, 0), at(grad_b, 0), at(bias, 0),
+                at(grad_x, 0), self.struct) + self.ints, 0))
         if want_x or want_o or want_m:
             ops.append(_cuda._kernel_op(self.kernels[(want_x, want_o, want_m)],
                                         _grid(self.B * self.K * self.Q * self.data_lanes), _BLOCK1, (
@@ -280,10 +285,6 @@ class _Backward(_Executable):
                                             at(grad_x if want_x else 0, 0), at(grad_off if want_o else 0, 0),
                                             at(grad_m if want_m else 0, 0), self.struct)
                                         + self.ints + (np.int32(self.data_lanes),), 0))
-        if grad_w:
-            threads = 32 * self.Co * self.Cg * self.K
-            ops.append(_cuda._kernel_op(self.kernels["weight"], _grid(threads), _BLOCK1, (
-                u(gy), u(x), at(offset, 0), at(mask, 0), u(grad_w), self.struct) + self.ints, 0))
         return ops
 
 

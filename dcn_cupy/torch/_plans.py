@@ -29,17 +29,35 @@ class _Spec(NamedTuple):
     dtype: np.dtype
 
 
+#: Plans by the call's own key (torch.Size shapes, torch dtype and device, the hyper-parameters
+#: as given): found with one hash, without converting anything. A miss goes to :func:`_plan`.
+_by_call: dict = {}
+
+
 def plan_for(transposed: bool, tensors: Sequence[Optional[Tensor]], hyper, deterministic: Optional[bool] = None):
-    """The plan of a call (``tensors`` = input, weight, offset, mask, bias); ``deterministic``
-    None follows ``torch.are_deterministic_algorithms_enabled()``."""
+    """The plan of a call (``tensors`` = input, weight, offset, mask, bias; ``hyper`` = stride,
+    padding, output_padding, dilation, groups); ``deterministic`` None follows
+    ``torch.are_deterministic_algorithms_enabled()``."""
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     input = tensors[0]
+    allow_tf32 = _runtime.allow_tf32(input)
+    if type(hyper[0]) is not tuple:  # the custom ops' int[] arguments come as lists
+        hyper = tuple(h if type(h) is int else tuple(h) for h in hyper)
+    key = (transposed, hyper, deterministic, allow_tf32, input.dtype, input.device,
+           *(None if t is None else t.shape for t in tensors))
+    found = _by_call.get(key)
+    if found is not None:
+        return found
     stride, padding, output_padding, dilation, groups = hyper
     where = "cpu" if input.device.type == "cpu" else f"cuda:{_runtime.device_index(input)}"
     shapes = tuple(None if t is None else tuple(t.shape) for t in tensors)
-    return _plan(transposed, shapes, input.dtype, where, tuple(stride), tuple(padding), tuple(output_padding),
-                 tuple(dilation), groups, deterministic, _runtime.allow_tf32(input))
+    found = _plan(transposed, shapes, input.dtype, where, tuple(stride), tuple(padding), tuple(output_padding),
+                  tuple(dilation), groups, deterministic, allow_tf32)
+    if len(_by_call) >= PLAN_CACHE_SIZE:
+        _by_call.clear()
+    _by_call[key] = found
+    return found
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
@@ -54,5 +72,6 @@ def _plan(transposed, shapes, dtype, where, stride, padding, output_padding, dil
 
 
 def clear_plan_cache() -> None:
+    _by_call.clear()
     _plan.cache_clear()
 

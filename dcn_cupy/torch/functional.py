@@ -73,20 +73,55 @@ def _records_graph(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _plain_ints(*values) -> bool:
+    """Whether each value is an int or a tuple of ints (hashable, and no bool that would
+    compare equal to an int)."""
+    for v in values:
+        if type(v) is not int and not (type(v) is tuple and all(type(e) is int for e in v)):
+            return False
+    return True
+
+
+#: Checked hyper-parameters by (N, *the arguments as given): a module passes the same ones at
+#: every call, and their checks (~6 µs) then run once. Only plain ints and tuples of ints are
+#: kept; other values are checked at every call.
+_hyper_cache: dict = {}
+_MAX_HYPER = 256
+
+
+def _conv_hyper(n, stride, padding, output_padding, dilation, groups):
+    """((stride, padding, output_padding, dilation) as n-tuples, groups) checked; output_padding
+    None for a convolution (then () in the result)."""
+    cacheable = _plain_ints(stride, padding, output_padding, dilation, groups) if output_padding is not None \
+        else _plain_ints(stride, padding, dilation, groups)
+    key = (n, stride, padding, output_padding, dilation, groups) if cacheable else None
+    found = _hyper_cache.get(key) if cacheable else None
+    if found is not None:
+        return found
+    hyper = (_geometry.fix_sequence_arg(stride, n, "stride", 1),
+             _geometry.fix_sequence_arg(padding, n, "padding", 0),
+             () if output_padding is None else _geometry.fix_sequence_arg(output_padding, n, "output_padding", 0),
+             _geometry.fix_sequence_arg(dilation, n, "dilation", 1),
+             _geometry.check_groups(groups))
+    if cacheable:
+        if len(_hyper_cache) >= _MAX_HYPER:
+            _hyper_cache.clear()
+        _hyper_cache[key] = hyper
+    return hyper
+
+
 def _deform_conv(ndim, input, weight, offset, mask, bias, stride, padding, dilation, groups) -> Tensor:
     _check_tensors(input, weight, offset, mask, bias)
     n = _geometry.spatial_ndim(tuple(weight.shape), ndim)
-    stride = list(_geometry.fix_sequence_arg(stride, n, "stride", 1))
-    padding = list(_geometry.fix_sequence_arg(padding, n, "padding", 0))
-    dilation = list(_geometry.fix_sequence_arg(dilation, n, "dilation", 1))
-    groups = _geometry.check_groups(groups)
+    hyper = _conv_hyper(n, stride, padding, None, dilation, groups)
     input, weight, offset, mask, bias = _autocast([input, weight, offset, mask, bias])
     if _eager(input, weight, offset, mask, bias):
-        hyper = (stride, padding, (), dilation, groups)
         if not _records_graph(input, weight, offset, mask, bias):  # no autograd node to build
             return _ops._forward(False, (input, weight, offset, mask, bias), hyper)
         return _ops.EagerConv.apply(False, hyper, input, weight, offset, mask, bias)
-    return torch.ops.dcn_cupy.deform_conv(input, weight, offset, mask, bias, stride, padding, dilation, groups)
+    stride, padding, _, dilation, groups = hyper
+    return torch.ops.dcn_cupy.deform_conv(input, weight, offset, mask, bias, list(stride), list(padding),
+                                          list(dilation), groups)
 
 
 def _deform_conv_transpose(ndim, input, weight, offset, mask, bias, stride, padding, output_padding,
@@ -94,19 +129,15 @@ def _deform_conv_transpose(ndim, input, weight, offset, mask, bias, stride, padd
     _check_tensors(input, weight, offset, mask, bias)
     n = _geometry.spatial_ndim(tuple(weight.shape), ndim, "(C_in, C_out/groups, *kernel_size)",
                                "transposed convolution")
-    stride = list(_geometry.fix_sequence_arg(stride, n, "stride", 1))
-    padding = list(_geometry.fix_sequence_arg(padding, n, "padding", 0))
-    output_padding = list(_geometry.fix_sequence_arg(output_padding, n, "output_padding", 0))
-    dilation = list(_geometry.fix_sequence_arg(dilation, n, "dilation", 1))
-    groups = _geometry.check_groups(groups)
+    hyper = _conv_hyper(n, stride, padding, output_padding, dilation, groups)
     input, weight, offset, mask, bias = _autocast([input, weight, offset, mask, bias])
     if _eager(input, weight, offset, mask, bias):
-        hyper = (stride, padding, output_padding, dilation, groups)
         if not _records_graph(input, weight, offset, mask, bias):
             return _ops._forward(True, (input, weight, offset, mask, bias), hyper)
         return _ops.EagerConv.apply(True, hyper, input, weight, offset, mask, bias)
-    return torch.ops.dcn_cupy.deform_conv_transpose(input, weight, offset, mask, bias, stride, padding,
-                                                    output_padding, dilation, groups)
+    stride, padding, output_padding, dilation, groups = hyper
+    return torch.ops.dcn_cupy.deform_conv_transpose(input, weight, offset, mask, bias, list(stride), list(padding),
+                                                    list(output_padding), list(dilation), groups)
 
 
 def _mask_softmax(ndim, mask, kernel_size) -> Tensor:
