@@ -62,18 +62,33 @@ def _forward(transposed: bool, tensors: Sequence[Optional[Tensor]], hyper, plan=
     return out
 
 
+#: Per pattern of wanted gradients (one bool per NAMES entry): the wanted names as a list and
+#: as a frozenset (built once, not at every backward).
+_WANTED: dict = {}
+
+
+def _wanted_names(wanted: Sequence[bool]):
+    key = tuple(wanted)
+    found = _WANTED.get(key)
+    if found is None:
+        names = [name for name, w in zip(NAMES, key) if w]
+        found = _WANTED[key] = (names, frozenset(names))
+    return found
+
+
 def _backward(transposed: bool, grad_output: Tensor, tensors: Sequence[Optional[Tensor]], hyper,
-              wrt: Sequence[bool], plan=None, raw: bool = False):
+              wrt: Sequence[bool], plan=None, raw: bool = False, placeholders: bool = True):
     """The five gradients; one not computed is an empty tensor (custom-op schemas have no
-    optional outputs). ``plan``: the forward's, when still the one to use; ``raw``: the saved
-    ``tensors`` passed the raw-address checks in the forward (autograd refuses saved tensors
-    changed in place since)."""
+    optional outputs), or None where ``placeholders`` is False. ``plan``: the forward's, when
+    still the one to use; ``raw``: the saved ``tensors`` passed the raw-address checks in the
+    forward (autograd refuses saved tensors changed in place since)."""
     input = tensors[0]
-    wanted = [name for name, w, t in zip(NAMES, wrt, tensors) if w and t is not None]
+    wanted = [bool(w) and t is not None for w, t in zip(wrt, tensors)]
+    names, name_set = _wanted_names(wanted)
     # empty_like (contiguous): the cheapest allocation call (no shape, dtype or device to parse)
-    grads = [torch.empty_like(t, memory_format=_CONTIGUOUS) if name in wanted else input.new_empty(0)
-             for name, t in zip(NAMES, tensors)]
-    if not wanted:
+    grads = [torch.empty_like(t, memory_format=_CONTIGUOUS) if w else (input.new_empty(0) if placeholders else None)
+             for w, t in zip(wanted, tensors)]
+    if not names:
         return tuple(grads)
     if (plan is None or plan.deterministic != torch.are_deterministic_algorithms_enabled()
             or plan.allow_tf32 != _runtime.allow_tf32(input)):
@@ -87,15 +102,15 @@ def _backward(transposed: bool, grad_output: Tensor, tensors: Sequence[Optional[
         stream = _runtime.launch_stream((grad_output,) + tuple(tensors))
     if stream is not None:
         workspace = _workspace_tensor(plan, input)
-        outs = {name: g.data_ptr() for name, g in zip(NAMES, grads) if name in wanted}
-        if plan.launch_backward(grad_output.data_ptr(), tuple(_address(t) for t in tensors), frozenset(wanted), outs,
+        outs = {name: g.data_ptr() for name, g, w in zip(NAMES, grads, wanted) if w}
+        if plan.launch_backward(grad_output.data_ptr(), tuple(_address(t) for t in tensors), name_set, outs,
                                 _address(workspace), stream):
             return tuple(grads)
     args = [_runtime.native(grad_output)] + [_runtime.native(t) for t in tensors]
-    out = {name: _runtime.native(g) for name, g in zip(NAMES, grads) if name in wanted}
+    out = {name: _runtime.native(g) for name, g, w in zip(NAMES, grads, wanted) if w}
     with _runtime.cuda_scope(input):
         try:
-            plan.backward(*args, wrt=wanted, out=out, workspace=_workspace(plan, input))
+            plan.backward(*args, wrt=names, out=out, workspace=_workspace(plan, input))
         except ValueError as error:
             if not plan.deterministic:
                 raise
@@ -107,7 +122,7 @@ def _backward(transposed: bool, grad_output: Tensor, tensors: Sequence[Optional[
                 raise RuntimeError(message) from error
             warnings.warn(message)
             plan = _plans.plan_for(transposed, tensors, hyper, deterministic=False)
-            plan.backward(*args, wrt=wanted, out=out, workspace=_workspace(plan, input))
+            plan.backward(*args, wrt=names, out=out, workspace=_workspace(plan, input))
     return tuple(grads)
 
 
@@ -276,10 +291,9 @@ class EagerConv(torch.autograd.Function):
 
 
 def _eager_backward(ctx, grad_output):
-    tensors = ctx.saved_tensors
-    wanted = _wanted(ctx.needs_input_grad[2:], tensors)
-    grads = _backward(ctx.transposed, grad_output, tensors, ctx.hyper, wanted, ctx.plan, ctx.raw)
-    return (None, None) + _empty_to_none(grads, wanted)
+    grads = _backward(ctx.transposed, grad_output, ctx.saved_tensors, ctx.hyper, ctx.needs_input_grad[2:],
+                      ctx.plan, ctx.raw, placeholders=False)
+    return (None, None) + grads
 
 
 #: The backward when autograd records it (``create_graph=True``): torch's wrapper that makes a

@@ -48,7 +48,8 @@ def _check_tensors(input, weight, offset, mask, bias) -> None:
 def _autocast(tensors: List[Optional[Tensor]]) -> List[Optional[Tensor]]:
     """Under torch.autocast, floating arguments other than float64 become the autocast dtype
     (as for F.conv2d)."""
-    device_type = tensors[0].device.type
+    first = tensors[0]
+    device_type = "cuda" if first.is_cuda else first.device.type   # is_cuda: no device object
     if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
@@ -58,19 +59,25 @@ def _autocast(tensors: List[Optional[Tensor]]) -> List[Optional[Tensor]]:
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 
+#: How a convolution call runs (_route).
+_OP, _NO_GRAPH, _GRAPH = 0, 1, 2
 
-def _eager(*tensors) -> bool:
-    """Whether a call runs eagerly on plain tensors (then it skips the custom-op dispatcher;
-    tracers and tensor subclasses such as fake tensors take the registered ops)."""
+
+def _route(tensors) -> int:
+    """``_OP``: through the registered custom op (tracing: torch.compile, torch.export,
+    torch.jit.trace; or a tensor subclass such as a fake tensor). Otherwise eagerly, skipping
+    the dispatcher: ``_GRAPH`` through the autograd Function when autograd records the call
+    (grad mode on and some argument requires grad), else ``_NO_GRAPH`` (no node to build:
+    ~10 µs of host time less). One pass over the tensors."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return False
-    return all(t is None or type(t) in _PLAIN for t in tensors)
-
-
-def _records_graph(*tensors) -> bool:
-    """Whether autograd records this call (grad mode on and some argument requires grad); if
-    not, an eager call skips the autograd Function (~10 µs of host time)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+        return _OP
+    grad = False
+    for t in tensors:
+        if t is not None:
+            if type(t) not in _PLAIN:
+                return _OP
+            grad = grad or t.requires_grad
+    return _GRAPH if grad and torch.is_grad_enabled() else _NO_GRAPH
 
 
 def _plain_ints(*values) -> bool:
@@ -114,11 +121,13 @@ def _deform_conv(ndim, input, weight, offset, mask, bias, stride, padding, dilat
     _check_tensors(input, weight, offset, mask, bias)
     n = _geometry.spatial_ndim(tuple(weight.shape), ndim)
     hyper = _conv_hyper(n, stride, padding, None, dilation, groups)
-    input, weight, offset, mask, bias = _autocast([input, weight, offset, mask, bias])
-    if _eager(input, weight, offset, mask, bias):
-        if not _records_graph(input, weight, offset, mask, bias):  # no autograd node to build
-            return _ops._forward(False, (input, weight, offset, mask, bias), hyper)
-        return _ops.EagerConv.apply(False, hyper, input, weight, offset, mask, bias)
+    tensors = _autocast([input, weight, offset, mask, bias])
+    route = _route(tensors)
+    if route == _GRAPH:
+        return _ops.EagerConv.apply(False, hyper, *tensors)
+    if route == _NO_GRAPH:
+        return _ops._forward(False, tensors, hyper)
+    input, weight, offset, mask, bias = tensors
     stride, padding, _, dilation, groups = hyper
     return torch.ops.dcn_cupy.deform_conv(input, weight, offset, mask, bias, list(stride), list(padding),
                                           list(dilation), groups)
@@ -130,11 +139,13 @@ def _deform_conv_transpose(ndim, input, weight, offset, mask, bias, stride, padd
     n = _geometry.spatial_ndim(tuple(weight.shape), ndim, "(C_in, C_out/groups, *kernel_size)",
                                "transposed convolution")
     hyper = _conv_hyper(n, stride, padding, output_padding, dilation, groups)
-    input, weight, offset, mask, bias = _autocast([input, weight, offset, mask, bias])
-    if _eager(input, weight, offset, mask, bias):
-        if not _records_graph(input, weight, offset, mask, bias):
-            return _ops._forward(True, (input, weight, offset, mask, bias), hyper)
-        return _ops.EagerConv.apply(True, hyper, input, weight, offset, mask, bias)
+    tensors = _autocast([input, weight, offset, mask, bias])
+    route = _route(tensors)
+    if route == _GRAPH:
+        return _ops.EagerConv.apply(True, hyper, *tensors)
+    if route == _NO_GRAPH:
+        return _ops._forward(True, tensors, hyper)
+    input, weight, offset, mask, bias = tensors
     stride, padding, output_padding, dilation, groups = hyper
     return torch.ops.dcn_cupy.deform_conv_transpose(input, weight, offset, mask, bias, list(stride), list(padding),
                                                     list(output_padding), list(dilation), groups)
