@@ -3,8 +3,9 @@
 B=1, C 16->16, 8x8, 3x3, DCNv2 (offset + mask), padding 1, float32. On a GPU the device is kept
 busy by a long kernel queued first, so that a call's time is its host time (validation,
 interop, launches); on the CPU the rows are the whole call (the problem is tiny). Each row
-times forward alone and forward+backward (every gradient), as the median over repeats of the
-mean over a batch of calls.
+times forward alone and forward+backward (every gradient): per round, the median over repeats
+of the mean over a batch of calls; every path is timed once per round, in turn, and the table
+gives the median over the rounds, so that a slow spell of the host weighs on every path alike.
 
     python benchmarks/overhead.py                 # every path this machine can run
     python benchmarks/overhead.py --device cpu    # CPU rows only
@@ -342,15 +343,23 @@ def path_functional_layer(device, rng):
     backends = _noop()
     a = _arrays(rng)
     gy = np.zeros((B, C, H, H), np.float32)
+    forced = backends._forced
 
-    backends._forced.name = "cpu/noop"  # use_algorithm("cpu/noop") for the row (main resets it)
-
+    # use_algorithm("cpu/noop") for the row's calls only (a thread-local name, set and reset)
     def fwd():
-        dcn_cupy.deform_conv2d(**a, padding=1)
+        forced.name = "cpu/noop"
+        try:
+            dcn_cupy.deform_conv2d(**a, padding=1)
+        finally:
+            forced.name = None
 
     def both():
-        dcn_cupy.deform_conv2d(**a, padding=1)
-        dcn_cupy.deform_conv2d_backward(gy, **a, padding=1)
+        forced.name = "cpu/noop"
+        try:
+            dcn_cupy.deform_conv2d(**a, padding=1)
+            dcn_cupy.deform_conv2d_backward(gy, **a, padding=1)
+        finally:
+            forced.name = None
 
     return fwd, both, None
 
@@ -377,6 +386,7 @@ def main(argv=None):
     parser.add_argument("--device", choices=("all", "cpu", "cuda"), default="all")
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     devices = ("cuda", "cpu") if args.device == "all" else (args.device,)
     where = {"cpu": "CPU"}
@@ -386,31 +396,40 @@ def main(argv=None):
             where["cuda"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     except Exception:
         pass
-    print(f"# host µs per call, B={B} C{C}->{C} {H}x{H} {K}x{K} DCNv2 float32 (GPU: {where.get('cuda', 'none')})")
-    print("| path | arrays | device | forward µs | forward+backward µs |")
-    print("| --- | --- | --- | ---: | ---: |")
+    rows = []    # [name, label, device, (fwd, both, busy) or None, message or None, times per round]
     for device in devices:
         for name, make, serves in PATHS:
             if device not in serves:
                 continue
             label = _ARRAYS.get(name, {}).get(device, "torch" if "torch" in name or "conv2d" in name else "JAX")
-            rng = np.random.default_rng(0)
+            row = [name, label, device, None, None, ([], [])]
             try:
-                fwd, both, busy = make(device, rng)
-                times = [_time(f, busy, args.calls, args.repeats) for f in (fwd, both)]
+                row[3] = make(device, np.random.default_rng(0))
             except _Skip as reason:
-                text = " ".join(str(reason).split())
-                print(f"| {name} | {label} | {device} | skipped: {text} | |", flush=True)
-                continue
+                row[4] = "skipped: " + " ".join(str(reason).split())
             except Exception as error:  # a path that fails is reported, not fatal
-                text = " ".join(str(error).split())[:100]
-                print(f"| {name} | {label} | {device} | error: {type(error).__name__}: {text} | |",
-                      flush=True)
+                row[4] = f"error: {type(error).__name__}: {' '.join(str(error).split())[:100]}"
+            rows.append(row)
+    for _ in range(args.rounds):
+        for row in rows:
+            if row[3] is None:
                 continue
-            finally:
-                from dcn_cupy import _backends
-                _backends._forced.name = None
-            print(f"| {name} | {label} | {where.get(device, device)} | {times[0]:.1f} | {times[1]:.1f} |", flush=True)
+            fwd, both, busy = row[3]
+            try:
+                for times, call in zip(row[5], (fwd, both)):
+                    times.append(_time(call, busy, args.calls, args.repeats))
+            except Exception as error:
+                row[3], row[4] = None, f"error: {type(error).__name__}: {' '.join(str(error).split())[:100]}"
+    print(f"# host µs per call, B={B} C{C}->{C} {H}x{H} {K}x{K} DCNv2 float32 (GPU: {where.get('cuda', 'none')}); "
+          f"median of {args.rounds} rounds")
+    print("| path | arrays | device | forward µs | forward+backward µs |")
+    print("| --- | --- | --- | ---: | ---: |")
+    for name, label, device, made, message, (fwd_times, both_times) in rows:
+        if message is not None:
+            print(f"| {name} | {label} | {device} | {message} | |")
+            continue
+        fwd_us, both_us = statistics.median(fwd_times), statistics.median(both_times)
+        print(f"| {name} | {label} | {where.get(device, device)} | {fwd_us:.1f} | {both_us:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
