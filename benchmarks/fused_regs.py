@@ -72,9 +72,9 @@ def main(argv=None):
         jobs.append((name, "sm_90a" if tile[4] == 1 else args.arch))
     with ProcessPoolExecutor(args.jobs) as pool:
         logs = dict(pool.map(_compile, jobs))
-    print(f"{args.dtype} {args.ndim}-d, {args.arch}; 256 threads per block")
-    print("| tile BMxBNxBK | MINB | engine | regs | spill st/ld B | stack B | smem KiB | blocks/SM (regs, smem) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"{args.dtype} {args.ndim}-d, {args.arch}")
+    print("| tile BMxBNxBK | threads | MINB | engine | regs | spill st/ld B | stack B | smem KiB | blocks/SM (regs, smem) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for tile, (name, _) in zip(tiles, jobs):
         log = logs[name]
         if log.startswith("FAILED"):
@@ -83,10 +83,11 @@ def main(argv=None):
         p = parse(log)
         smem = fused.smem_bytes(dtype, args.ndim, tile, fused.pipeline_depth(dtype, args.ndim, tile))
         regs = p["regs"] or 0
-        by_regs = 65536 // (((regs + 7) // 8 * 8) * 256) if regs else 0
+        threads = fused.tile_threads(tile)
+        by_regs = 65536 // (((regs + 7) // 8 * 8) * threads) if regs else 0
         by_smem = (228 * 1024) // (smem + 1024)
-        bm, bn, bk, minb, engine = tile
-        print(f"| {bm}x{bn}x{bk} | {minb} | {('mma', 'wgmma', 'pipe')[engine]} | {regs} | {p['spill_st']}/{p['spill_ld']}"
+        bm, bn, bk, minb, engine = tile[:5]
+        print(f"| {bm}x{bn}x{bk} | {threads} | {minb} | {('mma', 'wgmma', 'pipe')[engine]} | {regs} | {p['spill_st']}/{p['spill_ld']}"
               f" | {p['stack']} | {smem / 1024:.1f} | {min(by_regs, by_smem)} ({by_regs}, {by_smem}) |", flush=True)
         if args.log:
             print(log)

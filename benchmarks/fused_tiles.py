@@ -1,7 +1,7 @@
 """Time fused-forward tiles of your choice (TILES and others) on a few shapes, each checked first.
 
     python benchmarks/fused_tiles.py [--shapes '8,256,56;32,64,56;16,512,14'] [--dtypes float16,bfloat16]
-        [--tiles 'BM,BN,BK,MINB,ENGINE;...'] [--budget 190]
+        [--tiles 'BM,BN,BK,MINB,ENGINE[,THREADS];...'] [--only-tiles] [--budget 190]
 
 Per shape (B, C_in = C_out, HxW, 3x3, padding 1, offsets and mask, DCNv2) and dtype: the float32
 reference through a ``cuda/im2col`` plan (strict float32) on the same (rounded) inputs; then
@@ -39,6 +39,7 @@ def main(argv=None):
     parser.add_argument("--dtypes", default="float16")
     parser.add_argument("--tiles", default=EXTRA)
     parser.add_argument("--budget", type=float, default=190.0)
+    parser.add_argument("--only-tiles", action="store_true", help="time the --tiles only, not TILES' candidates")
     args = parser.parse_args(argv)
     reason = no_gpu_reason()
     if reason is not None:
@@ -68,7 +69,7 @@ def main(argv=None):
             ref = dcn_cupy.plan(*f32, padding=1, algorithm="cuda/im2col", allow_tf32=False).forward(*f32)
             geom, _ = _geometry.conv_geometry(x.shape, w.shape, off.shape, msk.shape, None, padding=1)
             flop = 2.0 * C * C * 9 * B * H * H
-            cands = fu._candidates(geom, dtype, wgmma)
+            cands = [] if args.only_tiles else fu._candidates(geom, dtype, wgmma)
             limit = max(64, -(-C // 64) * 64)
             tiles = list(cands) + [t for t in extra if t not in cands and t[0] <= limit and (t[4] != 1 or wgmma)]
             out = cupy.empty(geom.y_shape, dtype=dtype)
@@ -93,10 +94,11 @@ def main(argv=None):
                              np.int32(C), np.int32(1), np.int32(1), np.int32(1), np.int32(c.Cgp),
                              np.int32(fu._batch_stride(off)), np.int32(fu._batch_stride(msk)), np.int32(taps_inner))
                     label = ("%dx%dx%d minb %d %s" % (tile[:4] + (("mma", "wgmma", "pipe")[tile[4]],))
+                             + (f" {c.threads}t" if c.threads != 256 else "")
                              + (" taps in " if taps_inner else " taps out"))
                     runs.append(dict(label=label, err=err, ok=ok, regs=fu.num_registers(kern), blocks=c.blocks(B),
                                      kernel=(lambda kern=kern, c=c, kargs=kargs:
-                                             kern((c.blocks(B),), (256,), kargs, shared_mem=c.smem_bytes)),
+                                             kern((c.blocks(B),), (c.threads,), kargs, shared_mem=c.smem_bytes)),
                                      whole=(lambda c=c, ws=ws: fu.run_forward(c, x, w, off, msk, None, out, ws)),
                                      k=float("inf"), f=float("inf")))
             for _ in range(2):    # two interleaved rounds, the best kept

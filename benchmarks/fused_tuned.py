@@ -98,8 +98,8 @@ def main(argv=None):
                 for r in runs:
                     c, ws = r[0], r[1]
                     r[2] = min(r[2], _time_cupy(lambda: fu.run_forward(c, x, w, off, msk, None, out, ws), 3, 7, 10))
-            desc = lambda c: "%dx%dx%d m%d %s taps %s" % (c.tile[:4] + (("mma", "wgmma", "pipe")[c.tile[4]],  # noqa: E731
-                                                                    "in" if c.taps_inner else "out"))
+            desc = lambda c: "%dx%dx%d m%d %s %dt taps %s" % (c.tile[:4] + (("mma", "wgmma", "pipe")[c.tile[4]],  # noqa: E731
+                                                                        c.threads, "in" if c.taps_inner else "out"))
             (a, _, ta), (b, _, tb) = runs
             print(f"| {sh['name']} | {dname} | {desc(a)} | {ta:.4f} | {desc(b)} | {tb:.4f} | {tb / ta:.2f}x |",
                   flush=True)

@@ -7,13 +7,14 @@
 //   * the weight tile (BM x BK, from the re-laid weights wr[o, t, c]) is copied to shared
 //     memory with cp.async (zero-filled past C_out/G);
 //   * the sampled tile (BK x BN) is built straight into shared memory from the CHANNELS-LAST
-//     input xcl[b, s, c] (row stride Cp, a multiple of the vector width): 256/BN threads per
-//     position, each owning CPT = BK*BN/256 consecutive channels; the 2^N corner rows and
-//     weights (mask included) of its (position, tap, offset group, mask group) live in
+//     input xcl[b, s, c] (row stride Cp, a multiple of the vector width): THREADS/BN threads
+//     per position, each owning CPT = BK*BN/THREADS consecutive channels; the 2^N corner rows
+//     and weights (mask included) of its (position, tap, offset group, mask group) live in
 //     registers and are recomputed only when that key changes (the next key's offsets and mask
-//     are fetched a step ahead); each corner is one 16-byte load of consecutive channels
-//     ("uniform" kernels, chosen when no thread's channels cross a conv / offset / mask group
-//     boundary), else one load per channel with the key checked per channel;
+//     are fetched a step ahead); each corner is one 16-byte load of consecutive channels, a
+//     corner not read loading the zero row after the input's rows instead, with weight 0, so
+//     that no load branches ("uniform" kernels, chosen when no thread's channels cross a conv /
+//     offset / mask group boundary), else one load per channel with the key checked per channel;
 //   * the tiles are multiplied on tensor cores with float32 accumulation: ENGINE 0, mma.sync
 //     (fp16 / bf16 m16n8k16 in their own format, float32 as TF32 m16n8k8 (PREC 1) or 3xTF32
 //     (PREC 2: a = big + small, three products, float32 accuracy)); ENGINE 1, wgmma (sm_90a,
@@ -34,17 +35,29 @@
 // Template parameters: T storage type, I index type (int or long long), N spatial dims,
 // PREC (0: T's own tensor-core format; 1: TF32; 2: 3xTF32), the tile BM x BN x BK, MINB (blocks
 // per multiprocessor asked of the register allocator), UNIFORM (16-byte-vector sampler), ENGINE,
-// DEPTH (ENGINE 2's ring). Dynamic shared memory: 2 * (BM + BN) * (BK + PAD) elements of T
-// (PAD = 0 for wgmma); ENGINE 2: cuda_fused.smem_bytes.
+// DEPTH (ENGINE 2's ring), THREADS (per block: 256, or 512 for mma.sync tiles, which halves each
+// thread's accumulators and sampling for a tile as tall as 256 rows). Dynamic shared memory:
+// 2 * (BM + BN) * (BK + PAD) elements of T (PAD = 0 for wgmma); ENGINE 2: cuda_fused.smem_bytes.
 
 #include "dcn_common.cuh"
 
 using dcn::Geom;
 using dcn::Traits;
 
+// Experiment switch (benchmarks/fused_variants.py builds modules with it set): DCN_FUSED_HALF2,
+// fp16 corners blended in half2 arithmetic (6% faster, 1.5x the error: NOTES-gpu.md fused4).
+#ifndef DCN_FUSED_HALF2
+#define DCN_FUSED_HALF2 0
+#endif
+
 namespace fused {
 
-constexpr int THREADS = 256;   // 8 warps: BN/32 along the positions x the rest along the channels
+template <typename T> struct IsHalf { static const bool value = false; };
+template <> struct IsHalf<__half> { static const bool value = true; };
+
+// Threads per block of the fused forward unless a tile says otherwise (mma.sync tiles may take
+// 512): BN/32 warps along the positions x the rest along the output channels.
+constexpr int THREADS = 256;
 
 // Channels per 16-byte vector (VEC) and the shared-memory row padding (PAD, one vector: rows
 // 16 (mod 128) bytes apart hit distinct banks for ldmatrix and the TF32 fragment loads).
@@ -260,7 +273,7 @@ template <> struct Vec<float> {
 
 // The 2^N corners of one (position, tap, offset group, mask group): the channels-last row of
 // each corner that is read (-1: outside, zero weight, or the position samples 0) and its
-// weight times the mask. The offset and mask values of the next key can be fetched a step
+// weight times the mask (0 for a corner not read). The offset and mask values of the next key can be fetched a step
 // ahead (prefetch), so that a new tap does not wait for them.
 template <typename I, int N>
 struct Sampler {
@@ -276,7 +289,7 @@ struct Sampler {
     __device__ __forceinline__ void clear() {
         key_t = -1;
 #pragma unroll
-        for (int c = 0; c < NC; ++c) row[c] = (I)-1;
+        for (int c = 0; c < NC; ++c) { row[c] = (I)-1; weight[c] = 0.0f; }
     }
 
     template <typename T>
@@ -308,7 +321,7 @@ struct Sampler {
         if (t == key_t && go == key_go && gm == key_gm) return;
         key_t = t; key_go = go; key_gm = gm;
 #pragma unroll
-        for (int c = 0; c < NC; ++c) row[c] = (I)-1;
+        for (int c = 0; c < NC; ++c) { row[c] = (I)-1; weight[c] = 0.0f; }
         if (!valid_position) return;
         float off[N], m;
         if (t == pf_t && go == pf_go && gm == pf_gm) {
@@ -340,9 +353,10 @@ struct Sampler {
 
 }  // namespace fused
 
-// x (B, C, S), sample stride `x_bstride` -> xcl (B, S, Cp), channels >= C zero.
-// A 64x64 (channel x position) tile through shared memory per block iteration, 16 elements
-// per thread in flight each way (blockDim 32 x 8).
+// x (B, C, S), sample stride `x_bstride` -> xcl (B, S, Cp), channels >= C zero, followed by
+// one row of Cp zeros (the "zero row", row B*S: what the forward reads for a corner it does not
+// use, so that its loads need no branch). A 64x64 (channel x position) tile through shared
+// memory per block iteration, 16 elements per thread in flight each way (blockDim 32 x 8).
 template <typename T, typename I>
 __global__ void fused_channels_last(const T* __restrict__ x, T* __restrict__ xcl, const int batch,
                                     const int channels, const int Cp, const I S, const I x_bstride) {
@@ -383,6 +397,9 @@ __global__ void fused_channels_last(const T* __restrict__ x, T* __restrict__ xcl
         }
         __syncthreads();
     }
+    if (blockIdx.x == 0) {
+        for (int c = ty * 32 + tx; c < Cp; c += 32 * 8) xcl[(I)batch * S * Cp + c] = Traits<T>::store(0.0f);
+    }
 }
 
 // w (C_out, C/G, K) -> wr (C_out, K, Cgp): the GEMM's A operand, rows contiguous along the
@@ -410,8 +427,8 @@ __global__ void fused_weight_rows(const T* __restrict__ w, T* __restrict__ wr, c
 }
 
 template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool UNIFORM, int ENGINE,
-          int DEPTH = 1>
-__global__ void __launch_bounds__(fused::THREADS, MINB)
+          int DEPTH = 1, int THREADS = fused::THREADS>
+__global__ void __launch_bounds__(THREADS, MINB)
 deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const T* __restrict__ offset,
                      const T* __restrict__ mask, const T* __restrict__ bias, T* __restrict__ y,
                      const Geom<N> g, const int batch, const int channels, const int Cp,
@@ -431,6 +448,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     constexpr int A_VECS = BM * BK / VEC / THREADS;  // weight vectors copied per thread and step
     static_assert(A_VECS >= 1 && NV >= 1 && MT >= 1 && NT % 2 == 0 && BM * BK % (VEC * THREADS) == 0, "tile shape");
     static_assert(ENGINE != 2 || (UNIFORM && DEPTH >= 1), "corner pipeline: 16-byte sampler only");
+    static_assert(THREADS == fused::THREADS || ENGINE == 0, "blocks of other than 256 threads: mma.sync only");
     static_assert(ENGINE != 1 || (BM % 128 == 0 && (BN == 64 || BN == 128) && PREC != 2),
                   "wgmma: 2 warpgroups of BM/2 rows (m64 instructions) x BN positions, TF32 or half");
 
@@ -452,6 +470,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     const I S = dcn::prod_size<N, I>(g.in_size);
     const int K = (int)dcn::prod_size<N, I>(g.ksize);
     const I BQ = (I)batch * Q;
+    const I zero_row = (I)batch * S;   // the zero row after the chunk's rows (fused_channels_last)
     const int Cg = channels / groups;
     const int Cog = out_channels / groups;
     const int per_go = offset == nullptr ? channels : channels / offset_groups;
@@ -603,11 +622,12 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             smp.update(t, offset_group(cabs), mask_group(cabs), svalid, g, qc, off_q, msk_q, K, Q, sample_row);
 #pragma unroll
             for (int c = 0; c < NC; ++c) {
-                if (smp.row[c] >= 0) {
-                    const uint4* src = reinterpret_cast<const uint4*>(xcl + smp.row[c] * Cp + cabs);
+                // a corner not read loads the zero row instead (weight 0): no branch, no
+                // divergence (4-7% faster than skipping it, NOTES-gpu.md fused4)
+                const uint4* src = reinterpret_cast<const uint4*>(
+                    xcl + (smp.row[c] >= 0 ? smp.row[c] : zero_row) * Cp + cabs);
 #pragma unroll
-                    for (int v = 0; v < NV; ++v) raw[c][v] = __ldg(src + v);
-                }
+                for (int v = 0; v < NV; ++v) raw[c][v] = __ldg(src + v);
             }
             // the offset and mask of the step after, if they change then
             if (step + 1 < steps) {
@@ -644,16 +664,34 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         auto dst = [&](int v) -> uint4& {
             return *reinterpret_cast<uint4*>(bt + tile_offset<ENGINE, LD, BK, VEC>(sn, sh / VEC + v));
         };
+#if DCN_FUSED_HALF2
+        if constexpr (UNIFORM && IsHalf<T>::value) {
+            // fp16: the corners blended in half2 (HFMA2, two channels per instruction, no
+            // conversion), corner by corner in the same order
+#pragma unroll
+            for (int v = 0; v < NV; ++v) {
+                __half2 acc2[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc2[j] = __float2half2_rn(0.0f);
+#pragma unroll
+                for (int c = 0; c < NC; ++c) {
+                    const __half2 w2 = __float2half2_rn(smp.weight[c]);
+                    const __half2* h = reinterpret_cast<const __half2*>(&raw[c][v]);
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) acc2[j] = __hfma2(w2, h[j], acc2[j]);
+                }
+                dst(v) = *reinterpret_cast<const uint4*>(acc2);
+            }
+        } else
+#endif
         if constexpr (UNIFORM) {
             float acc[CPT];
 #pragma unroll
             for (int j = 0; j < CPT; ++j) acc[j] = 0.0f;
 #pragma unroll
-            for (int c = 0; c < NC; ++c) {
-                if (smp.row[c] >= 0) {
+            for (int c = 0; c < NC; ++c) {   // every corner: one not read is the zero row, weight 0
 #pragma unroll
-                    for (int v = 0; v < NV; ++v) Vec<T>::add(acc + v * VEC, smp.weight[c], raw[c][v]);
-                }
+                for (int v = 0; v < NV; ++v) Vec<T>::add(acc + v * VEC, smp.weight[c], raw[c][v]);
             }
             if constexpr (PREC == 1) {
 #pragma unroll

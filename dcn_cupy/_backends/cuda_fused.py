@@ -51,12 +51,13 @@ from . import cuda_source_dir
 WORKSPACE_LIMIT_BYTES = int(os.environ.get("DCN_CUPY_FUSED_WORKSPACE_BYTES", 128 * 2**20))
 
 _SOURCE = "deform_fused.cu"
-_THREADS = 256
+_THREADS = 256   # threads per block of the small kernels, and of a tile that names no other count
 #: Per storage dtype: channels per 16-byte vector (fused::Tile<T>::VEC, also the row padding).
 _VEC = {np.dtype(np.float16): 8, BFLOAT16: 8, np.dtype(np.float32): 4}
 DTYPES = tuple(_VEC)
 #: The tiles (BM output channels, BN positions, BK channels per step, MINB blocks per SM asked
-#: of the register allocator, ENGINE: 0 mma.sync, 1 wgmma) instantiated per dtype, kept from
+#: of the register allocator, ENGINE: 0 mma.sync, 1 wgmma[, THREADS per block: 256 when not
+#: given; 512 for mma.sync tiles only]) instantiated per dtype, kept from
 #: those measured (NOTES-gpu.md); one is chosen per shape (plan_config). The first of each
 #: engine (the smallest) also has the per-channel sampler and the 64-bit indices. wgmma tiles
 #: (sm_90a) need a compute capability 9.0 device and compute fp16, bf16 and TF32 (not 3xTF32).
@@ -64,11 +65,13 @@ DTYPES = tuple(_VEC)
 #: slower than ENGINE 0 wherever measured; ``benchmarks/stages.py --tiles`` still times it.
 #: The half tiles with MINB 2 (128 registers, two 256-thread blocks per SM; no spills in 1-d and
 #: 2-d, ``benchmarks/fused_regs.py``) were 34-35% faster than 64x64x64 MINB 1 at B=32 C64 56x56
-#: and second only to 256x64x64 MINB 1 at C256 / C512 (NOTES-gpu.md, fused3).
+#: and second only to 256x64x64 MINB 1 at C256 / C512 (NOTES-gpu.md, fused3). 256x64x64 in
+#: blocks of 512 threads (127 registers: 16 warps per SM where 256 threads give 8) was 2-4%
+#: faster than with 256 threads at C256 and C512 (fused4).
 TILES = {
     "half": ((64, 64, 64, 1, 0), (256, 64, 64, 1, 0), (128, 128, 64, 1, 0),
              (128, 64, 64, 1, 1), (256, 128, 32, 1, 1), (128, 128, 64, 1, 1),
-             (64, 128, 32, 2, 0), (64, 64, 64, 2, 0), (128, 64, 64, 2, 0)),
+             (64, 128, 32, 2, 0), (64, 64, 64, 2, 0), (128, 64, 64, 2, 0), (256, 64, 64, 1, 0, 512)),
     "float": ((64, 64, 32, 1, 0), (256, 64, 32, 1, 0), (128, 128, 16, 1, 0),
               (128, 64, 32, 1, 1), (256, 128, 16, 1, 1), (128, 128, 32, 1, 1)),
 }
@@ -92,6 +95,11 @@ def _precisions(dtype) -> tuple:
     return (1, 2) if np.dtype(dtype) == np.float32 else (0,)
 
 
+def tile_threads(tile) -> int:
+    """Threads per block of a tile's forward kernel."""
+    return tile[5] if len(tile) > 5 else _THREADS
+
+
 def _tiles(dtype, index64: bool = False) -> tuple:
     """The tiles of a dtype; with 64-bit indices (huge problems) only the first of engines 0 and 1."""
     tiles = TILES["float" if np.dtype(dtype) == np.float32 else "half"]
@@ -109,7 +117,7 @@ MAX_DEPTH = 4
 
 def smem_bytes(dtype, ndim: int, tile: tuple, depth: int = 0) -> int:
     """Dynamic shared memory of a tile (engine 2: with a ring of ``depth`` corner stages)."""
-    bm, bn, bk, _, engine = tile
+    bm, bn, bk, _, engine = tile[:5]
     item, vec = np.dtype(dtype).itemsize, _VEC[np.dtype(dtype)]
     if engine != 2:
         return 2 * (bm + bn) * (bk + (vec if engine == 0 else 0)) * item
@@ -127,8 +135,10 @@ def pipeline_depth(dtype, ndim: int, tile: tuple) -> int:
 def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, uniform: bool) -> str:
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
-    bm, bn, bk, minb, engine = tile
-    depth = f", {pipeline_depth(dtype, ndim, tile)}" if engine == 2 else ""
+    bm, bn, bk, minb, engine = tile[:5]
+    threads = tile_threads(tile)
+    depth = f", {pipeline_depth(dtype, ndim, tile)}" if engine == 2 else (", 1" if threads != _THREADS else "")
+    depth += f", {threads}" if threads != _THREADS else ""
     return (f"deform_fused_forward<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}, "
             f"{'true' if uniform else 'false'}, {engine}{depth}>")
 
@@ -270,7 +280,7 @@ def _segment(geom) -> int:
 
 def _uniform(geom, tile) -> bool:
     """Whether ``tile``'s threads each sample a channel slice within one segment (16-byte vectors)."""
-    return _segment(geom) % (tile[2] * tile[1] // _THREADS) == 0
+    return _segment(geom) % (tile[2] * tile[1] // tile_threads(tile)) == 0
 
 
 def _per_channel_tile(dtype, engine: int) -> tuple:
@@ -309,7 +319,7 @@ def _choose_tile(geom, dtype, positions: int, multiprocessors: int, wgmma: bool,
 class LaunchConfig:
     """What one forward of one geometry and dtype launches (chosen once per plan).
 
-    ``tile``: (BM output channels, BN positions, BK channels per step, MINB, ENGINE);
+    ``tile``: (BM output channels, BN positions, BK channels per step, MINB, ENGINE[, THREADS]);
     ``uniform``: the 16-byte-vector sampler; ``precision``: 0 (fp16/bf16), 1 (TF32) or
     2 (3xTF32); ``chunk``: samples per channels-last copy; ``index64``: 64-bit indices.
     ``wgmma``: whether the device runs the sm_90a kernels (None: ask the current device).
@@ -344,7 +354,8 @@ class LaunchConfig:
         if self.index64 and tuple(tile) not in _tiles(dtype, True):
             tile = _per_channel_tile(dtype, tile[4])
         self.tile = tuple(tile)
-        bm, bn, bk, _, engine = self.tile
+        bm, bn, bk, _, engine = self.tile[:5]
+        self.threads = tile_threads(self.tile)
         if engine == 1 and self.precision == 2:
             raise ValueError("the wgmma tiles compute in TF32 or the half types, not 3xTF32")
         self.Cgp = _round_up(self.Cg, bk)
@@ -360,15 +371,15 @@ class LaunchConfig:
             raise ValueError(f"tile {self.tile} does not fit shared memory for {geom.ndim}-d sampling")
         self.smem_bytes = smem_bytes(dtype, geom.ndim, self.tile, self.depth)
         self.weight_elems = Co * self.K * self.Cgp
-        self.xcl_elems = n * self.S * self.Cp
+        self.xcl_elems = (n * self.S + 1) * self.Cp   # the chunk's rows, then the zero row
         self.workspace_bytes = _round_up(self.xcl_elems * self.itemsize, _ALIGN) + self.weight_elems * self.itemsize
 
     @property
     def description(self) -> str:
         prec = {0: str(self.dtype), 1: "tf32", 2: "3xtf32"}[self.precision]
-        bm, bn, bk, _, engine = self.tile
+        bm, bn, bk, _, engine = self.tile[:5]
         engine_name = ("mma.sync", "wgmma", f"mma.sync, {self.depth}-step corner pipeline")[engine]
-        return (f"cuda/fused: {prec} {engine_name}, tile {bm}x{bn}x{bk}, "
+        return (f"cuda/fused: {prec} {engine_name}, tile {bm}x{bn}x{bk} ({self.threads} threads), "
                 f"{'16-byte vector' if self.uniform else 'per-channel'} sampling, "
                 f"taps {'inner' if self.taps_inner else 'outer'}, "
                 f"chunks of {self.chunk} samples, {'64' if self.index64 else '32'}-bit index")
@@ -431,7 +442,7 @@ def run_forward(config: LaunchConfig, x, weight, offset, mask, bias, out, worksp
             x[start:start + n], xcl, np.int32(n), np.int32(g.in_channels), np.int32(config.Cp),
             index(config.S), index(x_bs),
         ))
-        forward((config.blocks(n),), (_THREADS,), (
+        forward((config.blocks(n),), (config.threads,), (
             xcl, wr, None if offset is None else offset[start:start + n],
             None if mask is None else mask[start:start + n], bias, out[start:start + n], struct,
             np.int32(n), np.int32(g.in_channels), np.int32(config.Cp), np.int32(g.out_channels),

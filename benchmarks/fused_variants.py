@@ -1,0 +1,41 @@
+"""Time fused-forward kernel variants: cuda/deform_fused.cu built with experiment switches.
+
+    python benchmarks/fused_variants.py --defines DCN_FUSED_HALF2=1 \
+        -- --shapes '8,256,56' --tiles '256,64,64,1,0' --only-tiles
+
+Prepends ``#define NAME VALUE`` lines for the ``--defines`` to the module source (the switches
+near the top of deform_fused.cu, each 0 by default), then runs ``fused_tiles.py`` with the
+arguments after ``--`` in this process: the same checks against the strict float32 reference
+and the same timings. Run it once per variant, in one device call, and compare the tables
+(kernel times are GPU times, comparable across processes on one card).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--defines", default="", help="NAME=VALUE,... (empty: the default build)")
+    args = parser.parse_args(own)
+    defines = [d.split("=", 1) for d in args.defines.split(",") if d]
+    from dcn_cupy._backends import cuda_fused
+    original = cuda_fused.module_source
+    prefix = "".join(f"#define {name} {value}\n" for name, value in defines)
+    cuda_fused.module_source = lambda: prefix + original()
+    print(f"variant: {args.defines or 'default'}", flush=True)
+    import fused_tiles
+    return fused_tiles.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
