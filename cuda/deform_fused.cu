@@ -614,12 +614,15 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         const int t = step_tap(step);
         const int cl = step_chunk(step) * BK + sh;   // first channel within the group
         if constexpr (UNIFORM) {
+            // channels past the group's (a partial last chunk): every corner the zero row, so
+            // that the blend reads loaded registers (weight 0 times stale bits could be NaN)
+            int cabs = 0;
             if (cl >= Cg) {
                 smp.clear();
-                return;
+            } else {
+                cabs = grp * Cg + cl;
+                smp.update(t, offset_group(cabs), mask_group(cabs), svalid, g, qc, off_q, msk_q, K, Q, sample_row);
             }
-            const int cabs = grp * Cg + cl;
-            smp.update(t, offset_group(cabs), mask_group(cabs), svalid, g, qc, off_q, msk_q, K, Q, sample_row);
 #pragma unroll
             for (int c = 0; c < NC; ++c) {
                 // a corner not read loads the zero row instead (weight 0): no branch, no
