@@ -117,20 +117,26 @@ def _conv_hyper(n, stride, padding, output_padding, dilation, groups):
     return hyper
 
 
+def _convolve(transposed: bool, tensors: List[Optional[Tensor]], hyper) -> Tensor:
+    """Run a checked call: autocast, then the eager path or the registered op (``_route``)."""
+    tensors = _autocast(tensors)
+    route = _route(tensors)
+    if route == _GRAPH:
+        return _ops.EagerConv.apply(transposed, hyper, *tensors)
+    if route == _NO_GRAPH:
+        return _ops._forward(transposed, tensors, hyper)
+    stride, padding, output_padding, dilation, groups = hyper   # the ops' int[] arguments: lists
+    if transposed:
+        return torch.ops.dcn_cupy.deform_conv_transpose(*tensors, list(stride), list(padding), list(output_padding),
+                                                        list(dilation), groups)
+    return torch.ops.dcn_cupy.deform_conv(*tensors, list(stride), list(padding), list(dilation), groups)
+
+
 def _deform_conv(ndim, input, weight, offset, mask, bias, stride, padding, dilation, groups) -> Tensor:
     _check_tensors(input, weight, offset, mask, bias)
     n = _geometry.spatial_ndim(tuple(weight.shape), ndim)
     hyper = _conv_hyper(n, stride, padding, None, dilation, groups)
-    tensors = _autocast([input, weight, offset, mask, bias])
-    route = _route(tensors)
-    if route == _GRAPH:
-        return _ops.EagerConv.apply(False, hyper, *tensors)
-    if route == _NO_GRAPH:
-        return _ops._forward(False, tensors, hyper)
-    input, weight, offset, mask, bias = tensors
-    stride, padding, _, dilation, groups = hyper
-    return torch.ops.dcn_cupy.deform_conv(input, weight, offset, mask, bias, list(stride), list(padding),
-                                          list(dilation), groups)
+    return _convolve(False, [input, weight, offset, mask, bias], hyper)
 
 
 def _deform_conv_transpose(ndim, input, weight, offset, mask, bias, stride, padding, output_padding,
@@ -139,16 +145,7 @@ def _deform_conv_transpose(ndim, input, weight, offset, mask, bias, stride, padd
     n = _geometry.spatial_ndim(tuple(weight.shape), ndim, "(C_in, C_out/groups, *kernel_size)",
                                "transposed convolution")
     hyper = _conv_hyper(n, stride, padding, output_padding, dilation, groups)
-    tensors = _autocast([input, weight, offset, mask, bias])
-    route = _route(tensors)
-    if route == _GRAPH:
-        return _ops.EagerConv.apply(True, hyper, *tensors)
-    if route == _NO_GRAPH:
-        return _ops._forward(True, tensors, hyper)
-    input, weight, offset, mask, bias = tensors
-    stride, padding, output_padding, dilation, groups = hyper
-    return torch.ops.dcn_cupy.deform_conv_transpose(input, weight, offset, mask, bias, list(stride), list(padding),
-                                                    list(output_padding), list(dilation), groups)
+    return _convolve(True, [input, weight, offset, mask, bias], hyper)
 
 
 def _mask_softmax(ndim, mask, kernel_size) -> Tensor:
