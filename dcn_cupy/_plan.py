@@ -95,9 +95,13 @@ class Plan:
 
     Attributes:
         output_shape (tuple): the shape of the forward's result.
-        workspace_bytes (int): the size of the scratch buffer a call needs (0: none). Pass
-            ``workspace=`` a buffer at least this large to keep every allocation in the
-            caller's hands; otherwise each call allocates it from the current allocator.
+        workspace_bytes (int): the size of a scratch buffer that serves every call (0: none),
+            the larger of ``forward_workspace_bytes`` and ``backward_workspace_bytes``. Pass
+            ``workspace=`` a buffer at least as large as the call's own size to keep every
+            allocation in the caller's hands; otherwise each call allocates its own size from
+            the current allocator.
+        forward_workspace_bytes (int), backward_workspace_bytes (int): what ``forward`` and
+            ``backward`` need.
         algorithm (str): the algorithms chosen, e.g. ``"forward: cuda/im2col, backward: cuda/im2col"``.
     """
 
@@ -146,12 +150,17 @@ class Plan:
                     self._exec[primitive] = (None, error)
                     continue
                 self._exec[primitive] = (f"{backend.device}/{backend.algorithm}", executable)
-        self.workspace_bytes = max([int(e.workspace_bytes) for n, e in self._exec.values() if n is not None],
-                                   default=0)
         fwd, bwd = ("conv_backward", "conv_forward") if transposed else ("conv_forward", "conv_backward")
         self._fwd = self._exec.get(fwd, (None, None))[1]
         self._bwd = self._exec.get("conv_backward", (None, None))
         self._bwd_input = self._exec.get(bwd, (None, None)) if transposed else None
+
+        def size(*entries):  # the largest workspace of the built executables among entries
+            return max([int(e.workspace_bytes) for n, e in entries if n is not None], default=0)
+
+        self.forward_workspace_bytes = size(self._exec.get(fwd, (None, None)))
+        self.backward_workspace_bytes = size(self._bwd, *([self._bwd_input] if transposed else []))
+        self.workspace_bytes = max(self.forward_workspace_bytes, self.backward_workspace_bytes)
         # On CUDA the bias gradient is one kernel launch, compiled with the plan; None: the
         # array library's sum (CPU, or no CUDA compiler/device where the plan was built).
         self._bias_sum = self._bias_sum_pointers = None
@@ -251,7 +260,7 @@ class Plan:
             natives.append(native)
         return natives, lib0
 
-    def _buffer(self, array, name: str, nbytes: int):
+    def _buffer(self, array, name: str, nbytes: int, what: str = ""):
         """A caller's buffer (out= or workspace=) as a native array, checked."""
         lib = _by_type.get(type(array)) or library_of(array)
         native, dev, dev_id = lib.to_native(array, name)
@@ -261,7 +270,7 @@ class Plan:
         if not (native._c_contiguous if self.device == "cuda" else native.flags.c_contiguous):
             raise ValueError(f"{name} must be C-contiguous")
         if nbytes is not None and native.nbytes < nbytes:
-            raise ValueError(f"{name} must hold at least {nbytes} bytes (plan.workspace_bytes), got {native.nbytes}")
+            raise ValueError(f"{name} must hold at least {nbytes} bytes ({what}), got {native.nbytes}")
         return native
 
     def _out(self, out, name: str, shape):
@@ -271,11 +280,12 @@ class Plan:
                              f"got shape {tuple(native.shape)} and dtype {np.dtype(native.dtype).name}")
         return native
 
-    def _workspace(self, workspace):
-        size = self.workspace_bytes
+    def _workspace(self, workspace, size: int, what: str):
+        """The call's workspace: the caller's (checked against ``size``, the call's need, named
+        ``what``) or a new one of ``size`` bytes."""
         if workspace is None:
             return self._xp.empty(size, dtype=np.uint8) if size else None
-        native = self._buffer(workspace, "workspace", size)
+        native = self._buffer(workspace, "workspace", size, what)
         if native.ndim == 1 and native.dtype == np.uint8:
             return native
         return native.reshape(-1).view(np.uint8)
@@ -479,7 +489,7 @@ class Plan:
             return y
         if self._pointer_ready(self._fwd) and self._all_contiguous(natives):
             # one pass: no per-executable re-checks, views or batch axes
-            ws = self._workspace(workspace)
+            ws = self._workspace(workspace, self.forward_workspace_bytes, "plan.forward_workspace_bytes")
             address = self._address
             self._forward_addresses((address(x), address(w), address(off), address(msk), address(b)), y.data.ptr,
                                     address(ws), xp.cuda.get_current_stream().ptr)
@@ -494,7 +504,7 @@ class Plan:
             msk = _sample_contiguous(xp, msk if batched else msk[None])
         if b is not None:
             b = _contiguous(xp, b)
-        ws = self._workspace(workspace)
+        ws = self._workspace(workspace, self.forward_workspace_bytes, "plan.forward_workspace_bytes")
         if self.transposed:
             self._fwd.run({"grad_output": x, "input": None, "weight": w, "offset": off, "mask": msk, "bias": b,
                            "wanted": _ONLY_INPUT}, {"input": yb}, ws)
@@ -530,7 +540,7 @@ class Plan:
             if fold:
                 targets["bias"] = address(grads["bias"])
             if "bias" not in wanted or "bias" in targets:
-                ws = self._workspace(workspace) if core else None
+                ws = self._workspace(workspace, self.backward_workspace_bytes, "plan.backward_workspace_bytes") if core else None
                 if self._backward_addresses(address(gy), (address(x), address(w), address(off), address(msk), 0),
                                             wanted, targets, address(ws), xp.cuda.get_current_stream().ptr):
                     return grads
@@ -546,7 +556,7 @@ class Plan:
             off = _sample_contiguous(xp, off)
         if msk is not None:
             msk = _sample_contiguous(xp, msk)
-        ws = self._workspace(workspace) if core else None
+        ws = self._workspace(workspace, self.backward_workspace_bytes, "plan.backward_workspace_bytes") if core else None
 
         def view(name):  # the batched view of a per-sample gradient
             g = grads[name]

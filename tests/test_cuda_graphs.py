@@ -147,8 +147,11 @@ def test_torch_allocator_holds_every_buffer():
     torch.cuda.reset_peak_memory_stats()
     y = dct.deform_conv2d(**args, **params)
     assert torch.cuda.memory_allocated() - before >= y.numel() * y.element_size()
-    assert torch.cuda.max_memory_allocated() - before >= plan.workspace_bytes
+    assert torch.cuda.max_memory_allocated() - before >= plan.forward_workspace_bytes
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     y.sum().backward()
+    assert torch.cuda.max_memory_allocated() - before >= plan.backward_workspace_bytes
     torch.cuda.synchronize()
     assert (pool.used_bytes(), pool.total_bytes()) == (used, total), "CuPy's memory pool was used"
 

@@ -122,9 +122,10 @@ class _CountingBackend:
 
     device, algorithm, priority = "cpu", "counting", -1
 
-    def __init__(self):
+    def __init__(self, sizes=None):
         self.calls = []
         self.numba = _backends.backend_named("cpu/numba")
+        self.sizes = sizes or {}   # primitive -> workspace bytes (96 where not given)
 
     def serves(self, spec, primitive):
         return None if spec.dtype == np.float64 else "float64 only"
@@ -133,12 +134,14 @@ class _CountingBackend:
         inner = self.numba.build(spec, primitive)
         backend = self
 
+        size = self.sizes.get(primitive, 96)
+
         class Executable:
-            workspace_bytes = 96
-            description = "cpu/counting: numba with a 96-byte workspace"
+            workspace_bytes = size
+            description = f"cpu/counting: numba with a {size}-byte workspace"
 
             def run(self, args, out, workspace):
-                assert workspace.dtype == np.uint8 and workspace.ndim == 1 and workspace.nbytes >= 96
+                assert workspace.dtype == np.uint8 and workspace.ndim == 1 and workspace.nbytes >= size
                 backend.calls.append((primitive, workspace.nbytes))
                 inner.run(args, out, workspace)
 
@@ -166,7 +169,7 @@ def test_workspace_and_forcing(counting):
     p.forward(**arrays)
     p.forward(**arrays, workspace=np.empty(12, np.float64))
     assert counting.calls == [("conv_forward", 96), ("conv_forward", 96)]
-    with pytest.raises(ValueError, match=r"workspace must hold at least 96 bytes \(plan.workspace_bytes\), got 88"):
+    with pytest.raises(ValueError, match=r"workspace must hold at least 96 bytes \(plan.forward_workspace_bytes\), got 88"):
         p.forward(**arrays, workspace=np.empty(11, np.float64))
     # automatic choice: the higher priority numba backend
     assert "cpu/counting" not in _plan_of(case).algorithm
@@ -180,6 +183,36 @@ def test_workspace_and_forcing(counting):
     assert len(counting.calls) == calls  # not forced any more
     with pytest.raises(ValueError, match="algorithm 'cpu/counting' does not serve this conv_forward: float64 only"):
         _plan_of(case, arrays=case.arrays(lambda a: a.astype(np.float32)), algorithm="cpu/counting")
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])
+def test_each_call_allocates_and_checks_its_own_workspace(transposed):
+    # forward 96 bytes, backward 160: a forward allocates 96 and takes a 96-byte buffer; the
+    # backward needs 160 (for the transposed operation the primitives swap roles)
+    backend = _CountingBackend({"conv_forward": 96, "conv_backward": 160})
+    _backends.register(backend)
+    _plan.clear_plan_cache()
+    try:
+        rng = np.random.default_rng(8)
+        case = random_case(rng, 2, transposed)
+        arrays = case.arrays()
+        p = _plan_of(case, algorithm="cpu/counting")
+        fwd, bwd = (160, 160) if transposed else (96, 160)
+        assert (p.forward_workspace_bytes, p.backward_workspace_bytes, p.workspace_bytes) == (fwd, bwd, 160)
+        y = p.forward(**arrays)
+        assert backend.calls[-1][1] == fwd    # allocated: the forward's own size
+        p.forward(**arrays, workspace=np.empty(fwd, np.uint8))
+        gy = np.ones_like(y)
+        before = len(backend.calls)
+        p.backward(gy, **arrays)
+        assert backend.calls[before:] and {n for _, n in backend.calls[before:]} == {bwd}
+        with pytest.raises(ValueError, match=rf"workspace must hold at least {bwd} bytes "
+                                              rf"\(plan.backward_workspace_bytes\), got 96"):
+            p.backward(gy, **arrays, workspace=np.empty(96, np.uint8))
+        p.backward(gy, **arrays, workspace=np.empty(p.workspace_bytes, np.uint8))
+    finally:
+        _backends.unregister("cpu/counting")
+        _plan.clear_plan_cache()
 
 
 def test_forcing_errors():

@@ -53,12 +53,12 @@ def _forward(transposed: bool, tensors: Sequence[Optional[Tensor]], hyper, plan=
     if ctx is not None:
         ctx.raw = stream is not None
     if stream is not None:  # the plan's shapes hold by construction: its launches on raw addresses
-        workspace = _workspace_tensor(plan, input)
+        workspace = _workspace_tensor(plan.forward_workspace_bytes, input)
         if plan.launch_forward(tuple(_address(t) for t in tensors), out.data_ptr(), _address(workspace), stream):
             return out
     with _runtime.cuda_scope(input):
         plan.forward(*(_runtime.native(t) for t in tensors), out=_runtime.native(out),
-                     workspace=_workspace(plan, input))
+                     workspace=_workspace(plan.forward_workspace_bytes, input))
     return out
 
 
@@ -101,7 +101,7 @@ def _backward(transposed: bool, grad_output: Tensor, tensors: Sequence[Optional[
     else:
         stream = _runtime.launch_stream((grad_output,) + tuple(tensors))
     if stream is not None:
-        workspace = _workspace_tensor(plan, input)
+        workspace = _workspace_tensor(plan.backward_workspace_bytes, input)
         outs = {name: g.data_ptr() for name, g, w in zip(NAMES, grads, wanted) if w}
         if plan.launch_backward(grad_output.data_ptr(), tuple(_address(t) for t in tensors), name_set, outs,
                                 _address(workspace), stream):
@@ -110,7 +110,7 @@ def _backward(transposed: bool, grad_output: Tensor, tensors: Sequence[Optional[
     out = {name: _runtime.native(g) for name, g, w in zip(NAMES, grads, wanted) if w}
     with _runtime.cuda_scope(input):
         try:
-            plan.backward(*args, wrt=names, out=out, workspace=_workspace(plan, input))
+            plan.backward(*args, wrt=names, out=out, workspace=_workspace(plan.backward_workspace_bytes, input))
         except ValueError as error:
             if not plan.deterministic:
                 raise
@@ -122,18 +122,17 @@ def _backward(transposed: bool, grad_output: Tensor, tensors: Sequence[Optional[
                 raise RuntimeError(message) from error
             warnings.warn(message)
             plan = _plans.plan_for(transposed, tensors, hyper, deterministic=False)
-            plan.backward(*args, wrt=names, out=out, workspace=_workspace(plan, input))
+            plan.backward(*args, wrt=names, out=out, workspace=_workspace(plan.backward_workspace_bytes, input))
     return tuple(grads)
 
 
-def _workspace_tensor(plan, like: Tensor) -> Optional[Tensor]:
-    """The plan's workspace from torch's caching allocator (None when it needs none)."""
-    size = plan.workspace_bytes
+def _workspace_tensor(size: int, like: Tensor) -> Optional[Tensor]:
+    """A workspace of ``size`` bytes from torch's caching allocator (None when 0)."""
     return like.new_empty(size, dtype=torch.uint8) if size else None
 
 
-def _workspace(plan, like: Tensor):
-    return _runtime.native(_workspace_tensor(plan, like))
+def _workspace(size: int, like: Tensor):
+    return _runtime.native(_workspace_tensor(size, like))
 
 
 def _wanted(needs_input_grad, tensors) -> List[bool]:
