@@ -408,15 +408,15 @@ class Plan:
     def launch_forward(self, pointers, out: int, workspace: int, stream: int) -> bool:
         """The forward on raw device addresses, with nothing checked: ``pointers`` = (input,
         weight, offset, mask, bias) (0 for an absent one), ``out`` the result's, ``workspace``
-        at least ``workspace_bytes`` (0 when that is 0), ``stream`` a ``cudaStream_t``; the
+        at least ``forward_workspace_bytes`` (0 when that is 0), ``stream`` a ``cudaStream_t``; the
         plan's device must be current. False (and nothing run) where the chosen algorithm has
         no raw-address path: call :meth:`forward` then."""
         return self._forward_addresses(pointers, out, workspace, stream)
 
     def launch_backward(self, grad_output: int, pointers, wanted, outs, workspace: int, stream: int) -> bool:
-        """:meth:`backward` on raw device addresses, as :meth:`launch_forward`: ``wanted`` a
-        frozenset of gradient names (as :meth:`_wanted` normalises them), ``outs`` name ->
-        address of each wanted gradient."""
+        """:meth:`backward` on raw device addresses, as :meth:`launch_forward` (``workspace``
+        at least ``backward_workspace_bytes``): ``wanted`` a frozenset of gradient names (as
+        :meth:`_wanted` normalises them), ``outs`` name -> address of each wanted gradient."""
         return self._backward_addresses(grad_output, pointers, wanted, outs, workspace, stream)
 
     def _forward_addresses(self, pointers, out, workspace, stream) -> bool:
@@ -540,7 +540,8 @@ class Plan:
             if fold:
                 targets["bias"] = address(grads["bias"])
             if "bias" not in wanted or "bias" in targets:
-                ws = self._workspace(workspace, self.backward_workspace_bytes, "plan.backward_workspace_bytes") if core else None
+                ws = (self._workspace(workspace, self.backward_workspace_bytes, "plan.backward_workspace_bytes")
+                      if core or fold else None)
                 if self._backward_addresses(address(gy), (address(x), address(w), address(off), address(msk), 0),
                                             wanted, targets, address(ws), xp.cuda.get_current_stream().ptr):
                     return grads
@@ -556,7 +557,8 @@ class Plan:
             off = _sample_contiguous(xp, off)
         if msk is not None:
             msk = _sample_contiguous(xp, msk)
-        ws = self._workspace(workspace, self.backward_workspace_bytes, "plan.backward_workspace_bytes") if core else None
+        ws = (self._workspace(workspace, self.backward_workspace_bytes, "plan.backward_workspace_bytes")
+              if core or fold else None)
 
         def view(name):  # the batched view of a per-sample gradient
             g = grads[name]

@@ -169,7 +169,8 @@ def test_workspace_and_forcing(counting):
     p.forward(**arrays)
     p.forward(**arrays, workspace=np.empty(12, np.float64))
     assert counting.calls == [("conv_forward", 96), ("conv_forward", 96)]
-    with pytest.raises(ValueError, match=r"workspace must hold at least 96 bytes \(plan.forward_workspace_bytes\), got 88"):
+    with pytest.raises(ValueError,
+                       match=r"workspace must hold at least 96 bytes \(plan.forward_workspace_bytes\), got 88"):
         p.forward(**arrays, workspace=np.empty(11, np.float64))
     # automatic choice: the higher priority numba backend
     assert "cpu/counting" not in _plan_of(case).algorithm
