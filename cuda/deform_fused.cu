@@ -273,8 +273,8 @@ template <> struct Vec<float> {
 
 // The 2^N corners of one (position, tap, offset group, mask group): the channels-last row of
 // each corner that is read (-1: outside, zero weight, or the position samples 0) and its
-// weight times the mask (0 for a corner not read). The offset and mask values of the next key can be fetched a step
-// ahead (prefetch), so that a new tap does not wait for them.
+// weight times the mask (0 for a corner not read). The offset and mask values of the next key
+// can be fetched a step ahead (prefetch), so that a new tap does not wait for them.
 template <typename I, int N>
 struct Sampler {
     static const int NC = 1 << N;
