@@ -522,8 +522,8 @@ class Plan:
             return grads
         fold = self._fold_bias and "bias" in wanted
         for name in wanted:
-            if name == "bias" and not fold:
-                continue
+            if name == "bias" and not fold and self._bias_sum is None:
+                continue   # the array library's sum allocates it
             target = outs.get(name)
             if target is None:
                 target = xp.empty(self._shapes[name], dtype=dtype)
@@ -531,14 +531,7 @@ class Plan:
         core = wanted & _CORE
         if self._all_contiguous(natives):
             address = self._address
-            targets = {name: address(grads[name]) for name in core}
-            if "bias" in wanted and not fold and self._bias_sum_pointers is not None:
-                grads["bias"] = outs.get("bias")
-                if grads["bias"] is None:
-                    grads["bias"] = xp.empty(self._shapes["bias"], dtype=dtype)
-                targets["bias"] = address(grads["bias"])
-            if fold:
-                targets["bias"] = address(grads["bias"])
+            targets = {name: address(grads[name]) for name in wanted if grads[name] is not None}
             if "bias" not in wanted or "bias" in targets:
                 ws = (self._workspace(workspace, self.backward_workspace_bytes, "plan.backward_workspace_bytes")
                       if core or fold else None)
@@ -594,12 +587,8 @@ class Plan:
                                 "wanted": params}, {n: view(n) for n in params}, ws)
         if "bias" in wanted and not fold:
             if self._bias_sum is not None:
-                target = outs.get("bias")
-                if target is None:
-                    target = xp.empty(self._shapes["bias"], dtype=dtype)
                 kernel, channel_sum = self._bias_sum
-                channel_sum(kernel, gy, target)
-                grads["bias"] = target
+                channel_sum(kernel, gy, grads["bias"])
             else:
                 grads["bias"] = _channel_sum(xp, gy, dtype, outs.get("bias"))
         return grads

@@ -519,18 +519,22 @@ def test_dcn_cupy_does_not_import_torch_adapter():
 # GPU
 
 
+def _labelled_case(kind, label):
+    """(args, params, the dct function) of CONV_CASES / TRANSPOSE_CASES[label]."""
+    if kind == "conv":
+        n, kwargs = CONV_CASES[label]
+        args, params = conv_case(n, **kwargs)
+        return args, params, getattr(dct, f"deform_conv{n}d")
+    n, kwargs = TRANSPOSE_CASES[label]
+    args, params = transpose_case(n, **kwargs)
+    return args, params, getattr(dct, f"deform_conv_transpose{n}d")
+
+
 @pytest.mark.gpu
 @cuda_only
 @pytest.mark.parametrize("kind, label", [("conv", "2d"), ("conv", "3d"), ("transpose", "2d")])
 def test_gradcheck_cuda_float64(kind, label):
-    if kind == "conv":
-        n, kwargs = CONV_CASES[label]
-        args, params = conv_case(n, **kwargs)
-        fn = getattr(dct, f"deform_conv{n}d")
-    else:
-        n, kwargs = TRANSPOSE_CASES[label]
-        args, params = transpose_case(n, **kwargs)
-        fn = getattr(dct, f"deform_conv_transpose{n}d")
+    args, params, fn = _labelled_case(kind, label)
     _gradcheck(fn, args, params, device="cuda")
     # and the same numbers as the CPU backend
     cpu = fn(**args, **params)
@@ -547,14 +551,7 @@ def test_raw_address_path_equals_array_path(kind, label, wrt, monkeypatch):
     from dcn_cupy import _plan
     from dcn_cupy.torch import _runtime
 
-    if kind == "conv":
-        n, kwargs = CONV_CASES[label]
-        args, params = conv_case(n, **kwargs)
-        fn = getattr(dct, f"deform_conv{n}d")
-    else:
-        n, kwargs = TRANSPOSE_CASES[label]
-        args, params = transpose_case(n, **kwargs)
-        fn = getattr(dct, f"deform_conv_transpose{n}d")
+    args, params, fn = _labelled_case(kind, label)
     names = {"all": NAMES, "input": ("input",), "bias": ("bias",), "weight+mask": ("weight", "mask")}[wrt]
     calls = []
     for method in ("launch_forward", "launch_backward"):
