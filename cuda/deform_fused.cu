@@ -39,10 +39,7 @@
 // thread's accumulators and sampling for a tile as tall as 256 rows). Dynamic shared memory:
 // 2 * (BM + BN) * (BK + PAD) elements of T (PAD = 0 for wgmma); ENGINE 2: cuda_fused.smem_bytes.
 
-#include "dcn_common.cuh"
-
-using dcn::Geom;
-using dcn::Traits;
+#include "fused_common.cuh"
 
 // Experiment switch (benchmarks/fused_variants.py builds modules with it set): DCN_FUSED_HALF2,
 // fp16 corners blended in half2 arithmetic (6% faster, 1.5x the error: NOTES-gpu.md fused4).
@@ -58,76 +55,6 @@ template <> struct IsHalf<__half> { static const bool value = true; };
 // Threads per block of the fused forward unless a tile says otherwise (mma.sync tiles may take
 // 512): BN/32 warps along the positions x the rest along the output channels.
 constexpr int THREADS = 256;
-
-// Channels per 16-byte vector (VEC) and the shared-memory row padding (PAD, one vector: rows
-// 16 (mod 128) bytes apart hit distinct banks for ldmatrix and the TF32 fragment loads).
-template <typename T> struct Tile { static const int VEC = 8; static const int PAD = 8; };
-template <> struct Tile<float> { static const int VEC = 4; static const int PAD = 4; };
-
-__device__ __forceinline__ unsigned smem_address(const void* p) {
-    return (unsigned)__cvta_generic_to_shared(p);
-}
-
-// 16-byte global -> shared copy; zero-fills when !full (nothing is read then).
-__device__ __forceinline__ void copy16_async(void* dst, const void* src, bool full) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(smem_address(dst)), "l"(src), "r"(full ? 16 : 0));
-}
-__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void copy_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-// Wait until at most P of this thread's committed cp.async groups are pending.
-template <int P>
-__device__ __forceinline__ void copy_wait_pending() { asm volatile("cp.async.wait_group %0;\n" :: "n"(P) : "memory"); }
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_address(p)));
-}
-
-__device__ __forceinline__ unsigned to_tf32(float v) {
-    unsigned r;
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(v));
-    return r;
-}
-
-// 3xTF32: the TF32 rounding of v - big (v = big + small); 0 where big is not finite, so that an
-// infinite operand stays infinite (inf - inf would make the small part NaN).
-__device__ __forceinline__ unsigned split_small(float v, unsigned big) {
-    const float b = __uint_as_float(big);
-    return isfinite(b) ? to_tf32(v - b) : 0u;
-}
-
-// The TF32 bits `big` where finite, else 0 (the operand of a 3xTF32 cross term).
-__device__ __forceinline__ unsigned finite_or_zero(unsigned big) {
-    return isfinite(__uint_as_float(big)) ? big : 0u;
-}
-
-// D += A * B for one m16n8k16 (half types) tile.
-template <typename T> struct Mma16;
-template <> struct Mma16<__half> {
-    static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-            "{%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
-template <> struct Mma16<__nv_bfloat16> {
-    static __device__ __forceinline__ void run(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-            "{%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
-
-// D += A * B for one m16n8k8 TF32 tile.
-__device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // Element offset of 16-byte vector kv of row `row` in a shared tile of rows of BK elements:
 // ENGINE 0 (mma.sync): rows padded to LD; ENGINE 1 (wgmma, no swizzle, K-major): 8x16-byte
@@ -352,55 +279,6 @@ struct Sampler {
 };
 
 }  // namespace fused
-
-// x (B, C, S), sample stride `x_bstride` -> xcl (B, S, Cp), channels >= C zero, followed by
-// one row of Cp zeros (the "zero row", row B*S: what the forward reads for a corner it does not
-// use, so that its loads need no branch). A 64x64 (channel x position) tile through shared
-// memory per block iteration, 16 elements per thread in flight each way (blockDim 32 x 8).
-template <typename T, typename I>
-__global__ void fused_channels_last(const T* __restrict__ x, T* __restrict__ xcl, const int batch,
-                                    const int channels, const int Cp, const I S, const I x_bstride) {
-    constexpr int TILE = 64;
-    __shared__ T tile[TILE][TILE + 1];
-    const I s_tiles = (S + TILE - 1) / TILE;
-    const int c_tiles = (Cp + TILE - 1) / TILE;
-    const I blocks = (I)batch * c_tiles * s_tiles;
-    const int tx = threadIdx.x, ty = threadIdx.y;
-    for (I blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
-        const I st = blk % s_tiles;
-        const I rest = blk / s_tiles;
-        const int ct = (int)(rest % c_tiles);
-        const int b = (int)(rest / c_tiles);
-        const I s0 = st * TILE;
-        const int c0 = ct * TILE;
-        const T* src = x + (I)b * x_bstride;
-        // read: threadIdx.x along positions (coalesced in x)
-#pragma unroll
-        for (int r = ty; r < TILE; r += 8) {
-            const int c = c0 + r;
-#pragma unroll
-            for (int h = 0; h < TILE; h += 32) {
-                const I s = s0 + tx + h;
-                tile[r][tx + h] = (c < channels && s < S) ? src[(I)c * S + s] : Traits<T>::store(0.0f);
-            }
-        }
-        __syncthreads();
-        // write: threadIdx.x along channels (coalesced in xcl)
-#pragma unroll
-        for (int r = ty; r < TILE; r += 8) {
-            const I s = s0 + r;
-#pragma unroll
-            for (int h = 0; h < TILE; h += 32) {
-                const int c = c0 + tx + h;
-                if (s < S && c < Cp) xcl[((I)b * S + s) * Cp + c] = tile[tx + h][r];
-            }
-        }
-        __syncthreads();
-    }
-    if (blockIdx.x == 0) {
-        for (int c = ty * 32 + tx; c < Cp; c += 32 * 8) xcl[(I)batch * S * Cp + c] = Traits<T>::store(0.0f);
-    }
-}
 
 // w (C_out, C/G, K) -> wr (C_out, K, Cgp): the GEMM's A operand, rows contiguous along the
 // input channels of one tap; channels >= C/G zero; float32 values rounded to TF32 when
@@ -724,81 +602,8 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
     auto multiply = [&](int abuf, int bbuf) {
-        const T* A = As0 + abuf * BM * LD;
-        const T* B = Bs0 + bbuf * BN * LD;
-        if constexpr (PREC == 0) {
-#pragma unroll
-            for (int kk = 0; kk < BK; kk += 16) {
-                unsigned af[MT][4];
-                unsigned bf[NT][2];
-#pragma unroll
-                for (int i = 0; i < MT; ++i) {
-                    const int r = wm * WM + i * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-                    ldmatrix_x4(af[i], A + r * LD + kk + (lane >> 4) * 8);
-                }
-#pragma unroll
-                for (int j = 0; j < NT; j += 2) {
-                    unsigned r4[4];
-                    const int n = wn * WN + j * 8 + (lane & 7) + (lane >> 4) * 8;
-                    ldmatrix_x4(r4, B + n * LD + kk + ((lane >> 3) & 1) * 8);
-                    bf[j][0] = r4[0]; bf[j][1] = r4[1]; bf[j + 1][0] = r4[2]; bf[j + 1][1] = r4[3];
-                }
-#pragma unroll
-                for (int i = 0; i < MT; ++i)
-#pragma unroll
-                    for (int j = 0; j < NT; ++j) Mma16<T>::run(acc[i][j], af[i], bf[j][0], bf[j][1]);
-            }
-        } else {
-            const float* Af = reinterpret_cast<const float*>(A);
-            const float* Bf = reinterpret_cast<const float*>(B);
-            const int gq = lane >> 2, tq = lane & 3;
-#pragma unroll
-            for (int kk = 0; kk < BK; kk += 8) {
-                // 3xTF32: a*b ~ a_small*b_big + a_big*b_small + a_big*b_big. The cross terms
-                // take the big parts only where they are finite (else 0): 0 * inf would make
-                // NaN where the exact product is infinite; a_big*b_big carries inf / NaN.
-                unsigned ab[MT][4], bb[NT][2];
-                unsigned as[MT][4], bsm[NT][2], abx[MT][4], bbx[NT][2];
-#pragma unroll
-                for (int i = 0; i < MT; ++i) {
-                    const int r = wm * WM + i * 16 + gq;
-                    const float a[4] = {Af[r * LD + kk + tq], Af[(r + 8) * LD + kk + tq],
-                                        Af[r * LD + kk + tq + 4], Af[(r + 8) * LD + kk + tq + 4]};
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        ab[i][e] = to_tf32(a[e]);
-                        if (PREC == 2) {
-                            as[i][e] = split_small(a[e], ab[i][e]);
-                            abx[i][e] = finite_or_zero(ab[i][e]);
-                        }
-                    }
-                }
-#pragma unroll
-                for (int j = 0; j < NT; ++j) {
-                    const int n = wn * WN + j * 8 + gq;
-                    const float bv[2] = {Bf[n * LD + kk + tq], Bf[n * LD + kk + tq + 4]};
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        // PREC 1: the sampler stored TF32-rounded values already.
-                        bb[j][e] = PREC == 1 ? __float_as_uint(bv[e]) : to_tf32(bv[e]);
-                        if (PREC == 2) {
-                            bsm[j][e] = split_small(bv[e], bb[j][e]);
-                            bbx[j][e] = finite_or_zero(bb[j][e]);
-                        }
-                    }
-                }
-#pragma unroll
-                for (int i = 0; i < MT; ++i)
-#pragma unroll
-                    for (int j = 0; j < NT; ++j) {
-                        if (PREC == 2) {
-                            mma_tf32(acc[i][j], as[i], bbx[j][0], bbx[j][1]);
-                            mma_tf32(acc[i][j], abx[i], bsm[j][0], bsm[j][1]);
-                        }
-                        mma_tf32(acc[i][j], ab[i], bb[j][0], bb[j][1]);
-                    }
-            }
-        }
+        // PREC 1: the sampler stored TF32-rounded values already
+        warp_mma<T, PREC, true, MT, NT, LD, BK, WM, WN>(acc, As0 + abuf * BM * LD, Bs0 + bbuf * BN * LD, wm, wn, lane);
     };
 
     if constexpr (ENGINE == 2) {

@@ -294,6 +294,7 @@ register(_NumbaBackend())
 register_lazy("cuda", "im2col", 0, "dcn_cupy._backends.cuda:BACKEND")
 register_lazy("cuda", "im2col-deterministic", -1, "dcn_cupy._backends.cuda_deterministic:BACKEND")
 register_lazy("cuda", "fused", 20, "dcn_cupy._backends.cuda_fused:BACKEND")
+register_lazy("cuda", "fused-backward", 20, "dcn_cupy._backends.cuda_fused_backward:BACKEND")
 register_lazy("cuda", "direct", 30, "dcn_cupy._backends.cuda_direct:BACKEND")
 
 

@@ -1,0 +1,378 @@
+// dcn_cupy: the fused deformable convolution backward to the input, the offset and the mask
+// (implicit GEMM on tensor cores, scatter epilogue, no column-gradient buffer).
+//
+// Column gradients G[(t, c), p] = sum_{o in group} W[o, c, t] * gy[b, o, q] (p = b*Q + q, c an
+// input channel of the group). Per block a tile of them for ONE tap t: BM input channels of one
+// conv group x BN positions of the flattened batch, reduced over the group's output channels in
+// steps of BK on tensor cores (fused::warp_mma, float32 accumulation) from two tiles copied with
+// cp.async (double-buffered): the weight columns wt[g, t, c, o] (A: rows c, K = o contiguous)
+// and the channels-last grad_output gycl[p, o] (B: rows p). The tile then goes to shared memory
+// (float32) and, in the epilogue, one warp per position (lanes along the channels, 4 per lane):
+//   * grad_input: G * mask * w_corner is added to the CHANNELS-LAST float32 accumulator
+//     gxcl[b, s, c] with one 4-channel vector reduction (REDG.ADD.F32x4 on sm_90) per corner and
+//     lane, where col2im needs a scalar atomic per channel;
+//   * grad_offset / grad_mask: each lane sums, over its channels, G * mask * d sample / d P_a
+//     and G * sample (corner values read channels-last from xcl), the lanes of one offset / mask
+//     group add theirs by shuffles (`seg` lanes: a power of two, no segment crossing a group),
+//     and one lane adds the sum to the float32 accumulators goff / gmsk.
+// Corners, weights and slopes are computed per (position, tap, lane) with the rules of
+// dcn::Corners (DESIGN.md section 1), so that every case is exact as in the im2col path: a
+// position outside [-1, S_a) or non-finite samples 0 and gets no gradient; corners of weight
+// (slope) exactly 0 are skipped, never multiplied.
+//
+// Template parameters: T storage type, I index type, N spatial dims, PREC (0: T's own MMA; 1:
+// TF32; 2: 3xTF32), the tile BM x BN x BK, MINB (blocks per multiprocessor asked of the register
+// allocator). 256 threads. Dynamic shared memory: cuda_fused_backward.smem_bytes.
+
+#include "fused_common.cuh"
+
+namespace fused_bwd {
+
+constexpr int THREADS = 256;
+
+// Four consecutive float32 channels added to global memory (one vector reduction on sm_90).
+__device__ __forceinline__ void add4(float* p, float4 v) {
+#if __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float4*>(p), v);
+#else
+    atomicAdd(p, v.x);
+    atomicAdd(p + 1, v.y);
+    atomicAdd(p + 2, v.z);
+    atomicAdd(p + 3, v.w);
+#endif
+}
+
+// Four consecutive channels of T from global memory, as float32.
+template <typename T> struct Load4;
+template <> struct Load4<float> {
+    static __device__ __forceinline__ float4 run(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+};
+template <> struct Load4<__half> {
+    static __device__ __forceinline__ float4 run(const __half* p) {
+        const uint2 r = __ldg(reinterpret_cast<const uint2*>(p));
+        const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&r.x));
+        const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&r.y));
+        return make_float4(a.x, a.y, b.x, b.y);
+    }
+};
+template <> struct Load4<__nv_bfloat16> {
+    static __device__ __forceinline__ float4 run(const __nv_bfloat16* p) {
+        const uint2 r = __ldg(reinterpret_cast<const uint2*>(p));
+        const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.x));
+        const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&r.y));
+        return make_float4(a.x, a.y, b.x, b.y);
+    }
+};
+
+__device__ __forceinline__ float component(const float4& v, int j) {
+    return j == 0 ? v.x : (j == 1 ? v.y : (j == 2 ? v.z : v.w));
+}
+
+}  // namespace fused_bwd
+
+// w (C_out, C/G, K) -> wt (G, K, C/G, Cogp): per conv group and tap, rows along the group's input
+// channels, each row the group's output channels (zero past C_out/G): the A operand of the
+// column gradients. One thread per element of wt.
+template <typename T, typename I>
+__global__ void fused_weight_columns(const T* __restrict__ w, T* __restrict__ wt, const int groups,
+                                     const int Cog, const int Cg, const int Cogp, const int K) {
+    const I total = (I)groups * K * Cg * Cogp;
+    for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
+        const int o = (int)(idx % Cogp);
+        I rest = idx / Cogp;
+        const int c = (int)(rest % Cg);
+        rest /= Cg;
+        const int t = (int)(rest % K);
+        const int grp = (int)(rest / K);
+        wt[idx] = o < Cog ? w[((I)(grp * Cog + o) * Cg + c) * K + t] : Traits<T>::store(0.0f);
+    }
+}
+
+// gxcl (B, S, Cpa) float32 -> gx (B, C, S) in T (sample stride gx_bstride), plus bias[c] when
+// given (the transposed convolution's forward). A 64x64 tile through shared memory per block
+// iteration (blockDim 32 x 8), as fused_channels_last the other way.
+template <typename T, typename I>
+__global__ void fused_channels_first(const float* __restrict__ gxcl, const T* __restrict__ bias,
+                                     T* __restrict__ gx, const int batch, const int channels, const int Cpa,
+                                     const I S, const I gx_bstride) {
+    constexpr int TILE = 64;
+    __shared__ float tile[TILE][TILE + 1];
+    const I s_tiles = (S + TILE - 1) / TILE;
+    const int c_tiles = (channels + TILE - 1) / TILE;
+    const I blocks = (I)batch * c_tiles * s_tiles;
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    for (I blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
+        const I st = blk % s_tiles;
+        const I rest = blk / s_tiles;
+        const int ct = (int)(rest % c_tiles);
+        const int b = (int)(rest / c_tiles);
+        const I s0 = st * TILE;
+        const int c0 = ct * TILE;
+        // read: threadIdx.x along channels (coalesced in gxcl)
+#pragma unroll
+        for (int r = ty; r < TILE; r += 8) {
+            const I s = s0 + r;
+#pragma unroll
+            for (int h = 0; h < TILE; h += 32) {
+                const int c = c0 + tx + h;
+                tile[tx + h][r] = (s < S && c < channels) ? gxcl[((I)b * S + s) * Cpa + c] : 0.0f;
+            }
+        }
+        __syncthreads();
+        // write: threadIdx.x along positions (coalesced in gx)
+#pragma unroll
+        for (int r = ty; r < TILE; r += 8) {
+            const int c = c0 + r;
+            if (c >= channels) continue;
+            const float bv = bias == nullptr ? 0.0f : Traits<T>::load(bias[c]);
+#pragma unroll
+            for (int h = 0; h < TILE; h += 32) {
+                const I s = s0 + tx + h;
+                if (s < S) gx[(I)b * gx_bstride + (I)c * S + s] = Traits<T>::store(tile[r][tx + h] + bv);
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// src (B, per_sample) float32 -> dst in T (sample stride dst_bstride): the offset and mask
+// gradients out of their accumulators.
+template <typename T, typename I>
+__global__ void fused_store(const float* __restrict__ src, T* __restrict__ dst, const int batch,
+                            const I per_sample, const I dst_bstride) {
+    const I total = (I)batch * per_sample;
+    for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
+        const I b = idx / per_sample;
+        dst[b * dst_bstride + idx % per_sample] = Traits<T>::store(src[idx]);
+    }
+}
+
+template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB>
+__global__ void __launch_bounds__(fused_bwd::THREADS, MINB)
+deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt, const T* __restrict__ xcl,
+                           const T* __restrict__ offset, const T* __restrict__ mask,
+                           float* __restrict__ gxcl, float* __restrict__ goff, float* __restrict__ gmsk,
+                           const Geom<N> g, const int batch, const int channels, const int Cp, const int Cpa,
+                           const int out_channels, const int Cop, const int groups, const int offset_groups,
+                           const int mask_groups, const int Cogp, const I offset_bstride, const I mask_bstride,
+                           const int seg) {
+    using namespace fused;
+    using fused_bwd::THREADS;
+    constexpr int VEC = Tile<T>::VEC;
+    constexpr int LD = BK + Tile<T>::PAD;            // shared row length (A: per input channel, B: per position)
+    constexpr int WARPS = THREADS / 32;
+    constexpr int WARPS_N = BN / 32, WARPS_M = WARPS / WARPS_N;
+    constexpr int WM = BM / WARPS_M, WN = 32;        // warp tile
+    constexpr int MT = WM / 16, NT = WN / 8;         // mma tiles per warp
+    constexpr int A_VECS = BM * BK / VEC / THREADS;  // 16-byte vectors copied per thread and step
+    constexpr int B_VECS = BN * BK / VEC / THREADS;
+    constexpr int GLD = BM + 4;                      // row of the staged column-gradient tile (floats)
+    constexpr int NC = 1 << N;
+    constexpr int LANES = BM / 4 < 32 ? BM / 4 : 32; // lanes per position in the epilogue
+    constexpr int PPW = 32 / LANES;                  // positions per warp and pass
+    static_assert(A_VECS >= 1 && B_VECS >= 1 && MT >= 1 && NT % 2 == 0 && BM % 64 == 0, "tile shape");
+
+    extern __shared__ __align__(128) unsigned char fused_smem[];
+    T* const As0 = reinterpret_cast<T*>(fused_smem);
+    T* const Bs0 = As0 + 2 * BM * LD;
+    float* const Gs = reinterpret_cast<float*>(fused_smem);   // after the main loop: G[BN][GLD]
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int wm = warp % WARPS_M, wn = warp / WARPS_M;
+
+    const I Q = dcn::prod_size<N, I>(g.out_size);
+    const I S = dcn::prod_size<N, I>(g.in_size);
+    const int K = (int)dcn::prod_size<N, I>(g.ksize);
+    const I BQ = (I)batch * Q;
+    const int Cg = channels / groups;
+    const int Cog = out_channels / groups;
+    const int per_go = offset == nullptr ? channels : channels / offset_groups;
+    const int per_gm = mask == nullptr ? channels : channels / mask_groups;
+    const int m_tiles = (Cg + BM - 1) / BM;
+    // block -> (position tile, tap, group, channel tile), channel tiles fastest: the blocks of one
+    // position tile run together and share its grad_output rows in L2
+    I bid = blockIdx.x;
+    const int m0 = (int)(bid % m_tiles) * BM;
+    bid /= m_tiles;
+    const int grp = (int)(bid % groups);
+    bid /= groups;
+    const int t = (int)(bid % K);
+    const I p0 = (bid / K) * BN;
+    const int steps = (Cog + BK - 1) / BK;
+
+    // This thread's copies: A rows a_r0 + j * R_STEP, B rows likewise, vector kv of the step.
+    constexpr int R_STEP = THREADS / (BK / VEC);
+    const int r0 = tid / (BK / VEC);
+    const int kv = (tid % (BK / VEC)) * VEC;
+    const T* const a_row0 = wt + (((I)grp * K + t) * Cg + m0 + r0) * Cogp + kv;
+    auto copy_step = [&](int step, int buf) {
+        const int o0 = step * BK;
+#pragma unroll
+        for (int j = 0; j < A_VECS; ++j) {
+            const int r = r0 + j * R_STEP;
+            const bool full = m0 + r < Cg;
+            copy16_async(As0 + buf * BM * LD + r * LD + kv, full ? a_row0 + (I)j * R_STEP * Cogp + o0 : wt, full);
+        }
+#pragma unroll
+        for (int j = 0; j < B_VECS; ++j) {
+            const int r = r0 + j * R_STEP;
+            const I p = p0 + r;
+            const bool full = p < BQ && o0 + kv < Cog;
+            copy16_async(Bs0 + buf * BN * LD + r * LD + kv,
+                         full ? gycl + p * Cop + grp * Cog + o0 + kv : gycl, full);
+        }
+        copy_commit();
+    };
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+    copy_step(0, 0);
+    for (int s = 0; s < steps; ++s) {
+        const int cur = s & 1;
+        if (s + 1 < steps) {
+            copy_step(s + 1, cur ^ 1);
+            copy_wait_pending<1>();
+        } else {
+            copy_wait_all();
+        }
+        __syncthreads();
+        warp_mma<T, PREC, false, MT, NT, LD, BK, WM, WN>(acc, As0 + cur * BM * LD, Bs0 + cur * BN * LD, wm, wn, lane);
+        __syncthreads();
+    }
+
+    // Stage the tile: Gs[position][channel], from the fragments (row = channel, column = position).
+    {
+        const int gq = lane >> 2, tq = lane & 3;
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = wm * WM + i * 16 + gq + (e >> 1) * 8;
+                    const int n = wn * WN + j * 8 + 2 * tq + (e & 1);
+                    Gs[n * GLD + row] = acc[i][j][e];
+                }
+    }
+    __syncthreads();
+
+    // Epilogue: warp w takes positions w*PPW + pass*WARPS*PPW ..., LANES lanes per position, each
+    // lane 4 channels at a time (BM/4/LANES passes over the channels).
+    const int sub = lane / LANES;           // which of the warp's PPW positions
+    const int lane_c = (lane % LANES) * 4;  // this lane's first channel within a pass
+    int tc[N];
+    dcn::unravel<N, int>(t, g.ksize, tc);
+    for (int n0 = warp * PPW; n0 < BN; n0 += WARPS * PPW) {
+        const int n = n0 + sub;
+        const I p = p0 + n;
+        const bool pvalid = p < BQ;
+        const I b = pvalid ? p / Q : 0;
+        const I q = pvalid ? p % Q : 0;
+        int qc[N];
+        dcn::unravel<N, I>(q, g.out_size, qc);
+#pragma unroll 1
+        for (int cpass = 0; cpass < BM; cpass += LANES * 4) {
+            const int c = m0 + cpass + lane_c;          // channel within the group
+            const bool active = pvalid && c < Cg;
+            const int cabs = grp * Cg + c;
+            float goff_part[N];
+#pragma unroll
+            for (int a = 0; a < N; ++a) goff_part[a] = 0.0f;
+            float gmask_part = 0.0f;
+            int go = 0, gm = 0;
+            if (active) {
+                go = per_go >= channels ? 0 : cabs / per_go;
+                gm = per_gm >= channels ? 0 : cabs / per_gm;
+                float pos[N];
+#pragma unroll
+                for (int a = 0; a < N; ++a) {
+                    pos[a] = (float)(qc[a] * g.stride[a] - g.pad[a] + tc[a] * g.dil[a]);
+                    if (offset != nullptr)
+                        pos[a] += Traits<T>::load(offset[b * offset_bstride + (((I)go * K + t) * N + a) * Q + q]);
+                }
+                const float m = mask == nullptr ? 1.0f
+                                                : Traits<T>::load(mask[b * mask_bstride + ((I)gm * K + t) * Q + q]);
+                dcn::Corners<float, I, N> cr;
+                cr.compute(pos, g.in_size);
+                if (cr.valid) {
+                    const float4 gc = *reinterpret_cast<const float4*>(Gs + n * GLD + cpass + lane_c);
+                    if (gxcl != nullptr) {
+                        const float4 v = make_float4(gc.x * m, gc.y * m, gc.z * m, gc.w * m);
+#pragma unroll
+                        for (int k = 0; k < NC; ++k) {
+                            const float w = cr.weight[k];
+                            if (cr.ok[k] && w != 0.0f) {
+                                fused_bwd::add4(gxcl + ((I)b * S + cr.index[k]) * Cpa + cabs,
+                                                make_float4(w * v.x, w * v.y, w * v.z, w * v.w));
+                            }
+                        }
+                    }
+                    if (goff != nullptr || gmsk != nullptr) {
+                        float4 xv[NC];
+#pragma unroll
+                        for (int k = 0; k < NC; ++k) {
+                            xv[k] = cr.ok[k] ? fused_bwd::Load4<T>::run(xcl + ((I)b * S + cr.index[k]) * Cp + cabs)
+                                             : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                        }
+                        // channel by channel, as dcn::accumulate_position_gradients
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            const float cg = fused_bwd::component(gc, j);
+                            if (gmsk != nullptr) {
+                                float sv = 0.0f;
+                                bool used = false;
+#pragma unroll
+                                for (int k = 0; k < NC; ++k) {
+                                    if (cr.weight[k] != 0.0f) {
+                                        sv += cr.weight[k] * fused_bwd::component(xv[k], j);
+                                        used = true;
+                                    }
+                                }
+                                if (used) gmask_part += cg * sv;
+                            }
+                            if (goff != nullptr) {
+                                const float scale = cg * m;
+#pragma unroll
+                                for (int a = 0; a < N; ++a) {
+                                    float d = 0.0f;
+                                    bool used = false;
+#pragma unroll
+                                    for (int k = 0; k < NC; ++k) {
+                                        if (cr.dweight[k][a] != 0.0f) {
+                                            d += cr.dweight[k][a] * fused_bwd::component(xv[k], j);
+                                            used = true;
+                                        }
+                                    }
+                                    if (used) goff_part[a] += scale * d;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            if (goff != nullptr || gmsk != nullptr) {
+                // the lanes of one segment share the position, the offset group and the mask group
+                for (int d = 1; d < seg; d <<= 1) {
+#pragma unroll
+                    for (int a = 0; a < N; ++a) goff_part[a] += __shfl_xor_sync(0xffffffffu, goff_part[a], d);
+                    gmask_part += __shfl_xor_sync(0xffffffffu, gmask_part, d);
+                }
+                if (active && lane % seg == 0) {
+                    if (goff != nullptr) {
+                        float* dst = goff + ((I)b * offset_groups + go) * K * N * Q + (I)t * N * Q + q;
+#pragma unroll
+                        for (int a = 0; a < N; ++a) atomicAdd(dst + (I)a * Q, goff_part[a]);
+                    }
+                    if (gmsk != nullptr) atomicAdd(gmsk + (((I)b * mask_groups + gm) * K + t) * Q + q, gmask_part);
+                }
+            }
+        }
+    }
+}

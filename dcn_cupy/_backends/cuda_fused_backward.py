@@ -1,0 +1,424 @@
+"""CUDA algorithm ``cuda/fused-backward``: the input, offset and mask gradients as one implicit GEMM
+on tensor cores with a scatter epilogue, and no column-gradient buffer.
+
+``cuda/deform_fused_backward.cu`` computes, per block, a tile of the column gradients
+``W^T . grad_output`` for one tap (input channels x positions) on tensor cores (fp16/bf16 in their
+format, float32 as TF32 when TF32 is allowed, else 3xTF32; float32 accumulation) and consumes it
+at once: the input gradient is scattered with 4-channel vector reductions into a channels-last
+float32 accumulator, and the offset and mask gradients are summed over each group's channels
+(shuffles, then one float32 atomic per group, position and tap). Per call, one batch chunk at a
+time (the chunk bounds the workspace by ``cuda_fused.WORKSPACE_LIMIT_BYTES``):
+
+* grad_output is copied channels-last, ``(Bc*Q, Cop)``; the input too (``(Bc*S, Cp)``) when the
+  offset or mask gradient is wanted (the corner values);
+* the weight is re-laid per conv group and tap as ``(G, K, C_in/G, Cogp)`` (rows along the
+  input channels, each the group's output channels, zero-padded to the step);
+* the accumulators are cleared, the kernel runs, and the gradients are written out in their
+  dtype and layout (the input gradient plus the C_in-long ``bias`` of the transposed forward).
+
+The weight gradient is ``cuda/im2col``'s (columns and a cuBLAS GEMM), run after the fused part
+on the same workspace. The transposed convolution's forward is this backward's input gradient
+(duality), so it runs here too.
+
+Served (``FusedBackwardBackend.serves``): float16, bfloat16 and float32 on CUDA devices of
+compute capability 8.0 or more, not ``deterministic`` (the scatter's atomics), when every lane's
+4 channels lie in one conv, offset and mask group (C_in/groups, C_in/offset_groups and
+C_in/mask_groups multiples of 4) and, with several conv groups, C_out/groups is a multiple of
+the 16-byte vector (8 half / 4 float32 channels). Elsewhere ``cuda/im2col`` computes the backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy as np
+
+import cupy
+
+from . import cuda as _cuda
+from . import cuda_fused as _fused
+from . import cuda_source_dir
+
+_SOURCE = "deform_fused_backward.cu"
+_THREADS = 256
+_VEC = _fused._VEC
+#: The tiles (BM input channels, BN positions, BK output channels per step, MINB blocks per SM
+#: asked of the register allocator), per dtype. The first is the rule (``_choose_tile``): the
+#: 64-channel tile was the fastest or within 2% at B=8 C256 56x56, B=32 C64 56x56 and B=16 C512
+#: 14x14 in every precision (H200, NOTES-gpu.md "fused backward"; 256x64x32 was 1.3-3.5x slower:
+#: the scatter epilogue, not the MMA, takes the time, and taller tiles give fewer blocks).
+TILES = {
+    "half": ((64, 64, 64, 2), (128, 64, 64, 1)),
+    "float": ((64, 64, 32, 2), (128, 64, 32, 1)),
+}
+_INT32_SAFE = 2**30
+_MAX_GRID = 1 << 20
+_ALIGN = 256
+
+_source_text = None
+
+
+def module_source() -> str:
+    """``deform_fused_backward.cu`` with its local headers inlined (#line directives kept)."""
+    global _source_text
+    if _source_text is None:
+        _source_text = "\n".join(_cuda._inline(cuda_source_dir(), _SOURCE, set())) + "\n"
+    return _source_text
+
+
+def _tiles(dtype) -> tuple:
+    return TILES["float" if np.dtype(dtype) == np.float32 else "half"]
+
+
+def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple) -> str:
+    t = _cuda._CTYPES[np.dtype(dtype)]
+    i = "long long" if index64 else "int"
+    bm, bn, bk, minb = tile
+    return f"deform_fused_backward_data<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}>"
+
+
+def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
+    """Every kernel instantiation of one module (one dtype, one N, one index width)."""
+    t = _cuda._CTYPES[np.dtype(dtype)]
+    i = "long long" if index64 else "int"
+    names = [kernel_name(dtype, index64, ndim, prec, tile) for prec in _fused._precisions(dtype)
+             for tile in _tiles(dtype)]
+    names += [f"{kernel}<{t}, {i}>" for kernel in
+              ("fused_channels_last", "fused_weight_columns", "fused_channels_first", "fused_store")]
+    return tuple(names)
+
+
+def all_module_keys():
+    """(dtype, ndim, index64) of every module this algorithm can build."""
+    return [(dtype, ndim, index64) for dtype in _fused.DTYPES for ndim in (1, 2, 3) for index64 in (False, True)]
+
+
+_modules = {}
+_functions = {}
+_lock = threading.Lock()
+
+
+def _function(name: str, dtype, ndim: int, index64: bool):
+    """The kernel ``name`` on the current device; its module is compiled once per device."""
+    device = cupy.cuda.runtime.getDevice()
+    fn = _functions.get((device, name))
+    if fn is None:
+        with _lock:
+            fn = _functions.get((device, name))
+            if fn is None:
+                names = name_expressions(dtype, ndim, index64)
+                mkey = (device, names)
+                module = _modules.get(mkey)
+                if module is None:
+                    module = _modules[mkey] = cupy.RawModule(code=module_source(), options=_cuda.compile_options(),
+                                                             name_expressions=names)
+                fn = _functions[(device, name)] = module.get_function(name)
+    return fn
+
+
+def smem_bytes(dtype, tile: tuple) -> int:
+    """Dynamic shared memory of a tile: the two buffers of both operand tiles, then (reused) the
+    float32 column-gradient tile of the epilogue."""
+    bm, bn, bk, _ = tile
+    item, vec = np.dtype(dtype).itemsize, _VEC[np.dtype(dtype)]
+    return max(2 * (bm + bn) * (bk + vec) * item, bn * (bm + 4) * 4)
+
+
+def _per_group(geom):
+    """Input channels per conv, offset and mask group (C_in where the argument is absent)."""
+    C = geom.in_channels
+    return (C // geom.groups, C // geom.offset_groups if geom.has_offset else C,
+            C // geom.mask_groups if geom.has_mask else C)
+
+
+def unsupported(geom, dtype):
+    """Why the fused backward cannot serve ``geom`` (None when it can)."""
+    per = _per_group(geom)
+    for count, what in zip(per, ("C_in/groups", "C_in/offset_groups", "C_in/mask_groups")):
+        if count % 4:
+            return f"{what} = {count} is not a multiple of 4 (a lane's 4 channels must share their groups)"
+    vec = _VEC[np.dtype(dtype)]
+    cog = geom.out_channels // geom.groups
+    if geom.groups > 1 and cog % vec:
+        return f"C_out/groups = {cog} is not a multiple of {vec} with {geom.groups} groups (16-byte copies)"
+    return None
+
+
+def segment_lanes(geom, bm: int) -> int:
+    """Lanes whose offset/mask partial sums are added by shuffles before one atomic: the largest
+    power of two, at most the lanes of one position, whose 4-channel segments never cross a
+    conv, offset or mask group boundary."""
+    lanes = min(32, bm // 4)
+    seg = 1
+    while seg * 2 <= lanes and all(count % (8 * seg) == 0 for count in _per_group(geom)):
+        seg *= 2
+    return seg
+
+
+def _choose_tile(geom, dtype) -> tuple:
+    """The rule: the first tile of the dtype (measured fastest at every benchmark shape)."""
+    return _tiles(dtype)[0]
+
+
+class BackwardConfig:
+    """What one backward of one geometry and dtype launches (chosen once per plan)."""
+
+    def __init__(self, geom, dtype, allow_tf32: bool, tile=None):
+        dtype = np.dtype(dtype)
+        reason = unsupported(geom, dtype)
+        if reason is not None:
+            raise ValueError(f"cuda/fused-backward does not serve this geometry: {reason}")
+        self.geom, self.dtype, self.itemsize = geom, dtype, dtype.itemsize
+        vec = _VEC[dtype]
+        C, Co, G = geom.in_channels, geom.out_channels, geom.groups
+        self.Cg, self.Cog = C // G, Co // G
+        self.K, self.Q, self.S = geom.kernel_volume, geom.output_size, geom.input_size
+        self.Go, self.Gm = max(geom.offset_groups, 1), max(geom.mask_groups, 1)
+        self.precision = 0 if dtype != np.float32 else (1 if allow_tf32 else 2)
+        self.tile = tuple(tile) if tile is not None else _choose_tile(geom, dtype)
+        bm, bn, bk, _ = self.tile
+        self.Cp, self.Cop, self.Cpa = _fused._round_up(C, vec), _fused._round_up(Co, vec), _fused._round_up(C, 4)
+        self.Cogp = _fused._round_up(self.Cog, bk)
+        self.off_ch, self.m_ch = self.Go * self.K * geom.ndim, self.Gm * self.K
+        it = self.itemsize
+        per_sample = (self.S * self.Cp * it + self.Q * self.Cop * it + self.S * self.Cpa * 4
+                      + (self.off_ch + self.m_ch) * self.Q * 4)
+        self.chunk = n = max(1, min(geom.batch, int(_fused.WORKSPACE_LIMIT_BYTES) // max(per_sample, 1)))
+        sizes = {
+            "xcl": ((n * self.S + 1) * self.Cp, dtype), "gycl": ((n * self.Q + 1) * self.Cop, dtype),
+            "gxcl": (n * self.S * self.Cpa, np.float32), "goff": (n * self.off_ch * self.Q, np.float32),
+            "gmsk": (n * self.m_ch * self.Q, np.float32), "wt": (G * self.K * self.Cg * self.Cogp, dtype),
+        }
+        self.offsets, total = {}, 0
+        for name, (count, dt) in sizes.items():
+            self.offsets[name] = (total, count, np.dtype(dt))
+            total = _fused._round_up(total + count * np.dtype(dt).itemsize, _ALIGN)
+        self.workspace_bytes = total
+        self.index64 = max(max(count for count, _ in sizes.values()), geom.batch * C * self.S,
+                           geom.batch * max(self.off_ch, self.m_ch) * self.Q,
+                           (n * self.Q + bn) * self.Cop) > _INT32_SAFE
+        self.m_tiles = -(-self.Cg // bm)
+        self.seg = segment_lanes(geom, bm)
+        self.smem_bytes = smem_bytes(dtype, self.tile)
+        self.struct = _cuda._geom_struct(geom)
+
+    @property
+    def description(self) -> str:
+        prec = {0: str(self.dtype), 1: "tf32", 2: "3xtf32"}[self.precision]
+        bm, bn, bk, _ = self.tile
+        return (f"cuda/fused-backward: {prec} mma.sync, tile {bm}x{bn}x{bk}, channels-last vector scatter, "
+                f"chunks of {self.chunk} samples, {'64' if self.index64 else '32'}-bit index")
+
+    def blocks(self, n: int) -> int:
+        return -(-n * self.Q // self.tile[1]) * self.K * self.geom.groups * self.m_tiles
+
+    def kernel(self, name: str):
+        g = self.geom
+        if name == "backward":
+            fn = _function(kernel_name(self.dtype, self.index64, g.ndim, self.precision, self.tile),
+                           self.dtype, g.ndim, self.index64)
+            if self.smem_bytes > 48 * 1024:
+                _fused._allow_shared_memory(fn, self.smem_bytes)
+            return fn
+        i = "long long" if self.index64 else "int"
+        return _function(f"{name}<{_cuda._CTYPES[self.dtype]}, {i}>", self.dtype, g.ndim, self.index64)
+
+    def view(self, workspace, name: str):
+        start, count, dtype = self.offsets[name]
+        return cupy.ndarray((count,), dtype=dtype, memptr=workspace.data + start)
+
+
+def _clear(array) -> None:
+    cupy.cuda.runtime.memsetAsync(array.data.ptr, 0, array.nbytes, cupy.cuda.get_current_stream().ptr)
+
+
+def run_data_gradients(config: BackwardConfig, args: dict, out: dict, workspace) -> None:
+    """The wanted ones of the input, offset and mask gradients into ``out`` (``args`` and ``out``
+    as the ``conv_backward`` primitive's)."""
+    g = config.geom
+    gy, x, w = args["grad_output"], args["input"], args["weight"]
+    offset, mask, bias, wanted = args["offset"], args["mask"], args.get("bias"), args["wanted"]
+    gx = out.get("input") if "input" in wanted else None
+    g_off = out.get("offset") if "offset" in wanted and offset is not None else None
+    g_m = out.get("mask") if "mask" in wanted and mask is not None else None
+    if gx is None and g_off is None and g_m is None:
+        return
+    index = np.int64 if config.index64 else np.int32
+    i32 = np.int32
+    wt = config.view(workspace, "wt")
+    total = wt.size
+    config.kernel("fused_weight_columns")((min(-(-total // _THREADS), _MAX_GRID),), (_THREADS,), (
+        w, wt, i32(g.groups), i32(config.Cog), i32(config.Cg), i32(config.Cogp), i32(config.K)))
+    layout = config.kernel("fused_channels_last")
+    backward = config.kernel("backward")
+    xcl, gycl = config.view(workspace, "xcl"), config.view(workspace, "gycl")
+    gxcl = config.view(workspace, "gxcl") if gx is not None else None
+    goff = config.view(workspace, "goff") if g_off is not None else None
+    gmsk = config.view(workspace, "gmsk") if g_m is not None else None
+    bs = _fused._batch_stride
+    off_bs = 0 if offset is None else bs(offset)
+    msk_bs = 0 if mask is None else bs(mask)
+    for start in range(0, g.batch, config.chunk):
+        n = min(config.chunk, g.batch - start)
+        stop = start + n
+        blocks = n * -(-config.Cop // 64) * -(-config.Q // 64)
+        layout((min(blocks, _MAX_GRID),), (32, 8), (
+            gy[start:stop], gycl, i32(n), i32(g.out_channels), i32(config.Cop), index(config.Q), index(bs(gy))))
+        if goff is not None or gmsk is not None:
+            blocks = n * -(-config.Cp // 64) * -(-config.S // 64)
+            layout((min(blocks, _MAX_GRID),), (32, 8), (
+                x[start:stop], xcl, i32(n), i32(g.in_channels), i32(config.Cp), index(config.S), index(bs(x))))
+        for acc in (gxcl, goff, gmsk):
+            if acc is not None:
+                _clear(acc)
+        backward((config.blocks(n),), (_THREADS,), (
+            gycl, wt, xcl, None if offset is None else offset[start:stop], None if mask is None else mask[start:stop],
+            gxcl, goff, gmsk, config.struct, i32(n), i32(g.in_channels), i32(config.Cp), i32(config.Cpa),
+            i32(g.out_channels), i32(config.Cop), i32(g.groups), i32(config.Go), i32(config.Gm),
+            i32(config.Cogp), index(off_bs), index(msk_bs), i32(config.seg),
+        ), shared_mem=config.smem_bytes)
+        if gx is not None:
+            blocks = n * -(-g.in_channels // 64) * -(-config.S // 64)
+            config.kernel("fused_channels_first")((min(blocks, _MAX_GRID),), (32, 8), (
+                gxcl, bias, gx[start:stop], i32(n), i32(g.in_channels), i32(config.Cpa), index(config.S),
+                index(bs(gx))))
+        for acc, target, channels in ((goff, g_off, config.off_ch), (gmsk, g_m, config.m_ch)):
+            if acc is not None:
+                per_sample = channels * config.Q
+                count = n * per_sample
+                config.kernel("fused_store")((min(-(-count // _THREADS), _MAX_GRID),), (_THREADS,), (
+                    acc, target[start:stop], i32(n), index(per_sample), index(bs(target))))
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend contract (dcn_cupy/_backends/__init__.py)
+
+
+class FusedBackward:
+    """The executable of one plan's backward: the fused data gradients, then cuda/im2col's
+    weight gradient (on the same workspace)."""
+
+    def __init__(self, config: BackwardConfig, weight_gradient):
+        self.config = config
+        self._weight = weight_gradient
+        self.workspace_bytes = max(config.workspace_bytes, weight_gradient.workspace_bytes)
+        self.description = (f"{config.description}; weight gradient: "
+                            f"{weight_gradient.description.replace('cuda/im2col: ', 'cuda/im2col ')}")
+
+    def run(self, args: dict, out: dict, workspace) -> None:
+        if self.config.geom.batch == 0:
+            return
+        run_data_gradients(self.config, args, out, workspace)
+        if "weight" in args["wanted"]:
+            self._weight.run(dict(args, wanted=frozenset(("weight",))), {"weight": out["weight"]}, workspace)
+
+
+SERVED_DTYPES = _fused.SERVED_DTYPES
+#: Time the fused backward against cuda/im2col's once per configuration (never during a CUDA
+#: graph capture; ``DCN_CUPY_FUSED_TUNE=0``: the rule, fused for the half types).
+_versus = {}
+
+
+def _spec(geom, dtype, allow_tf32: bool, device_id: int):
+    from . import PlanSpec
+    return PlanSpec(geom, np.dtype(dtype), "cuda", device_id, False, bool(allow_tf32))
+
+
+def fused_versus_im2col(geom, dtype, allow_tf32: bool):
+    """``(fused ms, im2col ms)``: every gradient of one batch chunk on random data, the fused
+    backward against cuda/im2col's, timed alike (``cuda_fused._best_times``); None when tuning is
+    off or a CUDA graph is being captured. Cached per device, geometry, dtype and precision."""
+    dtype = np.dtype(dtype)
+    device = cupy.cuda.runtime.getDevice()
+    config = BackwardConfig(geom, dtype, allow_tf32)
+    key = (device, geom, dtype.str, config.precision)
+    found = _versus.get(key)
+    if found is not None or not _fused.TUNE or _fused._capturing():
+        return found
+    # a private memory pool, emptied afterwards: building a plan leaves nothing in CuPy's pool
+    pool = cupy.cuda.MemoryPool()
+    try:
+        with cupy.cuda.using_allocator(pool.malloc):
+            found = _versus[key] = _time_one_chunk(geom.with_batch(config.chunk), dtype, allow_tf32, device,
+                                                   config.tile)
+    finally:
+        pool.free_all_blocks()
+    return found
+
+
+def _time_one_chunk(g, dtype, allow_tf32: bool, device: int, tile) -> tuple:
+    spec = _spec(g, dtype, allow_tf32, device)
+    fused = FusedBackward(BackwardConfig(g, dtype, allow_tf32, tile), _cuda._Backward(spec))
+    im2col = _cuda._Backward(spec)
+    (x, w, offset, mask, _), _ = _fused._random_arguments(g, dtype)
+    gy = cupy.random.default_rng(1).standard_normal(g.y_shape, dtype=np.float32).astype(dtype)
+    args = {"grad_output": gy, "input": x, "weight": w, "offset": offset, "mask": mask, "bias": None,
+            "wanted": frozenset(name for name, a in (("input", x), ("weight", w), ("offset", offset), ("mask", mask))
+                                if a is not None)}
+    out = {name: cupy.empty_like(args[name]) for name in args["wanted"]}
+    spaces = [cupy.empty(e.workspace_bytes, dtype=np.uint8) for e in (fused, im2col)]
+    best = _fused._best_times([functools.partial(e.run, args, out, ws) for e, ws in zip((fused, im2col), spaces)],
+                              rounds=3, repeats=2)
+    cupy.cuda.get_current_stream().synchronize()
+    return tuple(best)
+
+
+class FusedBackwardBackend:
+    """``cuda/fused-backward``: ``conv_backward`` for float16, bfloat16 and float32 (TF32 or
+    3xTF32) on CUDA devices of compute capability 8.0 or more, for the geometries of
+    :func:`unsupported`; chosen automatically where it measured faster than cuda/im2col."""
+
+    device = "cuda"
+    algorithm = "fused-backward"
+    priority = 20              # above cuda/im2col wherever it serves
+    primitives = ("conv_backward",)
+
+    def serves(self, spec, primitive: str):
+        if primitive != "conv_backward":
+            return f"cuda/fused-backward computes only conv_backward, not {primitive}"
+        if spec.device != "cuda":
+            return f"cuda/fused-backward runs on CUDA devices, not {spec.device}"
+        dtype = np.dtype(spec.dtype)
+        if dtype not in SERVED_DTYPES:
+            return f"cuda/fused-backward serves float16, bfloat16 and float32; {dtype} stays on cuda/im2col"
+        if spec.deterministic:
+            return "its scatter adds with floating-point atomics, whose order (and so rounding) varies from run to run"
+        reason = unsupported(spec.geom, dtype)
+        if reason is not None:
+            return reason
+        try:
+            capability = int(cupy.cuda.Device(spec.device_id).compute_capability)
+        except Exception as error:  # no driver or no such device: nothing to run on
+            return f"cuda/fused-backward found no CUDA device {spec.device_id} ({type(error).__name__})"
+        if capability < 80:
+            return f"cuda/fused-backward needs compute capability 8.0 or more (cp.async, mma.sync), got {capability / 10}"
+        return None
+
+    def recommends(self, spec, primitive: str):
+        """None where the automatic choice should take it; else why not: cuda/im2col measured
+        faster on one batch chunk of the configuration (without a measurement, the fused one)."""
+        try:
+            with cupy.cuda.Device(spec.device_id):
+                timed = fused_versus_im2col(spec.geom, spec.dtype, bool(spec.allow_tf32))
+        except cupy.cuda.runtime.CUDARuntimeError:   # no usable device here: the rule (fused)
+            timed = None
+        if timed is not None and timed[1] < timed[0]:
+            return (f"cuda/im2col measured faster for this configuration ({timed[1]:.3f} ms against "
+                    f"{timed[0]:.3f} ms on one batch chunk)")
+        return None
+
+    def build(self, spec, primitive: str) -> FusedBackward:
+        reason = self.serves(spec, primitive)
+        if reason is not None:
+            raise ValueError(reason)
+        with cupy.cuda.Device(spec.device_id):
+            config = BackwardConfig(spec.geom, spec.dtype, bool(spec.allow_tf32))
+            for name in ("fused_weight_columns", "fused_channels_last", "fused_channels_first", "fused_store",
+                         "backward"):
+                config.kernel(name)   # compile now, never during a CUDA-graph capture
+            weight = _cuda._Backward(spec)
+        return FusedBackward(config, weight)
+
+
+BACKEND = FusedBackwardBackend()

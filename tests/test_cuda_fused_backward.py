@@ -1,0 +1,308 @@
+"""The fused backward ("cuda/fused-backward"): NVRTC compilation of every instantiation (no GPU
+needed), its serving rule, then, on a GPU, the input, offset and mask gradients of every tile
+against the float64 reference for N = 1, 2, 3 and every precision, with groups, offset groups !=
+mask groups, stride / padding / dilation, with and without offset / mask, each gradient alone
+and all together, partial channel and position tiles (batch 33), non-finite and huge offsets,
+a broadcast batch, one-sample chunks, 64-bit indices, every output element written (outputs
+poisoned with NaN), plans choosing and forcing it (the weight gradient through cuda/im2col), and
+the transposed forward (the input gradient with a bias, by duality).
+
+Tolerances (relative error in the norm): float16 5e-3 and bfloat16 4e-2 as for cuda/im2col's
+gradients; TF32 5e-3; strict float32 (3xTF32) 1e-5.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np
+import pytest
+
+from dcn_cupy import _geometry, reference
+from dcn_cupy._interop import BFLOAT16
+
+from cases import fractional_offsets, relative_error
+
+TOL = {"float16": 5e-3, "bfloat16": 4e-2, "tf32": 5e-3, "float32": 1e-5}
+DTYPE = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16, "tf32": np.dtype(np.float32),
+         "float32": np.dtype(np.float32)}
+PRECISIONS = tuple(TOL)
+NAMES = ("input", "offset", "mask")
+
+
+def _backward_module():
+    pytest.importorskip("cupy")
+    from dcn_cupy._backends import cuda_fused_backward
+    return cuda_fused_backward
+
+
+# ---------------------------------------------------------------------------------------------
+# compilation and rules (no GPU)
+
+
+def _module_keys():
+    try:
+        from dcn_cupy._backends import cuda_fused_backward
+    except ImportError:
+        return [pytest.param(None, id="cupy-unavailable")]
+    return cuda_fused_backward.all_module_keys()
+
+
+def _key_id(key):
+    return "none" if key is None else f"{np.dtype(key[0]).name}-{key[1]}d-{'i64' if key[2] else 'i32'}"
+
+
+@pytest.mark.parametrize("key", _module_keys(), ids=_key_id)
+def test_every_instantiation_compiles(key, compile_module):
+    fb = _backward_module()
+    compile_module(fb.module_source(), "deform_fused_backward.cu", fb.name_expressions(*key))
+
+
+def test_module_source_defines_exactly_the_instantiated_kernels():
+    import re
+    fb = _backward_module()
+    source = fb.module_source()
+    assert '#line 1 "cuda/deform_fused_backward.cu"' in source and '#line 1 "cuda/fused_common.cuh"' in source
+    defined = set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(", source))
+    for key in fb.all_module_keys():
+        assert {name.split("<", 1)[0] for name in fb.name_expressions(*key)} == defined
+
+
+def _geom(c_in=64, c_out=48, groups=1, offset_groups=1, mask_groups=1, ndim=2, batch=2):
+    k = (3,) * ndim
+    K = math.prod(k)
+    S = (8,) * ndim
+    shapes = ((batch, c_in) + S, (c_out, c_in // groups) + k,
+              (batch, offset_groups * K * ndim) + S if offset_groups else None,
+              (batch, mask_groups * K) + S if mask_groups else None, None)
+    return _geometry.conv_geometry(*shapes, stride=1, padding=1, dilation=1, groups=groups)[0]
+
+
+def test_serving_rule_and_segments():
+    fb = _backward_module()
+    assert fb.unsupported(_geom(), np.float16) is None
+    assert "C_in/groups = 18" in fb.unsupported(_geom(c_in=36, groups=2), np.float16)
+    assert "C_in/offset_groups = 6" in fb.unsupported(_geom(c_in=24, offset_groups=4), np.float16)
+    assert "C_in/mask_groups = 10" in fb.unsupported(_geom(c_in=40, mask_groups=4), np.float32)
+    # several conv groups: C_out/groups a multiple of the 16-byte vector (8 half, 4 float32)
+    assert "C_out/groups = 12" in fb.unsupported(_geom(c_out=24, groups=2), np.float16)
+    assert fb.unsupported(_geom(c_out=24, groups=2), np.float32) is None
+    # a segment of lanes (4 channels each) never crosses a group; at most the lanes of a position
+    assert fb.segment_lanes(_geom(c_in=256), 256) == 32
+    assert fb.segment_lanes(_geom(c_in=256), 64) == 16
+    assert fb.segment_lanes(_geom(c_in=64, offset_groups=4), 128) == 4
+    assert fb.segment_lanes(_geom(c_in=48, mask_groups=2), 64) == 2     # 24 channels per mask group
+    assert fb.segment_lanes(_geom(c_in=12), 64) == 1
+    with pytest.raises(ValueError, match="C_in/groups = 18"):
+        fb.BackwardConfig(_geom(c_in=36, groups=2), np.float16, False)
+
+
+class _Spec:
+    def __init__(self, dtype, geom, device="cuda", deterministic=False):
+        self.dtype, self.device, self.geom, self.device_id = np.dtype(dtype), device, geom, 0
+        self.deterministic, self.allow_tf32 = deterministic, False
+
+
+def test_serves_only_the_backward_of_what_it_can_compute():
+    backend = _backward_module().BACKEND
+    geom = _geom()
+    assert "only conv_backward" in backend.serves(_Spec(np.float16, geom), "conv_forward")
+    assert "float64 stays on cuda/im2col" in backend.serves(_Spec(np.float64, geom), "conv_backward")
+    assert "atomics" in backend.serves(_Spec(np.float16, geom, deterministic=True), "conv_backward")
+    assert "runs on CUDA devices" in backend.serves(_Spec(np.float16, geom, device="cpu"), "conv_backward")
+    assert "multiple of 4" in backend.serves(_Spec(np.float16, _geom(c_in=36, groups=2)), "conv_backward")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+
+def _cupy():
+    return pytest.importorskip("cupy")
+
+
+def wide_case(rng, ndim, *, groups=2, offset_groups=2, mask_groups=1, c_in=64, c_out=48, batch=3,
+              offset=True, mask=True, size=None, kernel=None, stride=None, padding=None, dilation=None):
+    kernel = kernel or (3,) * ndim
+    stride = stride or tuple(int(v) for v in rng.integers(1, 3, size=ndim))
+    padding = padding or tuple(int(v) for v in rng.integers(0, 2, size=ndim))
+    dilation = dilation or tuple(int(v) for v in rng.integers(1, 3, size=ndim))
+    size = size or {1: 23, 2: 11, 3: 6}[ndim]
+    S = (size,) * ndim
+    Q = tuple((s + 2 * p - d * (k - 1) - 1) // st + 1 for s, p, d, k, st in zip(S, padding, dilation, kernel, stride))
+    K = math.prod(kernel)
+    arrays = {
+        "input": rng.standard_normal((batch, c_in) + S),
+        "weight": rng.standard_normal((c_out, c_in // groups) + kernel) / math.sqrt(c_in * K / groups),
+        "offset": fractional_offsets(rng, (batch, offset_groups * K * ndim) + Q) if offset else None,
+        "mask": rng.uniform(0.1, 1.5, size=(batch, mask_groups * K) + Q) if mask else None,
+    }
+    params = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+    return arrays, params, rng.standard_normal((batch, c_out) + Q)
+
+
+def run_gradients(arrays, params, grad_output, precision, tile=None, wanted=NAMES, broadcast=False):
+    """The fused data gradients of float64 NumPy arrays cast to ``precision``'s dtype (outputs
+    poisoned with NaN) and the float64 reference gradients of the rounded inputs."""
+    cupy = _cupy()
+    fb = _backward_module()
+    dtype = DTYPE[precision]
+    with np.errstate(over="ignore", invalid="ignore"):
+        rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
+        dev = {k: None if a is None else cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
+        gy = grad_output.astype(dtype)
+    if broadcast:   # one sample seen as several (batch stride 0)
+        dev = {k: None if a is None or k == "weight" else cupy.broadcast_to(a[:1], a.shape) for k, a in dev.items()}
+        dev["weight"] = cupy.asarray(arrays["weight"].astype(dtype))
+        rounded = {k: None if a is None or k == "weight" else np.broadcast_to(a[:1], a.shape) for k, a in rounded.items()}
+        rounded["weight"] = arrays["weight"].astype(dtype).astype(np.float64)
+        gy = np.broadcast_to(gy[:1], gy.shape)
+    shapes = [None if arrays[k] is None else arrays[k].shape for k in ("input", "weight", "offset", "mask")]
+    geom = _geometry.conv_geometry(*shapes, None, **params)[0]
+    config = fb.BackwardConfig(geom, dtype, precision == "tf32", tile)
+    out = {name: cupy.full(arrays[name].shape, np.nan, dtype=dtype) for name in wanted if arrays[name] is not None}
+    gy_dev = cupy.asarray(gy) if not broadcast else cupy.broadcast_to(cupy.asarray(gy[:1]), gy.shape)
+    args = dict(grad_output=gy_dev, bias=None, wanted=frozenset(wanted), **dev)
+    workspace = cupy.empty(config.workspace_bytes, dtype=np.uint8)
+    fb.run_data_gradients(config, args, out, workspace)
+    gx, _, goff, gm, _ = reference.deform_conv_backward(gy.astype(np.float64), **rounded, **params)
+    expected = {"input": gx, "offset": goff, "mask": gm}
+    return {k: cupy.asnumpy(v).astype(np.float64) for k, v in out.items()}, expected, config
+
+
+def check(got, expected, precision, label=""):
+    for name, value in got.items():
+        assert np.isfinite(value).all(), (name, label)
+        assert relative_error(value, expected[name]) < TOL[precision], (name, label)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_every_tile_matches_reference(ndim, precision):
+    fb = _backward_module()
+    rng = np.random.default_rng(40 + ndim)
+    arrays, params, gy = wide_case(rng, ndim)
+    for tile in fb._tiles(DTYPE[precision]):
+        got, expected, _ = run_gradients(arrays, params, gy, precision, tile)
+        check(got, expected, precision, tile)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset_groups,mask_groups", [(1, 2), (2, 1), (4, 2), (2, 4), (16, 1)])
+@pytest.mark.parametrize("present", ["offset+mask", "offset", "mask"])
+def test_groups_and_missing_arguments(offset_groups, mask_groups, present):
+    fb = _backward_module()
+    rng = np.random.default_rng(offset_groups * 7 + mask_groups)
+    arrays, params, gy = wide_case(rng, 2, groups=2, offset_groups=offset_groups, mask_groups=mask_groups,
+                                   c_in=128, c_out=160, offset="offset" in present, mask="mask" in present)
+    for precision in ("float16", "float32"):
+        for tile in fb._tiles(DTYPE[precision]):
+            got, expected, _ = run_gradients(arrays, params, gy, precision, tile)
+            check(got, expected, precision, (tile, present))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wanted", [("input",), ("offset",), ("mask",), ("offset", "mask"), ("input", "mask")])
+def test_each_gradient_alone_equals_all_together(wanted):
+    rng = np.random.default_rng(7)
+    arrays, params, gy = wide_case(rng, 2)
+    together, expected, _ = run_gradients(arrays, params, gy, "float32")
+    alone, _, _ = run_gradients(arrays, params, gy, "float32", wanted=wanted)
+    assert set(alone) == set(wanted)
+    for name in wanted:
+        assert relative_error(alone[name], expected[name]) < TOL["float32"]
+        assert relative_error(alone[name], together[name]) < 1e-6
+
+
+@pytest.mark.gpu
+def test_partial_tiles_batch_33_and_one_sample_chunks(monkeypatch):
+    """C_in = 200 (partial channel tiles), 33 samples of 7x7 (position tiles spanning samples),
+    then one sample per chunk."""
+    fb = _backward_module()
+    rng = np.random.default_rng(3)
+    arrays, params, gy = wide_case(rng, 2, groups=1, offset_groups=2, mask_groups=2, c_in=200, c_out=40, batch=33,
+                                   size=7, stride=(1, 1), padding=(1, 1), dilation=(1, 1))
+    for tile in fb._tiles(np.float16):
+        got, expected, _ = run_gradients(arrays, params, gy, "float16", tile)
+        check(got, expected, "float16", tile)
+    monkeypatch.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", 1)
+    got, expected, config = run_gradients(arrays, params, gy, "bfloat16")
+    assert config.chunk == 1
+    check(got, expected, "bfloat16")
+
+
+@pytest.mark.gpu
+def test_broadcast_batch_and_64bit_indices(monkeypatch):
+    fb = _backward_module()
+    rng = np.random.default_rng(5)
+    arrays, params, gy = wide_case(rng, 3)
+    got, expected, _ = run_gradients(arrays, params, gy, "float32", broadcast=True)
+    check(got, expected, "float32", "broadcast")
+    monkeypatch.setattr(fb, "_INT32_SAFE", 16)
+    got, expected, config = run_gradients(arrays, params, gy, "float16")
+    assert config.index64
+    check(got, expected, "float16", "64-bit")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_non_finite_and_huge_offsets(ndim):
+    """Positions outside [-1, S) or non-finite sample 0 and get no gradient; a coordinate of
+    exactly -1 takes the one-sided slope."""
+    rng = np.random.default_rng(60 + ndim)
+    arrays, params, gy = wide_case(rng, ndim, groups=1, offset_groups=4, mask_groups=2)
+    off = arrays["offset"].reshape(-1)
+    picks = rng.choice(off.size, size=off.size // 3, replace=False)
+    specials = np.array([np.nan, np.inf, -np.inf, 1e30, -1e30, 3e9, -3e9, 0.5])
+    off[picks] = specials[rng.integers(0, specials.size, size=picks.size)]
+    for precision in ("float16", "float32"):
+        got, expected, _ = run_gradients(arrays, params, gy, precision)
+        check(got, expected, precision)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16, np.float32], ids=["float16", "bfloat16", "float32"])
+def test_plans_choose_and_force_the_fused_backward(dtype, monkeypatch):
+    """Forced (every gradient, the weight's through cuda/im2col), chosen automatically where
+    measured faster (float32 at this size: cuda/direct, priority 30), and the transposed forward
+    (the input gradient plus bias)."""
+    cupy = _cupy()
+    import dcn_cupy
+    fb = _backward_module()
+    dtype = np.dtype(dtype)
+    precision = "float32" if dtype == np.float32 else dtype.name
+    rng = np.random.default_rng(9)
+    arrays, params, gy = wide_case(rng, 2, groups=1, offset_groups=2, mask_groups=1, batch=2)
+    arrays["bias"] = rng.standard_normal(arrays["weight"].shape[0])
+    dev = {k: cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
+    rounded = {k: a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
+    gy_r = gy.astype(dtype)
+    forced = dcn_cupy.plan(**dev, **params, algorithm="cuda/fused-backward", allow_tf32=False)
+    assert "cuda/fused-backward" in str(forced)
+    grads = forced.backward(cupy.asarray(gy_r), **dev)
+    exact = reference.deform_conv_backward(gy_r.astype(np.float64), **rounded, **params)
+    for i, name in enumerate(("input", "weight", "offset", "mask", "bias")):
+        tol = 1e-4 if dtype == np.float32 and name == "weight" else TOL[precision]
+        assert relative_error(cupy.asnumpy(getattr(grads, name)).astype(np.float64), exact[i]) < tol, name
+    # the automatic choice follows the measurement
+    monkeypatch.setattr(fb, "fused_versus_im2col", lambda *a: (1.0, 2.0))
+    auto = dcn_cupy.plan(**dev, **params, allow_tf32=False)
+    assert ("cuda/fused-backward" in str(auto)) == (dtype != np.float32)
+    monkeypatch.setattr(fb, "fused_versus_im2col", lambda *a: (2.0, 1.0))
+    assert "cuda/fused-backward" not in str(dcn_cupy.plan(**dev, **params, allow_tf32=False))
+    # the transposed forward: the input gradient of the convolution it is the adjoint of
+    x_t = rng.standard_normal(gy.shape).astype(dtype)
+    bias_t = rng.standard_normal(arrays["input"].shape[1]).astype(dtype)
+    w, off, m = dev["weight"], dev["offset"], dev["mask"]
+    transposed = dcn_cupy.plan(cupy.asarray(x_t), w, off, m, cupy.asarray(bias_t), **params, transposed=True,
+                               algorithm="cuda/fused-backward", allow_tf32=False)
+    assert "cuda/fused-backward" in str(transposed)
+    y = transposed.forward(cupy.asarray(x_t), w, off, m, cupy.asarray(bias_t))
+    expected = reference.deform_conv_transpose(x_t.astype(np.float64), rounded["weight"], rounded["offset"],
+                                               rounded["mask"], bias_t.astype(np.float64), **params)
+    assert y.shape == expected.shape
+    assert relative_error(cupy.asnumpy(y).astype(np.float64), expected) < TOL[precision]
