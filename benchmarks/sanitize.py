@@ -16,7 +16,10 @@ its box); checks the float64 results against the reference.
 Then the fused forward (cuda/fused, ``fused_cases``, through plans with
 ``algorithm="cuda/fused"`` and, per tile, its launch configurations): both samplers, every
 precision, N = 1, 2, 3, poisoned offsets, partial tiles, one-sample chunks and the 64-bit
-instantiation, checked against the reference; ``--fused-only`` runs just those (for racecheck); ``--robustness-only`` just the degenerate-shape
+instantiation, checked against the reference; then the fused backward (cuda/fused-backward,
+``fused_backward_cases``: every gradient of conv and transposed conv, every data and weight
+tile, one-sample chunks, 64-bit indices). ``--fused-only`` runs just the fused cases (for
+racecheck; ``--fused-quick`` fewer of them); ``--robustness-only`` just the degenerate-shape
 and non-finite cases.
 Without a CUDA device (or CuPy) it says so and exits with status 0.
 """
@@ -215,6 +218,81 @@ def fused_cases(quick: bool = False) -> int:
     return count
 
 
+def fused_backward_cases(quick: bool = False) -> int:
+    """cuda/fused-backward (forced through plans): every gradient of conv and transposed conv
+    (its forward is this backward's input gradient), N = 1, 2, 3, every precision, poisoned
+    offsets; every data and weight tile; one-sample chunks and the 64-bit instantiation;
+    checked against the float64 reference of the rounded inputs."""
+    from dcn_cupy import reference
+    from dcn_cupy._backends import cuda_fused_backward as fb
+    tol = {np.dtype(np.float32): 5e-3, np.dtype(np.float16): 5e-3, BFLOAT16: 4e-2}
+    count = 0
+
+    def run(case, dtype, allow_tf32, tile=None, weight_tile=None):
+        dtype = np.dtype(dtype)
+        arrays = _poisoned(case.arrays_)
+        with np.errstate(over="ignore"):
+            gpu = {k: None if a is None else cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
+            rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
+        saved = fb.TILES, fb.WEIGHT_TILES
+        key = "float" if dtype == np.float32 else "half"
+        try:
+            if tile is not None:   # the plan's rule takes the first tile of each list
+                fb.TILES = dict(saved[0], **{key: (tile,)})
+                fb.WEIGHT_TILES = dict(saved[1], **{key: (weight_tile,)})
+            p = dcn_cupy.plan(*(gpu[k] for k in ARGUMENTS), **case.params, transposed=case.transposed,
+                              algorithm="cuda/fused-backward", allow_tf32=allow_tf32)
+        finally:
+            fb.TILES, fb.WEIGHT_TILES = saved
+        assert "backward: cuda/fused-backward" in p.algorithm or case.transposed, p.algorithm
+        y = p.forward(*(gpu[k] for k in ARGUMENTS))
+        gy = cupy.ones(y.shape, dtype=dtype)
+        grads = p.backward(gy, *(gpu[k] for k in ARGUMENTS))
+        cupy.cuda.Device().synchronize()
+        assert bool(cupy.isfinite(y).all()), case.label
+        assert relative_error(cupy.asnumpy(y).astype(np.float64), case.reference(rounded)) < tol[dtype], case.label
+        backward = reference.deform_conv_transpose_backward if case.transposed else reference.deform_conv_backward
+        exact = backward(np.ones(y.shape), *(rounded[k] for k in ARGUMENTS), **case.params)
+        for name, value in zip(ARGUMENTS, exact):
+            g = getattr(grads, name)
+            assert (g is None) == (value is None), name
+            if g is not None:
+                got = cupy.asnumpy(g).astype(np.float64)
+                assert np.isfinite(got).all(), (name, case.label)
+                # weight / bias of float32: strict or TF32 GEMMs, within the float32 budget
+                assert relative_error(got, value) < tol[dtype], (name, case.label)
+
+    for ndim in (2,) if quick else (1, 2, 3):
+        for transposed in (False, True):
+            rng = np.random.default_rng(1990 + ndim + 10 * transposed)
+            case = random_case(rng, ndim, transposed, batch=2, channels_scale=16)
+            for dtype, tf32 in ((np.float16, False), (BFLOAT16, False), (np.float32, True), (np.float32, False)):
+                if quick and dtype == BFLOAT16:
+                    continue
+                run(case, dtype, tf32)
+                count += 1
+    rng = np.random.default_rng(1999)
+    case = random_case(rng, 2, False, batch=2, channels_scale=16)
+    for dtype, key in ((np.float16, "half"), (np.float32, "float")):
+        for tile, weight_tile in itertools.zip_longest(fb.TILES[key], fb.WEIGHT_TILES[key]):
+            run(case, dtype, False, tile or fb.TILES[key][0], weight_tile or fb.WEIGHT_TILES[key][0])
+            count += 1
+    if quick:
+        return count
+    limit, safe = fb._fused.WORKSPACE_LIMIT_BYTES, fb._INT32_SAFE
+    try:
+        fb._fused.WORKSPACE_LIMIT_BYTES, fb._INT32_SAFE = 1, 0
+        for ndim in (1, 2, 3):
+            rng = np.random.default_rng(1995 + ndim)
+            case = random_case(rng, ndim, False, batch=3, channels_scale=16)
+            run(case, np.float16, False)
+            run(case, np.float32, False)
+            count += 2
+    finally:
+        fb._fused.WORKSPACE_LIMIT_BYTES, fb._INT32_SAFE = limit, safe
+    return count
+
+
 def main() -> int:
     reason = no_gpu_reason()
     if reason is not None:
@@ -223,6 +301,7 @@ def main() -> int:
     _setup()
     if "--fused-only" in sys.argv or "--fused-quick" in sys.argv:
         count = fused_cases(quick="--fused-quick" in sys.argv)
+        count += fused_backward_cases(quick="--fused-quick" in sys.argv)
         print(f"SANITIZE RUN OK: {count} fused cases")
         return 0
     if "--robustness-only" in sys.argv:  # degenerate shapes and non-finite inputs (issue 11)
@@ -274,6 +353,7 @@ def main() -> int:
     edge_case()
     count += 1
     count += fused_cases()
+    count += fused_backward_cases()
     count += robustness_cases()
     print(f"SANITIZE RUN OK: {count} cases")
     return 0

@@ -1,6 +1,7 @@
 """Time the CUDA algorithms whole, through plans, and the stages of their executables alone (for NOTES-gpu.md).
 
     python benchmarks/stages.py [--shape 8,256,56] [--dtypes float16,float32] [--ndim 2] [--tf32] [--fused]
+                                [--fused-backward]
 
 Prints, per dtype: for each distinct plan (``dcn_cupy.plan`` with the automatic choice, which
 takes cuda/fused for float16/bfloat16; forced ``algorithm="cuda/im2col"`` and
@@ -11,7 +12,9 @@ executables alone, summed over the executable's chunks as a call runs them (im2c
 layout kernel, batch_to_columns, tiled col2im, grouped offset/mask-gradient kernel); then the
 fused forward ("cuda/fused", ``--fused`` alone skips the rest): the whole forward, its
 channels-last copy, its weight re-layout and the fused kernel alone for each tile height, with
-TFLOP/s (2 * C_out * C_in * K * B * Q over the time). TF32 GEMMs only with ``--tf32``.
+TFLOP/s (2 * C_out * C_in * K * B * Q over the time); then the fused backward
+("cuda/fused-backward", ``--fused-backward`` alone skips the rest): whole, its parts and its two
+kernels alone. TF32 GEMMs only with ``--tf32``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def main(argv=None):
     parser.add_argument("--ndim", type=int, default=2)
     parser.add_argument("--tf32", action="store_true", help="float32 GEMMs in TF32 (default: strict float32)")
     parser.add_argument("--fused", action="store_true", help="only the fused forward's stages")
+    parser.add_argument("--fused-backward", action="store_true", help="only the fused backward's stages")
     parser.add_argument("--tiles", default="", help="extra fused tiles to time, 'BM,BN,BK,MINB,ENGINE;...'")
     args = parser.parse_args(argv)
     B, C, H = (int(v) for v in args.shape.split(","))
@@ -66,9 +70,12 @@ def main(argv=None):
         geom, _ = _geometry.conv_geometry(x.shape, w.shape, off.shape, msk.shape, None, padding=1)
         extra = [tuple(int(v) for v in tile.split(",")) for tile in args.tiles.split(";") if tile]
         extra = [tile for tile in extra if tile[2] % (16 if np.dtype(dtype) == np.float32 else 32) == 0]
-        if args.fused:
+        if args.fused or args.fused_backward:
             if np.dtype(dtype) != np.float64:
-                fused_stages(x, w, off, msk, geom, name, t, extra)
+                if args.fused:
+                    fused_stages(x, w, off, msk, geom, name, t, extra)
+                if args.fused_backward:
+                    fused_backward_stages(x, w, off, msk, gy, geom, name, t)
             continue
         print(f"== {name}: B={B} C={C}->{C} {'x'.join([str(H)] * n)} 3^{n}, offset+mask, "
               f"{'TF32' if args.tf32 and np.dtype(dtype) == np.float32 else 'no TF32'}, {device}", flush=True)
@@ -76,6 +83,7 @@ def main(argv=None):
         im2col_stages(x, w, off, msk, gy, geom, t, args.tf32)
         if np.dtype(dtype) != np.float64:
             fused_stages(x, w, off, msk, geom, name, t, extra)
+            fused_backward_stages(x, w, off, msk, gy, geom, name, t)
         cupy.get_default_memory_pool().free_all_blocks()
     return 0
 
@@ -86,7 +94,9 @@ def plan_timings(x, w, off, msk, gy, t, allow_tf32):
     import cupy
     import dcn_cupy
     variants = [("automatic", {}), ("forced cuda/im2col", {"algorithm": "cuda/im2col"}),
-                ("forced cuda/fused", {"algorithm": "cuda/fused"}), ("deterministic", {"deterministic": True})]
+                ("forced cuda/fused", {"algorithm": "cuda/fused"}),
+                ("forced cuda/fused-backward", {"algorithm": "cuda/fused-backward"}),
+                ("deterministic", {"deterministic": True})]
     params = ("weight", "offset", "mask")
     grads = {"input": cupy.empty_like(x), "weight": cupy.empty_like(w), "offset": cupy.empty_like(off),
              "mask": cupy.empty_like(msk)}
@@ -277,6 +287,70 @@ def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
                 print(f"  {label:<48} {k:8.3f} ms  {flop / k / 1e9:7.1f} TFLOP/s "
                       f"({c.blocks(n)} blocks, {fu.num_registers(kern)} regs, {'vector' if c.uniform else 'per-channel'})",
                       flush=True)
+
+
+def fused_backward_stages(x, w, off, msk, gy, geom, name, t):
+    """Time the fused backward (cuda/fused-backward) whole, with its own weight gradient and with
+    cuda/im2col's, then its parts as calls (each with its layout copies: the input gradient
+    alone, the offset and mask gradients, the weight gradient) and its two kernels alone, every
+    precision of the dtype, with TFLOP/s of each GEMM's work (2 * C_out * C_in/G * K * B * Q)."""
+    import cupy
+    from dcn_cupy._backends import PlanSpec, cuda as be, cuda_fused_backward as fb
+    flop = 2.0 * geom.out_channels * geom.in_channels_per_group * geom.kernel_volume * geom.batch * geom.output_size
+    print(f"== fused backward, {name}: x {x.shape}, w {w.shape}, {_device_name()}")
+    grads = {"input": cupy.empty_like(x), "weight": cupy.empty_like(w), "offset": cupy.empty_like(off),
+             "mask": cupy.empty_like(msk)}
+    args = {"grad_output": gy, "input": x, "weight": w, "offset": off, "mask": msk, "bias": None}
+    sms = fb._fused._multiprocessors()
+    for allow_tf32 in ((True, False) if np.dtype(x.dtype) == np.float32 else (False,)):
+        own = fb.BackwardConfig(geom, x.dtype, allow_tf32, multiprocessors=sms)
+        print(f"  {own.description}")
+        im2col = be._Backward(PlanSpec(geom, np.dtype(x.dtype), "cuda", cupy.cuda.runtime.getDevice(), False,
+                                       allow_tf32))
+        through = fb.BackwardConfig(geom, x.dtype, allow_tf32, multiprocessors=sms, fused_weight=False)
+        ws = cupy.empty(max(own.workspace_bytes, through.workspace_bytes, im2col.workspace_bytes), dtype=np.uint8)
+
+        def call(config, wanted, weight=None):
+            return lambda: fb.FusedBackward(config, weight).run(dict(args, wanted=frozenset(wanted)), grads, ws)
+
+        every = ("input", "weight", "offset", "mask")
+        rows = [("whole backward, weight gradient fused", call(own, every)) if own.fused_weight else None,
+                ("whole backward, weight through cuda/im2col", call(through, every, im2col)),
+                ("cuda/im2col's whole backward", lambda: im2col.run(dict(args, wanted=frozenset(every)), grads, ws)),
+                ("input gradient alone", call(through, ("input",))),
+                ("offset and mask gradients", call(through, ("offset", "mask"))),
+                ("weight gradient, fused", call(own, ("weight",))) if own.fused_weight else None]
+        for label, run in filter(None, rows):
+            ms = t(run, 4)
+            print(f"  {label:<44} {ms:8.3f} ms  {flop / ms / 1e9:7.1f} TFLOP/s", flush=True)
+        if own.chunk < geom.batch:
+            print(f"  (chunks of {own.chunk} samples: kernel-alone timings skipped)")
+            continue
+        call(own, every)()   # the layout copies and re-laid weights in the workspace
+        index = np.int64 if own.index64 else np.int32
+        i32 = np.int32
+        view = lambda name: own.view(ws, name)  # noqa: E731
+        n = geom.batch
+        data = own.kernel("data")
+        ms = t(lambda: data((own.blocks(n),), (256,), (
+            view("gycl"), view("wt"), view("xcl"), off, msk, view("gxcl"), view("goff"), view("gmsk"), own.struct,
+            i32(n), i32(geom.in_channels), i32(own.Cp), i32(own.Cpa), i32(geom.out_channels), i32(own.Cop),
+            i32(geom.groups), i32(own.Go), i32(own.Gm), i32(own.Cogp), index(fb._fused._batch_stride(off)),
+            index(fb._fused._batch_stride(msk)), i32(own.seg)), shared_mem=own.smem_bytes), 4)
+        print(f"  {'data-gradient kernel alone, tile %dx%dx%d' % own.tile[:3]:<44} {ms:8.3f} ms  "
+              f"{flop / ms / 1e9:7.1f} TFLOP/s ({own.blocks(n)} blocks, {fb._fused.num_registers(data)} regs)")
+        if own.fused_weight:
+            weight = own.kernel("weight")
+            total_steps = -(-n * own.Q // own.weight_tile[2])
+            steps = -(-total_steps // own.splits)
+            ms = t(lambda: weight((own.splits * own.weight_tiles,), (256,), (
+                view("gyr"), view("xcl"), off, msk, view("part"), own.struct, i32(n), i32(geom.in_channels),
+                i32(own.Cp), i32(geom.out_channels), i32(geom.groups), i32(own.Go), i32(own.Gm), index(own.Pp),
+                index(fb._fused._batch_stride(off)), index(fb._fused._batch_stride(msk)), i32(own.splits), i32(steps),
+                i32(0)), shared_mem=own.weight_smem_bytes), 4)
+            print(f"  {'weight-gradient kernel alone, tile %dx%dx%d' % own.weight_tile[:3]:<44} {ms:8.3f} ms  "
+                  f"{flop / ms / 1e9:7.1f} TFLOP/s ({own.splits * own.weight_tiles} blocks, "
+                  f"{fb._fused.num_registers(weight)} regs)", flush=True)
 
 
 if __name__ == "__main__":

@@ -376,3 +376,239 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
         }
     }
 }
+
+// gy (B, C_out, Q), sample stride gy_bstride -> gyr (C_out, Pp): each output channel's row over
+// the chunk's positions p = b*Q + q, zero from B*Q to Pp (a multiple of the 16-byte vector): the
+// A operand of the weight gradient.
+template <typename T, typename I>
+__global__ void fused_position_rows(const T* __restrict__ gy, T* __restrict__ gyr, const int batch,
+                                    const int channels, const I Q, const I Pp, const I gy_bstride) {
+    const I total = (I)channels * Pp;
+    const I BQ = (I)batch * Q;
+    for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
+        const I p = idx % Pp;
+        const I o = idx / Pp;
+        gyr[idx] = p < BQ ? gy[(p / Q) * gy_bstride + o * Q + p % Q] : Traits<T>::store(0.0f);
+    }
+}
+
+// The weight gradient, an implicit GEMM over the positions with the fused forward's sampler:
+//   part[split, o, t, c] (+)= sum_{p in the split's share of the chunk} gy[o, p] * m * sample(x[b, c], P(q, t))
+// Per block a tile of BM output channels x BN input channels of one conv group and ONE tap, for
+// one split of the chunk's positions, in steps of BK positions: the grad_output rows gyr (A: rows
+// o, K = p contiguous) copied with cp.async, the sampled tile (B: rows c, K = p) built straight
+// into shared memory by THREADS/BK threads per position (CPT consecutive channels each: one
+// 16-byte load per corner and vector, a corner not read loading the zero row with weight 0),
+// double-buffered, multiplied by fused::warp_mma (float32 accumulation). Each (split, o, t, c)
+// belongs to one block per launch: the partial sums are stored (first chunk) or added (later
+// chunks) without atomics, and fused_weight_sum adds the splits in a fixed order: the weight
+// gradient is bitwise repeatable. Served where no thread's channels cross a group boundary
+// (cuda_fused_backward.weight_unsupported).
+template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB>
+__global__ void __launch_bounds__(fused_bwd::THREADS, MINB)
+deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xcl, const T* __restrict__ offset,
+                             const T* __restrict__ mask, float* __restrict__ part, const Geom<N> g,
+                             const int batch, const int channels, const int Cp, const int out_channels,
+                             const int groups, const int offset_groups, const int mask_groups, const I Pp,
+                             const I offset_bstride, const I mask_bstride, const int splits,
+                             const int steps_per_split, const int accumulate) {
+    using namespace fused;
+    using fused_bwd::THREADS;
+    constexpr int VEC = Tile<T>::VEC;
+    constexpr int LD = BK + Tile<T>::PAD;
+    constexpr int TPP = THREADS / BK;             // sampling threads per position
+    constexpr int CPT = BN / TPP;                 // channels per sampling thread
+    static_assert(BK <= THREADS && THREADS % BK == 0, "sampling threads");
+    constexpr int NV = CPT / VEC;                 // 16-byte vectors per sampling thread and corner
+    constexpr int NC = 1 << N;
+    constexpr int WARPS_N = BN / 32, WARPS_M = THREADS / 32 / WARPS_N;
+    constexpr int WM = BM / WARPS_M, WN = 32;
+    constexpr int MT = WM / 16, NT = WN / 8;
+    constexpr int A_VECS = BM * BK / VEC / THREADS;
+    static_assert(A_VECS >= 1 && NV >= 1 && MT >= 1 && NT % 2 == 0 && BM * BK % (VEC * THREADS) == 0, "tile shape");
+
+    extern __shared__ __align__(128) unsigned char fused_smem[];
+    T* const As0 = reinterpret_cast<T*>(fused_smem);
+    T* const Bs0 = As0 + 2 * BM * LD;
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int wm = warp % WARPS_M, wn = warp / WARPS_M;
+
+    const I Q = dcn::prod_size<N, I>(g.out_size);
+    const I S = dcn::prod_size<N, I>(g.in_size);
+    const int K = (int)dcn::prod_size<N, I>(g.ksize);
+    const I BQ = (I)batch * Q;
+    const I zero_row = (I)batch * S;
+    const int Cg = channels / groups;
+    const int Cog = out_channels / groups;
+    const int per_go = offset == nullptr ? channels : channels / offset_groups;
+    const int per_gm = mask == nullptr ? channels : channels / mask_groups;
+    const int n_tiles = (Cg + BN - 1) / BN;
+    const int m_tiles = (Cog + BM - 1) / BM;
+    // block -> (split, tap, group, output-channel tile, input-channel tile), the last fastest
+    I bid = blockIdx.x;
+    const int n0 = (int)(bid % n_tiles) * BN;
+    bid /= n_tiles;
+    const int m0 = (int)(bid % m_tiles) * BM;
+    bid /= m_tiles;
+    const int grp = (int)(bid % groups);
+    bid /= groups;
+    const int t = (int)(bid % K);
+    const int split = (int)(bid / K);
+    const I first = (I)split * steps_per_split * BK;
+    const I total_steps = (BQ + BK - 1) / BK;
+    const I left = total_steps - (I)split * steps_per_split;
+    const int steps = left <= 0 ? 0 : (int)(left < steps_per_split ? left : steps_per_split);
+
+    // This thread's weight... grad_output copies: rows r0 + j * R_STEP of the A tile, vector kv.
+    constexpr int R_STEP = THREADS / (BK / VEC);
+    const int r0 = tid / (BK / VEC);
+    const int kv = (tid % (BK / VEC)) * VEC;
+    auto copy_step = [&](int step, int buf) {
+        const I p = first + (I)step * BK + kv;
+#pragma unroll
+        for (int j = 0; j < A_VECS; ++j) {
+            const int r = r0 + j * R_STEP;
+            const bool full = m0 + r < Cog && p < Pp;
+            copy16_async(As0 + buf * BM * LD + r * LD + kv,
+                         full ? gyr + (I)(grp * Cog + m0 + r) * Pp + p : gyr, full);
+        }
+        copy_commit();
+    };
+
+    // This thread's sampling position (within the step) and channel slice: positions fastest
+    // along the threads (coalesced offset / mask reads, conflict-free transposed stores).
+    const int sn = tid % BK;
+    const int sh = (tid / BK) * CPT;
+    const int cl = n0 + sh;                 // first channel within the group
+    const bool channels_valid = cl < Cg;
+    const int cabs = channels_valid ? grp * Cg + cl : 0;
+    const int go = per_go >= channels ? 0 : cabs / per_go;
+    const int gm = per_gm >= channels ? 0 : cabs / per_gm;
+    fused::Sampler<I, N> smp;
+    smp.reset();
+    uint4 raw[NC][NV];
+    // The offsets and mask of this thread's position in the next step, fetched a step ahead so
+    // that their latency hides behind a step's MMA (handed to the sampler as its prefetch).
+    auto fetch_ahead = [&](int step) {
+        const I p = first + (I)step * BK + sn;
+        smp.pf_t = -1;
+        if (step < steps && p < BQ && channels_valid) {
+            const I b = p / Q;
+            const I q = p % Q;
+            fused::Sampler<I, N>::fetch(t, go, gm, offset == nullptr ? nullptr : offset + b * offset_bstride + q,
+                                        mask == nullptr ? nullptr : mask + b * mask_bstride + q, K, Q,
+                                        smp.pf_off, smp.pf_m);
+            smp.pf_t = t; smp.pf_go = go; smp.pf_gm = gm;
+        }
+    };
+    auto sample_load = [&](int step) {
+        const I p = first + (I)step * BK + sn;
+        if (!(p < BQ && channels_valid)) {
+            smp.clear();
+        } else {
+            const I b = p / Q;
+            const I q = p % Q;
+            int qc[N];
+            dcn::unravel<N, I>(q, g.out_size, qc);
+            smp.key_t = -1;   // a new position: recompute (with the values fetched ahead)
+            smp.update(t, go, gm, true, g, qc, offset == nullptr ? nullptr : offset + b * offset_bstride + q,
+                       mask == nullptr ? nullptr : mask + b * mask_bstride + q, K, Q, b * S);
+        }
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const uint4* src = reinterpret_cast<const uint4*>(xcl + (smp.row[c] >= 0 ? smp.row[c] : zero_row) * Cp + cabs);
+#pragma unroll
+            for (int v = 0; v < NV; ++v) raw[c][v] = __ldg(src + v);
+        }
+        fetch_ahead(step + 1);
+    };
+    // Blend the corners and store the sample transposed: B[channel][position].
+    auto sample_store = [&](int buf) {
+        float acc[CPT];
+#pragma unroll
+        for (int j = 0; j < CPT; ++j) acc[j] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+#pragma unroll
+            for (int v = 0; v < NV; ++v) Vec<T>::add(acc + v * VEC, smp.weight[c], raw[c][v]);
+        }
+        T* const bt = Bs0 + buf * BN * LD;
+#pragma unroll
+        for (int j = 0; j < CPT; ++j) {
+            float v = acc[j];
+            if constexpr (PREC == 1) v = __uint_as_float(to_tf32(v));
+            bt[(sh + j) * LD + sn] = Traits<T>::store(v);
+        }
+    };
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+    if (steps > 0) {
+        copy_step(0, 0);
+        fetch_ahead(0);
+        sample_load(0);
+        sample_store(0);
+        copy_wait_all();
+        __syncthreads();
+        for (int s = 0; s < steps; ++s) {
+            const int cur = s & 1;
+            const bool more = s + 1 < steps;
+            if (more) {
+                copy_step(s + 1, cur ^ 1);
+                sample_load(s + 1);
+            }
+            warp_mma<T, PREC, true, MT, NT, LD, BK, WM, WN>(acc, As0 + cur * BM * LD, Bs0 + cur * BN * LD, wm, wn,
+                                                             lane);
+            if (more) sample_store(cur ^ 1);
+            copy_wait_all();
+            __syncthreads();
+        }
+    }
+
+    // Epilogue: part[split, o, t, c] from the fragments (row = output channel, column = channel).
+    const int gq = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int o = m0 + wm * WM + i * 16 + gq + h * 8;
+            if (o >= Cog) continue;
+            float* row = part + (((I)split * out_channels + grp * Cog + o) * K + t) * Cg;
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int c = n0 + wn * WN + j * 8 + 2 * tq + e;
+                    if (c < Cg) {
+                        const float v = acc[i][j][h * 2 + e];
+                        row[c] = accumulate ? row[c] + v : v;
+                    }
+                }
+        }
+}
+
+// gw[o, c, t] = sum over the splits, in order, of part[split, o, t, c] (in T).
+template <typename T, typename I>
+__global__ void fused_weight_sum(const float* __restrict__ part, T* __restrict__ gw, const int splits,
+                                 const int out_channels, const int Cg, const int K) {
+    const I total = (I)out_channels * Cg * K;
+    const I per_split = total;
+    for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
+        const int t = (int)(idx % K);
+        const I oc = idx / K;
+        const int c = (int)(oc % Cg);
+        const I o = oc / Cg;
+        const I at = (o * K + t) * Cg + c;
+        float s = 0.0f;
+        for (int sp = 0; sp < splits; ++sp) s += part[(I)sp * per_split + at];
+        gw[idx] = Traits<T>::store(s);
+    }
+}

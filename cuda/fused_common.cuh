@@ -1,6 +1,7 @@
 // dcn_cupy: what the fused forward (deform_fused.cu) and the fused backward
 // (deform_fused_backward.cu) share: asynchronous global -> shared copies, the warp-level MMA
-// of one shared-memory tile pair on tensor cores, and the channels-last layout change.
+// of one shared-memory tile pair on tensor cores, the corner sampler of one (position, tap,
+// offset group, mask group) with its 16-byte vectors, and the channels-last layout change.
 #pragma once
 
 #include "dcn_common.cuh"
@@ -79,6 +80,136 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const unsigned (&a)[4], 
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+// A vector of VEC values of T in 16 bytes, to and from float.
+template <typename T> struct Vec;
+template <> struct Vec<__half> {
+    static __device__ __forceinline__ void add(float* acc, float w, uint4 v) {
+        const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float2 f = __half22float2(h[j]);
+            acc[2 * j] += w * f.x;
+            acc[2 * j + 1] += w * f.y;
+        }
+    }
+    static __device__ __forceinline__ uint4 pack(const float* v) {
+        uint4 r;
+        __half2* h = reinterpret_cast<__half2*>(&r);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) h[j] = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
+        return r;
+    }
+};
+template <> struct Vec<__nv_bfloat16> {
+    static __device__ __forceinline__ void add(float* acc, float w, uint4 v) {
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float2 f = __bfloat1622float2(h[j]);
+            acc[2 * j] += w * f.x;
+            acc[2 * j + 1] += w * f.y;
+        }
+    }
+    static __device__ __forceinline__ uint4 pack(const float* v) {
+        uint4 r;
+        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&r);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+        return r;
+    }
+};
+template <> struct Vec<float> {
+    static __device__ __forceinline__ void add(float* acc, float w, uint4 v) {
+        acc[0] += w * __uint_as_float(v.x);
+        acc[1] += w * __uint_as_float(v.y);
+        acc[2] += w * __uint_as_float(v.z);
+        acc[3] += w * __uint_as_float(v.w);
+    }
+    static __device__ __forceinline__ uint4 pack(const float* v) {
+        return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
+    }
+};
+
+// The 2^N corners of one (position, tap, offset group, mask group): the channels-last row of
+// each corner that is read (-1: outside, zero weight, or the position samples 0) and its
+// weight times the mask (0 for a corner not read). The offset and mask values of the next key
+// can be fetched a step ahead (prefetch), so that a new tap does not wait for them.
+template <typename I, int N>
+struct Sampler {
+    static const int NC = 1 << N;
+    I row[NC];
+    float weight[NC];
+    int key_t, key_go, key_gm;
+    int pf_t, pf_go, pf_gm;
+    float pf_off[N], pf_m;
+
+    __device__ __forceinline__ void reset() { key_t = -1; key_go = -1; key_gm = -1; pf_t = -1; }
+
+    __device__ __forceinline__ void clear() {
+        key_t = -1;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) { row[c] = (I)-1; weight[c] = 0.0f; }
+    }
+
+    template <typename T>
+    static __device__ __forceinline__ void fetch(int t, int go, int gm, const T* off_q, const T* msk_q, int K, I Q,
+                                                 float (&off)[N], float& m) {
+#pragma unroll
+        for (int a = 0; a < N; ++a) off[a] = 0.0f;
+        if (off_q != nullptr) {
+            const T* o = off_q + ((I)go * K + t) * (I)N * Q;
+#pragma unroll
+            for (int a = 0; a < N; ++a) off[a] = Traits<T>::load(o[(I)a * Q]);
+        }
+        m = msk_q == nullptr ? 1.0f : Traits<T>::load(msk_q[((I)gm * K + t) * Q]);
+    }
+
+    template <typename T>
+    __device__ __forceinline__ void prefetch(int t, int go, int gm, bool valid_position, const T* off_q,
+                                             const T* msk_q, int K, I Q) {
+        if (!valid_position || (t == key_t && go == key_go && gm == key_gm) ||
+            (t == pf_t && go == pf_go && gm == pf_gm)) return;
+        pf_t = t; pf_go = go; pf_gm = gm;
+        fetch(t, go, gm, off_q, msk_q, K, Q, pf_off, pf_m);
+    }
+
+    template <typename T>
+    __device__ __forceinline__ void update(int t, int go, int gm, bool valid_position, const Geom<N>& g,
+                                           const int (&qc)[N], const T* off_q, const T* msk_q, int K, I Q,
+                                           I sample_row) {
+        if (t == key_t && go == key_go && gm == key_gm) return;
+        key_t = t; key_go = go; key_gm = gm;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) { row[c] = (I)-1; weight[c] = 0.0f; }
+        if (!valid_position) return;
+        float off[N], m;
+        if (t == pf_t && go == pf_go && gm == pf_gm) {
+#pragma unroll
+            for (int a = 0; a < N; ++a) off[a] = pf_off[a];
+            m = pf_m;
+        } else {
+            fetch(t, go, gm, off_q, msk_q, K, Q, off, m);
+        }
+        int tc[N];
+        dcn::unravel<N, int>(t, g.ksize, tc);
+        float pos[N];
+#pragma unroll
+        for (int a = 0; a < N; ++a) pos[a] = (float)(qc[a] * g.stride[a] - g.pad[a] + tc[a] * g.dil[a]) + off[a];
+        int lo[N];
+        float frac[N];
+        if (!dcn::locate<float, N>(pos, g.in_size, lo, frac)) return;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            int coord[N];
+            float w;
+            if (dcn::corner<float, N>(c, lo, frac, g.in_size, coord, w) && w != 0.0f) {
+                row[c] = sample_row + dcn::flat_index<N, I>(coord, g.in_size);
+                weight[c] = w * m;
+            }
+        }
+    }
+};
 
 // One warp's share of C += A * B^T for one step of a block tile, A (rows x BK) and B
 // (positions x BK) in shared memory with rows of LD elements (K contiguous), the warp's tile

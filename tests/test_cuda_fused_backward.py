@@ -30,7 +30,7 @@ TOL = {"float16": 5e-3, "bfloat16": 4e-2, "tf32": 5e-3, "float32": 1e-5}
 DTYPE = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16, "tf32": np.dtype(np.float32),
          "float32": np.dtype(np.float32)}
 PRECISIONS = tuple(TOL)
-NAMES = ("input", "offset", "mask")
+NAMES = ("input", "weight", "offset", "mask")
 
 
 def _backward_module():
@@ -96,6 +96,15 @@ def test_serving_rule_and_segments():
     assert fb.segment_lanes(_geom(c_in=64, offset_groups=4), 128) == 4
     assert fb.segment_lanes(_geom(c_in=48, mask_groups=2), 64) == 2     # 24 channels per mask group
     assert fb.segment_lanes(_geom(c_in=12), 64) == 1
+    # the fused weight gradient: a sampling thread's 16 (half) / 8 (float32) channels in one group
+    assert fb.weight_unsupported(_geom(c_in=64, offset_groups=2), np.float16) is None
+    assert "C_in/offset_groups = 8 is not a multiple of 16" in fb.weight_unsupported(
+        _geom(c_in=64, offset_groups=8), np.float16)
+    assert fb.weight_unsupported(_geom(c_in=64, offset_groups=8), np.float32) is None
+    # the tallest weight tile no taller than C_out/groups: fewer re-samplings of the input
+    assert fb._weight_tile(_geom(c_out=48), np.float16)[0] == 64
+    assert fb._weight_tile(_geom(c_in=256, c_out=512, groups=2), np.float16)[0] == 256
+    assert "multiple of 8" in fb.weight_unsupported(_geom(c_in=64, offset_groups=16), np.float16, (256, 64, 32, 1))
     with pytest.raises(ValueError, match="C_in/groups = 18"):
         fb.BackwardConfig(_geom(c_in=36, groups=2), np.float16, False)
 
@@ -144,7 +153,7 @@ def wide_case(rng, ndim, *, groups=2, offset_groups=2, mask_groups=1, c_in=64, c
     return arrays, params, rng.standard_normal((batch, c_out) + Q)
 
 
-def run_gradients(arrays, params, grad_output, precision, tile=None, wanted=NAMES, broadcast=False):
+def run_gradients(arrays, params, grad_output, precision, tile=None, wanted=NAMES, broadcast=False, weight_tile=None):
     """The fused data gradients of float64 NumPy arrays cast to ``precision``'s dtype (outputs
     poisoned with NaN) and the float64 reference gradients of the rounded inputs."""
     cupy = _cupy()
@@ -162,14 +171,16 @@ def run_gradients(arrays, params, grad_output, precision, tile=None, wanted=NAME
         gy = np.broadcast_to(gy[:1], gy.shape)
     shapes = [None if arrays[k] is None else arrays[k].shape for k in ("input", "weight", "offset", "mask")]
     geom = _geometry.conv_geometry(*shapes, None, **params)[0]
-    config = fb.BackwardConfig(geom, dtype, precision == "tf32", tile)
+    config = fb.BackwardConfig(geom, dtype, precision == "tf32", tile, weight_tile=weight_tile)
     out = {name: cupy.full(arrays[name].shape, np.nan, dtype=dtype) for name in wanted if arrays[name] is not None}
     gy_dev = cupy.asarray(gy) if not broadcast else cupy.broadcast_to(cupy.asarray(gy[:1]), gy.shape)
     args = dict(grad_output=gy_dev, bias=None, wanted=frozenset(wanted), **dev)
     workspace = cupy.empty(config.workspace_bytes, dtype=np.uint8)
-    fb.run_data_gradients(config, args, out, workspace)
-    gx, _, goff, gm, _ = reference.deform_conv_backward(gy.astype(np.float64), **rounded, **params)
-    expected = {"input": gx, "offset": goff, "mask": gm}
+    fb.run_gradients(config, args, out, workspace)
+    gx, gw, goff, gm, _ = reference.deform_conv_backward(gy.astype(np.float64), **rounded, **params)
+    expected = {"input": gx, "weight": gw, "offset": goff, "mask": gm}
+    if not config.fused_weight:   # cuda/im2col computes it (FusedBackward.run)
+        out.pop("weight", None)
     return {k: cupy.asnumpy(v).astype(np.float64) for k, v in out.items()}, expected, config
 
 
@@ -186,9 +197,12 @@ def test_every_tile_matches_reference(ndim, precision):
     fb = _backward_module()
     rng = np.random.default_rng(40 + ndim)
     arrays, params, gy = wide_case(rng, ndim)
-    for tile in fb._tiles(DTYPE[precision]):
-        got, expected, _ = run_gradients(arrays, params, gy, precision, tile)
-        check(got, expected, precision, tile)
+    data_tiles, weight_tiles = fb._tiles(DTYPE[precision]), fb._weight_tiles(DTYPE[precision])
+    for i in range(max(len(data_tiles), len(weight_tiles))):
+        tile, weight_tile = data_tiles[i % len(data_tiles)], weight_tiles[i % len(weight_tiles)]
+        got, expected, config = run_gradients(arrays, params, gy, precision, tile, weight_tile=weight_tile)
+        assert config.fused_weight
+        check(got, expected, precision, (tile, weight_tile))
 
 
 @pytest.mark.gpu
@@ -206,7 +220,8 @@ def test_groups_and_missing_arguments(offset_groups, mask_groups, present):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("wanted", [("input",), ("offset",), ("mask",), ("offset", "mask"), ("input", "mask")])
+@pytest.mark.parametrize("wanted", [("input",), ("weight",), ("offset",), ("mask",), ("offset", "mask"),
+                                    ("input", "mask"), ("weight", "offset")])
 def test_each_gradient_alone_equals_all_together(wanted):
     rng = np.random.default_rng(7)
     arrays, params, gy = wide_case(rng, 2)

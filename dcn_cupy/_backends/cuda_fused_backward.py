@@ -52,6 +52,16 @@ TILES = {
     "half": ((64, 64, 64, 2), (128, 64, 64, 1)),
     "float": ((64, 64, 32, 2), (128, 64, 32, 1)),
 }
+#: The weight gradient's tiles per dtype (BM output channels, BN input channels, BK positions per
+#: step, MINB), 256 / BK sampling threads per position: the tallest no taller than C_out/groups
+#: is taken (``_weight_tile``), since each output-channel tile samples the input again. H200,
+#: fp16 (NOTES-gpu.md "fused backward"): B=8 C256 56x56 64x64x64 1.24 ms, 256x64x32 0.75,
+#: 256x64x64 0.52 (cuda/im2col's 0.48); B=32 C64 56x56 64x64x64 0.30 (im2col 0.43).
+WEIGHT_TILES = {"half": ((64, 64, 64, 2), (256, 64, 64, 1)), "float": ((64, 64, 32, 2), (256, 64, 32, 1))}
+#: Position splits of the weight gradient (partial sums added in a fixed order): enough blocks for
+#: about WAVES waves of the device, at most MAX_SPLITS.
+WAVES = 4
+MAX_SPLITS = 64
 _INT32_SAFE = 2**30
 _MAX_GRID = 1 << 20
 _ALIGN = 256
@@ -71,11 +81,22 @@ def _tiles(dtype) -> tuple:
     return TILES["float" if np.dtype(dtype) == np.float32 else "half"]
 
 
-def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple) -> str:
+def _weight_tiles(dtype) -> tuple:
+    return WEIGHT_TILES["float" if np.dtype(dtype) == np.float32 else "half"]
+
+
+def _weight_tile(geom, dtype) -> tuple:
+    """The tallest weight tile no taller than C_out/groups (the first where none is)."""
+    cog = geom.out_channels // geom.groups
+    tiles = _weight_tiles(dtype)
+    return max((tile for tile in tiles if tile[0] <= cog), key=lambda tile: tile[0], default=tiles[0])
+
+
+def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, kernel: str = "data") -> str:
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
     bm, bn, bk, minb = tile
-    return f"deform_fused_backward_data<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}>"
+    return f"deform_fused_backward_{kernel}<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}>"
 
 
 def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
@@ -84,8 +105,11 @@ def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
     i = "long long" if index64 else "int"
     names = [kernel_name(dtype, index64, ndim, prec, tile) for prec in _fused._precisions(dtype)
              for tile in _tiles(dtype)]
+    names += [kernel_name(dtype, index64, ndim, prec, tile, "weight")
+              for prec in _fused._precisions(dtype) for tile in _weight_tiles(dtype)]
     names += [f"{kernel}<{t}, {i}>" for kernel in
-              ("fused_channels_last", "fused_weight_columns", "fused_channels_first", "fused_store")]
+              ("fused_channels_last", "fused_weight_columns", "fused_channels_first", "fused_store",
+               "fused_position_rows", "fused_weight_sum")]
     return tuple(names)
 
 
@@ -145,6 +169,18 @@ def unsupported(geom, dtype):
     return None
 
 
+def weight_unsupported(geom, dtype, tile=None):
+    """Why the fused weight gradient cannot serve ``geom`` (None when it can): each sampling
+    thread's channels (BN / (256 / BK) of its tile, by default ``_weight_tile``'s) must lie in
+    one conv, offset and mask group."""
+    bm, bn, bk, _ = tile if tile is not None else _weight_tile(geom, dtype)
+    per_thread = bn // (_THREADS // bk)
+    for count, what in zip(_per_group(geom), ("C_in/groups", "C_in/offset_groups", "C_in/mask_groups")):
+        if count % per_thread:
+            return f"{what} = {count} is not a multiple of {per_thread} (one sampling thread's channels)"
+    return None
+
+
 def segment_lanes(geom, bm: int) -> int:
     """Lanes whose offset/mask partial sums are added by shuffles before one atomic: the largest
     power of two, at most the lanes of one position, whose 4-channel segments never cross a
@@ -164,7 +200,8 @@ def _choose_tile(geom, dtype) -> tuple:
 class BackwardConfig:
     """What one backward of one geometry and dtype launches (chosen once per plan)."""
 
-    def __init__(self, geom, dtype, allow_tf32: bool, tile=None):
+    def __init__(self, geom, dtype, allow_tf32: bool, tile=None, multiprocessors: int = 132, fused_weight=None,
+                 weight_tile=None):
         dtype = np.dtype(dtype)
         reason = unsupported(geom, dtype)
         if reason is not None:
@@ -182,13 +219,23 @@ class BackwardConfig:
         self.Cogp = _fused._round_up(self.Cog, bk)
         self.off_ch, self.m_ch = self.Go * self.K * geom.ndim, self.Gm * self.K
         it = self.itemsize
+        # the weight gradient: fused where each sampling thread's channels share their groups
+        # (unless fused_weight is False: cuda/im2col's then, FusedBackward.run)
+        self.weight_tile = tuple(weight_tile) if weight_tile is not None else _weight_tile(geom, dtype)
+        self.fused_weight = (weight_unsupported(geom, dtype, self.weight_tile) is None) and fused_weight is not False
         per_sample = (self.S * self.Cp * it + self.Q * self.Cop * it + self.S * self.Cpa * 4
-                      + (self.off_ch + self.m_ch) * self.Q * 4)
+                      + (self.off_ch + self.m_ch) * self.Q * 4 + (self.Q * Co * it if self.fused_weight else 0))
         self.chunk = n = max(1, min(geom.batch, int(_fused.WORKSPACE_LIMIT_BYTES) // max(per_sample, 1)))
+        wbm, wbn, wbk, _ = self.weight_tile
+        self.Pp = _fused._round_up(n * self.Q, vec)
+        self.weight_tiles = self.K * G * -(-self.Cog // wbm) * -(-self.Cg // wbn)
+        self.splits = max(1, min(MAX_SPLITS, -(-WAVES * multiprocessors // self.weight_tiles), -(-n * self.Q // wbk)))
         sizes = {
             "xcl": ((n * self.S + 1) * self.Cp, dtype), "gycl": ((n * self.Q + 1) * self.Cop, dtype),
             "gxcl": (n * self.S * self.Cpa, np.float32), "goff": (n * self.off_ch * self.Q, np.float32),
             "gmsk": (n * self.m_ch * self.Q, np.float32), "wt": (G * self.K * self.Cg * self.Cogp, dtype),
+            "gyr": (Co * self.Pp if self.fused_weight else 0, dtype),
+            "part": (self.splits * Co * self.K * self.Cg if self.fused_weight else 0, np.float32),
         }
         self.offsets, total = {}, 0
         for name, (count, dt) in sizes.items():
@@ -197,29 +244,33 @@ class BackwardConfig:
         self.workspace_bytes = total
         self.index64 = max(max(count for count, _ in sizes.values()), geom.batch * C * self.S,
                            geom.batch * max(self.off_ch, self.m_ch) * self.Q,
-                           (n * self.Q + bn) * self.Cop) > _INT32_SAFE
+                           (n * self.Q + bn) * self.Cop, Co * (self.Pp + wbk)) > _INT32_SAFE
         self.m_tiles = -(-self.Cg // bm)
         self.seg = segment_lanes(geom, bm)
         self.smem_bytes = smem_bytes(dtype, self.tile)
+        self.weight_smem_bytes = smem_bytes(dtype, self.weight_tile)
         self.struct = _cuda._geom_struct(geom)
 
     @property
     def description(self) -> str:
         prec = {0: str(self.dtype), 1: "tf32", 2: "3xtf32"}[self.precision]
         bm, bn, bk, _ = self.tile
+        weight = (f"weight gradient fused ({self.splits} position splits, fixed-order sum)" if self.fused_weight
+                  else "weight gradient through cuda/im2col")
         return (f"cuda/fused-backward: {prec} mma.sync, tile {bm}x{bn}x{bk}, channels-last vector scatter, "
-                f"chunks of {self.chunk} samples, {'64' if self.index64 else '32'}-bit index")
+                f"{weight}, chunks of {self.chunk} samples, {'64' if self.index64 else '32'}-bit index")
 
     def blocks(self, n: int) -> int:
         return -(-n * self.Q // self.tile[1]) * self.K * self.geom.groups * self.m_tiles
 
     def kernel(self, name: str):
         g = self.geom
-        if name == "backward":
-            fn = _function(kernel_name(self.dtype, self.index64, g.ndim, self.precision, self.tile),
+        if name in ("data", "weight"):
+            tile, smem = (self.tile, self.smem_bytes) if name == "data" else (self.weight_tile, self.weight_smem_bytes)
+            fn = _function(kernel_name(self.dtype, self.index64, g.ndim, self.precision, tile, name),
                            self.dtype, g.ndim, self.index64)
-            if self.smem_bytes > 48 * 1024:
-                _fused._allow_shared_memory(fn, self.smem_bytes)
+            if smem > 48 * 1024:
+                _fused._allow_shared_memory(fn, smem)
             return fn
         i = "long long" if self.index64 else "int"
         return _function(f"{name}<{_cuda._CTYPES[self.dtype]}, {i}>", self.dtype, g.ndim, self.index64)
@@ -233,62 +284,85 @@ def _clear(array) -> None:
     cupy.cuda.runtime.memsetAsync(array.data.ptr, 0, array.nbytes, cupy.cuda.get_current_stream().ptr)
 
 
-def run_data_gradients(config: BackwardConfig, args: dict, out: dict, workspace) -> None:
-    """The wanted ones of the input, offset and mask gradients into ``out`` (``args`` and ``out``
-    as the ``conv_backward`` primitive's)."""
+def run_gradients(config: BackwardConfig, args: dict, out: dict, workspace) -> None:
+    """The wanted ones of the input, offset and mask gradients, and the weight gradient where
+    ``config.fused_weight``, into ``out`` (``args`` and ``out`` as the ``conv_backward``
+    primitive's)."""
     g = config.geom
     gy, x, w = args["grad_output"], args["input"], args["weight"]
     offset, mask, bias, wanted = args["offset"], args["mask"], args.get("bias"), args["wanted"]
     gx = out.get("input") if "input" in wanted else None
     g_off = out.get("offset") if "offset" in wanted and offset is not None else None
     g_m = out.get("mask") if "mask" in wanted and mask is not None else None
-    if gx is None and g_off is None and g_m is None:
+    g_w = out.get("weight") if "weight" in wanted and config.fused_weight else None
+    data = gx is not None or g_off is not None or g_m is not None
+    if not data and g_w is None:
         return
     index = np.int64 if config.index64 else np.int32
     i32 = np.int32
     wt = config.view(workspace, "wt")
-    total = wt.size
-    config.kernel("fused_weight_columns")((min(-(-total // _THREADS), _MAX_GRID),), (_THREADS,), (
-        w, wt, i32(g.groups), i32(config.Cog), i32(config.Cg), i32(config.Cogp), i32(config.K)))
+    if data:
+        total = wt.size
+        config.kernel("fused_weight_columns")((min(-(-total // _THREADS), _MAX_GRID),), (_THREADS,), (
+            w, wt, i32(g.groups), i32(config.Cog), i32(config.Cg), i32(config.Cogp), i32(config.K)))
     layout = config.kernel("fused_channels_last")
-    backward = config.kernel("backward")
-    xcl, gycl = config.view(workspace, "xcl"), config.view(workspace, "gycl")
+    xcl, gycl, gyr = config.view(workspace, "xcl"), config.view(workspace, "gycl"), config.view(workspace, "gyr")
+    part = config.view(workspace, "part")
     gxcl = config.view(workspace, "gxcl") if gx is not None else None
     goff = config.view(workspace, "goff") if g_off is not None else None
     gmsk = config.view(workspace, "gmsk") if g_m is not None else None
     bs = _fused._batch_stride
     off_bs = 0 if offset is None else bs(offset)
     msk_bs = 0 if mask is None else bs(mask)
+    off_groups, msk_groups = i32(config.Go), i32(config.Gm)
     for start in range(0, g.batch, config.chunk):
         n = min(config.chunk, g.batch - start)
         stop = start + n
-        blocks = n * -(-config.Cop // 64) * -(-config.Q // 64)
-        layout((min(blocks, _MAX_GRID),), (32, 8), (
-            gy[start:stop], gycl, i32(n), i32(g.out_channels), i32(config.Cop), index(config.Q), index(bs(gy))))
-        if goff is not None or gmsk is not None:
+        off_n = None if offset is None else offset[start:stop]
+        msk_n = None if mask is None else mask[start:stop]
+        if goff is not None or gmsk is not None or g_w is not None:   # the corner values
             blocks = n * -(-config.Cp // 64) * -(-config.S // 64)
             layout((min(blocks, _MAX_GRID),), (32, 8), (
                 x[start:stop], xcl, i32(n), i32(g.in_channels), i32(config.Cp), index(config.S), index(bs(x))))
-        for acc in (gxcl, goff, gmsk):
-            if acc is not None:
-                _clear(acc)
-        backward((config.blocks(n),), (_THREADS,), (
-            gycl, wt, xcl, None if offset is None else offset[start:stop], None if mask is None else mask[start:stop],
-            gxcl, goff, gmsk, config.struct, i32(n), i32(g.in_channels), i32(config.Cp), i32(config.Cpa),
-            i32(g.out_channels), i32(config.Cop), i32(g.groups), i32(config.Go), i32(config.Gm),
-            i32(config.Cogp), index(off_bs), index(msk_bs), i32(config.seg),
-        ), shared_mem=config.smem_bytes)
-        if gx is not None:
-            blocks = n * -(-g.in_channels // 64) * -(-config.S // 64)
-            config.kernel("fused_channels_first")((min(blocks, _MAX_GRID),), (32, 8), (
-                gxcl, bias, gx[start:stop], i32(n), i32(g.in_channels), i32(config.Cpa), index(config.S),
-                index(bs(gx))))
-        for acc, target, channels in ((goff, g_off, config.off_ch), (gmsk, g_m, config.m_ch)):
-            if acc is not None:
-                per_sample = channels * config.Q
-                count = n * per_sample
-                config.kernel("fused_store")((min(-(-count // _THREADS), _MAX_GRID),), (_THREADS,), (
-                    acc, target[start:stop], i32(n), index(per_sample), index(bs(target))))
+        if data:
+            blocks = n * -(-config.Cop // 64) * -(-config.Q // 64)
+            layout((min(blocks, _MAX_GRID),), (32, 8), (
+                gy[start:stop], gycl, i32(n), i32(g.out_channels), i32(config.Cop), index(config.Q), index(bs(gy))))
+            for acc in (gxcl, goff, gmsk):
+                if acc is not None:
+                    _clear(acc)
+            config.kernel("data")((config.blocks(n),), (_THREADS,), (
+                gycl, wt, xcl, off_n, msk_n, gxcl, goff, gmsk, config.struct, i32(n), i32(g.in_channels),
+                i32(config.Cp), i32(config.Cpa), i32(g.out_channels), i32(config.Cop), i32(g.groups), off_groups,
+                msk_groups, i32(config.Cogp), index(off_bs), index(msk_bs), i32(config.seg),
+            ), shared_mem=config.smem_bytes)
+            if gx is not None:
+                blocks = n * -(-g.in_channels // 64) * -(-config.S // 64)
+                config.kernel("fused_channels_first")((min(blocks, _MAX_GRID),), (32, 8), (
+                    gxcl, bias, gx[start:stop], i32(n), i32(g.in_channels), i32(config.Cpa), index(config.S),
+                    index(bs(gx))))
+            for acc, target, channels in ((goff, g_off, config.off_ch), (gmsk, g_m, config.m_ch)):
+                if acc is not None:
+                    per_sample = channels * config.Q
+                    count = n * per_sample
+                    config.kernel("fused_store")((min(-(-count // _THREADS), _MAX_GRID),), (_THREADS,), (
+                        acc, target[start:stop], i32(n), index(per_sample), index(bs(target))))
+        if g_w is not None:
+            pp = _fused._round_up(n * config.Q, _VEC[config.dtype])
+            count = g.out_channels * pp
+            config.kernel("fused_position_rows")((min(-(-count // _THREADS), _MAX_GRID),), (_THREADS,), (
+                gy[start:stop], gyr, i32(n), i32(g.out_channels), index(config.Q), index(pp), index(bs(gy))))
+            total_steps = -(-n * config.Q // config.weight_tile[2])
+            steps = -(-total_steps // config.splits)          # per split
+            config.kernel("weight")((config.splits * config.weight_tiles,), (_THREADS,), (
+                gyr, xcl, off_n, msk_n, part, config.struct, i32(n), i32(g.in_channels), i32(config.Cp),
+                i32(g.out_channels), i32(g.groups), off_groups, msk_groups, index(pp), index(off_bs), index(msk_bs),
+                i32(config.splits), i32(steps), i32(start > 0),
+            ), shared_mem=config.weight_smem_bytes)
+    if g_w is not None:
+        count = g_w.size
+        config.kernel("fused_weight_sum")((min(-(-count // _THREADS), _MAX_GRID),), (_THREADS,), (
+            part, g_w, i32(config.splits), i32(g.out_channels), i32(config.Cg), i32(config.K)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,28 +370,28 @@ def run_data_gradients(config: BackwardConfig, args: dict, out: dict, workspace)
 
 
 class FusedBackward:
-    """The executable of one plan's backward: the fused data gradients, then cuda/im2col's
-    weight gradient (on the same workspace)."""
+    """The executable of one plan's backward: the fused gradients; the weight gradient through
+    cuda/im2col (on the same workspace, after the fused kernels) where it is not fused."""
 
-    def __init__(self, config: BackwardConfig, weight_gradient):
+    def __init__(self, config: BackwardConfig, weight_gradient=None):
         self.config = config
         self._weight = weight_gradient
-        self.workspace_bytes = max(config.workspace_bytes, weight_gradient.workspace_bytes)
-        self.description = (f"{config.description}; weight gradient: "
-                            f"{weight_gradient.description.replace('cuda/im2col: ', 'cuda/im2col ')}")
+        self.workspace_bytes = max(config.workspace_bytes, weight_gradient.workspace_bytes if weight_gradient else 0)
+        self.description = config.description
 
     def run(self, args: dict, out: dict, workspace) -> None:
         if self.config.geom.batch == 0:
             return
-        run_data_gradients(self.config, args, out, workspace)
-        if "weight" in args["wanted"]:
+        run_gradients(self.config, args, out, workspace)
+        if "weight" in args["wanted"] and not self.config.fused_weight:
             self._weight.run(dict(args, wanted=frozenset(("weight",))), {"weight": out["weight"]}, workspace)
 
 
 SERVED_DTYPES = _fused.SERVED_DTYPES
-#: Time the fused backward against cuda/im2col's once per configuration (never during a CUDA
-#: graph capture; ``DCN_CUPY_FUSED_TUNE=0``: the rule, fused for the half types).
+#: (device, geometry, dtype, precision) -> (fused ms, im2col ms) and -> whether the fused
+#: backward's weight gradient is its own (else cuda/im2col's): measured once per key.
 _versus = {}
+_fused_weight = {}
 
 
 def _spec(geom, dtype, allow_tf32: bool, device_id: int):
@@ -325,43 +399,63 @@ def _spec(geom, dtype, allow_tf32: bool, device_id: int):
     return PlanSpec(geom, np.dtype(dtype), "cuda", device_id, False, bool(allow_tf32))
 
 
+def _key(geom, dtype, allow_tf32: bool) -> tuple:
+    return (cupy.cuda.runtime.getDevice(), geom, np.dtype(dtype).str, bool(allow_tf32) and np.dtype(dtype) == np.float32)
+
+
 def fused_versus_im2col(geom, dtype, allow_tf32: bool):
     """``(fused ms, im2col ms)``: every gradient of one batch chunk on random data, the fused
-    backward against cuda/im2col's, timed alike (``cuda_fused._best_times``); None when tuning is
-    off or a CUDA graph is being captured. Cached per device, geometry, dtype and precision."""
+    backward (the faster of its weight gradient and cuda/im2col's, kept for the plan:
+    ``fused_weight_choice``) against cuda/im2col's, timed alike (``cuda_fused._best_times``);
+    None when tuning is off or a CUDA graph is being captured. Cached per device, geometry,
+    dtype and precision."""
     dtype = np.dtype(dtype)
-    device = cupy.cuda.runtime.getDevice()
-    config = BackwardConfig(geom, dtype, allow_tf32)
-    key = (device, geom, dtype.str, config.precision)
+    key = _key(geom, dtype, allow_tf32)
     found = _versus.get(key)
     if found is not None or not _fused.TUNE or _fused._capturing():
         return found
+    chunk = BackwardConfig(geom, dtype, allow_tf32).chunk
     # a private memory pool, emptied afterwards: building a plan leaves nothing in CuPy's pool
     pool = cupy.cuda.MemoryPool()
     try:
         with cupy.cuda.using_allocator(pool.malloc):
-            found = _versus[key] = _time_one_chunk(geom.with_batch(config.chunk), dtype, allow_tf32, device,
-                                                   config.tile)
+            times = _time_one_chunk(geom.with_batch(chunk), dtype, allow_tf32, key[0])
     finally:
         pool.free_all_blocks()
+    own, through_im2col, im2col = times
+    _fused_weight[key] = own < through_im2col
+    found = _versus[key] = (min(own, through_im2col), im2col)
     return found
 
 
-def _time_one_chunk(g, dtype, allow_tf32: bool, device: int, tile) -> tuple:
+def fused_weight_choice(geom, dtype, allow_tf32: bool):
+    """Whether the fused backward computes the weight gradient itself (True), leaves it to
+    cuda/im2col (False), or None: not measured (the rule: itself where it can)."""
+    return _fused_weight.get(_key(geom, dtype, allow_tf32))
+
+
+def _time_one_chunk(g, dtype, allow_tf32: bool, device: int) -> tuple:
+    """The best times (ms) of the fused backward with its own weight gradient (inf where it has
+    none), with cuda/im2col's, and of cuda/im2col's whole backward."""
     spec = _spec(g, dtype, allow_tf32, device)
-    fused = FusedBackward(BackwardConfig(g, dtype, allow_tf32, tile), _cuda._Backward(spec))
+    sms = _fused._multiprocessors()
     im2col = _cuda._Backward(spec)
+    own = BackwardConfig(g, dtype, allow_tf32, multiprocessors=sms)
+    executables = [FusedBackward(own), FusedBackward(BackwardConfig(g, dtype, allow_tf32, multiprocessors=sms,
+                                                                    fused_weight=False), im2col), im2col]
+    if not own.fused_weight:
+        executables = executables[1:]
     (x, w, offset, mask, _), _ = _fused._random_arguments(g, dtype)
     gy = cupy.random.default_rng(1).standard_normal(g.y_shape, dtype=np.float32).astype(dtype)
     args = {"grad_output": gy, "input": x, "weight": w, "offset": offset, "mask": mask, "bias": None,
             "wanted": frozenset(name for name, a in (("input", x), ("weight", w), ("offset", offset), ("mask", mask))
                                 if a is not None)}
     out = {name: cupy.empty_like(args[name]) for name in args["wanted"]}
-    spaces = [cupy.empty(e.workspace_bytes, dtype=np.uint8) for e in (fused, im2col)]
-    best = _fused._best_times([functools.partial(e.run, args, out, ws) for e, ws in zip((fused, im2col), spaces)],
+    spaces = [cupy.empty(e.workspace_bytes, dtype=np.uint8) for e in executables]
+    best = _fused._best_times([functools.partial(e.run, args, out, ws) for e, ws in zip(executables, spaces)],
                               rounds=3, repeats=2)
     cupy.cuda.get_current_stream().synchronize()
-    return tuple(best)
+    return tuple(best) if own.fused_weight else (float("inf"),) + tuple(best)
 
 
 class FusedBackwardBackend:
@@ -413,11 +507,13 @@ class FusedBackwardBackend:
         if reason is not None:
             raise ValueError(reason)
         with cupy.cuda.Device(spec.device_id):
-            config = BackwardConfig(spec.geom, spec.dtype, bool(spec.allow_tf32))
+            config = BackwardConfig(spec.geom, spec.dtype, bool(spec.allow_tf32),
+                                    multiprocessors=_fused._multiprocessors(),
+                                    fused_weight=fused_weight_choice(spec.geom, spec.dtype, spec.allow_tf32))
             for name in ("fused_weight_columns", "fused_channels_last", "fused_channels_first", "fused_store",
-                         "backward"):
+                         "fused_position_rows", "fused_weight_sum", "data", "weight"):
                 config.kernel(name)   # compile now, never during a CUDA-graph capture
-            weight = _cuda._Backward(spec)
+            weight = None if config.fused_weight else _cuda._Backward(spec)
         return FusedBackward(config, weight)
 
 
