@@ -6,7 +6,10 @@ median of several repeats of a loop of launches):
 * 2D, DCNv2 (offset + mask), 3x3, padding 1: B=8 C 256->256 56x56, and B=32 C 64->64 56x56;
   dcn_cupy, torchvision's deform_conv2d and torch's dense conv2d;
 * 3D, B=2 C 32->32 32^3, 3x3x3, padding 1, offset + mask: dcn_cupy only (forward,
-  forward+backward and the transposed forward).
+  forward+backward and the transposed forward);
+* transposed, stride 2 (S -> 2S), forward and forward+backward, dcn_cupy only (tvdcn's numbers
+  are in DESIGN section 5): 2D B=8 C128 28x28 and 3D B=2 C32 16^3 (``--only 2d`` / ``3d`` take
+  them too).
 
 dcn_cupy runs through plans (``dcn_cupy.plan``, validated once; each call allocates its
 output, gradients and workspace from CuPy's pool, as the functional API does). Rows:
@@ -247,6 +250,43 @@ def bench_dcn(shape, precision, args, transposed_too=False, fused=True):
     return rows
 
 
+def bench_transposed(shape, precision, args):
+    """Rows of a transposed convolution (stride 2, padding 1, output_padding 1; offsets and mask
+    on its input grid): the automatic choice and forced cuda/im2col where it differs, forward
+    and forward+backward (every gradient)."""
+    import cupy
+    import dcn_cupy
+    dtype = _set_precision(precision)
+    tf32 = _allow_tf32(precision)
+    B, C_in, C_out, S = shape["B"], shape["C_in"], shape["C_out"], shape["S"]
+    n, K = len(S), 3 ** len(S)
+    x, w, b, off, msk, _ = _as_cupy(*_make_inputs(dict(shape, C_out=C_in), dtype))
+    rng = cupy.random.default_rng(1)
+    wt = (rng.standard_normal((C_in, C_out) + (3,) * n, dtype=cupy.float32) / math.sqrt(C_in * K)).astype(x.dtype)
+    bt = rng.standard_normal((C_out,), dtype=cupy.float32).astype(x.dtype)
+    gy = rng.standard_normal((B, C_out) + tuple(2 * v for v in S), dtype=cupy.float32).astype(x.dtype)
+    hyper = dict(stride=2, padding=1, output_padding=1, transposed=True, allow_tf32=tf32)
+    rows, seen = [], set()
+    for label, options in (("dcn_cupy", {}), ("dcn_cupy cuda/im2col", {"algorithm": "cuda/im2col"})):
+        p = dcn_cupy.plan(x, wt, off, msk, bt, **hyper, **options)
+        if p.algorithm in seen:
+            continue
+        seen.add(p.algorithm)
+
+        def forward(p=p):
+            return p.forward(x, wt, off, msk, bt)
+
+        def forward_backward(p=p):
+            y = p.forward(x, wt, off, msk, bt)
+            return y, p.backward(gy, x, wt, off, msk, bt)
+
+        rows.append({"impl": label, "algorithm": p.algorithm,
+                     "fwd_ms": _time_cupy(forward, args.warmup, args.repeats, args.inner),
+                     "fwdbwd_ms": _time_cupy(forward_backward, args.warmup, args.repeats, max(1, args.inner // 2)),
+                     "fwd_peak_mib": _peak_cupy(forward), "fwdbwd_peak_mib": _peak_cupy(forward_backward)})
+    return rows
+
+
 def accuracy(shape, args):
     """fp16/bf16 forward error against the float64 reference (dcn_cupy's float64 im2col on the
     same rounded inputs): fused, im2col and torchvision's fp16, relative errors in the norm."""
@@ -349,6 +389,12 @@ SHAPES = [
     {"name": "1D B=16 C256->256 L4096 k3", "B": 16, "C_in": 256, "C_out": 256, "S": (4096,)},
     {"name": "3D B=2 C32->32 32^3 3x3x3", "B": 2, "C_in": 32, "C_out": 32, "S": (32, 32, 32)},
 ]
+#: Transposed convolutions at DESIGN section 5's tvdcn shapes (3^N kernel, stride 2, padding 1,
+#: output_padding 1: S -> 2S), forward and forward+backward (``bench_transposed``).
+TRANSPOSED_SHAPES = [
+    {"name": "2D transposed B=8 C128 28x28 s2", "B": 8, "C_in": 128, "C_out": 128, "S": (28, 28), "transposed": True},
+    {"name": "3D transposed B=2 C32 16^3 s2", "B": 2, "C_in": 32, "C_out": 32, "S": (16, 16, 16), "transposed": True},
+]
 
 
 def _gflop(shape) -> float:
@@ -405,7 +451,7 @@ def main(argv=None) -> int:
     except Exception:
         tv_version = None
     precisions = [p for p in args.precisions.split(",") if p]
-    shapes = [s for s in SHAPES if args.only is None or s["name"].lower().startswith(args.only)]
+    shapes = [s for s in SHAPES + TRANSPOSED_SHAPES if args.only is None or s["name"].lower().startswith(args.only)]
     if args.shapes:
         shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
     if custom is not None:
@@ -422,7 +468,9 @@ def main(argv=None) -> int:
         for precision in precisions:
             benches = [("dcn_cupy", lambda s=shape, p=precision, t=not is2d: bench_dcn(
                 s, p, args, transposed_too=t, fused=not args.no_fused))]
-            if is2d:
+            if shape.get("transposed"):
+                benches = [("dcn_cupy", lambda s=shape, p=precision: bench_transposed(s, p, args))]
+            elif is2d:
                 if tv_version is not None:
                     benches.append(("torchvision", lambda s=shape, p=precision: bench_torchvision(s, p, args)))
                 benches.append(("dense", lambda s=shape, p=precision: bench_dense(s, p, args)))
@@ -434,7 +482,7 @@ def main(argv=None) -> int:
                     traceback.print_exc(file=sys.stderr)
                 for row in rows:
                     row.update(shape=shape["name"], precision=precision)
-                    if "fwd_ms" in row and "transposed" not in row["impl"]:
+                    if "fwd_ms" in row and "transposed" not in row["impl"] and not shape.get("transposed"):
                         row["fwd_tflops"] = _gflop(shape) / row["fwd_ms"]
                     results.append(row)
                     print(f"  {shape['name']:<28} {precision:<5} {row['impl']:<22} "

@@ -90,7 +90,7 @@ __global__ void fused_weight_columns(const T* __restrict__ w, T* __restrict__ wt
 
 // gxcl (B, S, Cpa) float32 -> gx (B, C, S) in T (sample stride gx_bstride), plus bias[c] when
 // given (the transposed convolution's forward). A 64x64 tile through shared memory per block
-// iteration (blockDim 32 x 8), as fused_channels_last the other way.
+// iteration (256 threads as 32 x 8), as fused_channels_last the other way.
 template <typename T, typename I>
 __global__ void fused_channels_first(const float* __restrict__ gxcl, const T* __restrict__ bias,
                                      T* __restrict__ gx, const int batch, const int channels, const int Cpa,
@@ -100,7 +100,7 @@ __global__ void fused_channels_first(const float* __restrict__ gxcl, const T* __
     const I s_tiles = (S + TILE - 1) / TILE;
     const int c_tiles = (channels + TILE - 1) / TILE;
     const I blocks = (I)batch * c_tiles * s_tiles;
-    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;   // 256 threads: 32 x 8
     for (I blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
         const I st = blk % s_tiles;
         const I rest = blk / s_tiles;

@@ -298,7 +298,7 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, co
 // x (B, C, S), sample stride `x_bstride` -> xcl (B, S, Cp), channels >= C zero, followed by
 // one row of Cp zeros (the "zero row", row B*S: what the forward reads for a corner it does not
 // use, so that its loads need no branch). A 64x64 (channel x position) tile through shared
-// memory per block iteration, 16 elements per thread in flight each way (blockDim 32 x 8).
+// memory per block iteration, 16 elements per thread in flight each way (256 threads as 32 x 8).
 template <typename T, typename I>
 __global__ void fused_channels_last(const T* __restrict__ x, T* __restrict__ xcl, const int batch,
                                     const int channels, const int Cp, const I S, const I x_bstride) {
@@ -307,7 +307,7 @@ __global__ void fused_channels_last(const T* __restrict__ x, T* __restrict__ xcl
     const I s_tiles = (S + TILE - 1) / TILE;
     const int c_tiles = (Cp + TILE - 1) / TILE;
     const I blocks = (I)batch * c_tiles * s_tiles;
-    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;   // 256 threads: 32 x 8
     for (I blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
         const I st = blk % s_tiles;
         const I rest = blk / s_tiles;

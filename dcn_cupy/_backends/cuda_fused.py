@@ -438,7 +438,7 @@ def run_forward(config: LaunchConfig, x, weight, offset, mask, bias, out, worksp
     for start in range(0, g.batch, config.chunk):
         n = min(config.chunk, g.batch - start)
         blocks = n * -(-config.Cp // 64) * -(-config.S // 64)
-        layout((min(blocks, _MAX_GRID),), (32, 8), (
+        layout((min(blocks, _MAX_GRID),), (256,), (
             x[start:start + n], xcl, np.int32(n), np.int32(g.in_channels), np.int32(config.Cp),
             index(config.S), index(x_bs),
         ))

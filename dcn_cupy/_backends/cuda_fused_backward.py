@@ -280,89 +280,98 @@ class BackwardConfig:
         return cupy.ndarray((count,), dtype=dtype, memptr=workspace.data + start)
 
 
-def _clear(array) -> None:
-    cupy.cuda.runtime.memsetAsync(array.data.ptr, 0, array.nbytes, cupy.cuda.get_current_stream().ptr)
+def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> list:
+    """The launches of one backward, recorded (``cuda._kernel_op``, memsets as ``(2, ptr,
+    bytes)``) for ``cuda._replay``: ``inputs`` the addresses of (grad_output, x, w, offset, mask,
+    bias), ``strides`` the sample strides in elements of (grad_output, x, offset, mask, grad_x,
+    grad_offset, grad_mask) (0 for a broadcast batch), ``outs`` the addresses of (grad_x,
+    grad_w, grad_offset, grad_mask) (0: not wanted; grad_w only where ``config.fused_weight``)."""
+    g = config.geom
+    gy, x, w, offset, mask, bias = inputs
+    gy_bs, x_bs, off_bs, msk_bs, gx_bs, goff_bs, gm_bs = strides
+    gx, gw, g_off, g_m = outs
+    g_off, g_m = (g_off if offset else 0), (g_m if mask else 0)
+    gw = gw if config.fused_weight else 0
+    data = bool(gx or g_off or g_m)
+    it = config.itemsize
+    index = np.int64 if config.index64 else np.int32
+    i32, u64, at = np.int32, _cuda._u64, _cuda._at
+    kernel, op = config.kernel, _cuda._kernel_op
+    view = {name: workspace + start for name, (start, _, _) in config.offsets.items()}
+    grid = lambda count: (min(-(-count // _THREADS), _MAX_GRID),)  # noqa: E731
+    ops = []
+    if data:
+        ops.append(op(kernel("fused_weight_columns"), grid(config.offsets["wt"][1]), (_THREADS,), (
+            u64(w), u64(view["wt"]), i32(g.groups), i32(config.Cog), i32(config.Cg), i32(config.Cogp),
+            i32(config.K))))
+    layout = kernel("fused_channels_last")
+    for start in range(0, g.batch, config.chunk):
+        n = min(config.chunk, g.batch - start)
+        off_n, msk_n = at(offset, start * off_bs * it), at(mask, start * msk_bs * it)
+        gy_n = u64(gy + start * gy_bs * it)
+        if g_off or g_m or gw:   # the corner values
+            blocks = n * -(-config.Cp // 64) * -(-config.S // 64)
+            ops.append(op(layout, (min(blocks, _MAX_GRID),), (_THREADS,), (
+                u64(x + start * x_bs * it), u64(view["xcl"]), i32(n), i32(g.in_channels), i32(config.Cp),
+                index(config.S), index(x_bs))))
+        if data:
+            blocks = n * -(-config.Cop // 64) * -(-config.Q // 64)
+            ops.append(op(layout, (min(blocks, _MAX_GRID),), (_THREADS,), (
+                gy_n, u64(view["gycl"]), i32(n), i32(g.out_channels), i32(config.Cop), index(config.Q),
+                index(gy_bs))))
+            accumulators = [(name, target) for name, target in (("gxcl", gx), ("goff", g_off), ("gmsk", g_m))]
+            for name, target in accumulators:
+                if target:
+                    ops.append((2, view[name], config.offsets[name][1] * 4))
+            ops.append(op(kernel("data"), (config.blocks(n),), (_THREADS,), (
+                u64(view["gycl"]), u64(view["wt"]), u64(view["xcl"]), off_n, msk_n,
+                *(u64(view[name]) if target else None for name, target in accumulators), config.struct, i32(n),
+                i32(g.in_channels), i32(config.Cp), i32(config.Cpa), i32(g.out_channels), i32(config.Cop),
+                i32(g.groups), i32(config.Go), i32(config.Gm), i32(config.Cogp), index(off_bs), index(msk_bs),
+                i32(config.seg)), config.smem_bytes))
+            if gx:
+                blocks = n * -(-g.in_channels // 64) * -(-config.S // 64)
+                ops.append(op(kernel("fused_channels_first"), (min(blocks, _MAX_GRID),), (_THREADS,), (
+                    u64(view["gxcl"]), at(bias, 0), u64(gx + start * gx_bs * it), i32(n), i32(g.in_channels),
+                    i32(config.Cpa), index(config.S), index(gx_bs))))
+            for name, target, bs, channels in (("goff", g_off, goff_bs, config.off_ch), ("gmsk", g_m, gm_bs, config.m_ch)):
+                if target:
+                    per_sample = channels * config.Q
+                    ops.append(op(kernel("fused_store"), grid(n * per_sample), (_THREADS,), (
+                        u64(view[name]), u64(target + start * bs * it), i32(n), index(per_sample), index(bs))))
+        if gw:
+            pp = _fused._round_up(n * config.Q, _VEC[config.dtype])
+            ops.append(op(kernel("fused_position_rows"), grid(g.out_channels * pp), (_THREADS,), (
+                gy_n, u64(view["gyr"]), i32(n), i32(g.out_channels), index(config.Q), index(pp), index(gy_bs))))
+            total_steps = -(-n * config.Q // config.weight_tile[2])
+            steps = -(-total_steps // config.splits)          # per split
+            ops.append(op(kernel("weight"), (config.splits * config.weight_tiles,), (_THREADS,), (
+                u64(view["gyr"]), u64(view["xcl"]), off_n, msk_n, u64(view["part"]), config.struct, i32(n),
+                i32(g.in_channels), i32(config.Cp), i32(g.out_channels), i32(g.groups), i32(config.Go),
+                i32(config.Gm), index(pp), index(off_bs), index(msk_bs), i32(config.splits), i32(steps),
+                i32(start > 0)), config.weight_smem_bytes))
+    if gw:
+        ops.append(op(kernel("fused_weight_sum"), grid(g.out_channels * config.Cg * config.K), (_THREADS,), (
+            u64(view["part"]), u64(gw), i32(config.splits), i32(g.out_channels), i32(config.Cg), i32(config.K))))
+    return ops
+
+
+def _address(array) -> int:
+    return 0 if array is None else array.data.ptr
 
 
 def run_gradients(config: BackwardConfig, args: dict, out: dict, workspace) -> None:
     """The wanted ones of the input, offset and mask gradients, and the weight gradient where
     ``config.fused_weight``, into ``out`` (``args`` and ``out`` as the ``conv_backward``
-    primitive's)."""
-    g = config.geom
-    gy, x, w = args["grad_output"], args["input"], args["weight"]
-    offset, mask, bias, wanted = args["offset"], args["mask"], args.get("bias"), args["wanted"]
-    gx = out.get("input") if "input" in wanted else None
-    g_off = out.get("offset") if "offset" in wanted and offset is not None else None
-    g_m = out.get("mask") if "mask" in wanted and mask is not None else None
-    g_w = out.get("weight") if "weight" in wanted and config.fused_weight else None
-    data = gx is not None or g_off is not None or g_m is not None
-    if not data and g_w is None:
-        return
-    index = np.int64 if config.index64 else np.int32
-    i32 = np.int32
-    wt = config.view(workspace, "wt")
-    if data:
-        total = wt.size
-        config.kernel("fused_weight_columns")((min(-(-total // _THREADS), _MAX_GRID),), (_THREADS,), (
-            w, wt, i32(g.groups), i32(config.Cog), i32(config.Cg), i32(config.Cogp), i32(config.K)))
-    layout = config.kernel("fused_channels_last")
-    xcl, gycl, gyr = config.view(workspace, "xcl"), config.view(workspace, "gycl"), config.view(workspace, "gyr")
-    part = config.view(workspace, "part")
-    gxcl = config.view(workspace, "gxcl") if gx is not None else None
-    goff = config.view(workspace, "goff") if g_off is not None else None
-    gmsk = config.view(workspace, "gmsk") if g_m is not None else None
+    primitive's: any batch strides), on CuPy's current stream."""
+    wanted = args["wanted"]
+    outs = tuple(out.get(name) if name in wanted else None for name in ("input", "weight", "offset", "mask"))
     bs = _fused._batch_stride
-    off_bs = 0 if offset is None else bs(offset)
-    msk_bs = 0 if mask is None else bs(mask)
-    off_groups, msk_groups = i32(config.Go), i32(config.Gm)
-    for start in range(0, g.batch, config.chunk):
-        n = min(config.chunk, g.batch - start)
-        stop = start + n
-        off_n = None if offset is None else offset[start:stop]
-        msk_n = None if mask is None else mask[start:stop]
-        if goff is not None or gmsk is not None or g_w is not None:   # the corner values
-            blocks = n * -(-config.Cp // 64) * -(-config.S // 64)
-            layout((min(blocks, _MAX_GRID),), (32, 8), (
-                x[start:stop], xcl, i32(n), i32(g.in_channels), i32(config.Cp), index(config.S), index(bs(x))))
-        if data:
-            blocks = n * -(-config.Cop // 64) * -(-config.Q // 64)
-            layout((min(blocks, _MAX_GRID),), (32, 8), (
-                gy[start:stop], gycl, i32(n), i32(g.out_channels), i32(config.Cop), index(config.Q), index(bs(gy))))
-            for acc in (gxcl, goff, gmsk):
-                if acc is not None:
-                    _clear(acc)
-            config.kernel("data")((config.blocks(n),), (_THREADS,), (
-                gycl, wt, xcl, off_n, msk_n, gxcl, goff, gmsk, config.struct, i32(n), i32(g.in_channels),
-                i32(config.Cp), i32(config.Cpa), i32(g.out_channels), i32(config.Cop), i32(g.groups), off_groups,
-                msk_groups, i32(config.Cogp), index(off_bs), index(msk_bs), i32(config.seg),
-            ), shared_mem=config.smem_bytes)
-            if gx is not None:
-                blocks = n * -(-g.in_channels // 64) * -(-config.S // 64)
-                config.kernel("fused_channels_first")((min(blocks, _MAX_GRID),), (32, 8), (
-                    gxcl, bias, gx[start:stop], i32(n), i32(g.in_channels), i32(config.Cpa), index(config.S),
-                    index(bs(gx))))
-            for acc, target, channels in ((goff, g_off, config.off_ch), (gmsk, g_m, config.m_ch)):
-                if acc is not None:
-                    per_sample = channels * config.Q
-                    count = n * per_sample
-                    config.kernel("fused_store")((min(-(-count // _THREADS), _MAX_GRID),), (_THREADS,), (
-                        acc, target[start:stop], i32(n), index(per_sample), index(bs(target))))
-        if g_w is not None:
-            pp = _fused._round_up(n * config.Q, _VEC[config.dtype])
-            count = g.out_channels * pp
-            config.kernel("fused_position_rows")((min(-(-count // _THREADS), _MAX_GRID),), (_THREADS,), (
-                gy[start:stop], gyr, i32(n), i32(g.out_channels), index(config.Q), index(pp), index(bs(gy))))
-            total_steps = -(-n * config.Q // config.weight_tile[2])
-            steps = -(-total_steps // config.splits)          # per split
-            config.kernel("weight")((config.splits * config.weight_tiles,), (_THREADS,), (
-                gyr, xcl, off_n, msk_n, part, config.struct, i32(n), i32(g.in_channels), i32(config.Cp),
-                i32(g.out_channels), i32(g.groups), off_groups, msk_groups, index(pp), index(off_bs), index(msk_bs),
-                i32(config.splits), i32(steps), i32(start > 0),
-            ), shared_mem=config.weight_smem_bytes)
-    if g_w is not None:
-        count = g_w.size
-        config.kernel("fused_weight_sum")((min(-(-count // _THREADS), _MAX_GRID),), (_THREADS,), (
-            part, g_w, i32(config.splits), i32(g.out_channels), i32(config.Cg), i32(config.K)))
+    arrays = (args["grad_output"], args["input"], args["offset"], args["mask"], outs[0], outs[2], outs[3])
+    strides = tuple(0 if a is None else bs(a) for a in arrays)
+    inputs = tuple(_address(args.get(name)) for name in ("grad_output", "input", "weight", "offset", "mask", "bias"))
+    ops = _launches(config, inputs, strides, tuple(_address(a) for a in outs), workspace.data.ptr)
+    _cuda._replay(ops, None, cupy.cuda.get_current_stream().ptr)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,20 +380,47 @@ def run_gradients(config: BackwardConfig, args: dict, out: dict, workspace) -> N
 
 class FusedBackward:
     """The executable of one plan's backward: the fused gradients; the weight gradient through
-    cuda/im2col (on the same workspace, after the fused kernels) where it is not fused."""
+    cuda/im2col (on the same workspace, after the fused kernels) where it is not fused. Calls on
+    C-contiguous arrays replay launches recorded per set of addresses (``run_pointers``)."""
 
     def __init__(self, config: BackwardConfig, weight_gradient=None):
         self.config = config
         self._weight = weight_gradient
         self.workspace_bytes = max(config.workspace_bytes, weight_gradient.workspace_bytes if weight_gradient else 0)
         self.description = config.description
+        # the raw-address path: ours always; cuda/im2col's weight gradient where it has one
+        self.pointer_path = weight_gradient is None or bool(getattr(weight_gradient, "pointer_path", False))
+        self._recordings = _cuda.Recordings()
+        g = config.geom
+        self._strides = (g.out_channels * config.Q, g.in_channels * config.S, config.off_ch * config.Q,
+                         config.m_ch * config.Q, g.in_channels * config.S, config.off_ch * config.Q,
+                         config.m_ch * config.Q)
 
     def run(self, args: dict, out: dict, workspace) -> None:
         if self.config.geom.batch == 0:
             return
+        wanted = args["wanted"]
+        arrays = [args.get(k) for k in ("grad_output", "input", "weight", "offset", "mask", "bias")]
+        outs = [out.get(k) if k in wanted else None for k in ("input", "weight", "offset", "mask")]
+        if self.pointer_path and _cuda._plain_batch(*arrays, *outs):
+            self.run_pointers(tuple(_address(a) for a in arrays), wanted, tuple(_address(a) for a in outs),
+                              workspace.data.ptr, cupy.cuda.get_current_stream().ptr)
+            return
         run_gradients(self.config, args, out, workspace)
-        if "weight" in args["wanted"] and not self.config.fused_weight:
+        if "weight" in wanted and not self.config.fused_weight:
             self._weight.run(dict(args, wanted=frozenset(("weight",))), {"weight": out["weight"]}, workspace)
+
+    def run_pointers(self, inputs, wanted, outs, workspace: int, stream: int) -> None:
+        """``run`` on raw device addresses of C-contiguous batched arrays: inputs (grad_output, x,
+        w, offset, mask, bias), outputs (input, weight, offset, mask; 0 where not wanted), on
+        ``stream`` (launches recorded once per set of addresses, then replayed)."""
+        key = inputs + outs + (workspace,)
+        ops = self._recordings.get(key)
+        if ops is None:
+            ops = self._recordings.put(key, _launches(self.config, inputs, self._strides, outs, workspace))
+        _cuda._replay(ops, None, stream)
+        if outs[1] and not self.config.fused_weight:
+            self._weight.run_pointers(inputs, frozenset(("weight",)), (0, outs[1], 0, 0), workspace, stream)
 
 
 SERVED_DTYPES = _fused.SERVED_DTYPES
@@ -404,11 +440,13 @@ def _key(geom, dtype, allow_tf32: bool) -> tuple:
 
 
 def fused_versus_im2col(geom, dtype, allow_tf32: bool):
-    """``(fused ms, im2col ms)``: every gradient of one batch chunk on random data, the fused
-    backward (the faster of its weight gradient and cuda/im2col's, kept for the plan:
-    ``fused_weight_choice``) against cuda/im2col's, timed alike (``cuda_fused._best_times``);
-    None when tuning is off or a CUDA graph is being captured. Cached per device, geometry,
-    dtype and precision."""
+    """``(fused ms, im2col ms, fused split ms, im2col split ms)`` on one batch chunk of random
+    data, the fused backward against cuda/im2col's, timed alike (``cuda_fused._best_times``):
+    every gradient in one call, and split as a transposed convolution uses the backward (the
+    input gradient alone: its forward; then the weight, offset and mask gradients). The fused
+    one takes the faster of its own weight gradient and cuda/im2col's (kept for the plan:
+    ``fused_weight_choice``). None when tuning is off or a CUDA graph is being captured. Cached
+    per device, geometry, dtype and precision."""
     dtype = np.dtype(dtype)
     key = _key(geom, dtype, allow_tf32)
     found = _versus.get(key)
@@ -422,9 +460,10 @@ def fused_versus_im2col(geom, dtype, allow_tf32: bool):
             times = _time_one_chunk(geom.with_batch(chunk), dtype, allow_tf32, key[0])
     finally:
         pool.free_all_blocks()
-    own, through_im2col, im2col = times
-    _fused_weight[key] = own < through_im2col
-    found = _versus[key] = (min(own, through_im2col), im2col)
+    (own, own_split), (through, through_split), (im2col, im2col_split) = times
+    _fused_weight[key] = own < through
+    found = _versus[key] = ((own, im2col, own_split, im2col_split) if own < through
+                            else (through, im2col, through_split, im2col_split))
     return found
 
 
@@ -435,8 +474,8 @@ def fused_weight_choice(geom, dtype, allow_tf32: bool):
 
 
 def _time_one_chunk(g, dtype, allow_tf32: bool, device: int) -> tuple:
-    """The best times (ms) of the fused backward with its own weight gradient (inf where it has
-    none), with cuda/im2col's, and of cuda/im2col's whole backward."""
+    """((all, split) ms) of the fused backward with its own weight gradient (inf where it has
+    none), with cuda/im2col's, and of cuda/im2col's backward."""
     spec = _spec(g, dtype, allow_tf32, device)
     sms = _fused._multiprocessors()
     im2col = _cuda._Backward(spec)
@@ -447,15 +486,23 @@ def _time_one_chunk(g, dtype, allow_tf32: bool, device: int) -> tuple:
         executables = executables[1:]
     (x, w, offset, mask, _), _ = _fused._random_arguments(g, dtype)
     gy = cupy.random.default_rng(1).standard_normal(g.y_shape, dtype=np.float32).astype(dtype)
-    args = {"grad_output": gy, "input": x, "weight": w, "offset": offset, "mask": mask, "bias": None,
-            "wanted": frozenset(name for name, a in (("input", x), ("weight", w), ("offset", offset), ("mask", mask))
-                                if a is not None)}
-    out = {name: cupy.empty_like(args[name]) for name in args["wanted"]}
+    args = {"grad_output": gy, "input": x, "weight": w, "offset": offset, "mask": mask, "bias": None}
+    every = frozenset(name for name, a in (("input", x), ("weight", w), ("offset", offset), ("mask", mask))
+                      if a is not None)
+    out = {name: cupy.empty_like(args[name]) for name in every}
+    params = every - {"input"}
+
+    def split(e, ws):
+        e.run(dict(args, input=None, wanted=frozenset(("input",))), {"input": out["input"]}, ws)
+        e.run(dict(args, wanted=params), {name: out[name] for name in params}, ws)
+
     spaces = [cupy.empty(e.workspace_bytes, dtype=np.uint8) for e in executables]
-    best = _fused._best_times([functools.partial(e.run, args, out, ws) for e, ws in zip(executables, spaces)],
-                              rounds=3, repeats=2)
+    runs = [functools.partial(e.run, dict(args, wanted=every), out, ws) for e, ws in zip(executables, spaces)]
+    runs += [functools.partial(split, e, ws) for e, ws in zip(executables, spaces)]
+    best = _fused._best_times(runs, rounds=3, repeats=2)
     cupy.cuda.get_current_stream().synchronize()
-    return tuple(best) if own.fused_weight else (float("inf"),) + tuple(best)
+    pairs = list(zip(best[:len(executables)], best[len(executables):]))
+    return tuple(pairs) if own.fused_weight else ((float("inf"), float("inf")),) + tuple(pairs)
 
 
 class FusedBackwardBackend:
@@ -491,15 +538,17 @@ class FusedBackwardBackend:
 
     def recommends(self, spec, primitive: str):
         """None where the automatic choice should take it; else why not: cuda/im2col measured
-        faster on one batch chunk of the configuration (without a measurement, the fused one)."""
+        faster on one batch chunk of the configuration, all gradients in one call or split as a
+        transposed convolution uses them (without a measurement, the fused one)."""
         try:
             with cupy.cuda.Device(spec.device_id):
                 timed = fused_versus_im2col(spec.geom, spec.dtype, bool(spec.allow_tf32))
         except cupy.cuda.runtime.CUDARuntimeError:   # no usable device here: the rule (fused)
             timed = None
-        if timed is not None and timed[1] < timed[0]:
+        if timed is not None and (timed[1] < timed[0] or timed[3] < timed[2]):
             return (f"cuda/im2col measured faster for this configuration ({timed[1]:.3f} ms against "
-                    f"{timed[0]:.3f} ms on one batch chunk)")
+                    f"{timed[0]:.3f} ms on one batch chunk, every gradient in one call; {timed[3]:.3f} against "
+                    f"{timed[2]:.3f} split as a transposed convolution's)")
         return None
 
     def build(self, spec, primitive: str) -> FusedBackward:
