@@ -311,7 +311,8 @@ def fused_backward_stages(x, w, off, msk, gy, geom, name, t):
         ws = cupy.empty(max(own.workspace_bytes, through.workspace_bytes, im2col.workspace_bytes), dtype=np.uint8)
 
         def call(config, wanted, weight=None):
-            return lambda: fb.FusedBackward(config, weight).run(dict(args, wanted=frozenset(wanted)), grads, ws)
+            executable = fb.FusedBackward(config, weight)   # its launches recorded once, then replayed
+            return lambda: executable.run(dict(args, wanted=frozenset(wanted)), grads, ws)
 
         every = ("input", "weight", "offset", "mask")
         rows = [("whole backward, weight gradient fused", call(own, every)) if own.fused_weight else None,

@@ -1,30 +1,39 @@
-"""CUDA algorithm ``cuda/fused-backward``: the input, offset and mask gradients as one implicit GEMM
-on tensor cores with a scatter epilogue, and no column-gradient buffer.
+"""CUDA algorithm ``cuda/fused-backward``: the gradients of a deformable convolution as implicit
+GEMMs on tensor cores, with no columns or column-gradient buffer.
 
-``cuda/deform_fused_backward.cu`` computes, per block, a tile of the column gradients
-``W^T . grad_output`` for one tap (input channels x positions) on tensor cores (fp16/bf16 in their
-format, float32 as TF32 when TF32 is allowed, else 3xTF32; float32 accumulation) and consumes it
-at once: the input gradient is scattered with 4-channel vector reductions into a channels-last
-float32 accumulator, and the offset and mask gradients are summed over each group's channels
-(shuffles, then one float32 atomic per group, position and tap). Per call, one batch chunk at a
-time (the chunk bounds the workspace by ``cuda_fused.WORKSPACE_LIMIT_BYTES``):
+``cuda/deform_fused_backward.cu`` has two kernels (fp16/bf16 in their format, float32 as TF32
+when TF32 is allowed, else 3xTF32; float32 accumulation):
 
-* grad_output is copied channels-last, ``(Bc*Q, Cop)``; the input too (``(Bc*S, Cp)``) when the
-  offset or mask gradient is wanted (the corner values);
-* the weight is re-laid per conv group and tap as ``(G, K, C_in/G, Cogp)`` (rows along the
-  input channels, each the group's output channels, zero-padded to the step);
-* the accumulators are cleared, the kernel runs, and the gradients are written out in their
-  dtype and layout (the input gradient plus the C_in-long ``bias`` of the transposed forward).
+* ``deform_fused_backward_data``: per block a tile of the column gradients ``W^T . grad_output``
+  for one tap (input channels x positions), consumed at once: the input gradient is scattered
+  with 4-channel vector reductions into a channels-last float32 accumulator, and the offset and
+  mask gradients are summed over each group's channels (shuffles, then one float32 atomic per
+  group, position and tap);
+* ``deform_fused_backward_weight``: ``grad_output . sampled^T`` over the positions, the sampled
+  tile built in shared memory by the fused forward's sampler; the positions are split over
+  blocks and the splits' float32 partial sums added in a fixed order (bitwise repeatable).
 
-The weight gradient is ``cuda/im2col``'s (columns and a cuBLAS GEMM), run after the fused part
-on the same workspace. The transposed convolution's forward is this backward's input gradient
-(duality), so it runs here too.
+Per call, one batch chunk at a time (the chunk bounds the workspace by
+``cuda_fused.WORKSPACE_LIMIT_BYTES``): grad_output copied channels-last, ``(Bc*Q, Cop)``, and as
+rows over the positions, ``(C_out, Pp)``; the input channels-last, ``(Bc*S, Cp)``, when the
+offset, mask or weight gradient is wanted (the corner values); the weight re-laid per conv
+group and tap as ``(G, K, C_in/G, Cogp)``; the accumulators cleared, the kernels run, the
+gradients written out in their dtype and layout (the input gradient plus the C_in-long
+``bias`` of the transposed forward). The launches are recorded once per set of addresses and
+replayed (``FusedBackward.run_pointers``, the plan's raw-address path), as cuda/im2col's are.
+
+Where the fused weight gradient cannot serve (:func:`weight_unsupported`) or measured slower,
+``cuda/im2col``'s (columns and a cuBLAS GEMM) runs after the fused part, on the same
+workspace. The transposed convolution's forward is this backward's input gradient (duality),
+so it runs here too.
 
 Served (``FusedBackwardBackend.serves``): float16, bfloat16 and float32 on CUDA devices of
 compute capability 8.0 or more, not ``deterministic`` (the scatter's atomics), when every lane's
 4 channels lie in one conv, offset and mask group (C_in/groups, C_in/offset_groups and
 C_in/mask_groups multiples of 4) and, with several conv groups, C_out/groups is a multiple of
-the 16-byte vector (8 half / 4 float32 channels). Elsewhere ``cuda/im2col`` computes the backward.
+the 16-byte vector (8 half / 4 float32 channels). Chosen automatically where it measured faster
+than cuda/im2col on one batch chunk (``fused_versus_im2col``). Elsewhere ``cuda/im2col``
+computes the backward.
 """
 
 from __future__ import annotations
@@ -54,10 +63,13 @@ TILES = {
 }
 #: The weight gradient's tiles per dtype (BM output channels, BN input channels, BK positions per
 #: step, MINB), 256 / BK sampling threads per position: the tallest no taller than C_out/groups
-#: is taken (``_weight_tile``), since each output-channel tile samples the input again. H200,
-#: fp16 (NOTES-gpu.md "fused backward"): B=8 C256 56x56 64x64x64 1.24 ms, 256x64x32 0.75,
-#: 256x64x64 0.52 (cuda/im2col's 0.48); B=32 C64 56x56 64x64x64 0.30 (im2col 0.43).
-WEIGHT_TILES = {"half": ((64, 64, 64, 2), (256, 64, 64, 1)), "float": ((64, 64, 32, 2), (256, 64, 32, 1))}
+#: is taken (``_weight_tile``), since each output-channel tile samples the input again; a
+#: deeper step gives each sampling thread more channels per corner computation. H200, fp16,
+#: B=8 C256 56x56 (NOTES-gpu.md "fused backward"): 64x64x64 1.24 ms, 256x64x32 0.75, 256x64x64
+#: 0.52 (cuda/im2col's 0.48); in a later run 256x64x64 0.58 against 256x64x128 0.53 (im2col
+#: 0.45; the fused calls re-recorded their launches each time there). B=32 C64 56x56: 64x64x64
+#: 0.30 (im2col 0.43).
+WEIGHT_TILES = {"half": ((64, 64, 64, 2), (256, 64, 128, 1)), "float": ((64, 64, 32, 2), (256, 64, 64, 1))}
 #: Position splits of the weight gradient (partial sums added in a fixed order): enough blocks for
 #: about WAVES waves of the device, at most MAX_SPLITS.
 WAVES = 4
