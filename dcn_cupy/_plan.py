@@ -129,7 +129,7 @@ class Plan:
         self._device_ctx = None
         if device == "cuda":
             self._device_ctx = self._xp.cuda.Device(device_id)
-        self.spec = _backends.PlanSpec(geom, self.dtype, device, device_id, deterministic, allow_tf32)
+        self.spec = _backends.PlanSpec(geom, self.dtype, device, device_id, deterministic, allow_tf32, transposed)
         # executables: primitive -> (backend name, executable) or (None, reason)
         self._exec = {}
         if geom.batch > 0:

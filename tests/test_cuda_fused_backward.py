@@ -304,12 +304,20 @@ def test_plans_choose_and_force_the_fused_backward(dtype, monkeypatch):
         tol = 1e-4 if dtype == np.float32 and name == "weight" else TOL[precision]
         assert relative_error(cupy.asnumpy(getattr(grads, name)).astype(np.float64), exact[i]) < tol, name
     # the automatic choice follows the measurement
-    monkeypatch.setattr(fb, "fused_versus_im2col", lambda *a: (1.0, 2.0, 1.0, 2.0))
+    monkeypatch.setattr(fb, "fused_versus_im2col", lambda *a: (1.0, 2.0, 2.0, 1.0))
     auto = dcn_cupy.plan(**dev, **params, allow_tf32=False)
     assert ("cuda/fused-backward" in str(auto)) == (dtype != np.float32)
-    for slower in ((2.0, 1.0, 1.0, 2.0), (1.0, 2.0, 2.0, 1.0)):   # in one call, or split as transposed
-        monkeypatch.setattr(fb, "fused_versus_im2col", lambda *a, t=slower: t)
-        assert "cuda/fused-backward" not in str(dcn_cupy.plan(**dev, **params, allow_tf32=False))
+    monkeypatch.setattr(fb, "fused_versus_im2col", lambda *a: (2.0, 1.0, 1.0, 2.0))
+    assert "cuda/fused-backward" not in str(dcn_cupy.plan(**dev, **params, allow_tf32=False))
+    # a transposed plan goes by the split use (the input gradient alone, then the others)
+    x_t, w_t = cupy.asarray(gy_r), dev["weight"]
+    transposed_auto = dcn_cupy.plan(x_t, w_t, dev["offset"], dev["mask"], None, **params, transposed=True,
+                                    allow_tf32=False)
+    assert ("cuda/fused-backward" in str(transposed_auto)) == (dtype != np.float32)
+    monkeypatch.setattr(fb, "fused_versus_im2col", lambda *a: (1.0, 2.0, 2.0, 1.0))
+    transposed_auto = dcn_cupy.plan(x_t, w_t, dev["offset"], dev["mask"], None, **params, transposed=True,
+                                    allow_tf32=False)
+    assert "cuda/fused-backward" not in str(transposed_auto)
     # the transposed forward: the input gradient of the convolution it is the adjoint of
     x_t = rng.standard_normal(gy.shape).astype(dtype)
     bias_t = rng.standard_normal(arrays["input"].shape[1]).astype(dtype)

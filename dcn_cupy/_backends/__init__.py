@@ -54,7 +54,9 @@ class PlanSpec:
     """What an executable is built for.
 
     ``geom`` is the CONVOLUTION geometry (a transposed op uses the geometry of the convolution
-    it is the adjoint of).
+    it is the adjoint of). ``transposed``: the plan is of the transposed operation, which calls
+    ``conv_backward`` for its forward (the input gradient alone) and for its backward (without
+    it); a backend that times candidates may time that use.
     """
 
     geom: ConvGeometry
@@ -63,6 +65,7 @@ class PlanSpec:
     device_id: int
     deterministic: bool
     allow_tf32: bool
+    transposed: bool = False
 
 
 @runtime_checkable

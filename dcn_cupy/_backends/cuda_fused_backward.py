@@ -454,11 +454,11 @@ def _key(geom, dtype, allow_tf32: bool) -> tuple:
 def fused_versus_im2col(geom, dtype, allow_tf32: bool):
     """``(fused ms, im2col ms, fused split ms, im2col split ms)`` on one batch chunk of random
     data, the fused backward against cuda/im2col's, timed alike (``cuda_fused._best_times``):
-    every gradient in one call, and split as a transposed convolution uses the backward (the
-    input gradient alone: its forward; then the weight, offset and mask gradients). The fused
-    one takes the faster of its own weight gradient and cuda/im2col's (kept for the plan:
-    ``fused_weight_choice``). None when tuning is off or a CUDA graph is being captured. Cached
-    per device, geometry, dtype and precision."""
+    every gradient in one call (a convolution's backward), and split as a transposed
+    convolution uses the backward (the input gradient alone: its forward; then the weight,
+    offset and mask gradients). The fused one takes, per use, the faster of its own weight
+    gradient and cuda/im2col's (kept for the plan: ``fused_weight_choice``). None when tuning is
+    off or a CUDA graph is being captured. Cached per device, geometry, dtype and precision."""
     dtype = np.dtype(dtype)
     key = _key(geom, dtype, allow_tf32)
     found = _versus.get(key)
@@ -473,16 +473,19 @@ def fused_versus_im2col(geom, dtype, allow_tf32: bool):
     finally:
         pool.free_all_blocks()
     (own, own_split), (through, through_split), (im2col, im2col_split) = times
-    _fused_weight[key] = own < through
-    found = _versus[key] = ((own, im2col, own_split, im2col_split) if own < through
-                            else (through, im2col, through_split, im2col_split))
+    # the weight gradient's path per use: every gradient in one call (a convolution's backward),
+    # or split (a transposed convolution's)
+    _fused_weight[key + (False,)] = own < through
+    _fused_weight[key + (True,)] = own_split < through_split
+    found = _versus[key] = (min(own, through), im2col, min(own_split, through_split), im2col_split)
     return found
 
 
-def fused_weight_choice(geom, dtype, allow_tf32: bool):
+def fused_weight_choice(geom, dtype, allow_tf32: bool, transposed: bool = False):
     """Whether the fused backward computes the weight gradient itself (True), leaves it to
-    cuda/im2col (False), or None: not measured (the rule: itself where it can)."""
-    return _fused_weight.get(_key(geom, dtype, allow_tf32))
+    cuda/im2col (False), or None: not measured (the rule: itself where it can); for the
+    backward of a convolution, or (``transposed``) of a transposed convolution."""
+    return _fused_weight.get(_key(geom, dtype, allow_tf32) + (bool(transposed),))
 
 
 def _time_one_chunk(g, dtype, allow_tf32: bool, device: int) -> tuple:
@@ -550,17 +553,20 @@ class FusedBackwardBackend:
 
     def recommends(self, spec, primitive: str):
         """None where the automatic choice should take it; else why not: cuda/im2col measured
-        faster on one batch chunk of the configuration, all gradients in one call or split as a
-        transposed convolution uses them (without a measurement, the fused one)."""
+        faster on one batch chunk of the configuration, used as the plan uses it: every gradient
+        in one call, or split as a transposed convolution's (without a measurement, the fused
+        one)."""
         try:
             with cupy.cuda.Device(spec.device_id):
                 timed = fused_versus_im2col(spec.geom, spec.dtype, bool(spec.allow_tf32))
         except cupy.cuda.runtime.CUDARuntimeError:   # no usable device here: the rule (fused)
             timed = None
-        if timed is not None and (timed[1] < timed[0] or timed[3] < timed[2]):
-            return (f"cuda/im2col measured faster for this configuration ({timed[1]:.3f} ms against "
-                    f"{timed[0]:.3f} ms on one batch chunk, every gradient in one call; {timed[3]:.3f} against "
-                    f"{timed[2]:.3f} split as a transposed convolution's)")
+        if timed is not None:
+            fused, im2col = timed[2:] if getattr(spec, "transposed", False) else timed[:2]
+            if im2col < fused:
+                use = "as a transposed convolution's" if getattr(spec, "transposed", False) else "every gradient in one call"
+                return (f"cuda/im2col measured faster for this configuration ({im2col:.3f} ms against "
+                        f"{fused:.3f} ms on one batch chunk, {use})")
         return None
 
     def build(self, spec, primitive: str) -> FusedBackward:
@@ -570,7 +576,8 @@ class FusedBackwardBackend:
         with cupy.cuda.Device(spec.device_id):
             config = BackwardConfig(spec.geom, spec.dtype, bool(spec.allow_tf32),
                                     multiprocessors=_fused._multiprocessors(),
-                                    fused_weight=fused_weight_choice(spec.geom, spec.dtype, spec.allow_tf32))
+                                    fused_weight=fused_weight_choice(spec.geom, spec.dtype, spec.allow_tf32,
+                                                                     getattr(spec, "transposed", False)))
             for name in ("fused_weight_columns", "fused_channels_last", "fused_channels_first", "fused_store",
                          "fused_position_rows", "fused_weight_sum", "data", "weight"):
                 config.kernel(name)   # compile now, never during a CUDA-graph capture
