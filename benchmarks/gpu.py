@@ -201,6 +201,14 @@ DCN_ROWS = (
 )
 
 
+def _plan_row(label, p, forward, forward_backward, args) -> dict:
+    """One plan's row: its times (forward, forward+backward) and peak memory."""
+    return {"impl": label, "algorithm": p.algorithm, "workspace_mib": p.workspace_bytes / 2**20,
+            "fwd_ms": _time_cupy(forward, args.warmup, args.repeats, args.inner),
+            "fwdbwd_ms": _time_cupy(forward_backward, args.warmup, args.repeats, max(1, args.inner // 2)),
+            "fwd_peak_mib": _peak_cupy(forward), "fwdbwd_peak_mib": _peak_cupy(forward_backward)}
+
+
 def bench_dcn(shape, precision, args, transposed_too=False, fused=True):
     """Rows of dcn_cupy plans: the automatic choice, the forced algorithms that differ from it
     (``fused``: cuda/fused included), ``deterministic=True``; the transposed forward too."""
@@ -229,12 +237,7 @@ def bench_dcn(shape, precision, args, transposed_too=False, fused=True):
             y = p.forward(x, w, off, msk, b)
             return y, p.backward(gy, x, w, off, msk, b)
 
-        row = {"impl": label, "algorithm": p.algorithm, "workspace_mib": p.workspace_bytes / 2**20}
-        row["fwd_ms"] = _time_cupy(forward, args.warmup, args.repeats, args.inner)
-        row["fwdbwd_ms"] = _time_cupy(forward_backward, args.warmup, args.repeats, max(1, args.inner // 2))
-        row["fwd_peak_mib"] = _peak_cupy(forward)
-        row["fwdbwd_peak_mib"] = _peak_cupy(forward_backward)
-        rows.append(row)
+        rows.append(_plan_row(label, p, forward, forward_backward, args))
     if transposed_too:
         # w (C_out, C_in, *k) -> (C_in, C_out, *k): the transposed layout (C_in, C_out/groups, *k),
         # groups = 1, taking x's C_in channels to C_out (b's length)
@@ -280,10 +283,7 @@ def bench_transposed(shape, precision, args):
             y = p.forward(x, wt, off, msk, bt)
             return y, p.backward(gy, x, wt, off, msk, bt)
 
-        rows.append({"impl": label, "algorithm": p.algorithm,
-                     "fwd_ms": _time_cupy(forward, args.warmup, args.repeats, args.inner),
-                     "fwdbwd_ms": _time_cupy(forward_backward, args.warmup, args.repeats, max(1, args.inner // 2)),
-                     "fwd_peak_mib": _peak_cupy(forward), "fwdbwd_peak_mib": _peak_cupy(forward_backward)})
+        rows.append(_plan_row(label, p, forward, forward_backward, args))
     return rows
 
 

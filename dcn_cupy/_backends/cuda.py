@@ -133,6 +133,18 @@ def _inline(folder: Path, name: str, seen: set) -> list:
     return lines
 
 
+_module_texts = {}
+
+
+def module_text(name: str) -> str:
+    """The module text of the CUDA source ``name``: the file with its local headers inlined
+    (#line directives kept), read once."""
+    text = _module_texts.get(name)
+    if text is None:
+        text = _module_texts[name] = "\n".join(_inline(cuda_source_dir(), name, set())) + "\n"
+    return text
+
+
 def module_source() -> str:
     """The full module text: ``deform_conv.cu`` with its local headers inlined."""
     global _source_text

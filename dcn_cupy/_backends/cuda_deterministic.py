@@ -50,22 +50,17 @@ import numpy as np
 
 import cupy
 
-from . import cuda_source_dir
 from . import cuda as _cuda
 from .cuda import _BLOCK, _CTYPES, _MAX_GRID, _TILE, _Layout, _index64
 
 _SOURCE = "deform_deterministic.cu"
-_source_text = None
 _modules = {}
 _lock = threading.Lock()
 
 
 def module_source() -> str:
     """``deform_deterministic.cu`` with its local headers inlined (#line directives kept)."""
-    global _source_text
-    if _source_text is None:
-        _source_text = "\n".join(_cuda._inline(cuda_source_dir(), _SOURCE, set())) + "\n"
-    return _source_text
+    return _cuda.module_text(_SOURCE)
 
 
 def name_expressions(dtype, ndim: int, index64: bool) -> tuple:

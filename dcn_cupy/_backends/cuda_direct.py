@@ -41,7 +41,6 @@ import numpy as np
 
 import cupy
 
-from . import cuda_source_dir
 from . import cuda as _cuda
 
 _SOURCE = "deform_direct.cu"
@@ -92,13 +91,7 @@ def _b(flag: bool) -> str:
 
 def module_source() -> str:
     """``deform_direct.cu`` with its local headers inlined (#line directives kept)."""
-    global _source_text
-    if _source_text is None:
-        _source_text = "\n".join(_cuda._inline(cuda_source_dir(), _SOURCE, set())) + "\n"
-    return _source_text
-
-
-_source_text = None
+    return _cuda.module_text(_SOURCE)
 
 
 def name_expressions(dtype, ndim: int, index64: bool) -> tuple:

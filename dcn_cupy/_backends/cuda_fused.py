@@ -45,7 +45,6 @@ import cupy
 
 from .._interop import BFLOAT16
 from . import cuda as _cuda
-from . import cuda_source_dir
 
 #: Upper bound, in bytes, of the channels-last copy of one batch chunk.
 WORKSPACE_LIMIT_BYTES = int(os.environ.get("DCN_CUPY_FUSED_WORKSPACE_BYTES", 128 * 2**20))
@@ -79,15 +78,10 @@ _INT32_SAFE = 2**30
 _MAX_GRID = 1 << 20
 _ALIGN = 256
 
-_source_text = None
-
 
 def module_source() -> str:
     """The module text: ``deform_fused.cu`` with its local headers inlined (#line directives)."""
-    global _source_text
-    if _source_text is None:
-        _source_text = "\n".join(_cuda._inline(cuda_source_dir(), _SOURCE, set())) + "\n"
-    return _source_text
+    return _cuda.module_text(_SOURCE)
 
 
 def _precisions(dtype) -> tuple:

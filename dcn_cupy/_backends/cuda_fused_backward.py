@@ -47,7 +47,6 @@ import cupy
 
 from . import cuda as _cuda
 from . import cuda_fused as _fused
-from . import cuda_source_dir
 
 _SOURCE = "deform_fused_backward.cu"
 _THREADS = 256
@@ -78,15 +77,10 @@ _INT32_SAFE = 2**30
 _MAX_GRID = 1 << 20
 _ALIGN = 256
 
-_source_text = None
-
 
 def module_source() -> str:
     """``deform_fused_backward.cu`` with its local headers inlined (#line directives kept)."""
-    global _source_text
-    if _source_text is None:
-        _source_text = "\n".join(_cuda._inline(cuda_source_dir(), _SOURCE, set())) + "\n"
-    return _source_text
+    return _cuda.module_text(_SOURCE)
 
 
 def _tiles(dtype) -> tuple:
