@@ -342,12 +342,11 @@ def fused_backward_stages(x, w, off, msk, gy, geom, name, t):
               f"{flop / ms / 1e9:7.1f} TFLOP/s ({own.blocks(n)} blocks, {fb._fused.num_registers(data)} regs)")
         if own.fused_weight:
             weight = own.kernel("weight")
-            total_steps = -(-n * own.Q // own.weight_tile[2])
-            steps = -(-total_steps // own.splits)
             ms = t(lambda: weight((own.splits * own.weight_tiles,), (256,), (
                 view("gyr"), view("xcl"), off, msk, view("part"), own.struct, i32(n), i32(geom.in_channels),
                 i32(own.Cp), i32(geom.out_channels), i32(geom.groups), i32(own.Go), i32(own.Gm), index(own.Pp),
-                index(fb._fused._batch_stride(off)), index(fb._fused._batch_stride(msk)), i32(own.splits), i32(steps),
+                index(fb._fused._batch_stride(off)), index(fb._fused._batch_stride(msk)), i32(own.splits),
+                i32(own.weight_steps(n)),
                 i32(0)), shared_mem=own.weight_smem_bytes), 4)
             print(f"  {'weight-gradient kernel alone, tile %dx%dx%d' % own.weight_tile[:3]:<44} {ms:8.3f} ms  "
                   f"{flop / ms / 1e9:7.1f} TFLOP/s ({own.splits * own.weight_tiles} blocks, "

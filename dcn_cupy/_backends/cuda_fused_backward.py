@@ -269,6 +269,11 @@ class BackwardConfig:
     def blocks(self, n: int) -> int:
         return -(-n * self.Q // self.tile[1]) * self.K * self.geom.groups * self.m_tiles
 
+    def weight_steps(self, n: int) -> int:
+        """Steps (of BK positions) of each of the weight gradient's splits, for n samples."""
+        total = -(-n * self.Q // self.weight_tile[2])
+        return -(-total // self.splits)
+
     def kernel(self, name: str):
         g = self.geom
         if name in ("data", "weight"):
@@ -325,7 +330,7 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
             ops.append(op(layout, (min(blocks, _MAX_GRID),), (_THREADS,), (
                 gy_n, u64(view["gycl"]), i32(n), i32(g.out_channels), i32(config.Cop), index(config.Q),
                 index(gy_bs))))
-            accumulators = [(name, target) for name, target in (("gxcl", gx), ("goff", g_off), ("gmsk", g_m))]
+            accumulators = (("gxcl", gx), ("goff", g_off), ("gmsk", g_m))
             for name, target in accumulators:
                 if target:
                     ops.append((2, view[name], config.offsets[name][1] * 4))
@@ -349,13 +354,11 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
             pp = _fused._round_up(n * config.Q, _VEC[config.dtype])
             ops.append(op(kernel("fused_position_rows"), grid(g.out_channels * pp), (_THREADS,), (
                 gy_n, u64(view["gyr"]), i32(n), i32(g.out_channels), index(config.Q), index(pp), index(gy_bs))))
-            total_steps = -(-n * config.Q // config.weight_tile[2])
-            steps = -(-total_steps // config.splits)          # per split
             ops.append(op(kernel("weight"), (config.splits * config.weight_tiles,), (_THREADS,), (
                 u64(view["gyr"]), u64(view["xcl"]), off_n, msk_n, u64(view["part"]), config.struct, i32(n),
                 i32(g.in_channels), i32(config.Cp), i32(g.out_channels), i32(g.groups), i32(config.Go),
-                i32(config.Gm), index(pp), index(off_bs), index(msk_bs), i32(config.splits), i32(steps),
-                i32(start > 0)), config.weight_smem_bytes))
+                i32(config.Gm), index(pp), index(off_bs), index(msk_bs), i32(config.splits),
+                i32(config.weight_steps(n)), i32(start > 0)), config.weight_smem_bytes))
     if gw:
         ops.append(op(kernel("fused_weight_sum"), grid(g.out_channels * config.Cg * config.K), (_THREADS,), (
             u64(view["part"]), u64(gw), i32(config.splits), i32(g.out_channels), i32(config.Cg), i32(config.K))))
@@ -436,11 +439,6 @@ _versus = {}
 _fused_weight = {}
 
 
-def _spec(geom, dtype, allow_tf32: bool, device_id: int):
-    from . import PlanSpec
-    return PlanSpec(geom, np.dtype(dtype), "cuda", device_id, False, bool(allow_tf32))
-
-
 def _key(geom, dtype, allow_tf32: bool) -> tuple:
     return (cupy.cuda.runtime.getDevice(), geom, np.dtype(dtype).str, bool(allow_tf32) and np.dtype(dtype) == np.float32)
 
@@ -463,7 +461,7 @@ def fused_versus_im2col(geom, dtype, allow_tf32: bool):
     pool = cupy.cuda.MemoryPool()
     try:
         with cupy.cuda.using_allocator(pool.malloc):
-            times = _time_one_chunk(geom.with_batch(chunk), dtype, allow_tf32, key[0])
+            times = _time_one_chunk(geom.with_batch(chunk), dtype, allow_tf32)
     finally:
         pool.free_all_blocks()
     (own, own_split), (through, through_split), (im2col, im2col_split) = times
@@ -482,10 +480,10 @@ def fused_weight_choice(geom, dtype, allow_tf32: bool, transposed: bool = False)
     return _fused_weight.get(_key(geom, dtype, allow_tf32) + (bool(transposed),))
 
 
-def _time_one_chunk(g, dtype, allow_tf32: bool, device: int) -> tuple:
+def _time_one_chunk(g, dtype, allow_tf32: bool) -> tuple:
     """((all, split) ms) of the fused backward with its own weight gradient (inf where it has
     none), with cuda/im2col's, and of cuda/im2col's backward."""
-    spec = _spec(g, dtype, allow_tf32, device)
+    spec = _cuda._spec(g, dtype, allow_tf32)
     sms = _fused._multiprocessors()
     im2col = _cuda._Backward(spec)
     own = BackwardConfig(g, dtype, allow_tf32, multiprocessors=sms)
