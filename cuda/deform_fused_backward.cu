@@ -599,7 +599,8 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
 template <typename T, typename I>
 __global__ void fused_weight_sum(const float* __restrict__ part, T* __restrict__ gw, const int splits,
                                  const int out_channels, const int Cg, const int K) {
-    const I total = (I)out_channels * Cg * K;   // also the elements of one split of part
+    const I total = (I)out_channels * Cg * K;
+    const I per_split = total;
     for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
         const int t = (int)(idx % K);
         const I oc = idx / K;
@@ -607,7 +608,7 @@ __global__ void fused_weight_sum(const float* __restrict__ part, T* __restrict__
         const I o = oc / Cg;
         const I at = (o * K + t) * Cg + c;
         float s = 0.0f;
-        for (int sp = 0; sp < splits; ++sp) s += part[(I)sp * total + at];
+        for (int sp = 0; sp < splits; ++sp) s += part[(I)sp * per_split + at];
         gw[idx] = Traits<T>::store(s);
     }
 }
