@@ -43,18 +43,20 @@ def _address(t: Optional[Tensor]) -> int:
 
 
 def _forward(transposed: bool, tensors: Sequence[Optional[Tensor]], hyper, plan=None, ctx=None) -> Tensor:
-    """The forward; ``ctx`` (an autograd context) records in ``ctx.raw`` whether the tensors
-    passed the raw-address checks (the backward then checks only ``grad_output``)."""
+    """The forward; ``ctx`` (an autograd context) records in ``ctx.raw`` the tensors' addresses
+    where they passed the raw-address checks, else None (the backward then checks only
+    ``grad_output``, and reuses the addresses: autograd refuses saved tensors changed since)."""
     input = tensors[0]
     if plan is None:
         plan = _plans.plan_for(transposed, tensors, hyper)
     out = input.new_empty(plan.output_shape)
     stream = _runtime.launch_stream(tensors)
+    addresses = None if stream is None else tuple(_address(t) for t in tensors)
     if ctx is not None:
-        ctx.raw = stream is not None
+        ctx.raw = addresses
     if stream is not None:  # the plan's shapes hold by construction: its launches on raw addresses
         workspace = _workspace_tensor(plan.forward_workspace_bytes, input)
-        if plan.launch_forward(tuple(_address(t) for t in tensors), out.data_ptr(), _address(workspace), stream):
+        if plan.launch_forward(addresses, out.data_ptr(), _address(workspace), stream):
             return out
     with _runtime.cuda_scope(input):
         plan.forward(*(_runtime.native(t) for t in tensors), out=_runtime.native(out),
@@ -77,16 +79,18 @@ def _wanted_names(wanted: Sequence[bool]):
 
 
 def _backward(transposed: bool, grad_output: Tensor, tensors: Sequence[Optional[Tensor]], hyper,
-              wrt: Sequence[bool], plan=None, raw: bool = False, placeholders: bool = True):
+              wrt: Sequence[bool], plan=None, raw: Optional[tuple] = None, placeholders: bool = True):
     """The five gradients; one not computed is an empty tensor (custom-op schemas have no
     optional outputs), or None where ``placeholders`` is False. ``plan``: the forward's, when
-    still the one to use; ``raw``: the saved ``tensors`` passed the raw-address checks in the
-    forward (autograd refuses saved tensors changed in place since)."""
+    still the one to use; ``raw``: the addresses of the saved ``tensors``, which passed the
+    raw-address checks in the forward (autograd refuses saved tensors changed in place since)."""
     input = tensors[0]
     wanted = [bool(w) and t is not None for w, t in zip(wrt, tensors)]
     names, name_set = _wanted_names(wanted)
-    # empty_like (contiguous): the cheapest allocation call (no shape, dtype or device to parse)
-    grads = [torch.empty_like(t, memory_format=_CONTIGUOUS) if w else (input.new_empty(0) if placeholders else None)
+    # empty_like: the cheapest allocation call (no shape, dtype or device to parse); a contiguous
+    # tensor's own layout is contiguous, and without the memory_format keyword it costs ~1 µs less
+    grads = [(torch.empty_like(t) if t.is_contiguous() else torch.empty_like(t, memory_format=_CONTIGUOUS))
+             if w else (input.new_empty(0) if placeholders else None)
              for w, t in zip(wanted, tensors)]
     if not names:
         return tuple(grads)
@@ -96,15 +100,16 @@ def _backward(transposed: bool, grad_output: Tensor, tensors: Sequence[Optional[
     if not grad_output.is_contiguous() and not (grad_output.dim() > 1 and grad_output.shape[0] > 0
                                                  and grad_output[0].is_contiguous()):
         grad_output = grad_output.contiguous()   # torch's copy: cheaper than CuPy's in the plan
-    if raw and grad_output.dtype == input.dtype and grad_output.get_device() == input.get_device():
+    if raw is not None and grad_output.dtype == input.dtype and grad_output.get_device() == input.get_device():
         stream = _runtime.launch_stream((grad_output,))
     else:
+        raw = None
         stream = _runtime.launch_stream((grad_output,) + tuple(tensors))
     if stream is not None:
         workspace = _workspace_tensor(plan.backward_workspace_bytes, input)
         outs = {name: g.data_ptr() for name, g, w in zip(NAMES, grads, wanted) if w}
-        if plan.launch_backward(grad_output.data_ptr(), tuple(_address(t) for t in tensors), name_set, outs,
-                                _address(workspace), stream):
+        addresses = raw if raw is not None else tuple(_address(t) for t in tensors)
+        if plan.launch_backward(grad_output.data_ptr(), addresses, name_set, outs, _address(workspace), stream):
             return tuple(grads)
     args = [_runtime.native(grad_output)] + [_runtime.native(t) for t in tensors]
     out = {name: _runtime.native(g) for name, g, w in zip(NAMES, grads, wanted) if w}

@@ -45,9 +45,18 @@ def _check_tensors(input, weight, offset, mask, bias) -> None:
     _check_tensor(bias, "bias")
 
 
+try:
+    _any_autocast = torch._C._is_any_autocast_enabled
+except AttributeError:  # pragma: no cover - a torch without it
+    def _any_autocast() -> bool:
+        return True
+
+
 def _autocast(tensors: List[Optional[Tensor]]) -> List[Optional[Tensor]]:
     """Under torch.autocast, floating arguments other than float64 become the autocast dtype
     (as for F.conv2d)."""
+    if not _any_autocast():   # the usual case, in one call (~2 µs less than the per-device check)
+        return tensors
     first = tensors[0]
     device_type = "cuda" if first.is_cuda else first.device.type   # is_cuda: no device object
     if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
