@@ -1,10 +1,10 @@
 """Time fused-forward kernel variants: cuda/deform_fused.cu built with experiment switches.
 
-    python benchmarks/fused_variants.py --defines DCN_FUSED_HALF2=1 \
+    python benchmarks/fused_variants.py --defines DCN_FUSED_PACKED_BLEND=0 \
         -- --shapes '8,256,56' --tiles '256,64,64,1,0' --only-tiles
 
 Prepends ``#define NAME VALUE`` lines for the ``--defines`` to the module source (the switches
-near the top of deform_fused.cu, each 0 by default), then runs ``fused_tiles.py`` with the
+in fused_common.cuh and deform_fused.cu), then runs ``fused_tiles.py`` with the
 arguments after ``--`` in this process: the same checks against the strict float32 reference
 and the same timings. Run it once per variant, in one device call, and compare the tables
 (kernel times are GPU times, comparable across processes on one card).

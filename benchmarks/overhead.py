@@ -278,6 +278,37 @@ def path_torchvision(device, rng):
     return fwd, both, busy
 
 
+def path_torch_floor(device, rng):
+    """What torch's autograd costs any Python-level op of this signature: a
+    ``torch.autograd.Function`` of the five tensors whose forward allocates the output and whose
+    backward allocates the five gradients, no kernel (the engine, the node, the five
+    accumulations into ``.grad``)."""
+    _need("torch")
+    torch, t = _torch_tensors(device, rng, True)
+    busy = _Busy("torch") if device == "cuda" else None
+    gy = torch.ones(B, C, H, H, device=device)
+    tensors = [t[k] for k in ("input", "weight", "offset", "mask", "bias")]
+
+    class Allocating(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            ctx.save_for_backward(*args)
+            return args[0].new_empty((B, C, H, H))
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            return tuple(torch.empty_like(a) for a in ctx.saved_tensors)
+
+    def fwd():
+        with torch.no_grad():
+            Allocating.apply(*tensors)
+
+    def both():
+        Allocating.apply(*tensors).backward(gy)
+
+    return fwd, both, busy
+
+
 def path_dense(device, rng):
     torch = _torch_cuda() if device == "cuda" else _need("torch")
     _, t = _torch_tensors(device, rng, True)
@@ -375,6 +406,7 @@ PATHS = [
     ("dcn_cupy.jax, jax.jit, raw-address path off", path_jax_jit_arrays, ("cuda",)),
     ("torchvision.ops.deform_conv2d", path_torchvision, ("cuda", "cpu")),
     ("dense torch conv2d", path_dense, ("cuda", "cpu")),
+    ("torch autograd floor: a Python Function allocating, no kernel", path_torch_floor, ("cuda", "cpu")),
 ]
 
 _NATIVE = {"cuda": "CuPy", "cpu": "NumPy"}

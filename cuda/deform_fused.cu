@@ -41,16 +41,7 @@
 
 #include "fused_common.cuh"
 
-// Experiment switch (benchmarks/fused_variants.py builds modules with it set): DCN_FUSED_HALF2,
-// fp16 corners blended in half2 arithmetic (6% faster, 1.5x the error: NOTES-gpu.md fused4).
-#ifndef DCN_FUSED_HALF2
-#define DCN_FUSED_HALF2 0
-#endif
-
 namespace fused {
-
-template <typename T> struct IsHalf { static const bool value = false; };
-template <> struct IsHalf<__half> { static const bool value = true; };
 
 // Threads per block of the fused forward unless a tile says otherwise (mma.sync tiles may take
 // 512): BN/32 warps along the positions x the rest along the output channels.
@@ -415,27 +406,19 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         auto dst = [&](int v) -> uint4& {
             return *reinterpret_cast<uint4*>(bt + tile_offset<ENGINE, LD, BK, VEC>(sn, sh / VEC + v));
         };
-#if DCN_FUSED_HALF2
-        if constexpr (UNIFORM && IsHalf<T>::value) {
-            // fp16: the corners blended in half2 (HFMA2, two channels per instruction, no
-            // conversion), corner by corner in the same order
+        if constexpr (UNIFORM && Packed<T>::value) {
+            // half types: the corners blended in packed pairs (fused::Packed), corner by corner
+            unsigned w2[NC];
+#pragma unroll
+            for (int c = 0; c < NC; ++c) w2[c] = Packed<T>::weight(smp.weight[c]);
 #pragma unroll
             for (int v = 0; v < NV; ++v) {
-                __half2 acc2[4];
+                uint4 a = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-                for (int j = 0; j < 4; ++j) acc2[j] = __float2half2_rn(0.0f);
-#pragma unroll
-                for (int c = 0; c < NC; ++c) {
-                    const __half2 w2 = __float2half2_rn(smp.weight[c]);
-                    const __half2* h = reinterpret_cast<const __half2*>(&raw[c][v]);
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) acc2[j] = __hfma2(w2, h[j], acc2[j]);
-                }
-                dst(v) = *reinterpret_cast<const uint4*>(acc2);
+                for (int c = 0; c < NC; ++c) Packed<T>::fma(a, w2[c], raw[c][v]);
+                dst(v) = a;
             }
-        } else
-#endif
-        if constexpr (UNIFORM) {
+        } else if constexpr (UNIFORM) {
             float acc[CPT];
 #pragma unroll
             for (int j = 0; j < CPT; ++j) acc[j] = 0.0f;

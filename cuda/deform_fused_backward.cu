@@ -526,6 +526,23 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
     };
     // Blend the corners and store the sample transposed: B[channel][position].
     auto sample_store = [&](int buf) {
+        T* const bt = Bs0 + buf * BN * LD;
+        if constexpr (Packed<T>::value) {
+            // half types: the corners blended in packed pairs (fused::Packed)
+            unsigned w2[NC];
+#pragma unroll
+            for (int c = 0; c < NC; ++c) w2[c] = Packed<T>::weight(smp.weight[c]);
+#pragma unroll
+            for (int v = 0; v < NV; ++v) {
+                uint4 a = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+                for (int c = 0; c < NC; ++c) Packed<T>::fma(a, w2[c], raw[c][v]);
+                const T* e = reinterpret_cast<const T*>(&a);
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) bt[(sh + v * VEC + j) * LD + sn] = e[j];
+            }
+            return;
+        }
         float acc[CPT];
 #pragma unroll
         for (int j = 0; j < CPT; ++j) acc[j] = 0.0f;
@@ -534,7 +551,6 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
 #pragma unroll
             for (int v = 0; v < NV; ++v) Vec<T>::add(acc + v * VEC, smp.weight[c], raw[c][v]);
         }
-        T* const bt = Bs0 + buf * BN * LD;
 #pragma unroll
         for (int j = 0; j < CPT; ++j) {
             float v = acc[j];

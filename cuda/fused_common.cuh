@@ -131,6 +131,47 @@ template <> struct Vec<float> {
     }
 };
 
+// Experiment switch (benchmarks build modules with it set to 0 to compare): half-type corners
+// blended in their own packed arithmetic (1, the default) or in float32 (0).
+#ifndef DCN_FUSED_PACKED_BLEND
+#define DCN_FUSED_PACKED_BLEND 1
+#endif
+
+// The blend of a half type's corners in packed pairs: acc += w * v over the 8 channels of a
+// 16-byte vector, as 4 HFMA2 (fp16x2, or bf16x2 on sm_80+) with no conversion to float: a
+// quarter of the float32 blend's instructions (a conversion and an FFMA per channel). The
+// sample is rounded to T for the MMA anyway; this adds the roundings of the corner products
+// (as torchvision's half-precision interpolation has), within the half types' tolerances.
+template <typename T> struct Packed { static const bool value = false; };
+template <> struct Packed<__half> {
+    static const bool value = DCN_FUSED_PACKED_BLEND != 0;
+    static __device__ __forceinline__ unsigned weight(float w) {
+        const __half2 w2 = __float2half2_rn(w);
+        return *reinterpret_cast<const unsigned*>(&w2);
+    }
+    static __device__ __forceinline__ void fma(uint4& acc, unsigned w, const uint4& v) {
+        const __half2 w2 = *reinterpret_cast<const __half2*>(&w);
+        __half2* a = reinterpret_cast<__half2*>(&acc);
+        const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) a[j] = __hfma2(w2, h[j], a[j]);
+    }
+};
+template <> struct Packed<__nv_bfloat16> {
+    static const bool value = DCN_FUSED_PACKED_BLEND != 0;
+    static __device__ __forceinline__ unsigned weight(float w) {
+        const __nv_bfloat162 w2 = __float2bfloat162_rn(w);
+        return *reinterpret_cast<const unsigned*>(&w2);
+    }
+    static __device__ __forceinline__ void fma(uint4& acc, unsigned w, const uint4& v) {
+        const __nv_bfloat162 w2 = *reinterpret_cast<const __nv_bfloat162*>(&w);
+        __nv_bfloat162* a = reinterpret_cast<__nv_bfloat162*>(&acc);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) a[j] = __hfma2(w2, h[j], a[j]);
+    }
+};
+
 // The 2^N corners of one (position, tap, offset group, mask group): the channels-last row of
 // each corner that is read (-1: outside, zero weight, or the position samples 0) and its
 // weight times the mask (0 for a corner not read). The offset and mask values of the next key
