@@ -541,21 +541,21 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) bt[(sh + v * VEC + j) * LD + sn] = e[j];
             }
-            return;
-        }
-        float acc[CPT];
+        } else {
+            float acc[CPT];
 #pragma unroll
-        for (int j = 0; j < CPT; ++j) acc[j] = 0.0f;
+            for (int j = 0; j < CPT; ++j) acc[j] = 0.0f;
 #pragma unroll
-        for (int c = 0; c < NC; ++c) {
+            for (int c = 0; c < NC; ++c) {
 #pragma unroll
-            for (int v = 0; v < NV; ++v) Vec<T>::add(acc + v * VEC, smp.weight[c], raw[c][v]);
-        }
+                for (int v = 0; v < NV; ++v) Vec<T>::add(acc + v * VEC, smp.weight[c], raw[c][v]);
+            }
 #pragma unroll
-        for (int j = 0; j < CPT; ++j) {
-            float v = acc[j];
-            if constexpr (PREC == 1) v = __uint_as_float(to_tf32(v));
-            bt[(sh + j) * LD + sn] = Traits<T>::store(v);
+            for (int j = 0; j < CPT; ++j) {
+                float v = acc[j];
+                if constexpr (PREC == 1) v = __uint_as_float(to_tf32(v));
+                bt[(sh + j) * LD + sn] = Traits<T>::store(v);
+            }
         }
     };
 

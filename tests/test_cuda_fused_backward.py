@@ -105,6 +105,12 @@ def test_serving_rule_and_segments():
     assert fb._weight_tile(_geom(c_out=48), np.float16)[0] == 64
     assert fb._weight_tile(_geom(c_in=256, c_out=512, groups=2), np.float16)[0] == 256
     assert "multiple of 8" in fb.weight_unsupported(_geom(c_in=64, offset_groups=16), np.float16, (256, 64, 32, 1))
+    # where the tallest tile's 32 channels per sampling thread cross a group, the next one serves
+    tall, short = fb._weight_tiles(np.float16)[1], fb._weight_tiles(np.float16)[0]
+    assert fb.weight_unsupported(_geom(c_in=48, c_out=256), np.float16, tall) is not None
+    assert fb._weight_tile(_geom(c_in=48, c_out=256), np.float16) == short
+    assert fb.weight_unsupported(_geom(c_in=48, c_out=256), np.float16) is None
+    assert fb.BackwardConfig(_geom(c_in=48, c_out=256), np.float16, False).fused_weight
     with pytest.raises(ValueError, match="C_in/groups = 18"):
         fb.BackwardConfig(_geom(c_in=36, groups=2), np.float16, False)
 

@@ -156,6 +156,23 @@ def test_torch_allocator_holds_every_buffer():
     assert (pool.used_bytes(), pool.total_bytes()) == (used, total), "CuPy's memory pool was used"
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_building_a_plan_leaves_cupys_pool_alone(dtype):
+    """The first call of a configuration builds its plan, which times the fused kernels against
+    cuda/im2col on random data (half types): those buffers come from a private pool, emptied."""
+    import cupy
+
+    g = torch.Generator().manual_seed(1)
+    shapes = dict(input=(3, 40, 13, 11), weight=(48, 40, 3, 3), offset=(3, 18, 13, 11), mask=(3, 9, 13, 11))
+    args = {k: torch.randn(s, generator=g).to("cuda", dtype).requires_grad_() for k, s in shapes.items()}
+    torch.cuda.synchronize()
+    pool = cupy.get_default_memory_pool()
+    used, total = pool.used_bytes(), pool.total_bytes()
+    dct.deform_conv2d(**args, padding=1).sum().backward()   # a configuration met here first
+    torch.cuda.synchronize()
+    assert (pool.used_bytes(), pool.total_bytes()) == (used, total), "CuPy's memory pool was used"
+
+
 def test_no_deprecation_warning_from_dcn_cupy():
     module = _model()
     x = _data(0)[0].requires_grad_()

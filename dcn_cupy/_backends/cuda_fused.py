@@ -35,6 +35,7 @@ backend contract (``serves`` / ``build`` -> an executable with ``run(args, out, 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -458,6 +459,19 @@ def _capturing() -> bool:
         return True
 
 
+@contextlib.contextmanager
+def private_pool():
+    """CuPy allocations go to a private memory pool, emptied on leaving: the measurements made
+    while building a plan leave nothing in CuPy's pool (or the caller's allocator). Arrays made
+    inside must be gone by then: keep them in a function called inside."""
+    pool = cupy.cuda.MemoryPool()
+    try:
+        with cupy.cuda.using_allocator(pool.malloc):
+            yield
+    finally:
+        pool.free_all_blocks()
+
+
 def _best_times(runs: list, rounds: int = 2, repeats: int = 2) -> list:
     """The best time (ms) of each callable: every one run once first (module load, the GPU's
     clocks up), then ``rounds`` passes over all of them, so that none is favoured by running
@@ -509,19 +523,24 @@ def fused_versus_im2col(geom, dtype, allow_tf32: bool):
     found = _versus.get(key)
     if found is not None or not TUNE or _capturing():
         return found
-    from . import PlanSpec
-    g = geom.with_batch(config.chunk)
+    with private_pool():
+        found = _versus[key] = _time_versus(geom.with_batch(config.chunk), dtype, allow_tf32, config)
+    return found
+
+
+def _time_versus(g, dtype, allow_tf32: bool, config) -> tuple:
+    """(fused ms, im2col ms) of one batch chunk ``g`` (:func:`fused_versus_im2col`)."""
     args, out = _random_arguments(g, dtype)
     fused = LaunchConfig(g, dtype, allow_tf32, _multiprocessors(), tile=config.tile, taps_inner=config.taps_inner)
     fused_ws = cupy.empty(fused.workspace_bytes, dtype=np.uint8)
-    im2col = _cuda._Forward(PlanSpec(g, dtype, "cuda", key[0], False, bool(allow_tf32)))
+    im2col = _cuda._Forward(_cuda._spec(g, dtype, allow_tf32))
     im2col_ws = cupy.empty(im2col.workspace_bytes, dtype=np.uint8)
     named = dict(zip(("input", "weight", "offset", "mask", "bias"), args))
     # 5 rounds of 2: the first rounds of a process ran fused up to 25% slow (H200, fused4)
     best = _best_times([lambda: run_forward(fused, *args, out, fused_ws), lambda: im2col.run(named, out, im2col_ws)],
                        rounds=5, repeats=2)
-    found = _versus[key] = tuple(best)
-    return found
+    cupy.cuda.get_current_stream().synchronize()
+    return tuple(best)
 
 
 def plan_config(geom, dtype, allow_tf32: bool) -> LaunchConfig:
@@ -538,6 +557,13 @@ def plan_config(geom, dtype, allow_tf32: bool) -> LaunchConfig:
         return LaunchConfig(geom, dtype, allow_tf32, sms, tile=choice[0], taps_inner=choice[1])
     if not TUNE or _capturing():
         return static
+    with private_pool():
+        choice = _tuned[key] = _fastest_choice(geom, dtype, allow_tf32, static, sms, wgmma)
+    return LaunchConfig(geom, dtype, allow_tf32, sms, tile=choice[0], taps_inner=choice[1])
+
+
+def _fastest_choice(geom, dtype, allow_tf32: bool, static, sms: int, wgmma: bool) -> tuple:
+    """(tile, taps_inner) of the candidate whose forward of one batch chunk is fastest."""
     g = geom.with_batch(static.chunk)
     args, out = _random_arguments(g, dtype)
     orders = (True, False) if g.kernel_volume > 1 and g.in_channels_per_group > 32 else (True,)
@@ -548,9 +574,8 @@ def plan_config(geom, dtype, allow_tf32: bool) -> LaunchConfig:
                for tile, taps_inner in choices]
     # 3 rounds of 3 (a pick of one run of gpu.py was 1.5x the best candidate with 2 of 2)
     times = _time_configs(configs, args, out, rounds=3, repeats=3)
-    choice = choices[times.index(min(times))]
-    _tuned[key] = choice
-    return LaunchConfig(geom, dtype, allow_tf32, sms, tile=choice[0], taps_inner=choice[1])
+    cupy.cuda.get_current_stream().synchronize()
+    return choices[times.index(min(times))]
 
 
 def fused_conv_forward(x, weight, offset, mask, bias, geom, out, *, allow_tf32: bool, workspace=None) -> None:

@@ -92,10 +92,15 @@ def _weight_tiles(dtype) -> tuple:
 
 
 def _weight_tile(geom, dtype) -> tuple:
-    """The tallest weight tile no taller than C_out/groups (the first where none is)."""
+    """The tallest weight tile no taller than C_out/groups (the first where none is) among those
+    whose sampling threads' channels lie in one group (:func:`weight_unsupported`), so that a
+    geometry the tallest tile cannot serve still gets a fused weight gradient; where none can,
+    the tallest (and ``weight_unsupported`` says why)."""
     cog = geom.out_channels // geom.groups
     tiles = _weight_tiles(dtype)
-    return max((tile for tile in tiles if tile[0] <= cog), key=lambda tile: tile[0], default=tiles[0])
+    fitting = [tile for tile in tiles if tile[0] <= cog] or [tiles[0]]
+    served = [tile for tile in fitting if weight_unsupported(geom, dtype, tile) is None]
+    return max(served or fitting, key=lambda tile: tile[0])
 
 
 def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, kernel: str = "data") -> str:
@@ -457,13 +462,8 @@ def fused_versus_im2col(geom, dtype, allow_tf32: bool):
     if found is not None or not _fused.TUNE or _fused._capturing():
         return found
     chunk = BackwardConfig(geom, dtype, allow_tf32).chunk
-    # a private memory pool, emptied afterwards: building a plan leaves nothing in CuPy's pool
-    pool = cupy.cuda.MemoryPool()
-    try:
-        with cupy.cuda.using_allocator(pool.malloc):
-            times = _time_one_chunk(geom.with_batch(chunk), dtype, allow_tf32)
-    finally:
-        pool.free_all_blocks()
+    with _fused.private_pool():
+        times = _time_one_chunk(geom.with_batch(chunk), dtype, allow_tf32)
     (own, own_split), (through, through_split), (im2col, im2col_split) = times
     # the weight gradient's path per use: every gradient in one call (a convolution's backward),
     # or split (a transposed convolution's)
