@@ -359,12 +359,18 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
             }
             if (goff != nullptr || gmsk != nullptr) {
                 // the lanes of one segment share the position, the offset group and the mask group
-                for (int d = 1; d < seg; d <<= 1) {
+                // (seg, a power of two, is the same for the whole warp: an unrolled loop of
+                // predicated shuffles, and a mask for the segment's first lane, where a loop over a
+                // runtime bound and a remainder cost ~40 instructions per position, NOTES-gpu.md)
 #pragma unroll
-                    for (int a = 0; a < N; ++a) goff_part[a] += __shfl_xor_sync(0xffffffffu, goff_part[a], d);
-                    gmask_part += __shfl_xor_sync(0xffffffffu, gmask_part, d);
+                for (int d = 1; d < LANES; d <<= 1) {
+                    if (d < seg) {
+#pragma unroll
+                        for (int a = 0; a < N; ++a) goff_part[a] += __shfl_xor_sync(0xffffffffu, goff_part[a], d);
+                        gmask_part += __shfl_xor_sync(0xffffffffu, gmask_part, d);
+                    }
                 }
-                if (active && lane % seg == 0) {
+                if (active && (lane & (seg - 1)) == 0) {
                     if (goff != nullptr) {
                         float* dst = goff + ((I)b * offset_groups + go) * K * N * Q + (I)t * N * Q + q;
 #pragma unroll
