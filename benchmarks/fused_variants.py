@@ -3,8 +3,9 @@
     python benchmarks/fused_variants.py --defines DCN_FUSED_PACKED_BLEND=0 \
         -- --shapes '8,256,56' --tiles '256,64,64,1,0' --only-tiles
 
-Prepends ``#define NAME VALUE`` lines for the ``--defines`` to the module source (the switches
-in fused_common.cuh and deform_fused.cu), then runs ``fused_tiles.py`` with the
+Prepends ``#define NAME VALUE`` lines for the ``--defines`` to the module source (the
+experiment switches: ``DCN_FUSED_PACKED_BLEND`` in fused_common.cuh, 1 by default, 0 for the
+float32 blend of the half types' corners), then runs ``fused_tiles.py`` with the
 arguments after ``--`` in this process: the same checks against the strict float32 reference
 and the same timings. Run it once per variant, in one device call, and compare the tables
 (kernel times are GPU times, comparable across processes on one card).
