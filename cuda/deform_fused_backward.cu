@@ -398,6 +398,49 @@ __global__ void fused_position_rows(const T* __restrict__ gy, T* __restrict__ gy
     }
 }
 
+// The sampling plan of a batch chunk, read by the weight gradient in place of computing corners
+// in every block that samples a position (C_in/BN channel tiles x 256/BK threads each, for each
+// tap): rows[e][c] and weights[e][c], e = (j * K + t) * B*Q + p, for each segment j of seg_len
+// channels (one offset group and one mask group: seg_len divides C/G_o and C/G_m), tap t and
+// position p = b*Q + q; exactly fused::Sampler's corners (the zero row after the input's rows
+// for a corner not read, weight 0). One thread per entry, positions fastest.
+template <typename T, typename I, int N>
+__global__ void fused_sampling_plan(const T* __restrict__ offset, const T* __restrict__ mask, I* __restrict__ rows,
+                                    float* __restrict__ weights, const Geom<N> g, const int batch,
+                                    const int channels, const int offset_groups, const int mask_groups,
+                                    const int seg_len, const int segments, const I offset_bstride,
+                                    const I mask_bstride) {
+    constexpr int NC = 1 << N;
+    const I Q = dcn::prod_size<N, I>(g.out_size);
+    const I S = dcn::prod_size<N, I>(g.in_size);
+    const int K = (int)dcn::prod_size<N, I>(g.ksize);
+    const I BQ = (I)batch * Q;
+    const I zero_row = (I)batch * S;
+    const int per_go = offset == nullptr ? channels : channels / offset_groups;
+    const int per_gm = mask == nullptr ? channels : channels / mask_groups;
+    const I total = BQ * K * segments;
+    for (I e = dcn::global_thread_index<I>(); e < total; e += dcn::global_thread_stride<I>()) {
+        const I p = e % BQ;
+        const I jt = e / BQ;
+        const int t = (int)(jt % K);
+        const int c0 = (int)(jt / K) * seg_len;
+        const I b = p / Q;
+        const I q = p % Q;
+        int qc[N];
+        dcn::unravel<N, I>(q, g.out_size, qc);
+        fused::Sampler<I, N> smp;
+        smp.reset();
+        smp.update(t, per_go >= channels ? 0 : c0 / per_go, per_gm >= channels ? 0 : c0 / per_gm, true, g, qc,
+                   offset == nullptr ? nullptr : offset + b * offset_bstride + q,
+                   mask == nullptr ? nullptr : mask + b * mask_bstride + q, K, Q, b * S);
+        I row[NC];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) row[c] = smp.row[c] >= 0 ? smp.row[c] : zero_row;
+        fused::store_words(rows + e * NC, row);
+        fused::store_words(weights + e * NC, smp.weight);
+    }
+}
+
 // The weight gradient, an implicit GEMM over the positions with the fused forward's sampler:
 //   part[split, o, t, c] (+)= sum_{p in the split's share of the chunk} gy[o, p] * m * sample(x[b, c], P(q, t))
 // Per block a tile of BM output channels x BN input channels of one conv group and ONE tap, for
@@ -409,14 +452,17 @@ __global__ void fused_position_rows(const T* __restrict__ gy, T* __restrict__ gy
 // belongs to one block per launch: the partial sums are stored (first chunk) or added (later
 // chunks) without atomics, and fused_weight_sum adds the splits in a fixed order: the weight
 // gradient is bitwise repeatable. Served where no thread's channels cross a group boundary
-// (cuda_fused_backward.weight_unsupported).
-template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB>
+// (cuda_fused_backward.weight_unsupported). PLAN: the corners are read from the chunk's sampling
+// plan (fused_sampling_plan: plan_rows / plan_weights, segments of seg_len channels), fetched a
+// step ahead, instead of computed from the offsets and mask here.
+template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool PLAN>
 __global__ void __launch_bounds__(fused_bwd::THREADS, MINB)
 deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xcl, const T* __restrict__ offset,
-                             const T* __restrict__ mask, float* __restrict__ part, const Geom<N> g,
+                             const T* __restrict__ mask, const I* __restrict__ plan_rows,
+                             const float* __restrict__ plan_weights, float* __restrict__ part, const Geom<N> g,
                              const int batch, const int channels, const int Cp, const int out_channels,
-                             const int groups, const int offset_groups, const int mask_groups, const I Pp,
-                             const I offset_bstride, const I mask_bstride, const int splits,
+                             const int groups, const int offset_groups, const int mask_groups, const int seg_len,
+                             const I Pp, const I offset_bstride, const I mask_bstride, const int splits,
                              const int steps_per_split, const int accumulate) {
     using namespace fused;
     using fused_bwd::THREADS;
@@ -495,10 +541,25 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
     fused::Sampler<I, N> smp;
     smp.reset();
     uint4 raw[NC][NV];
-    // The offsets and mask of this thread's position in the next step, fetched a step ahead so
-    // that their latency hides behind a step's MMA (handed to the sampler as its prefetch).
+    // PLAN: this thread's plan entries (segment, tap t) start here; the next step's, fetched a step ahead
+    [[maybe_unused]] const I plan_first = PLAN ? ((I)(cabs / seg_len) * K + t) * BQ : (I)0;
+    [[maybe_unused]] I plan_row[PLAN ? NC : 1];
+    [[maybe_unused]] float plan_weight[PLAN ? NC : 1];
+    // The offsets and mask of this thread's position in the next step (PLAN: its corners),
+    // fetched a step ahead so that their latency hides behind a step's MMA (handed to the
+    // sampler as its prefetch).
     auto fetch_ahead = [&](int step) {
         const I p = first + (I)step * BK + sn;
+        if constexpr (PLAN) {
+            if (step < steps && p < BQ && channels_valid) {
+                fused::load_words(plan_rows + (plan_first + p) * NC, plan_row);
+                fused::load_words(plan_weights + (plan_first + p) * NC, plan_weight);
+            } else {
+#pragma unroll
+                for (int c = 0; c < NC; ++c) { plan_row[c] = zero_row; plan_weight[c] = 0.0f; }
+            }
+            return;
+        }
         smp.pf_t = -1;
         if (step < steps && p < BQ && channels_valid) {
             const I b = p / Q;
@@ -510,17 +571,22 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
         }
     };
     auto sample_load = [&](int step) {
-        const I p = first + (I)step * BK + sn;
-        if (!(p < BQ && channels_valid)) {
-            smp.clear();
+        if constexpr (PLAN) {
+#pragma unroll
+            for (int c = 0; c < NC; ++c) { smp.row[c] = plan_row[c]; smp.weight[c] = plan_weight[c]; }
         } else {
-            const I b = p / Q;
-            const I q = p % Q;
-            int qc[N];
-            dcn::unravel<N, I>(q, g.out_size, qc);
-            smp.key_t = -1;   // a new position: recompute (with the values fetched ahead)
-            smp.update(t, go, gm, true, g, qc, offset == nullptr ? nullptr : offset + b * offset_bstride + q,
-                       mask == nullptr ? nullptr : mask + b * mask_bstride + q, K, Q, b * S);
+            const I p = first + (I)step * BK + sn;
+            if (!(p < BQ && channels_valid)) {
+                smp.clear();
+            } else {
+                const I b = p / Q;
+                const I q = p % Q;
+                int qc[N];
+                dcn::unravel<N, I>(q, g.out_size, qc);
+                smp.key_t = -1;   // a new position: recompute (with the values fetched ahead)
+                smp.update(t, go, gm, true, g, qc, offset == nullptr ? nullptr : offset + b * offset_bstride + q,
+                           mask == nullptr ? nullptr : mask + b * mask_bstride + q, K, Q, b * S);
+            }
         }
 #pragma unroll
         for (int c = 0; c < NC; ++c) {

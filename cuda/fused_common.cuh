@@ -252,6 +252,56 @@ struct Sampler {
     }
 };
 
+// The sampling plan's entry of one (segment, tap, position): the 2^N corner rows of the
+// channels-last input (the zero row for a corner not read) and their weights (mask included),
+// as Sampler computes them, moved as whole 8- or 16-byte words (rows: int or long long).
+__device__ __forceinline__ void to_words(float v, unsigned* w) { w[0] = __float_as_uint(v); }
+__device__ __forceinline__ void to_words(int v, unsigned* w) { w[0] = (unsigned)v; }
+__device__ __forceinline__ void to_words(long long v, unsigned* w) {
+    w[0] = (unsigned)v;
+    w[1] = (unsigned)((unsigned long long)v >> 32);
+}
+__device__ __forceinline__ void from_words(const unsigned* w, float& v) { v = __uint_as_float(w[0]); }
+__device__ __forceinline__ void from_words(const unsigned* w, int& v) { v = (int)w[0]; }
+__device__ __forceinline__ void from_words(const unsigned* w, long long& v) {
+    v = (long long)(((unsigned long long)w[1] << 32) | w[0]);
+}
+
+template <typename X, int COUNT>
+__device__ __forceinline__ void store_words(X* dst, const X (&v)[COUNT]) {
+    constexpr int PER = sizeof(X) / 4, WORDS = COUNT * PER;
+    static_assert(WORDS % 4 == 0 || WORDS == 2, "8- or 16-byte words");
+    unsigned w[WORDS];
+#pragma unroll
+    for (int i = 0; i < COUNT; ++i) to_words(v[i], w + i * PER);
+    if constexpr (WORDS == 2) {
+        *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+    } else {
+#pragma unroll
+        for (int k = 0; k < WORDS / 4; ++k)
+            reinterpret_cast<uint4*>(dst)[k] = make_uint4(w[4 * k], w[4 * k + 1], w[4 * k + 2], w[4 * k + 3]);
+    }
+}
+
+template <typename X, int COUNT>
+__device__ __forceinline__ void load_words(const X* src, X (&v)[COUNT]) {
+    constexpr int PER = sizeof(X) / 4, WORDS = COUNT * PER;
+    static_assert(WORDS % 4 == 0 || WORDS == 2, "8- or 16-byte words");
+    unsigned w[WORDS];
+    if constexpr (WORDS == 2) {
+        const uint2 r = __ldg(reinterpret_cast<const uint2*>(src));
+        w[0] = r.x; w[1] = r.y;
+    } else {
+#pragma unroll
+        for (int k = 0; k < WORDS / 4; ++k) {
+            const uint4 r = __ldg(reinterpret_cast<const uint4*>(src) + k);
+            w[4 * k] = r.x; w[4 * k + 1] = r.y; w[4 * k + 2] = r.z; w[4 * k + 3] = r.w;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < COUNT; ++i) from_words(w + i * PER, v[i]);
+}
+
 // One warp's share of C += A * B^T for one step of a block tile, A (rows x BK) and B
 // (positions x BK) in shared memory with rows of LD elements (K contiguous), the warp's tile
 // WM x WN at (wm * WM, wn * WN): MT x NT m16n8 fragments in `acc` (float32). Half types: m16n8k16

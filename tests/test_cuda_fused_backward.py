@@ -110,6 +110,16 @@ def test_serving_rule_and_segments():
     assert fb.weight_unsupported(_geom(c_in=48, c_out=256), np.float16, tall) is not None
     assert fb._weight_tile(_geom(c_in=48, c_out=256), np.float16) == short
     assert fb.weight_unsupported(_geom(c_in=48, c_out=256), np.float16) is None
+    # the sampling plan: segments of channels sharing their offset and mask group; used where
+    # several blocks sample each position (channel tiles) and there are at most MAX_PLAN_SEGMENTS
+    assert fb.plan_segments(_geom(c_in=64)) == (64, 1)
+    assert fb.plan_segments(_geom(c_in=64, offset_groups=2, mask_groups=4)) == (16, 4)
+    assert fb.plan_segments(_geom(c_in=48, offset_groups=0, mask_groups=3)) == (16, 3)
+    assert fb.BackwardConfig(_geom(c_in=256, offset_groups=8), np.float32, False).sampling_plan
+    assert not fb.BackwardConfig(_geom(c_in=64), np.float32, False).sampling_plan   # one block per position
+    many = fb.BackwardConfig(_geom(c_in=256, offset_groups=16), np.float32, False)
+    assert many.fused_weight and many.segments == 16 and not many.sampling_plan
+    assert not fb.BackwardConfig(_geom(c_in=256), np.float16, False, fused_weight=False).sampling_plan
     assert fb.BackwardConfig(_geom(c_in=48, c_out=256), np.float16, False).fused_weight
     with pytest.raises(ValueError, match="C_in/groups = 18"):
         fb.BackwardConfig(_geom(c_in=36, groups=2), np.float16, False)
@@ -159,7 +169,8 @@ def wide_case(rng, ndim, *, groups=2, offset_groups=2, mask_groups=1, c_in=64, c
     return arrays, params, rng.standard_normal((batch, c_out) + Q)
 
 
-def run_gradients(arrays, params, grad_output, precision, tile=None, wanted=NAMES, broadcast=False, weight_tile=None):
+def run_gradients(arrays, params, grad_output, precision, tile=None, wanted=NAMES, broadcast=False, weight_tile=None,
+                  sampling_plan=None):
     """The fused data gradients of float64 NumPy arrays cast to ``precision``'s dtype (outputs
     poisoned with NaN) and the float64 reference gradients of the rounded inputs."""
     cupy = _cupy()
@@ -177,7 +188,8 @@ def run_gradients(arrays, params, grad_output, precision, tile=None, wanted=NAME
         gy = np.broadcast_to(gy[:1], gy.shape)
     shapes = [None if arrays[k] is None else arrays[k].shape for k in ("input", "weight", "offset", "mask")]
     geom = _geometry.conv_geometry(*shapes, None, **params)[0]
-    config = fb.BackwardConfig(geom, dtype, precision == "tf32", tile, weight_tile=weight_tile)
+    config = fb.BackwardConfig(geom, dtype, precision == "tf32", tile, weight_tile=weight_tile,
+                               sampling_plan=sampling_plan)
     out = {name: cupy.full(arrays[name].shape, np.nan, dtype=dtype) for name in wanted if arrays[name] is not None}
     gy_dev = cupy.asarray(gy) if not broadcast else cupy.broadcast_to(cupy.asarray(gy[:1]), gy.shape)
     args = dict(grad_output=gy_dev, bias=None, wanted=frozenset(wanted), **dev)
@@ -209,6 +221,25 @@ def test_every_tile_matches_reference(ndim, precision):
         got, expected, config = run_gradients(arrays, params, gy, precision, tile, weight_tile=weight_tile)
         assert config.fused_weight
         check(got, expected, precision, (tile, weight_tile))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["float16", "bfloat16", "tf32", "float32"])
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_weight_gradient_from_the_sampling_plan_equals_corners_computed_in_place(ndim, precision):
+    """The sampling plan holds exactly the corners the weight kernel computes without it: the
+    weight gradients are bitwise equal (both are summed in a fixed order), and match the
+    reference; offset groups != mask groups, with and without offsets / mask."""
+    rng = np.random.default_rng(80 + ndim)
+    for offset_groups, mask_groups, offset, mask in ((2, 4, True, True), (1, 1, False, True), (4, 1, True, False)):
+        arrays, params, gy = wide_case(rng, ndim, groups=1, offset_groups=offset_groups, mask_groups=mask_groups,
+                                       c_in=64, c_out=32, offset=offset, mask=mask, batch=3)
+        planned, expected, config = run_gradients(arrays, params, gy, precision, wanted=("weight",), sampling_plan=True)
+        assert config.sampling_plan and "sampling plan" in config.description
+        in_place, _, config = run_gradients(arrays, params, gy, precision, wanted=("weight",), sampling_plan=False)
+        assert not config.sampling_plan
+        assert np.array_equal(planned["weight"], in_place["weight"]), (offset_groups, mask_groups)
+        check(planned, expected, precision, (offset_groups, mask_groups, offset, mask))
 
 
 @pytest.mark.gpu

@@ -39,6 +39,7 @@ computes the backward.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 
 import numpy as np
@@ -69,6 +70,16 @@ TILES = {
 #: 0.45; the fused calls re-recorded their launches each time there). B=32 C64 56x56: 64x64x64
 #: 0.30 (im2col 0.43).
 WEIGHT_TILES = {"half": ((64, 64, 64, 2), (256, 64, 128, 1)), "float": ((64, 64, 32, 2), (256, 64, 64, 1))}
+#: The weight gradient reads its corners from a sampling plan (``fused_sampling_plan``: rows and
+#: weights per segment, tap and position, computed once per batch chunk) where more than one of
+#: its blocks samples each position and tap (several input- or output-channel tiles: each block
+#: would compute the same corners again) and the channels form at most this many segments of one
+#: offset and mask group (beyond, the plan's 8 bytes per corner, segment, tap and position
+#: outgrow the chunk's other buffers). H200, weight gradient alone, fp16: B=8 C256 56x56 0.384 ->
+#: 0.324 ms, B=16 C512 14x14 0.221 -> 0.193, 1D C256 L4096 0.432 -> 0.390; with one block per
+#: position (B=32 C64: 0.254 -> 0.250; 3D C32: 0.450 -> 0.462, the plan halving the chunk) the
+#: corners stay computed in place (NOTES-gpu.md, session 6).
+MAX_PLAN_SEGMENTS = 8
 #: Position splits of the weight gradient (partial sums added in a fixed order): enough blocks for
 #: about WAVES waves of the device, at most MAX_SPLITS.
 WAVES = 4
@@ -103,11 +114,14 @@ def _weight_tile(geom, dtype) -> tuple:
     return max(served or fitting, key=lambda tile: tile[0])
 
 
-def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, kernel: str = "data") -> str:
+def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, kernel: str = "data",
+                plan: bool = False) -> str:
+    """A data kernel, or (``kernel="weight"``) a weight kernel reading the sampling plan or not."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
     bm, bn, bk, minb = tile
-    return f"deform_fused_backward_{kernel}<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}>"
+    flag = f", {'true' if plan else 'false'}" if kernel == "weight" else ""
+    return f"deform_fused_backward_{kernel}<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}{flag}>"
 
 
 def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
@@ -116,11 +130,12 @@ def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
     i = "long long" if index64 else "int"
     names = [kernel_name(dtype, index64, ndim, prec, tile) for prec in _fused._precisions(dtype)
              for tile in _tiles(dtype)]
-    names += [kernel_name(dtype, index64, ndim, prec, tile, "weight")
-              for prec in _fused._precisions(dtype) for tile in _weight_tiles(dtype)]
+    names += [kernel_name(dtype, index64, ndim, prec, tile, "weight", plan)
+              for prec in _fused._precisions(dtype) for tile in _weight_tiles(dtype) for plan in (False, True)]
     names += [f"{kernel}<{t}, {i}>" for kernel in
               ("fused_channels_last", "fused_weight_columns", "fused_channels_first", "fused_store",
                "fused_position_rows", "fused_weight_sum")]
+    names.append(f"fused_sampling_plan<{t}, {i}, {ndim}>")
     return tuple(names)
 
 
@@ -203,6 +218,15 @@ def segment_lanes(geom, bm: int) -> int:
     return seg
 
 
+def plan_segments(geom) -> tuple:
+    """(channels per segment, segments) of the weight gradient's sampling plan: runs of input
+    channels that share their offset and mask group (gcd of C/G_o and C/G_m; C_in where neither
+    is given), each with its own corners per (tap, position)."""
+    _, per_go, per_gm = _per_group(geom)
+    seg_len = math.gcd(per_go, per_gm)
+    return seg_len, geom.in_channels // seg_len
+
+
 def _choose_tile(geom, dtype) -> tuple:
     """The rule: the first tile of the dtype (measured fastest at every benchmark shape)."""
     return _tiles(dtype)[0]
@@ -212,7 +236,7 @@ class BackwardConfig:
     """What one backward of one geometry and dtype launches (chosen once per plan)."""
 
     def __init__(self, geom, dtype, allow_tf32: bool, tile=None, multiprocessors: int = 132, fused_weight=None,
-                 weight_tile=None):
+                 weight_tile=None, sampling_plan=None):
         dtype = np.dtype(dtype)
         reason = unsupported(geom, dtype)
         if reason is not None:
@@ -234,10 +258,20 @@ class BackwardConfig:
         # (unless fused_weight is False: cuda/im2col's then, FusedBackward.run)
         self.weight_tile = tuple(weight_tile) if weight_tile is not None else _weight_tile(geom, dtype)
         self.fused_weight = (weight_unsupported(geom, dtype, self.weight_tile) is None) and fused_weight is not False
-        per_sample = (self.S * self.Cp * it + self.Q * self.Cop * it + self.S * self.Cpa * 4
-                      + (self.off_ch + self.m_ch) * self.Q * 4 + (self.Q * Co * it if self.fused_weight else 0))
-        self.chunk = n = max(1, min(geom.batch, int(_fused.WORKSPACE_LIMIT_BYTES) // max(per_sample, 1)))
+        # its corners from a sampling plan computed once per chunk (the rule: where several blocks
+        # sample each position and tap, and the channels form at most MAX_PLAN_SEGMENTS segments),
+        # else in every block that samples a position
         wbm, wbn, wbk, _ = self.weight_tile
+        self.seg_len, self.segments = plan_segments(geom)
+        self.sampled_by = -(-self.Cg // wbn) * -(-self.Cog // wbm)
+        rule = self.sampled_by > 1 and self.segments <= MAX_PLAN_SEGMENTS
+        self.sampling_plan = self.fused_weight and (rule if sampling_plan is None else bool(sampling_plan))
+        corners = 1 << geom.ndim
+        plan_entries = self.segments * self.K * corners if self.sampling_plan else 0   # per position
+        per_sample = (self.S * self.Cp * it + self.Q * self.Cop * it + self.S * self.Cpa * 4
+                      + (self.off_ch + self.m_ch) * self.Q * 4 + (self.Q * Co * it if self.fused_weight else 0)
+                      + plan_entries * self.Q * 8)
+        self.chunk = n = max(1, min(geom.batch, int(_fused.WORKSPACE_LIMIT_BYTES) // max(per_sample, 1)))
         self.Pp = _fused._round_up(n * self.Q, vec)
         self.weight_tiles = self.K * G * -(-self.Cog // wbm) * -(-self.Cg // wbn)
         self.splits = max(1, min(MAX_SPLITS, -(-WAVES * multiprocessors // self.weight_tiles), -(-n * self.Q // wbk)))
@@ -247,15 +281,17 @@ class BackwardConfig:
             "gmsk": (n * self.m_ch * self.Q, np.float32), "wt": (G * self.K * self.Cg * self.Cogp, dtype),
             "gyr": (Co * self.Pp if self.fused_weight else 0, dtype),
             "part": (self.splits * Co * self.K * self.Cg if self.fused_weight else 0, np.float32),
+            "plan_weights": (n * self.Q * plan_entries, np.float32),
         }
+        self.index64 = max(max(count for count, _ in sizes.values()), geom.batch * C * self.S,
+                           geom.batch * max(self.off_ch, self.m_ch) * self.Q,
+                           (n * self.Q + bn) * self.Cop, Co * (self.Pp + wbk)) > _INT32_SAFE
+        sizes["plan_rows"] = (n * self.Q * plan_entries, np.int64 if self.index64 else np.int32)
         self.offsets, total = {}, 0
         for name, (count, dt) in sizes.items():
             self.offsets[name] = (total, count, np.dtype(dt))
             total = _fused._round_up(total + count * np.dtype(dt).itemsize, _ALIGN)
         self.workspace_bytes = total
-        self.index64 = max(max(count for count, _ in sizes.values()), geom.batch * C * self.S,
-                           geom.batch * max(self.off_ch, self.m_ch) * self.Q,
-                           (n * self.Q + bn) * self.Cop, Co * (self.Pp + wbk)) > _INT32_SAFE
         self.m_tiles = -(-self.Cg // bm)
         self.seg = segment_lanes(geom, bm)
         self.smem_bytes = smem_bytes(dtype, self.tile)
@@ -266,7 +302,8 @@ class BackwardConfig:
     def description(self) -> str:
         prec = {0: str(self.dtype), 1: "tf32", 2: "3xtf32"}[self.precision]
         bm, bn, bk, _ = self.tile
-        weight = (f"weight gradient fused ({self.splits} position splits, fixed-order sum)" if self.fused_weight
+        plan = ", a sampling plan per chunk" if self.sampling_plan else ""
+        weight = (f"weight gradient fused ({self.splits} position splits, fixed-order sum{plan})" if self.fused_weight
                   else "weight gradient through cuda/im2col")
         return (f"cuda/fused-backward: {prec} mma.sync, tile {bm}x{bn}x{bk}, channels-last vector scatter, "
                 f"{weight}, chunks of {self.chunk} samples, {'64' if self.index64 else '32'}-bit index")
@@ -283,13 +320,14 @@ class BackwardConfig:
         g = self.geom
         if name in ("data", "weight"):
             tile, smem = (self.tile, self.smem_bytes) if name == "data" else (self.weight_tile, self.weight_smem_bytes)
-            fn = _function(kernel_name(self.dtype, self.index64, g.ndim, self.precision, tile, name),
-                           self.dtype, g.ndim, self.index64)
+            fn = _function(kernel_name(self.dtype, self.index64, g.ndim, self.precision, tile, name,
+                                       self.sampling_plan), self.dtype, g.ndim, self.index64)
             if smem > 48 * 1024:
                 _fused._allow_shared_memory(fn, smem)
             return fn
         i = "long long" if self.index64 else "int"
-        return _function(f"{name}<{_cuda._CTYPES[self.dtype]}, {i}>", self.dtype, g.ndim, self.index64)
+        n = f", {g.ndim}" if name == "fused_sampling_plan" else ""
+        return _function(f"{name}<{_cuda._CTYPES[self.dtype]}, {i}{n}>", self.dtype, g.ndim, self.index64)
 
     def view(self, workspace, name: str):
         start, count, dtype = self.offsets[name]
@@ -359,11 +397,18 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
             pp = _fused._round_up(n * config.Q, _VEC[config.dtype])
             ops.append(op(kernel("fused_position_rows"), grid(g.out_channels * pp), (_THREADS,), (
                 gy_n, u64(view["gyr"]), i32(n), i32(g.out_channels), index(config.Q), index(pp), index(gy_bs))))
+            plan_rows, plan_weights = (u64(view["plan_rows"]), u64(view["plan_weights"])) if config.sampling_plan \
+                else (None, None)
+            if config.sampling_plan:
+                ops.append(op(kernel("fused_sampling_plan"), grid(n * config.Q * config.K * config.segments),
+                              (_THREADS,), (off_n, msk_n, plan_rows, plan_weights, config.struct, i32(n),
+                                            i32(g.in_channels), i32(config.Go), i32(config.Gm), i32(config.seg_len),
+                                            i32(config.segments), index(off_bs), index(msk_bs))))
             ops.append(op(kernel("weight"), (config.splits * config.weight_tiles,), (_THREADS,), (
-                u64(view["gyr"]), u64(view["xcl"]), off_n, msk_n, u64(view["part"]), config.struct, i32(n),
-                i32(g.in_channels), i32(config.Cp), i32(g.out_channels), i32(g.groups), i32(config.Go),
-                i32(config.Gm), index(pp), index(off_bs), index(msk_bs), i32(config.splits),
-                i32(config.weight_steps(n)), i32(start > 0)), config.weight_smem_bytes))
+                u64(view["gyr"]), u64(view["xcl"]), off_n, msk_n, plan_rows, plan_weights, u64(view["part"]),
+                config.struct, i32(n), i32(g.in_channels), i32(config.Cp), i32(g.out_channels), i32(g.groups),
+                i32(config.Go), i32(config.Gm), i32(config.seg_len), index(pp), index(off_bs), index(msk_bs),
+                i32(config.splits), i32(config.weight_steps(n)), i32(start > 0)), config.weight_smem_bytes))
     if gw:
         ops.append(op(kernel("fused_weight_sum"), grid(g.out_channels * config.Cg * config.K), (_THREADS,), (
             u64(view["part"]), u64(gw), i32(config.splits), i32(g.out_channels), i32(config.Cg), i32(config.K))))
@@ -571,7 +616,7 @@ class FusedBackwardBackend:
                                     fused_weight=fused_weight_choice(spec.geom, spec.dtype, spec.allow_tf32,
                                                                      getattr(spec, "transposed", False)))
             for name in ("fused_weight_columns", "fused_channels_last", "fused_channels_first", "fused_store",
-                         "fused_position_rows", "fused_weight_sum", "data", "weight"):
+                         "fused_position_rows", "fused_weight_sum", "fused_sampling_plan", "data", "weight"):
                 config.kernel(name)   # compile now, never during a CUDA-graph capture
             weight = None if config.fused_weight else _cuda._Backward(spec)
         return FusedBackward(config, weight)
