@@ -221,29 +221,31 @@ def fused_cases(quick: bool = False) -> int:
 def fused_backward_cases(quick: bool = False) -> int:
     """cuda/fused-backward (forced through plans): every gradient of conv and transposed conv
     (its forward is this backward's input gradient), N = 1, 2, 3, every precision, poisoned
-    offsets; every data and weight tile; one-sample chunks and the 64-bit instantiation;
+    offsets; the weight gradient with and without its sampling plan; every data and weight
+    tile; one-sample chunks and the 64-bit instantiation;
     checked against the float64 reference of the rounded inputs."""
     from dcn_cupy import reference
     from dcn_cupy._backends import cuda_fused_backward as fb
     tol = {np.dtype(np.float32): 5e-3, np.dtype(np.float16): 5e-3, BFLOAT16: 4e-2}
     count = 0
 
-    def run(case, dtype, allow_tf32, tile=None, weight_tile=None):
+    def run(case, dtype, allow_tf32, tile=None, weight_tile=None, sampling_plan=None):
         dtype = np.dtype(dtype)
         arrays = _poisoned(case.arrays_)
         with np.errstate(over="ignore"):
             gpu = {k: None if a is None else cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
             rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
-        saved = fb.TILES, fb.WEIGHT_TILES
+        saved = fb.TILES, fb.WEIGHT_TILES, fb.SAMPLING_PLAN
         key = "float" if dtype == np.float32 else "half"
         try:
             if tile is not None:   # the plan's rule takes the first tile of each list
                 fb.TILES = dict(saved[0], **{key: (tile,)})
                 fb.WEIGHT_TILES = dict(saved[1], **{key: (weight_tile,)})
+            fb.SAMPLING_PLAN = sampling_plan
             p = dcn_cupy.plan(*(gpu[k] for k in ARGUMENTS), **case.params, transposed=case.transposed,
                               algorithm="cuda/fused-backward", allow_tf32=allow_tf32)
         finally:
-            fb.TILES, fb.WEIGHT_TILES = saved
+            fb.TILES, fb.WEIGHT_TILES, fb.SAMPLING_PLAN = saved
         assert "backward: cuda/fused-backward" in p.algorithm or case.transposed, p.algorithm
         y = p.forward(*(gpu[k] for k in ARGUMENTS))
         gy = cupy.ones(y.shape, dtype=dtype)
@@ -270,6 +272,10 @@ def fused_backward_cases(quick: bool = False) -> int:
                 if quick and dtype == BFLOAT16:
                     continue
                 run(case, dtype, tf32)
+                count += 1
+            # the weight gradient's corners from the sampling plan (and computed in place), whatever the rule says
+            for sampling_plan in (True, False):
+                run(case, np.float16, False, sampling_plan=sampling_plan)
                 count += 1
     rng = np.random.default_rng(1999)
     case = random_case(rng, 2, False, batch=2, channels_scale=16)

@@ -12,6 +12,9 @@ when TF32 is allowed, else 3xTF32; float32 accumulation):
 * ``deform_fused_backward_weight``: ``grad_output . sampled^T`` over the positions, the sampled
   tile built in shared memory by the fused forward's sampler; the positions are split over
   blocks and the splits' float32 partial sums added in a fixed order (bitwise repeatable).
+  Where several of its blocks sample each position (channel tiles), the corners come from a
+  sampling plan computed once per batch chunk (``fused_sampling_plan``: rows and weights per
+  segment of channels, tap and position) instead of from the offsets and mask in every block.
 
 Per call, one batch chunk at a time (the chunk bounds the workspace by
 ``cuda_fused.WORKSPACE_LIMIT_BYTES``): grad_output copied channels-last, ``(Bc*Q, Cop)``, and as
@@ -80,6 +83,8 @@ WEIGHT_TILES = {"half": ((64, 64, 64, 2), (256, 64, 128, 1)), "float": ((64, 64,
 #: position (B=32 C64: 0.254 -> 0.250; 3D C32: 0.450 -> 0.462, the plan halving the chunk) the
 #: corners stay computed in place (NOTES-gpu.md, session 6).
 MAX_PLAN_SEGMENTS = 8
+#: None: the rule above decides; True / False: the plan forced on / off (tests, benchmarks).
+SAMPLING_PLAN = None
 #: Position splits of the weight gradient (partial sums added in a fixed order): enough blocks for
 #: about WAVES waves of the device, at most MAX_SPLITS.
 WAVES = 4
@@ -264,6 +269,8 @@ class BackwardConfig:
         wbm, wbn, wbk, _ = self.weight_tile
         self.seg_len, self.segments = plan_segments(geom)
         self.sampled_by = -(-self.Cg // wbn) * -(-self.Cog // wbm)
+        if sampling_plan is None:
+            sampling_plan = SAMPLING_PLAN
         rule = self.sampled_by > 1 and self.segments <= MAX_PLAN_SEGMENTS
         self.sampling_plan = self.fused_weight and (rule if sampling_plan is None else bool(sampling_plan))
         corners = 1 << geom.ndim
