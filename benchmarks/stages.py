@@ -1,7 +1,7 @@
 """Time the CUDA algorithms whole, through plans, and the stages of their executables alone (for NOTES-gpu.md).
 
     python benchmarks/stages.py [--shape 8,256,56] [--dtypes float16,float32] [--ndim 2] [--tf32] [--fused]
-                                [--fused-backward]
+                                [--fused-backward] [--sampling-plan auto|on|off]
 
 Prints, per dtype: for each distinct plan (``dcn_cupy.plan`` with the automatic choice, which
 takes cuda/fused for float16/bfloat16; forced ``algorithm="cuda/im2col"`` and
@@ -13,8 +13,9 @@ layout kernel, batch_to_columns, tiled col2im, grouped offset/mask-gradient kern
 fused forward ("cuda/fused", ``--fused`` alone skips the rest): the whole forward, its
 channels-last copy, its weight re-layout and the fused kernel alone for each tile height, with
 TFLOP/s (2 * C_out * C_in * K * B * Q over the time); then the fused backward
-("cuda/fused-backward", ``--fused-backward`` alone skips the rest): whole, its parts and its two
-kernels alone. TF32 GEMMs only with ``--tf32``.
+("cuda/fused-backward", ``--fused-backward`` alone skips the rest): whole, its parts, its two
+kernels alone and the weight gradient's sampling plan (``--sampling-plan on|off`` forces it).
+TF32 GEMMs only with ``--tf32``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def main(argv=None):
     parser.add_argument("--fused", action="store_true", help="only the fused forward's stages")
     parser.add_argument("--fused-backward", action="store_true", help="only the fused backward's stages")
     parser.add_argument("--tiles", default="", help="extra fused tiles to time, 'BM,BN,BK,MINB,ENGINE;...'")
+    parser.add_argument("--sampling-plan", choices=("auto", "on", "off"), default="auto",
+                        help="the fused weight gradient's corners from a sampling plan: the rule, forced on or off")
     args = parser.parse_args(argv)
     B, C, H = (int(v) for v in args.shape.split(","))
     names = [name for name in args.dtypes.split(",") if name]
@@ -55,6 +58,9 @@ def main(argv=None):
         return 0
     import cupy
     from dcn_cupy import _geometry
+    if args.sampling_plan != "auto":
+        from dcn_cupy._backends import cuda_fused_backward
+        cuda_fused_backward.SAMPLING_PLAN = args.sampling_plan == "on"
     n = args.ndim
     K = 3 ** n
     rng = cupy.random.default_rng(0)
