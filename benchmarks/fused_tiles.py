@@ -89,10 +89,11 @@ def main(argv=None):
                     d = out.astype(cupy.float32) - ref
                     err = float(cupy.linalg.norm(d) / cupy.linalg.norm(ref))
                     ok = err < TOL[dname]
-                    xcl, wr = fu._views(c, ws)
+                    xcl, wr, plan_rows, plan_weights = fu._views(c, ws)
                     kargs = (xcl, wr, off, msk, None, out, c.struct, np.int32(B), np.int32(C), np.int32(c.Cp),
                              np.int32(C), np.int32(1), np.int32(1), np.int32(1), np.int32(c.Cgp),
-                             np.int32(fu._batch_stride(off)), np.int32(fu._batch_stride(msk)), np.int32(taps_inner))
+                             np.int32(fu._batch_stride(off)), np.int32(fu._batch_stride(msk)), np.int32(taps_inner),
+                             plan_rows, plan_weights, np.int32(c.seg_len))
                     label = ("%dx%dx%d minb %d %s" % (tile[:4] + (("mma", "wgmma", "pipe")[tile[4]],))
                              + (f" {c.threads}t" if c.threads != 256 else "")
                              + (" taps in " if taps_inner else " taps out"))

@@ -14,11 +14,12 @@ within a sample wherever the grid has several rows) and the 64-bit index instant
 tiled scatter (both algorithms) with no halo and with almost no shared memory (corners outside
 its box); checks the float64 results against the reference.
 Then the fused forward (cuda/fused, ``fused_cases``, through plans with
-``algorithm="cuda/fused"`` and, per tile, its launch configurations): both samplers, every
-precision, N = 1, 2, 3, poisoned offsets, partial tiles, one-sample chunks and the 64-bit
-instantiation, checked against the reference; then the fused backward (cuda/fused-backward,
-``fused_backward_cases``: every gradient of conv and transposed conv, every data and weight
-tile, one-sample chunks, 64-bit indices). ``--fused-only`` runs just the fused cases (for
+``algorithm="cuda/fused"`` and, per tile, its launch configurations): both samplers, with and
+without the sampling plan, every precision, N = 1, 2, 3, poisoned offsets, partial tiles,
+one-sample chunks and the 64-bit instantiation, checked against the reference; then the fused
+backward (cuda/fused-backward, ``fused_backward_cases``: every gradient of conv and transposed
+conv, every data and weight tile, the weight gradient with and without its sampling plan,
+one-sample chunks, 64-bit indices). ``--fused-only`` runs just the fused cases (for
 racecheck; ``--fused-quick`` fewer of them); ``--robustness-only`` just the degenerate-shape
 and non-finite cases.
 Without a CUDA device (or CuPy) it says so and exits with status 0.
@@ -161,7 +162,7 @@ def fused_cases(quick: bool = False) -> int:
     from dcn_cupy._backends import cuda_fused as fu
     count = 0
 
-    def run(case, dtype, allow_tf32, poison, tile=None):
+    def run(case, dtype, allow_tf32, poison, tile=None, sampling_plan=None):
         arrays = _poisoned(case.arrays_) if poison else dict(case.arrays_)
         with np.errstate(over="ignore"):
             gpu = {k: None if a is None else cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
@@ -175,7 +176,8 @@ def fused_cases(quick: bool = False) -> int:
             shapes = [None if arrays[k] is None else arrays[k].shape for k in ARGUMENTS]
             geom = _geometry.conv_geometry(*shapes, ndim=case.ndim, **case.params)[0]
             out = cupy.empty(geom.y_shape, dtype=dtype)
-            fu.run_forward(fu.LaunchConfig(geom, dtype, allow_tf32, tile=tile), *(gpu[k] for k in ARGUMENTS), out)
+            config = fu.LaunchConfig(geom, dtype, allow_tf32, tile=tile, sampling_plan=sampling_plan)
+            fu.run_forward(config, *(gpu[k] for k in ARGUMENTS), out)
         cupy.cuda.Device().synchronize()
         got = cupy.asnumpy(out).astype(np.float64)
         assert np.all(np.isfinite(got)), case.label
@@ -199,8 +201,10 @@ def fused_cases(quick: bool = False) -> int:
         for tile in fu._tiles(dtype):
             if tile[4] == 1 and (not tf32 and dtype == np.float32 or not fu.wgmma_available()):
                 continue
-            run(case, dtype, tf32, poison=True, tile=tile)
-            count += 1
+            # corners computed per thread, and read from the sampling plan (16-byte sampler, engines 0 and 1)
+            for sampling_plan in (False, True) if tile[4] != 2 else (False,):
+                run(case, dtype, tf32, poison=True, tile=tile, sampling_plan=sampling_plan)
+                count += 1
     if quick:
         return count
     # one-sample chunks of the channels-last copy (a sample is never split) and 64-bit indices
@@ -213,6 +217,14 @@ def fused_cases(quick: bool = False) -> int:
             run(case, np.float16, False, poison=True)
             run(case, np.float32, False, poison=True)
             count += 2
+            try:   # the same with the sampling plan (64-bit rows) wherever it can serve (tuned anew)
+                fu.SAMPLING_PLAN = True
+                fu._tuned.clear()
+                run(case, np.float16, False, poison=True)
+                count += 1
+            finally:
+                fu.SAMPLING_PLAN = None
+                fu._tuned.clear()
     finally:
         fu.WORKSPACE_LIMIT_BYTES, fu._INT32_SAFE = limit, safe
     return count

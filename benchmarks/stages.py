@@ -255,7 +255,7 @@ def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
                   f"skipped; raise DCN_CUPY_FUSED_WORKSPACE_BYTES)")
             continue
         index = np.int64 if config.index64 else np.int32
-        xcl, _ = fu._views(config, ws)
+        xcl = fu._views(config, ws)[0]
         n = geom.batch
         layout = config.kernel("fused_channels_last")
         blocks = n * -(-config.Cp // 64) * -(-config.S // 64)
@@ -270,7 +270,7 @@ def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
             c = fu.LaunchConfig(geom, x.dtype, allow_tf32, sms, tile=tile)
             wsc = cupy.empty(c.workspace_bytes, dtype=np.uint8)
             fu.run_forward(c, x, w, off, msk, None, out, wsc)   # fills the channels-last copy and weight rows
-            xcl, wr = fu._views(c, wsc)
+            xcl, wr, plan_rows, plan_weights = fu._views(c, wsc)
             rows = c.kernel("fused_weight_rows")
             if tile == tuple(fu._tiles(x.dtype))[0]:
                 wt = t(lambda: rows((min(-(-geom.out_channels * c.Cgp // 256), fu._MAX_GRID),), (256,), (
@@ -286,7 +286,7 @@ def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
                 args = (xcl, wr, off, msk, None, out, struct, np.int32(n), np.int32(geom.in_channels),
                         np.int32(c.Cp), np.int32(geom.out_channels), np.int32(geom.groups), np.int32(1),
                         np.int32(1), np.int32(c.Cgp), index(fu._batch_stride(off)), index(fu._batch_stride(msk)),
-                        np.int32(taps_inner))
+                        np.int32(taps_inner), plan_rows, plan_weights, np.int32(c.seg_len))
                 k = t(lambda: kern((c.blocks(n),), (c.threads,), args, shared_mem=c.smem_bytes))
                 label = ("kernel alone, tile %dx%dx%d minb %d eng %d" % tile[:5] + f" {c.threads}t"
                          + (" taps in" if taps_inner else " taps out"))

@@ -32,6 +32,11 @@
 // across the taps (corner sets computed per tap and chunk); tap-major computes each corner set
 // once per tap for all the thread's chunks.
 //
+// PLAN (16-byte sampler, engines 0 and 1): the corner rows and weights of each (tap, segment of
+// channels sharing an offset and a mask group) are read from the chunk's sampling plan
+// (fused_sampling_plan, fused_common.cuh: plan_rows / plan_weights, segments of seg_len
+// channels), computed once per position instead of by each thread of the position.
+//
 // Template parameters: T storage type, I index type (int or long long), N spatial dims,
 // PREC (0: T's own tensor-core format; 1: TF32; 2: 3xTF32), the tile BM x BN x BK, MINB (blocks
 // per multiprocessor asked of the register allocator), UNIFORM (16-byte-vector sampler), ENGINE,
@@ -166,14 +171,15 @@ __global__ void fused_weight_rows(const T* __restrict__ w, T* __restrict__ wr, c
 }
 
 template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool UNIFORM, int ENGINE,
-          int DEPTH = 1, int THREADS = fused::THREADS>
+          int DEPTH = 1, int THREADS = fused::THREADS, bool PLAN = false>
 __global__ void __launch_bounds__(THREADS, MINB)
 deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const T* __restrict__ offset,
                      const T* __restrict__ mask, const T* __restrict__ bias, T* __restrict__ y,
                      const Geom<N> g, const int batch, const int channels, const int Cp,
                      const int out_channels, const int groups, const int offset_groups,
                      const int mask_groups, const int Cgp, const I offset_bstride, const I mask_bstride,
-                     const int taps_inner) {
+                     const int taps_inner, const I* __restrict__ plan_rows, const float* __restrict__ plan_weights,
+                     const int seg_len) {
     using namespace fused;
     constexpr int VEC = Tile<T>::VEC;
     constexpr int TPP = THREADS / BN;            // sampling threads per position
@@ -190,6 +196,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     static_assert(THREADS == fused::THREADS || ENGINE == 0, "blocks of other than 256 threads: mma.sync only");
     static_assert(ENGINE != 1 || (BM % 128 == 0 && (BN == 64 || BN == 128) && PREC != 2),
                   "wgmma: 2 warpgroups of BM/2 rows (m64 instructions) x BN positions, TF32 or half");
+    static_assert(!PLAN || (UNIFORM && ENGINE != 2), "the sampling plan: 16-byte sampler, engines 0 and 1");
 
     // Buffers of the weight tile (BM rows of LD; ENGINE 2: DEPTH + 1 of them) and two of the
     // sampled tile (BN rows of LD); ENGINE 2 then the ring of raw corner vectors (DEPTH stages
@@ -263,6 +270,43 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     fused::Sampler<I, N> smp;
     smp.reset();
     uint4 raw[UNIFORM && ENGINE != 2 ? NC : 1][NV];   // uniform: the corners' vectors; else the finished values
+
+    // PLAN: the corners of (tap, segment) come from the chunk's sampling plan (fused_sampling_plan)
+    // instead of the offsets and mask; the sampler's key is (tap, segment), its prefetch (a step
+    // ahead) the plan entry itself. A uniform thread's channels lie in one segment.
+    [[maybe_unused]] I plan_row[PLAN ? NC : 1];
+    [[maybe_unused]] float plan_weight[PLAN ? NC : 1];
+    auto plan_segment = [&](int c) { return seg_len >= channels ? 0 : c / seg_len; };
+    auto plan_fetch = [&](int t, int seg) {
+        if constexpr (PLAN) {
+            const I e = (((I)seg * K + t) * BQ + sp) * NC;
+            fused::load_words(plan_rows + e, plan_row);
+            fused::load_words(plan_weights + e, plan_weight);
+            smp.pf_t = t;
+            smp.pf_go = seg;
+        }
+    };
+    auto plan_prefetch = [&](int t, int c) {
+        const int seg = plan_segment(c);
+        if (!svalid || (t == smp.key_t && seg == smp.key_go) || (t == smp.pf_t && seg == smp.pf_go)) return;
+        plan_fetch(t, seg);
+    };
+    auto plan_update = [&](int t, int c) {
+        const int seg = plan_segment(c);
+        if (t == smp.key_t && seg == smp.key_go) return;
+        smp.key_t = t;
+        smp.key_go = seg;
+        if (!svalid) {
+#pragma unroll
+            for (int k = 0; k < NC; ++k) { smp.row[k] = (I)-1; smp.weight[k] = 0.0f; }
+            return;
+        }
+        if (!(t == smp.pf_t && seg == smp.pf_go)) plan_fetch(t, seg);
+        if constexpr (PLAN) {
+#pragma unroll
+            for (int k = 0; k < NC; ++k) { smp.row[k] = plan_row[k]; smp.weight[k] = plan_weight[k]; }
+        }
+    };
 
     // This thread's weight vectors: row w_r0 + j * W_RSTEP of the tile, channels w_cv.. of the chunk.
     static_assert(THREADS % (BK / VEC) == 0, "weight copy rows");
@@ -360,7 +404,12 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 smp.clear();
             } else {
                 cabs = grp * Cg + cl;
-                smp.update(t, offset_group(cabs), mask_group(cabs), svalid, g, qc, off_q, msk_q, K, Q, sample_row);
+                if constexpr (PLAN) {
+                    plan_update(t, cabs);
+                } else {
+                    smp.update(t, offset_group(cabs), mask_group(cabs), svalid, g, qc, off_q, msk_q, K, Q,
+                               sample_row);
+                }
             }
 #pragma unroll
             for (int c = 0; c < NC; ++c) {
@@ -377,7 +426,11 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 const int cl2 = step_chunk(step + 1) * BK + sh;
                 if (cl2 < Cg) {
                     const int cabs2 = grp * Cg + cl2;
-                    smp.prefetch(t2, offset_group(cabs2), mask_group(cabs2), svalid, off_q, msk_q, K, Q);
+                    if constexpr (PLAN) {
+                        plan_prefetch(t2, cabs2);
+                    } else {
+                        smp.prefetch(t2, offset_group(cabs2), mask_group(cabs2), svalid, off_q, msk_q, K, Q);
+                    }
                 }
             }
         } else {

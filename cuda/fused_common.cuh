@@ -434,3 +434,46 @@ __global__ void fused_channels_last(const T* __restrict__ x, T* __restrict__ xcl
         for (int c = ty * 32 + tx; c < Cp; c += 32 * 8) xcl[(I)batch * S * Cp + c] = Traits<T>::store(0.0f);
     }
 }
+
+// The sampling plan of a batch chunk, read by the fused forward and weight gradient in place of
+// computing corners in every block (and every thread of a position) that samples a position:
+// rows[e][c] and weights[e][c], e = (j * K + t) * B*Q + p, for each segment j of seg_len
+// channels (one offset group and one mask group: seg_len divides C/G_o and C/G_m), tap t and
+// position p = b*Q + q; exactly fused::Sampler's corners (the zero row after the input's rows
+// for a corner not read, weight 0). One thread per entry, positions fastest.
+template <typename T, typename I, int N>
+__global__ void fused_sampling_plan(const T* __restrict__ offset, const T* __restrict__ mask, I* __restrict__ rows,
+                                    float* __restrict__ weights, const Geom<N> g, const int batch,
+                                    const int channels, const int offset_groups, const int mask_groups,
+                                    const int seg_len, const int segments, const I offset_bstride,
+                                    const I mask_bstride) {
+    constexpr int NC = 1 << N;
+    const I Q = dcn::prod_size<N, I>(g.out_size);
+    const I S = dcn::prod_size<N, I>(g.in_size);
+    const int K = (int)dcn::prod_size<N, I>(g.ksize);
+    const I BQ = (I)batch * Q;
+    const I zero_row = (I)batch * S;
+    const int per_go = offset == nullptr ? channels : channels / offset_groups;
+    const int per_gm = mask == nullptr ? channels : channels / mask_groups;
+    const I total = BQ * K * segments;
+    for (I e = dcn::global_thread_index<I>(); e < total; e += dcn::global_thread_stride<I>()) {
+        const I p = e % BQ;
+        const I jt = e / BQ;
+        const int t = (int)(jt % K);
+        const int c0 = (int)(jt / K) * seg_len;
+        const I b = p / Q;
+        const I q = p % Q;
+        int qc[N];
+        dcn::unravel<N, I>(q, g.out_size, qc);
+        fused::Sampler<I, N> smp;
+        smp.reset();
+        smp.update(t, per_go >= channels ? 0 : c0 / per_go, per_gm >= channels ? 0 : c0 / per_gm, true, g, qc,
+                   offset == nullptr ? nullptr : offset + b * offset_bstride + q,
+                   mask == nullptr ? nullptr : mask + b * mask_bstride + q, K, Q, b * S);
+        I row[NC];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) row[c] = smp.row[c] >= 0 ? smp.row[c] : zero_row;
+        fused::store_words(rows + e * NC, row);
+        fused::store_words(weights + e * NC, smp.weight);
+    }
+}

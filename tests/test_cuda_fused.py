@@ -114,8 +114,8 @@ def test_fused_source_defines_exactly_the_instantiated_kernels():
     defined = set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(", source))
     for key in fused.all_module_keys():
         assert {name.split("<", 1)[0] for name in fused.name_expressions(*key)} == defined
-        # ..., UNIFORM, ENGINE[, DEPTH[, THREADS]]>
-        assert all(re.search(rf", (true|false), {key[3]}(, [1-9](, 512)?)?>$", name)
+        # ..., UNIFORM, ENGINE[, DEPTH[, THREADS[, PLAN]]]>
+        assert all(re.search(rf", (true|false), {key[3]}(, [1-9](, (256|512)(, true)?)?)?>$", name)
                    for name in fused.name_expressions(*key) if name.startswith("deform_fused_forward"))
 
 
@@ -161,6 +161,27 @@ def test_serves_the_half_types_and_float32_on_the_gpu():
 
 def _geom(x_shape, w_shape, off_shape=None, m_shape=None, b_shape=None, **params):
     return _geometry.conv_geometry(x_shape, w_shape, off_shape, m_shape, b_shape, **params)[0]
+
+
+def test_sampling_plan_rule():
+    """The plan serves the 16-byte sampler of engines 0 and 1 with at most MAX_PLAN_SEGMENTS
+    segments, only when asked (the tuner times both); its rows and weights are in the workspace."""
+    fused = _fused()
+    g = _geom((8, 256, 56, 56), (256, 256, 3, 3), (8, 18, 56, 56), (8, 9, 56, 56), padding=1)
+    assert fused.plan_segments(g) == (256, 1)
+    tile = fused._tiles(np.float16)[0]
+    off = fused.LaunchConfig(g, np.float16, False, 132, tile=tile)
+    on = fused.LaunchConfig(g, np.float16, False, 132, tile=tile, sampling_plan=True)
+    assert not off.sampling_plan and on.sampling_plan and "sampling plan" in on.description
+    assert on.workspace_bytes >= off.workspace_bytes + 8 * 56 * 56 * 9 * 4 * 8   # 8 bytes per corner
+    assert fused.kernel_name(np.float16, False, 2, 0, tile, True, True).endswith(", 0, 1, 256, true>")
+    # per-channel sampling (a thread's channels cross a group: C/G_o = 12) and too many segments: none
+    g12 = _geom((2, 24, 8, 8), (16, 24, 3, 3), (2, 2 * 18, 8, 8), (2, 9, 8, 8), padding=1)
+    c = fused.LaunchConfig(g12, np.float16, False, 132, sampling_plan=True)
+    assert not c.uniform and not c.sampling_plan
+    g16 = _geom((2, 256, 8, 8), (16, 256, 3, 3), (2, 16 * 18, 8, 8), (2, 9, 8, 8), padding=1)
+    assert fused.plan_segments(g16) == (16, 16)
+    assert not fused.LaunchConfig(g16, np.float16, False, 132, sampling_plan=True).sampling_plan
 
 
 def test_launch_config_choices():
@@ -211,7 +232,7 @@ def test_64bit_indices_use_the_first_tile_of_each_engine(monkeypatch):
             parts = [n.split("<", 1)[1].rstrip(">").split(", ")
                      for n in fused.name_expressions(dtype, 2, True, engine) if n.startswith("deform_fused")]
             assert parts and all(p[1] == "long long" for p in parts)
-            assert {tuple(int(v) for v in p[4:8] + p[9:]) for p in parts} == {first[engine]}
+            assert {tuple(int(v) for v in p[4:8] + p[9:10]) for p in parts} == {first[engine]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,7 +346,35 @@ def test_groups_and_missing_arguments(offset_groups, mask_groups, present):
                 assert relative_error(got, expected) < TOL[precision], (precision, tile, taps_inner)
 
 
-def run_fused_tile(arrays, params, precision, tile, taps_inner=True):
+@pytest.mark.gpu
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_sampling_plan_gives_the_corners_each_thread_computes(ndim):
+    """The forward with its corners from the sampling plan equals (bitwise) the forward that
+    computes them per thread, for every 16-byte-vector tile, both step orders, every precision,
+    offset groups != mask groups, stride / padding / dilation, with and without offsets / mask;
+    and both match the reference."""
+    fused = _fused()
+    rng = np.random.default_rng(70 + ndim)
+    cases = ((2, 1, True, True), (1, 1, True, False), (1, 2, False, True))
+    for offset_groups, mask_groups, offset, mask in cases:
+        arrays, params = wide_case(rng, ndim, groups=1, offset_groups=offset_groups, mask_groups=mask_groups,
+                                   c_in=64, c_out=64, batch=3, offset=offset, mask=mask)
+        orders = (True, False) if offset_groups == cases[0][0] else (False,)
+        for precision in PRECISIONS:
+            for tile in fused._tiles(DTYPE[precision]):
+                if tile[4] == 2 or tile[4] == 1 and (precision == "float32" or not fused.wgmma_available()):
+                    continue
+                for taps_inner in orders:
+                    planned, expected, config = run_fused_tile(arrays, params, precision, tile, taps_inner, True)
+                    assert config.sampling_plan and "sampling plan" in config.description
+                    in_place, _, config = run_fused_tile(arrays, params, precision, tile, taps_inner, False)
+                    assert not config.sampling_plan
+                    label = (precision, tile, taps_inner, offset_groups, mask_groups, offset, mask)
+                    assert np.array_equal(planned, in_place), label
+                    assert relative_error(planned, expected) < TOL[precision], label
+
+
+def run_fused_tile(arrays, params, precision, tile, taps_inner=True, sampling_plan=None):
     cupy = _cupy()
     fused = _fused()
     dtype = DTYPE[precision]
@@ -333,7 +382,8 @@ def run_fused_tile(arrays, params, precision, tile, taps_inner=True):
     rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
     geom = _geometry.conv_geometry(*(None if arrays[k] is None else arrays[k].shape
                                      for k in ("input", "weight", "offset", "mask", "bias")), **params)[0]
-    config = fused.LaunchConfig(geom, dtype, precision == "tf32", tile=tile, taps_inner=taps_inner)
+    config = fused.LaunchConfig(geom, dtype, precision == "tf32", tile=tile, taps_inner=taps_inner,
+                                sampling_plan=sampling_plan)
     out = cupy.full(geom.y_shape, np.nan, dtype=dtype)
     fused.run_forward(config, dev["input"], dev["weight"], dev["offset"], dev["mask"], dev["bias"], out)
     return cupy.asnumpy(out).astype(np.float64), reference.deform_conv(**rounded, **params), config

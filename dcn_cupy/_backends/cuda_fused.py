@@ -27,7 +27,9 @@ is kept (``plan_config``); during a CUDA-graph capture, or with ``DCN_CUPY_FUSED
 fixed rule picks (``_choose_tile``). The "uniform" sampler (16-byte corner loads, one corner
 set per thread and step) runs whenever no thread's channel slice crosses a conv / offset /
 mask group boundary, else the sampler that reads one channel at a time (exact for any channel
-counts, slower).
+counts, slower). The uniform sampler either computes its position's corners itself or reads
+them from a sampling plan made per batch chunk (``fused_sampling_plan``: rows and weights per
+segment of channels, tap and position, in the workspace); the tuner times both with each tile.
 
 The plain entry point is :func:`fused_conv_forward`; :class:`FusedBackend` wraps it in the
 backend contract (``serves`` / ``build`` -> an executable with ``run(args, out, workspace)``).
@@ -78,6 +80,16 @@ TILES = {
 _INT32_SAFE = 2**30
 _MAX_GRID = 1 << 20
 _ALIGN = 256
+#: The forward may read its corners from a sampling plan (``fused_sampling_plan``: the rows and
+#: weights of every segment, tap and position of a batch chunk, 8 bytes per corner) where its
+#: 16-byte sampler serves (engines 0 and 1) and the channels form at most this many segments of
+#: one offset and mask group. The tuner times each tile with and without it (H200: 3-6% faster
+#: with it at B=8 C256 and B=32 C64 56x56 fp16, 7-13% slower at 512@14x14 and 3D C32, where each
+#: thread computes its corners once per 8 channel chunks or the extra registers spill;
+#: NOTES-gpu.md, session 6); untuned, each sampling thread computes the corners of its position.
+MAX_PLAN_SEGMENTS = 8
+#: None: as above; True / False: the plan forced on (where it can serve) / off (tests, benchmarks).
+SAMPLING_PLAN = None
 
 
 def module_source() -> str:
@@ -127,27 +139,33 @@ def pipeline_depth(dtype, ndim: int, tile: tuple) -> int:
                default=0)
 
 
-def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, uniform: bool) -> str:
+def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, uniform: bool, plan: bool = False) -> str:
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
     bm, bn, bk, minb, engine = tile[:5]
     threads = tile_threads(tile)
-    depth = f", {pipeline_depth(dtype, ndim, tile)}" if engine == 2 else (", 1" if threads != _THREADS else "")
-    depth += f", {threads}" if threads != _THREADS else ""
+    if plan:
+        rest = f", {pipeline_depth(dtype, ndim, tile)}, {threads}, true"
+    else:
+        rest = f", {pipeline_depth(dtype, ndim, tile)}" if engine == 2 else (", 1" if threads != _THREADS else "")
+        rest += f", {threads}" if threads != _THREADS else ""
     return (f"deform_fused_forward<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}, "
-            f"{'true' if uniform else 'false'}, {engine}{depth}>")
+            f"{'true' if uniform else 'false'}, {engine}{rest}>")
 
 
 def name_expressions(dtype, ndim: int, index64: bool, engine: int = 0) -> tuple:
     """Every kernel instantiation of one module (one dtype, one N, one index width, one engine:
-    0 mma.sync, built for the device's architecture; 1 wgmma, built for sm_90a)."""
+    0 mma.sync, built for the device's architecture; 1 wgmma, built for sm_90a); the 16-byte
+    sampler of engines 0 and 1 with and without the sampling plan."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
-    names = [kernel_name(dtype, index64, ndim, prec, tile, uniform)
+    names = [kernel_name(dtype, index64, ndim, prec, tile, uniform, plan)
              for prec in _precisions(dtype) for tile in _tiles(dtype, index64) for uniform in (True, False)
+             for plan in (False, True)
              if tile[4] == engine and not (engine == 1 and prec == 2)
-             and (uniform or tile == _per_channel_tile(dtype, engine)) and pipeline_depth(dtype, ndim, tile)]
-    names += [f"fused_channels_last<{t}, {i}>", f"fused_weight_rows<{t}, {i}>"]
+             and (uniform or tile == _per_channel_tile(dtype, engine)) and pipeline_depth(dtype, ndim, tile)
+             and not (plan and (not uniform or engine == 2))]
+    names += [f"fused_channels_last<{t}, {i}>", f"fused_weight_rows<{t}, {i}>", f"fused_sampling_plan<{t}, {i}, {ndim}>"]
     return tuple(names)
 
 
@@ -273,6 +291,16 @@ def _segment(geom) -> int:
     return segment
 
 
+def plan_segments(geom) -> tuple:
+    """(channels per segment, segments) of a sampling plan: runs of input channels that share
+    their offset and mask group (gcd of C/G_o and C/G_m; C_in where neither is given), each with
+    its own corners per (tap, position)."""
+    C = geom.in_channels
+    seg_len = math.gcd(C // geom.offset_groups if geom.has_offset else C,
+                       C // geom.mask_groups if geom.has_mask else C)
+    return seg_len, C // seg_len
+
+
 def _uniform(geom, tile) -> bool:
     """Whether ``tile``'s threads each sample a channel slice within one segment (16-byte vectors)."""
     return _segment(geom) % (tile[2] * tile[1] // tile_threads(tile)) == 0
@@ -321,7 +349,7 @@ class LaunchConfig:
     """
 
     def __init__(self, geom, dtype, allow_tf32: bool, multiprocessors: int = 132, tile=None, wgmma=False,
-                 taps_inner: bool = False):
+                 taps_inner: bool = False, sampling_plan=None):
         dtype = np.dtype(dtype)
         if dtype not in _VEC:
             raise ValueError(f"cuda/fused serves float16, bfloat16 and float32, got {dtype}")
@@ -333,7 +361,15 @@ class LaunchConfig:
         vec = _VEC[dtype]
         self.precision = 0 if dtype != np.float32 else (1 if allow_tf32 else 2)
         self.Cp = _round_up(C, vec)
-        sample_bytes = self.S * self.Cp * self.itemsize
+        self.seg_len, self.segments = plan_segments(geom)
+        if sampling_plan is None:
+            sampling_plan = SAMPLING_PLAN
+        # the plan's entries per position (its corners for every segment and tap), where it may be
+        # used: the 16-byte sampler (decided below with the tile) and at most MAX_PLAN_SEGMENTS
+        corners = 1 << geom.ndim
+        wanted = bool(sampling_plan) and self.segments <= MAX_PLAN_SEGMENTS
+        plan_entries = self.segments * self.K * corners if wanted else 0
+        sample_bytes = self.S * self.Cp * self.itemsize + self.Q * plan_entries * 8
         self.chunk = max(1, min(geom.batch, int(WORKSPACE_LIMIT_BYTES) // max(sample_bytes, 1)))
         # 64-bit indices where any extent can pass 2^30 (bounds for every tile: BN <= 128,
         # BM >= 64, Cgp <= C/G + 63); those kernels exist for the first tile of each engine only
@@ -342,6 +378,7 @@ class LaunchConfig:
             n * self.S * self.Cp, n * Co * self.Q + 128 * Co,
             n * max(geom.offset_groups, 1) * self.K * geom.ndim * self.Q, n * max(geom.mask_groups, 1) * self.K * self.Q,
             Co * self.K * (self.Cg + 63), C * self.S * n, (n * self.Q + 128) * -(-self.Cog // 64) * G,
+            n * self.Q * plan_entries,
         ) > _INT32_SAFE
         if tile is None:
             tile = _choose_tile(geom, dtype, n * self.Q, multiprocessors, bool(wgmma) and self.precision != 2,
@@ -360,6 +397,8 @@ class LaunchConfig:
         if not self.uniform and self.tile != _per_channel_tile(dtype, engine):
             raise ValueError(f"tile {self.tile} has no per-channel sampler; this geometry needs one "
                              f"(the per-channel tile is {_per_channel_tile(dtype, engine)})")
+        self.sampling_plan = wanted and self.uniform and engine != 2
+        self.plan_elems = n * self.Q * plan_entries if self.sampling_plan else 0
         self.m_tiles = -(-self.Cog // bm)
         self.depth = pipeline_depth(dtype, geom.ndim, self.tile)
         if not self.depth:
@@ -367,7 +406,13 @@ class LaunchConfig:
         self.smem_bytes = smem_bytes(dtype, geom.ndim, self.tile, self.depth)
         self.weight_elems = Co * self.K * self.Cgp
         self.xcl_elems = (n * self.S + 1) * self.Cp   # the chunk's rows, then the zero row
-        self.workspace_bytes = _round_up(self.xcl_elems * self.itemsize, _ALIGN) + self.weight_elems * self.itemsize
+        # the channels-last chunk, the weight rows, then the plan's rows and weights
+        self.plan_offset = (_round_up(self.xcl_elems * self.itemsize, _ALIGN)
+                            + _round_up(self.weight_elems * self.itemsize, _ALIGN))
+        self.plan_row_bytes = 8 if self.index64 else 4
+        self.workspace_bytes = (self.plan_offset + _round_up(self.plan_elems * self.plan_row_bytes, _ALIGN)
+                                + self.plan_elems * 4) if self.sampling_plan else \
+            _round_up(self.xcl_elems * self.itemsize, _ALIGN) + self.weight_elems * self.itemsize
 
     @property
     def description(self) -> str:
@@ -375,7 +420,8 @@ class LaunchConfig:
         bm, bn, bk, _, engine = self.tile[:5]
         engine_name = ("mma.sync", "wgmma", f"mma.sync, {self.depth}-step corner pipeline")[engine]
         return (f"cuda/fused: {prec} {engine_name}, tile {bm}x{bn}x{bk} ({self.threads} threads), "
-                f"{'16-byte vector' if self.uniform else 'per-channel'} sampling, "
+                f"{'16-byte vector' if self.uniform else 'per-channel'} sampling"
+                f"{' from a sampling plan' if self.sampling_plan else ''}, "
                 f"taps {'inner' if self.taps_inner else 'outer'}, "
                 f"chunks of {self.chunk} samples, {'64' if self.index64 else '32'}-bit index")
 
@@ -387,12 +433,14 @@ class LaunchConfig:
         g = self.geom
         i = "long long" if self.index64 else "int"
         if name == "forward":
-            expr = kernel_name(self.dtype, self.index64, g.ndim, self.precision, self.tile, self.uniform)
+            expr = kernel_name(self.dtype, self.index64, g.ndim, self.precision, self.tile, self.uniform,
+                               self.sampling_plan)
             fn = _function(expr, self.dtype, g.ndim, self.index64, self.tile[4])
             if self.smem_bytes > 48 * 1024:
                 _allow_shared_memory(fn, self.smem_bytes)
             return fn
-        return _function(f"{name}<{_cuda._CTYPES[self.dtype]}, {i}>", self.dtype, g.ndim, self.index64)
+        n = f", {g.ndim}" if name == "fused_sampling_plan" else ""
+        return _function(f"{name}<{_cuda._CTYPES[self.dtype]}, {i}{n}>", self.dtype, g.ndim, self.index64)
 
 
 def _batch_stride(array) -> int:
@@ -401,7 +449,8 @@ def _batch_stride(array) -> int:
 
 
 def _views(config: LaunchConfig, workspace):
-    """The channels-last buffer and the weight rows, carved from ``workspace`` (or allocated)."""
+    """The channels-last buffer, the weight rows and the sampling plan's rows and weights (None
+    without a plan), carved from ``workspace`` (or allocated)."""
     if workspace is None:
         workspace = cupy.empty(config.workspace_bytes, dtype=np.uint8)
     nbytes = workspace.size * workspace.itemsize
@@ -411,14 +460,20 @@ def _views(config: LaunchConfig, workspace):
     xcl_bytes = _round_up(config.xcl_elems * config.itemsize, _ALIGN)
     xcl = cupy.ndarray((config.xcl_elems,), dtype=config.dtype, memptr=base)
     wr = cupy.ndarray((config.weight_elems,), dtype=config.dtype, memptr=base + xcl_bytes)
-    return xcl, wr
+    if not config.sampling_plan:
+        return xcl, wr, None, None
+    rows_at = config.plan_offset
+    weights_at = rows_at + _round_up(config.plan_elems * config.plan_row_bytes, _ALIGN)
+    rows = cupy.ndarray((config.plan_elems,), dtype=np.int64 if config.index64 else np.int32, memptr=base + rows_at)
+    weights = cupy.ndarray((config.plan_elems,), dtype=np.float32, memptr=base + weights_at)
+    return xcl, wr, rows, weights
 
 
 def run_forward(config: LaunchConfig, x, weight, offset, mask, bias, out, workspace=None) -> None:
     """``out = deform_conv(x) (+ bias)`` with the kernels of ``config``."""
     g = config.geom
     index = np.int64 if config.index64 else np.int32
-    xcl, wr = _views(config, workspace)
+    xcl, wr, plan_rows, plan_weights = _views(config, workspace)
     rows = g.out_channels * config.Cgp
     config.kernel("fused_weight_rows")((min(-(-rows // _THREADS), _MAX_GRID),), (_THREADS,), (
         weight, wr, np.int32(g.out_channels), np.int32(config.Cg), np.int32(config.Cgp), np.int32(config.K),
@@ -437,12 +492,21 @@ def run_forward(config: LaunchConfig, x, weight, offset, mask, bias, out, worksp
             x[start:start + n], xcl, np.int32(n), np.int32(g.in_channels), np.int32(config.Cp),
             index(config.S), index(x_bs),
         ))
+        offset_n = None if offset is None else offset[start:start + n]
+        mask_n = None if mask is None else mask[start:start + n]
+        if config.sampling_plan:
+            entries = n * config.Q * config.K * config.segments
+            config.kernel("fused_sampling_plan")((min(-(-entries // _THREADS), _MAX_GRID),), (_THREADS,), (
+                offset_n, mask_n, plan_rows, plan_weights, struct, np.int32(n), np.int32(g.in_channels),
+                np.int32(max(g.offset_groups, 1)), np.int32(max(g.mask_groups, 1)), np.int32(config.seg_len),
+                np.int32(config.segments), index(off_bs), index(msk_bs),
+            ))
         forward((config.blocks(n),), (config.threads,), (
-            xcl, wr, None if offset is None else offset[start:start + n],
-            None if mask is None else mask[start:start + n], bias, out[start:start + n], struct,
+            xcl, wr, offset_n, mask_n, bias, out[start:start + n], struct,
             np.int32(n), np.int32(g.in_channels), np.int32(config.Cp), np.int32(g.out_channels),
             np.int32(g.groups), np.int32(max(g.offset_groups, 1)), np.int32(max(g.mask_groups, 1)),
             np.int32(config.Cgp), index(off_bs), index(msk_bs), np.int32(config.taps_inner),
+            plan_rows, plan_weights, np.int32(config.seg_len),
         ), shared_mem=config.smem_bytes)
 
 
@@ -531,7 +595,8 @@ def fused_versus_im2col(geom, dtype, allow_tf32: bool):
 def _time_versus(g, dtype, allow_tf32: bool, config) -> tuple:
     """(fused ms, im2col ms) of one batch chunk ``g`` (:func:`fused_versus_im2col`)."""
     args, out = _random_arguments(g, dtype)
-    fused = LaunchConfig(g, dtype, allow_tf32, _multiprocessors(), tile=config.tile, taps_inner=config.taps_inner)
+    fused = LaunchConfig(g, dtype, allow_tf32, _multiprocessors(), tile=config.tile, taps_inner=config.taps_inner,
+                         sampling_plan=config.sampling_plan)
     fused_ws = cupy.empty(fused.workspace_bytes, dtype=np.uint8)
     im2col = _cuda._Forward(_cuda._spec(g, dtype, allow_tf32))
     im2col_ws = cupy.empty(im2col.workspace_bytes, dtype=np.uint8)
@@ -554,24 +619,29 @@ def plan_config(geom, dtype, allow_tf32: bool) -> LaunchConfig:
     key = (cupy.cuda.runtime.getDevice(), geom, dtype.str, static.precision)
     choice = _tuned.get(key)
     if choice is not None:
-        return LaunchConfig(geom, dtype, allow_tf32, sms, tile=choice[0], taps_inner=choice[1])
+        return LaunchConfig(geom, dtype, allow_tf32, sms, tile=choice[0], taps_inner=choice[1],
+                            sampling_plan=choice[2])
     if not TUNE or _capturing():
         return static
     with private_pool():
         choice = _tuned[key] = _fastest_choice(geom, dtype, allow_tf32, static, sms, wgmma)
-    return LaunchConfig(geom, dtype, allow_tf32, sms, tile=choice[0], taps_inner=choice[1])
+    return LaunchConfig(geom, dtype, allow_tf32, sms, tile=choice[0], taps_inner=choice[1], sampling_plan=choice[2])
 
 
 def _fastest_choice(geom, dtype, allow_tf32: bool, static, sms: int, wgmma: bool) -> tuple:
-    """(tile, taps_inner) of the candidate whose forward of one batch chunk is fastest."""
+    """(tile, taps_inner, sampling_plan) of the candidate whose forward of one batch chunk is
+    fastest (with and without the sampling plan where it can serve, unless SAMPLING_PLAN forces
+    one)."""
     g = geom.with_batch(static.chunk)
     args, out = _random_arguments(g, dtype)
     orders = (True, False) if g.kernel_volume > 1 and g.in_channels_per_group > 32 else (True,)
-    choices = [(tile, taps_inner)
+    plans = (False, True) if SAMPLING_PLAN is None else (SAMPLING_PLAN,)
+    choices = [(tile, taps_inner, plan)
                for tile in _candidates(geom, dtype, wgmma and static.precision != 2, static.index64)
-               for taps_inner in orders]
-    configs = [LaunchConfig(g, dtype, allow_tf32, sms, tile=tile, taps_inner=taps_inner)
-               for tile, taps_inner in choices]
+               for taps_inner in orders for plan in plans
+               if not plan or (_uniform(geom, tile) and tile[4] != 2 and plan_segments(geom)[1] <= MAX_PLAN_SEGMENTS)]
+    configs = [LaunchConfig(g, dtype, allow_tf32, sms, tile=tile, taps_inner=taps_inner, sampling_plan=plan)
+               for tile, taps_inner, plan in choices]
     # 3 rounds of 3 (a pick of one run of gpu.py was 1.5x the best candidate with 2 of 2)
     times = _time_configs(configs, args, out, rounds=3, repeats=3)
     cupy.cuda.get_current_stream().synchronize()

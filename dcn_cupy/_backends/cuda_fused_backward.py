@@ -42,7 +42,6 @@ computes the backward.
 from __future__ import annotations
 
 import functools
-import math
 import threading
 
 import numpy as np
@@ -223,13 +222,8 @@ def segment_lanes(geom, bm: int) -> int:
     return seg
 
 
-def plan_segments(geom) -> tuple:
-    """(channels per segment, segments) of the weight gradient's sampling plan: runs of input
-    channels that share their offset and mask group (gcd of C/G_o and C/G_m; C_in where neither
-    is given), each with its own corners per (tap, position)."""
-    _, per_go, per_gm = _per_group(geom)
-    seg_len = math.gcd(per_go, per_gm)
-    return seg_len, geom.in_channels // seg_len
+#: (channels per segment, segments) of the weight gradient's sampling plan: the forward's.
+plan_segments = _fused.plan_segments
 
 
 def _choose_tile(geom, dtype) -> tuple:
