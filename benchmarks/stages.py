@@ -339,11 +339,22 @@ def fused_backward_stages(x, w, off, msk, gy, geom, name, t):
         view = lambda name: own.view(ws, name)  # noqa: E731
         n = geom.batch
         data = own.kernel("data")
+        gradient_plan = [view(name) if own.gradient_plan else None
+                         for name in ("gradient_rows", "gradient_weights", "gradient_slopes", "gradient_masks")]
+        if own.gradient_plan:
+            plan_kernel = own.kernel("fused_gradient_plan")
+            entries = n * own.Q * own.K * own.segments
+            ms = t(lambda: plan_kernel((-(-entries // 256),), (256,), (
+                off, msk, *gradient_plan, own.struct, i32(n), i32(geom.in_channels), i32(own.Go), i32(own.Gm),
+                i32(own.seg_len), i32(own.segments), index(fb._fused._batch_stride(off)),
+                index(fb._fused._batch_stride(msk)))), 4)
+            print(f"  {'plan of the data gradients':<44} {ms:8.3f} ms  ({entries} entries)")
         ms = t(lambda: data((own.blocks(n),), (256,), (
             view("gycl"), view("wt"), view("xcl"), off, msk, view("gxcl"), view("goff"), view("gmsk"), own.struct,
             i32(n), i32(geom.in_channels), i32(own.Cp), i32(own.Cpa), i32(geom.out_channels), i32(own.Cop),
             i32(geom.groups), i32(own.Go), i32(own.Gm), i32(own.Cogp), index(fb._fused._batch_stride(off)),
-            index(fb._fused._batch_stride(msk)), i32(own.seg)), shared_mem=own.smem_bytes), 4)
+            index(fb._fused._batch_stride(msk)), i32(own.seg), *gradient_plan, i32(own.seg_len)),
+            shared_mem=own.smem_bytes), 4)
         print(f"  {'data-gradient kernel alone, tile %dx%dx%d' % own.tile[:3]:<44} {ms:8.3f} ms  "
               f"{flop / ms / 1e9:7.1f} TFLOP/s ({own.blocks(n)} blocks, {fb._fused.num_registers(data)} regs)")
         if own.fused_weight:

@@ -22,7 +22,9 @@
 //
 // Template parameters: T storage type, I index type, N spatial dims, PREC (0: T's own MMA; 1:
 // TF32; 2: 3xTF32), the tile BM x BN x BK, MINB (blocks per multiprocessor asked of the register
-// allocator). 256 threads. Dynamic shared memory: cuda_fused_backward.smem_bytes.
+// allocator), PLAN (the epilogue reads each (position, tap, segment)'s corners, slopes and mask
+// from the chunk's plan, fused_gradient_plan, instead of computing them in every channel-tile
+// block). 256 threads. Dynamic shared memory: cuda_fused_backward.smem_bytes.
 
 #include "fused_common.cuh"
 
@@ -147,7 +149,65 @@ __global__ void fused_store(const float* __restrict__ src, T* __restrict__ dst, 
     }
 }
 
-template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB>
+// The data gradients' plan of a batch chunk: per (segment j of seg_len channels sharing an
+// offset and a mask group, tap t, position p = b*Q + q), entry e = (j * K + t) * B*Q + p, what
+// the data kernel's epilogue otherwise computes in each of its C_in/BM channel-tile blocks: the
+// corners of dcn::Corners (rows[e][k] = b*S + the corner's flat index, -1 where the corner is
+// off the grid or the position samples 0; weights[e][k]; slopes[e][k][a] = d weight / d P_a)
+// and the mask value masks[e]. One thread per entry, positions fastest.
+template <typename T, typename I, int N>
+__global__ void fused_gradient_plan(const T* __restrict__ offset, const T* __restrict__ mask, I* __restrict__ rows,
+                                    float* __restrict__ weights, float* __restrict__ slopes,
+                                    float* __restrict__ masks, const Geom<N> g, const int batch, const int channels,
+                                    const int offset_groups, const int mask_groups, const int seg_len,
+                                    const int segments, const I offset_bstride, const I mask_bstride) {
+    constexpr int NC = 1 << N;
+    const I Q = dcn::prod_size<N, I>(g.out_size);
+    const I S = dcn::prod_size<N, I>(g.in_size);
+    const int K = (int)dcn::prod_size<N, I>(g.ksize);
+    const I BQ = (I)batch * Q;
+    const int per_go = offset == nullptr ? channels : channels / offset_groups;
+    const int per_gm = mask == nullptr ? channels : channels / mask_groups;
+    const I total = BQ * K * segments;
+    for (I e = dcn::global_thread_index<I>(); e < total; e += dcn::global_thread_stride<I>()) {
+        const I p = e % BQ;
+        const I jt = e / BQ;
+        const int t = (int)(jt % K);
+        const int c0 = (int)(jt / K) * seg_len;
+        const int go = per_go >= channels ? 0 : c0 / per_go;
+        const int gm = per_gm >= channels ? 0 : c0 / per_gm;
+        const I b = p / Q;
+        const I q = p % Q;
+        int qc[N], tc[N];
+        dcn::unravel<N, I>(q, g.out_size, qc);
+        dcn::unravel<N, int>(t, g.ksize, tc);
+        // as the data kernel's epilogue (deform_fused_backward_data, PLAN false)
+        float pos[N];
+#pragma unroll
+        for (int a = 0; a < N; ++a) {
+            pos[a] = (float)(qc[a] * g.stride[a] - g.pad[a] + tc[a] * g.dil[a]);
+            if (offset != nullptr)
+                pos[a] += Traits<T>::load(offset[b * offset_bstride + (((I)go * K + t) * N + a) * Q + q]);
+        }
+        masks[e] = mask == nullptr ? 1.0f : Traits<T>::load(mask[b * mask_bstride + ((I)gm * K + t) * Q + q]);
+        dcn::Corners<float, I, N> cr;
+        cr.compute(pos, g.in_size);
+        // (a corner off the grid, or of a position that samples 0, has weight and slopes 0)
+        I row[NC];
+        float slope[NC * N];
+#pragma unroll
+        for (int k = 0; k < NC; ++k) {
+            row[k] = cr.ok[k] ? (I)b * S + cr.index[k] : (I)-1;
+#pragma unroll
+            for (int a = 0; a < N; ++a) slope[k * N + a] = cr.dweight[k][a];
+        }
+        fused::store_words(rows + e * NC, row);
+        fused::store_words(weights + e * NC, cr.weight);
+        fused::store_words(slopes + e * NC * N, slope);
+    }
+}
+
+template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool PLAN>
 __global__ void __launch_bounds__(fused_bwd::THREADS, MINB)
 deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt, const T* __restrict__ xcl,
                            const T* __restrict__ offset, const T* __restrict__ mask,
@@ -155,7 +215,9 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                            const Geom<N> g, const int batch, const int channels, const int Cp, const int Cpa,
                            const int out_channels, const int Cop, const int groups, const int offset_groups,
                            const int mask_groups, const int Cogp, const I offset_bstride, const I mask_bstride,
-                           const int seg) {
+                           const int seg, const I* __restrict__ plan_rows, const float* __restrict__ plan_weights,
+                           const float* __restrict__ plan_slopes, const float* __restrict__ plan_masks,
+                           const int seg_len) {
     using namespace fused;
     using fused_bwd::THREADS;
     constexpr int VEC = Tile<T>::VEC;
@@ -290,17 +352,37 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
             if (active) {
                 go = per_go >= channels ? 0 : cabs / per_go;
                 gm = per_gm >= channels ? 0 : cabs / per_gm;
-                float pos[N];
-#pragma unroll
-                for (int a = 0; a < N; ++a) {
-                    pos[a] = (float)(qc[a] * g.stride[a] - g.pad[a] + tc[a] * g.dil[a]);
-                    if (offset != nullptr)
-                        pos[a] += Traits<T>::load(offset[b * offset_bstride + (((I)go * K + t) * N + a) * Q + q]);
-                }
-                const float m = mask == nullptr ? 1.0f
-                                                : Traits<T>::load(mask[b * mask_bstride + ((I)gm * K + t) * Q + q]);
+                float m;
                 dcn::Corners<float, I, N> cr;
-                cr.compute(pos, g.in_size);
+                if constexpr (PLAN) {
+                    // the plan's corners (fused_gradient_plan): rows b*S + index, -1 where not on
+                    // the grid or where the position samples 0 (then every weight and slope is 0)
+                    const I e = ((I)(seg_len >= channels ? 0 : cabs / seg_len) * K + t) * BQ + p;
+                    I row[NC];
+                    float slope[NC * N];
+                    fused::load_words(plan_rows + e * NC, row);
+                    fused::load_words(plan_weights + e * NC, cr.weight);
+                    fused::load_words(plan_slopes + e * NC * N, slope);
+                    m = __ldg(plan_masks + e);
+                    cr.valid = true;
+#pragma unroll
+                    for (int k = 0; k < NC; ++k) {
+                        cr.ok[k] = row[k] >= 0;
+                        cr.index[k] = row[k] - (I)b * S;
+#pragma unroll
+                        for (int a = 0; a < N; ++a) cr.dweight[k][a] = slope[k * N + a];
+                    }
+                } else {
+                    float pos[N];
+#pragma unroll
+                    for (int a = 0; a < N; ++a) {
+                        pos[a] = (float)(qc[a] * g.stride[a] - g.pad[a] + tc[a] * g.dil[a]);
+                        if (offset != nullptr)
+                            pos[a] += Traits<T>::load(offset[b * offset_bstride + (((I)go * K + t) * N + a) * Q + q]);
+                    }
+                    m = mask == nullptr ? 1.0f : Traits<T>::load(mask[b * mask_bstride + ((I)gm * K + t) * Q + q]);
+                    cr.compute(pos, g.in_size);
+                }
                 if (cr.valid) {
                     const float4 gc = *reinterpret_cast<const float4*>(Gs + n * GLD + cpass + lane_c);
                     if (gxcl != nullptr) {

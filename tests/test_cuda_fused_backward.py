@@ -120,6 +120,13 @@ def test_serving_rule_and_segments():
     many = fb.BackwardConfig(_geom(c_in=256, offset_groups=16), np.float32, False)
     assert many.fused_weight and many.segments == 16 and not many.sampling_plan
     assert not fb.BackwardConfig(_geom(c_in=256), np.float16, False, fused_weight=False).sampling_plan
+    # the data gradients' plan: in 2D and 3D, where it is no larger than a sample's other buffers
+    assert fb.BackwardConfig(_geom(c_in=256), np.float16, False).gradient_plan
+    assert not fb.BackwardConfig(_geom(c_in=32, c_out=32), np.float16, False).gradient_plan   # too large
+    assert not fb.BackwardConfig(_geom(c_in=256, ndim=1), np.float16, False).gradient_plan
+    assert not fb.BackwardConfig(_geom(c_in=256, offset_groups=16), np.float16, False).gradient_plan
+    forced = fb.BackwardConfig(_geom(c_in=64), np.float16, False, gradient_plan=True)
+    assert forced.gradient_plan and forced.offsets["gradient_slopes"][1] == 2 * 64 * 9 * 4 * 2
     assert fb.BackwardConfig(_geom(c_in=48, c_out=256), np.float16, False).fused_weight
     with pytest.raises(ValueError, match="C_in/groups = 18"):
         fb.BackwardConfig(_geom(c_in=36, groups=2), np.float16, False)
@@ -170,7 +177,7 @@ def wide_case(rng, ndim, *, groups=2, offset_groups=2, mask_groups=1, c_in=64, c
 
 
 def run_gradients(arrays, params, grad_output, precision, tile=None, wanted=NAMES, broadcast=False, weight_tile=None,
-                  sampling_plan=None):
+                  sampling_plan=None, gradient_plan=None):
     """The fused data gradients of float64 NumPy arrays cast to ``precision``'s dtype (outputs
     poisoned with NaN) and the float64 reference gradients of the rounded inputs."""
     cupy = _cupy()
@@ -189,7 +196,7 @@ def run_gradients(arrays, params, grad_output, precision, tile=None, wanted=NAME
     shapes = [None if arrays[k] is None else arrays[k].shape for k in ("input", "weight", "offset", "mask")]
     geom = _geometry.conv_geometry(*shapes, None, **params)[0]
     config = fb.BackwardConfig(geom, dtype, precision == "tf32", tile, weight_tile=weight_tile,
-                               sampling_plan=sampling_plan)
+                               sampling_plan=sampling_plan, gradient_plan=gradient_plan)
     out = {name: cupy.full(arrays[name].shape, np.nan, dtype=dtype) for name in wanted if arrays[name] is not None}
     gy_dev = cupy.asarray(gy) if not broadcast else cupy.broadcast_to(cupy.asarray(gy[:1]), gy.shape)
     args = dict(grad_output=gy_dev, bias=None, wanted=frozenset(wanted), **dev)
@@ -240,6 +247,36 @@ def test_weight_gradient_from_the_sampling_plan_equals_corners_computed_in_place
         assert not config.sampling_plan
         assert np.array_equal(planned["weight"], in_place["weight"]), (offset_groups, mask_groups)
         check(planned, expected, precision, (offset_groups, mask_groups, offset, mask))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["float16", "bfloat16", "tf32", "float32"])
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_data_gradients_from_their_plan_equal_corners_computed_in_place(ndim, precision):
+    """The data kernel with its corners, slopes and mask from the chunk's plan gives the input,
+    offset and mask gradients it gives computing them itself (up to the order of the atomics),
+    both against the reference; every data tile, offset groups != mask groups, with and without
+    offsets / mask, non-finite and huge offsets among them."""
+    fb = _backward_module()
+    rng = np.random.default_rng(90 + ndim)
+    for offset_groups, mask_groups, offset, mask in ((2, 4, True, True), (1, 1, False, True), (4, 1, True, False)):
+        arrays, params, gy = wide_case(rng, ndim, groups=1, offset_groups=offset_groups, mask_groups=mask_groups,
+                                       c_in=160, c_out=32, offset=offset, mask=mask, batch=3)
+        if offset:
+            off = arrays["offset"].reshape(-1)
+            picks = rng.choice(off.size, size=off.size // 8, replace=False)
+            off[picks] = np.array([np.nan, np.inf, -np.inf, 1e30, -3e9, 0.5])[rng.integers(0, 6, size=picks.size)]
+        wanted = ("input", "offset", "mask")
+        for tile in fb._tiles(DTYPE[precision]):
+            planned, expected, config = run_gradients(arrays, params, gy, precision, tile, wanted=wanted,
+                                                      gradient_plan=True)
+            assert config.gradient_plan and "from a plan" in config.description
+            in_place, _, config = run_gradients(arrays, params, gy, precision, tile, wanted=wanted, gradient_plan=False)
+            assert not config.gradient_plan
+            label = (tile, offset_groups, mask_groups, offset, mask)
+            check(planned, expected, precision, label)
+            for name, value in planned.items():
+                assert relative_error(value, in_place[name]) < TOL[precision] / 10, (name, label)
 
 
 @pytest.mark.gpu

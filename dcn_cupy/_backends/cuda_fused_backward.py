@@ -16,6 +16,9 @@ when TF32 is allowed, else 3xTF32; float32 accumulation):
   sampling plan computed once per batch chunk (``fused_sampling_plan``: rows and weights per
   segment of channels, tap and position) instead of from the offsets and mask in every block.
 
+In 2D and 3D the data kernel likewise reads each position's corners, slopes and mask from a plan
+of its own (``fused_gradient_plan``) where that plan fits (``SAMPLING_PLAN`` says when).
+
 Per call, one batch chunk at a time (the chunk bounds the workspace by
 ``cuda_fused.WORKSPACE_LIMIT_BYTES``): grad_output copied channels-last, ``(Bc*Q, Cop)``, and as
 rows over the positions, ``(C_out, Pp)``; the input channels-last, ``(Bc*S, Cp)``, when the
@@ -82,7 +85,14 @@ WEIGHT_TILES = {"half": ((64, 64, 64, 2), (256, 64, 128, 1)), "float": ((64, 64,
 #: position (B=32 C64: 0.254 -> 0.250; 3D C32: 0.450 -> 0.462, the plan halving the chunk) the
 #: corners stay computed in place (NOTES-gpu.md, session 6).
 MAX_PLAN_SEGMENTS = 8
-#: None: the rule above decides; True / False: the plan forced on / off (tests, benchmarks).
+#: The data kernel reads each (position, tap)'s corners, their slopes and the mask from a plan of
+#: its own (``fused_gradient_plan``, per batch chunk: ~1 KB per position in 2D) instead of
+#: computing them in each of its C_in/64 channel-tile blocks, in 2D and 3D where that plan is no
+#: larger than a sample's other buffers. H200, data gradients alone, fp16: B=8 C256 56x56 0.655 ->
+#: 0.576 ms, B=8 C128 0.314 -> 0.281, 512@14x14 0.230 -> 0.219, B=32 C64 0.594 -> 0.571 (plan
+#: larger than the buffers: not taken), 3D C32 2.06 -> 1.76 (idem: 170 MB per sample); 1D C256
+#: 0.526 -> 0.554, where two corners are cheaper to compute than to load (NOTES-gpu.md, session 6).
+#: None: the rules above decide; True / False: both plans forced on / off (tests, benchmarks).
 SAMPLING_PLAN = None
 #: Position splits of the weight gradient (partial sums added in a fixed order): enough blocks for
 #: about WAVES waves of the device, at most MAX_SPLITS.
@@ -120,26 +130,26 @@ def _weight_tile(geom, dtype) -> tuple:
 
 def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, kernel: str = "data",
                 plan: bool = False) -> str:
-    """A data kernel, or (``kernel="weight"``) a weight kernel reading the sampling plan or not."""
+    """A data or (``kernel="weight"``) weight kernel, reading its plan (``plan``) or not."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
     bm, bn, bk, minb = tile
-    flag = f", {'true' if plan else 'false'}" if kernel == "weight" else ""
-    return f"deform_fused_backward_{kernel}<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}{flag}>"
+    return (f"deform_fused_backward_{kernel}<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}, "
+            f"{'true' if plan else 'false'}>")
 
 
 def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
     """Every kernel instantiation of one module (one dtype, one N, one index width)."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
-    names = [kernel_name(dtype, index64, ndim, prec, tile) for prec in _fused._precisions(dtype)
-             for tile in _tiles(dtype)]
+    names = [kernel_name(dtype, index64, ndim, prec, tile, "data", plan) for prec in _fused._precisions(dtype)
+             for tile in _tiles(dtype) for plan in (False, True)]
     names += [kernel_name(dtype, index64, ndim, prec, tile, "weight", plan)
               for prec in _fused._precisions(dtype) for tile in _weight_tiles(dtype) for plan in (False, True)]
     names += [f"{kernel}<{t}, {i}>" for kernel in
               ("fused_channels_last", "fused_weight_columns", "fused_channels_first", "fused_store",
                "fused_position_rows", "fused_weight_sum")]
-    names.append(f"fused_sampling_plan<{t}, {i}, {ndim}>")
+    names += [f"fused_sampling_plan<{t}, {i}, {ndim}>", f"fused_gradient_plan<{t}, {i}, {ndim}>"]
     return tuple(names)
 
 
@@ -235,7 +245,7 @@ class BackwardConfig:
     """What one backward of one geometry and dtype launches (chosen once per plan)."""
 
     def __init__(self, geom, dtype, allow_tf32: bool, tile=None, multiprocessors: int = 132, fused_weight=None,
-                 weight_tile=None, sampling_plan=None):
+                 weight_tile=None, sampling_plan=None, gradient_plan=None):
         dtype = np.dtype(dtype)
         reason = unsupported(geom, dtype)
         if reason is not None:
@@ -269,9 +279,19 @@ class BackwardConfig:
         self.sampling_plan = self.fused_weight and (rule if sampling_plan is None else bool(sampling_plan))
         corners = 1 << geom.ndim
         plan_entries = self.segments * self.K * corners if self.sampling_plan else 0   # per position
-        per_sample = (self.S * self.Cp * it + self.Q * self.Cop * it + self.S * self.Cpa * 4
-                      + (self.off_ch + self.m_ch) * self.Q * 4 + (self.Q * Co * it if self.fused_weight else 0)
-                      + plan_entries * self.Q * 8)
+        buffers = (self.S * self.Cp * it + self.Q * self.Cop * it + self.S * self.Cpa * 4
+                   + (self.off_ch + self.m_ch) * self.Q * 4 + (self.Q * Co * it if self.fused_weight else 0))
+        # the data kernel's corners, slopes and mask from a plan per chunk (the rule: in 2D and 3D,
+        # at most MAX_PLAN_SEGMENTS segments, the plan no larger than a sample's other buffers)
+        if gradient_plan is None:
+            gradient_plan = SAMPLING_PLAN
+        self.m_tiles = -(-self.Cg // bm)
+        entry_bytes = corners * (8 + 4 + 4 * geom.ndim) + 4       # rows, weights, slopes, mask
+        rule = (geom.ndim >= 2 and self.segments <= MAX_PLAN_SEGMENTS
+                and self.segments * self.K * self.Q * entry_bytes <= buffers)
+        self.gradient_plan = rule if gradient_plan is None else bool(gradient_plan)
+        gradient_entries = self.segments * self.K if self.gradient_plan else 0      # per position
+        per_sample = buffers + plan_entries * self.Q * 8 + gradient_entries * self.Q * entry_bytes
         self.chunk = n = max(1, min(geom.batch, int(_fused.WORKSPACE_LIMIT_BYTES) // max(per_sample, 1)))
         self.Pp = _fused._round_up(n * self.Q, vec)
         self.weight_tiles = self.K * G * -(-self.Cog // wbm) * -(-self.Cg // wbn)
@@ -283,17 +303,20 @@ class BackwardConfig:
             "gyr": (Co * self.Pp if self.fused_weight else 0, dtype),
             "part": (self.splits * Co * self.K * self.Cg if self.fused_weight else 0, np.float32),
             "plan_weights": (n * self.Q * plan_entries, np.float32),
+            "gradient_weights": (n * self.Q * gradient_entries * corners, np.float32),
+            "gradient_slopes": (n * self.Q * gradient_entries * corners * geom.ndim, np.float32),
+            "gradient_masks": (n * self.Q * gradient_entries, np.float32),
         }
         self.index64 = max(max(count for count, _ in sizes.values()), geom.batch * C * self.S,
                            geom.batch * max(self.off_ch, self.m_ch) * self.Q,
                            (n * self.Q + bn) * self.Cop, Co * (self.Pp + wbk)) > _INT32_SAFE
         sizes["plan_rows"] = (n * self.Q * plan_entries, np.int64 if self.index64 else np.int32)
+        sizes["gradient_rows"] = (n * self.Q * gradient_entries * corners, np.int64 if self.index64 else np.int32)
         self.offsets, total = {}, 0
         for name, (count, dt) in sizes.items():
             self.offsets[name] = (total, count, np.dtype(dt))
             total = _fused._round_up(total + count * np.dtype(dt).itemsize, _ALIGN)
         self.workspace_bytes = total
-        self.m_tiles = -(-self.Cg // bm)
         self.seg = segment_lanes(geom, bm)
         self.smem_bytes = smem_bytes(dtype, self.tile)
         self.weight_smem_bytes = smem_bytes(dtype, self.weight_tile)
@@ -306,7 +329,8 @@ class BackwardConfig:
         plan = ", a sampling plan per chunk" if self.sampling_plan else ""
         weight = (f"weight gradient fused ({self.splits} position splits, fixed-order sum{plan})" if self.fused_weight
                   else "weight gradient through cuda/im2col")
-        return (f"cuda/fused-backward: {prec} mma.sync, tile {bm}x{bn}x{bk}, channels-last vector scatter, "
+        data_plan = " from a plan per chunk" if self.gradient_plan else ""
+        return (f"cuda/fused-backward: {prec} mma.sync, tile {bm}x{bn}x{bk}, channels-last vector scatter{data_plan}, "
                 f"{weight}, chunks of {self.chunk} samples, {'64' if self.index64 else '32'}-bit index")
 
     def blocks(self, n: int) -> int:
@@ -321,13 +345,14 @@ class BackwardConfig:
         g = self.geom
         if name in ("data", "weight"):
             tile, smem = (self.tile, self.smem_bytes) if name == "data" else (self.weight_tile, self.weight_smem_bytes)
-            fn = _function(kernel_name(self.dtype, self.index64, g.ndim, self.precision, tile, name,
-                                       self.sampling_plan), self.dtype, g.ndim, self.index64)
+            plan = self.gradient_plan if name == "data" else self.sampling_plan
+            fn = _function(kernel_name(self.dtype, self.index64, g.ndim, self.precision, tile, name, plan),
+                           self.dtype, g.ndim, self.index64)
             if smem > 48 * 1024:
                 _fused._allow_shared_memory(fn, smem)
             return fn
         i = "long long" if self.index64 else "int"
-        n = f", {g.ndim}" if name == "fused_sampling_plan" else ""
+        n = f", {g.ndim}" if name in ("fused_sampling_plan", "fused_gradient_plan") else ""
         return _function(f"{name}<{_cuda._CTYPES[self.dtype]}, {i}{n}>", self.dtype, g.ndim, self.index64)
 
     def view(self, workspace, name: str):
@@ -378,12 +403,20 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
             for name, target in accumulators:
                 if target:
                     ops.append((2, view[name], config.offsets[name][1] * 4))
+            plan = ("gradient_rows", "gradient_weights", "gradient_slopes", "gradient_masks")
+            if config.gradient_plan:
+                ops.append(op(kernel("fused_gradient_plan"), grid(n * config.Q * config.K * config.segments),
+                              (_THREADS,), (off_n, msk_n, *(u64(view[name]) for name in plan), config.struct,
+                                            i32(n), i32(g.in_channels), i32(config.Go), i32(config.Gm),
+                                            i32(config.seg_len), i32(config.segments), index(off_bs),
+                                            index(msk_bs))))
             ops.append(op(kernel("data"), (config.blocks(n),), (_THREADS,), (
                 u64(view["gycl"]), u64(view["wt"]), u64(view["xcl"]), off_n, msk_n,
                 *(u64(view[name]) if target else None for name, target in accumulators), config.struct, i32(n),
                 i32(g.in_channels), i32(config.Cp), i32(config.Cpa), i32(g.out_channels), i32(config.Cop),
                 i32(g.groups), i32(config.Go), i32(config.Gm), i32(config.Cogp), index(off_bs), index(msk_bs),
-                i32(config.seg)), config.smem_bytes))
+                i32(config.seg), *(u64(view[name]) if config.gradient_plan else None for name in plan),
+                i32(config.seg_len)), config.smem_bytes))
             if gx:
                 blocks = n * -(-g.in_channels // 64) * -(-config.S // 64)
                 ops.append(op(kernel("fused_channels_first"), (min(blocks, _MAX_GRID),), (_THREADS,), (
@@ -617,7 +650,8 @@ class FusedBackwardBackend:
                                     fused_weight=fused_weight_choice(spec.geom, spec.dtype, spec.allow_tf32,
                                                                      getattr(spec, "transposed", False)))
             for name in ("fused_weight_columns", "fused_channels_last", "fused_channels_first", "fused_store",
-                         "fused_position_rows", "fused_weight_sum", "fused_sampling_plan", "data", "weight"):
+                         "fused_position_rows", "fused_weight_sum", "fused_sampling_plan", "fused_gradient_plan",
+                         "data", "weight"):
                 config.kernel(name)   # compile now, never during a CUDA-graph capture
             weight = None if config.fused_weight else _cuda._Backward(spec)
         return FusedBackward(config, weight)
