@@ -86,11 +86,11 @@ WEIGHT_TILES = {"half": ((64, 64, 64, 2), (256, 64, 128, 1)), "float": ((64, 64,
 #: corners stay computed in place (NOTES-gpu.md, session 6).
 MAX_PLAN_SEGMENTS = 8
 #: The data kernel reads each (position, tap)'s corners, their slopes and the mask from a plan of
-#: its own (``fused_gradient_plan``, per batch chunk: ~1 KB per position in 2D) instead of
+#: its own (``fused_gradient_plan``, per batch chunk: 68 bytes per tap and position in 2D) instead of
 #: computing them in each of its C_in/64 channel-tile blocks, in 2D and 3D where that plan is no
 #: larger than a sample's other buffers. H200, data gradients alone, fp16: B=8 C256 56x56 0.655 ->
 #: 0.576 ms, B=8 C128 0.314 -> 0.281, 512@14x14 0.230 -> 0.219, B=32 C64 0.594 -> 0.571 (plan
-#: larger than the buffers: not taken), 3D C32 2.06 -> 1.76 (idem: 170 MB per sample); 1D C256
+#: larger than the buffers: not taken), 3D C32 2.06 -> 1.76 (idem: ~150 MB per sample); 1D C256
 #: 0.526 -> 0.554, where two corners are cheaper to compute than to load (NOTES-gpu.md, session 6).
 #: None: the rules above decide; True / False: both plans forced on / off (tests, benchmarks).
 SAMPLING_PLAN = None
