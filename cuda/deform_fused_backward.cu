@@ -70,6 +70,22 @@ __device__ __forceinline__ float component(const float4& v, int j) {
     return j == 0 ? v.x : (j == 1 ? v.y : (j == 2 ? v.z : v.w));
 }
 
+// The sampling position P(q, t) + offset of output position q (coordinates qc) of sample b for
+// tap t (coordinates tc) and offset group go; returns the mask value of mask group gm (1 without
+// a mask). offset / mask: the arrays (null where absent), their sample strides.
+template <typename T, typename I, int N>
+__device__ __forceinline__ float sampling_position(const Geom<N>& g, const int (&qc)[N], const int (&tc)[N],
+                                                   const T* __restrict__ offset, const T* __restrict__ mask,
+                                                   I b, I q, I Q, int K, int t, int go, int gm, I offset_bstride,
+                                                   I mask_bstride, float (&pos)[N]) {
+#pragma unroll
+    for (int a = 0; a < N; ++a) {
+        pos[a] = (float)(qc[a] * g.stride[a] - g.pad[a] + tc[a] * g.dil[a]);
+        if (offset != nullptr) pos[a] += Traits<T>::load(offset[b * offset_bstride + (((I)go * K + t) * N + a) * Q + q]);
+    }
+    return mask == nullptr ? 1.0f : Traits<T>::load(mask[b * mask_bstride + ((I)gm * K + t) * Q + q]);
+}
+
 }  // namespace fused_bwd
 
 // w (C_out, C/G, K) -> wt (G, K, C/G, Cogp): per conv group and tap, rows along the group's input
@@ -170,12 +186,9 @@ __global__ void fused_gradient_plan(const T* __restrict__ offset, const T* __res
     const int per_gm = mask == nullptr ? channels : channels / mask_groups;
     const I total = BQ * K * segments;
     for (I e = dcn::global_thread_index<I>(); e < total; e += dcn::global_thread_stride<I>()) {
-        const I p = e % BQ;
-        const I jt = e / BQ;
-        const int t = (int)(jt % K);
-        const int c0 = (int)(jt / K) * seg_len;
-        const int go = per_go >= channels ? 0 : c0 / per_go;
-        const int gm = per_gm >= channels ? 0 : c0 / per_gm;
+        I p;
+        int t, c0;
+        fused::plan_entry(e, BQ, K, seg_len, p, t, c0);
         const I b = p / Q;
         const I q = p % Q;
         int qc[N], tc[N];
@@ -183,13 +196,10 @@ __global__ void fused_gradient_plan(const T* __restrict__ offset, const T* __res
         dcn::unravel<N, int>(t, g.ksize, tc);
         // as the data kernel's epilogue (deform_fused_backward_data, PLAN false)
         float pos[N];
-#pragma unroll
-        for (int a = 0; a < N; ++a) {
-            pos[a] = (float)(qc[a] * g.stride[a] - g.pad[a] + tc[a] * g.dil[a]);
-            if (offset != nullptr)
-                pos[a] += Traits<T>::load(offset[b * offset_bstride + (((I)go * K + t) * N + a) * Q + q]);
-        }
-        masks[e] = mask == nullptr ? 1.0f : Traits<T>::load(mask[b * mask_bstride + ((I)gm * K + t) * Q + q]);
+        masks[e] = fused_bwd::sampling_position(g, qc, tc, offset, mask, b, q, Q, K, t,
+                                                per_go >= channels ? 0 : c0 / per_go,
+                                                per_gm >= channels ? 0 : c0 / per_gm, offset_bstride,
+                                                mask_bstride, pos);
         dcn::Corners<float, I, N> cr;
         cr.compute(pos, g.in_size);
         // (a corner off the grid, or of a position that samples 0, has weight and slopes 0)
@@ -374,13 +384,8 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                     }
                 } else {
                     float pos[N];
-#pragma unroll
-                    for (int a = 0; a < N; ++a) {
-                        pos[a] = (float)(qc[a] * g.stride[a] - g.pad[a] + tc[a] * g.dil[a]);
-                        if (offset != nullptr)
-                            pos[a] += Traits<T>::load(offset[b * offset_bstride + (((I)go * K + t) * N + a) * Q + q]);
-                    }
-                    m = mask == nullptr ? 1.0f : Traits<T>::load(mask[b * mask_bstride + ((I)gm * K + t) * Q + q]);
+                    m = fused_bwd::sampling_position(g, qc, tc, offset, mask, b, q, Q, K, t, go, gm, offset_bstride,
+                                                     mask_bstride, pos);
                     cr.compute(pos, g.in_size);
                 }
                 if (cr.valid) {

@@ -384,6 +384,16 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, co
     }
 }
 
+// Entry e of a plan over (segment j, tap t, position p), e = (j * K + t) * BQ + p: its position,
+// its tap and the first channel of its segment (seg_len channels each).
+template <typename I>
+__device__ __forceinline__ void plan_entry(I e, I BQ, int K, int seg_len, I& p, int& t, int& c0) {
+    p = e % BQ;
+    const I jt = e / BQ;
+    t = (int)(jt % K);
+    c0 = (int)(jt / K) * seg_len;
+}
+
 }  // namespace fused
 
 // x (B, C, S), sample stride `x_bstride` -> xcl (B, S, Cp), channels >= C zero, followed by
@@ -457,10 +467,9 @@ __global__ void fused_sampling_plan(const T* __restrict__ offset, const T* __res
     const int per_gm = mask == nullptr ? channels : channels / mask_groups;
     const I total = BQ * K * segments;
     for (I e = dcn::global_thread_index<I>(); e < total; e += dcn::global_thread_stride<I>()) {
-        const I p = e % BQ;
-        const I jt = e / BQ;
-        const int t = (int)(jt % K);
-        const int c0 = (int)(jt / K) * seg_len;
+        I p;
+        int t, c0;
+        fused::plan_entry(e, BQ, K, seg_len, p, t, c0);
         const I b = p / Q;
         const I q = p % Q;
         int qc[N];
