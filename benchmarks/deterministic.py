@@ -1,4 +1,4 @@
-"""GPU benchmark: the cost of ``deterministic=True`` (cuda/im2col-deterministic) on the backward.
+"""GPU benchmark: the cost of ``deterministic=True`` on the backward.
 
 B=8, C 256->256, 56x56, 3x3, padding 1, DCNv2 (offset + mask), one process, one GPU, CuPy
 arrays, through plans (no per-call host validation). Rows:
@@ -8,9 +8,11 @@ arrays, through plans (no per-call host validation). Rows:
 * ``transposed forward``: the transposed convolution of the same sizes (a pure scatter).
 
 Times are medians of CUDA-event timed loops (warm-up first), in ms; "ratio" is deterministic
-over default (target: at most 1.3). "bitwise" says whether 3 deterministic runs gave the same
-bits (and, for information, whether 3 default runs did). Precisions: fp32 (strict, no TF32)
-and fp16.
+over default (target: at most 1.3). "determ." is the automatic choice (cuda/fused-backward's
+fixed-point scatter where the plan takes the fused backward, else cuda/im2col-deterministic),
+"im2col-det" the same plan forced to cuda/im2col-deterministic. "bitwise" says whether 3
+deterministic runs gave the same bits (and, for information, whether 3 default runs did).
+Precisions: fp32 (strict, no TF32), fp16 and bf16.
 
 Usage: ``python benchmarks/deterministic.py [--quick]`` (without a CUDA device it says so and
 exits with status 0).
@@ -72,33 +74,41 @@ def main(argv=None) -> int:
     name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
     name = name.decode() if isinstance(name, bytes) else name
     rows = []
-    for precision, dtype in (("fp32", np.float32), ("fp16", np.float16)):
+    from dcn_cupy._interop import BFLOAT16
+    for precision, dtype in (("fp32", np.float32), ("fp16", np.float16), ("bf16", BFLOAT16)):
         x, w, b, off, msk, gy = _inputs(dtype)
         for what in ("backward", "backward input", "transposed forward"):
             timings, bitwise = {}, {}
-            for deterministic in (False, True):
+            for mode in ("default", "deterministic", "im2col"):
+                deterministic = mode != "default"
+                algorithm = "cuda/im2col-deterministic" if mode == "im2col" else None
                 if what == "transposed forward":
                     wt = cupy.ascontiguousarray(w.swapaxes(0, 1))
                     p = dcn_cupy.plan(x, wt, off, msk, b, padding=1, transposed=True, deterministic=deterministic,
-                                      allow_tf32=False)
+                                      allow_tf32=False, algorithm=algorithm)
 
                     def fn(p=p, wt=wt):
                         return p.forward(x, wt, off, msk, b)
                 else:
-                    p = dcn_cupy.plan(x, w, off, msk, b, padding=1, deterministic=deterministic, allow_tf32=False)
+                    p = dcn_cupy.plan(x, w, off, msk, b, padding=1, deterministic=deterministic, allow_tf32=False,
+                                      algorithm=algorithm)
                     wrt = ("input",) if what == "backward input" else None
 
                     def fn(p=p, wrt=wrt):
                         return tuple(p.backward(gy, x, w, off, msk, b, wrt=wrt))
-                timings[deterministic] = _time(fn, warmup, repeats, inner)
-                bitwise[deterministic] = len({_bits(fn()) for _ in range(3)}) == 1
-                algorithm = p.algorithm
-            rows.append((precision, what, timings[False], timings[True], timings[True] / timings[False],
-                         bitwise[True], bitwise[False], algorithm))
+                timings[mode] = _time(fn, warmup, repeats, inner)
+                bitwise[mode] = len({_bits(fn()) for _ in range(3)}) == 1
+                if mode == "deterministic":
+                    chosen = p.algorithm
+            rows.append((precision, what, timings["default"], timings["deterministic"],
+                         timings["deterministic"] / timings["default"], timings["im2col"],
+                         bitwise["deterministic"] and bitwise["im2col"], bitwise["default"], chosen))
     print(f"deterministic mode cost on {name} (B=8 C256->256 56x56 3x3, offset+mask), ms")
-    print(f"{'prec':5} {'what':19} {'default':>8} {'determ.':>8} {'ratio':>6}  bitwise(det/default)")
-    for precision, what, t0, t1, ratio, bit1, bit0, _ in rows:
-        print(f"{precision:5} {what:19} {t0:8.3f} {t1:8.3f} {ratio:6.2f}  {bit1}/{bit0}")
+    print(f"{'prec':5} {'what':19} {'default':>8} {'determ.':>8} {'ratio':>6} {'im2col-det':>10}  "
+          f"bitwise(det/default)  deterministic plan")
+    for precision, what, t0, t1, ratio, t2, bit1, bit0, chosen in rows:
+        print(f"{precision:5} {what:19} {t0:8.3f} {t1:8.3f} {ratio:6.2f} {t2:10.3f}  {str(bit1) + '/' + str(bit0):20}  "
+              f"{chosen}")
     return 0
 
 

@@ -8,80 +8,27 @@
 // sum is the same whatever the order, the grid, the block or the tile. A finalize kernel turns
 // the integers back (sum * 2^-E_b, + bias for the transposed convolution's forward).
 //
-// The exponent E_b of sample b follows from a bound on every contribution, computed on the
-// device before the scatter (never synchronising with the host):
-//     |column_grads[c*K+t, q]| <= max_{g,j} sum_o |W[g, o, j]| * max |grad_output[b]|
-//     |mask| <= max |mask[b]|,  |w_corner| <= 1,  sum_corners |w_corner| <= 1
-// so the sum of the |contributions| to one grad_x element is below 2^(e_w + e_g + e_m + L),
-// where 2^e bounds each factor (frexp) and 2^L >= the number of (q, t) pairs that can reach
-// one element (Q*K with offsets, K without). E_b = 62 - (e_w + e_g + e_m + L) keeps every sum
-// below 2^63 (one spare bit absorbs the GEMM's rounding). Non-finite values are left out of the
-// bounds; a non-finite contribution sets sticky flags (+inf, -inf; both = NaN) of its element,
-// which the finalize applies, so non-finite results do not depend on the order either.
+// The exponent E_b of sample b, the bounds it follows from and the non-finite flags:
+// fixed_point.cuh.
 //
 // Layouts: accumulators (Bc, C, S) as 64-bit integers; flags 2 bits per element (16 per word);
 // bounds: one weight bound, then per sample of the chunk the grad_output bound, then the mask
-// bound, all as the bit patterns of non-negative doubles (ordered like unsigned integers, so
-// atomicMax on them is exact and order-free).
+// bound.
 
 #include "dcn_common.cuh"
+#include "fixed_point.cuh"
 
 using dcn::Geom;
 using dcn::Traits;
 
-typedef unsigned long long dcn_u64;
-
 namespace dcn_det {
 
-// Max over the block of a non-negative value; the result is valid in thread 0.
-__device__ __forceinline__ double block_max(double v) {
-    __shared__ double partial[32];
-#pragma unroll
-    for (int d = 16; d > 0; d >>= 1) v = fmax(v, __shfl_down_sync(0xffffffffu, v, d));
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        const int warps = (blockDim.x + 31) >> 5;
-        v = lane < warps ? partial[lane] : 0.0;
-#pragma unroll
-        for (int d = 16; d > 0; d >>= 1) v = fmax(v, __shfl_down_sync(0xffffffffu, v, d));
-    }
-    __syncthreads();  // partial[] is reused by the next call
-    return v;
-}
-
-__device__ __forceinline__ void atomic_max_bound(dcn_u64* slot, double v) {
-    if (v > 0.0) atomicMax(slot, (dcn_u64)__double_as_longlong(v));
-}
-
-__device__ __forceinline__ int exponent_of(dcn_u64 bits) {
-    int e;
-    frexp(__longlong_as_double((long long)bits), &e);  // 0 for a bound of 0
-    return e;
-}
-
-// The fixed-point exponent E of sample b (the same arithmetic in the scatter and the finalize).
+// The fixed-point exponent E of sample b: bounds laid out as the weight's, then per sample of the
+// chunk the grad_output's, then the mask's.
 __device__ __forceinline__ int sample_exponent(const dcn_u64* __restrict__ weight_bound,
                                                const dcn_u64* __restrict__ sample_bounds, int bounds_batch,
                                                int b, int log2_count, int has_mask) {
-    const int em = has_mask ? exponent_of(sample_bounds[bounds_batch + b]) : 1;  // frexp(1) = 0.5 * 2^1
-    return 62 - (exponent_of(*weight_bound) + exponent_of(sample_bounds[b]) + em + log2_count);
-}
-
-// Flag bits of a non-finite value: 1 = +inf, 2 = -inf, 3 = NaN.
-__device__ __forceinline__ unsigned nonfinite_bits(double v) {
-    return v != v ? 3u : (v > 0.0 ? 1u : 2u);
-}
-
-__device__ __forceinline__ void accumulate(dcn_u64* __restrict__ acc, unsigned* __restrict__ flags, long long e,
-                                           double v, int E) {
-    if (!isfinite(v)) {
-        atomicOr(flags + (e >> 4), nonfinite_bits(v) << (2 * (int)(e & 15)));
-        return;
-    }
-    const long long r = llrint(ldexp(v, E));
-    if (r != 0) atomicAdd(acc + e, (dcn_u64)r);
+    return exponent(weight_bound, sample_bounds + b, has_mask ? sample_bounds + bounds_batch + b : nullptr, log2_count);
 }
 
 }  // namespace dcn_det
@@ -228,13 +175,7 @@ __global__ void det_finalize(const dcn_u64* acc, const unsigned* __restrict__ fl
         const int c = (int)(bc % channels);
         const int b = (int)(bc / channels);
         const int E = dcn_det::sample_exponent(weight_bound, sample_bounds, bounds_batch, b, log2_count, has_mask);
-        double v = ldexp((double)(long long)acc[idx], -E);
-        const unsigned f = (flags[idx >> 4] >> (2 * (int)(idx & 15))) & 3u;
-        if (f == 3u) {
-            v = __longlong_as_double(0x7ff8000000000000ll);  // NaN
-        } else if (f != 0u) {
-            v = f == 1u ? __longlong_as_double(0x7ff0000000000000ll) : __longlong_as_double((long long)0xfff0000000000000ull);
-        }
+        double v = dcn_det::value(acc, flags, idx, E);
         if (bias != nullptr) v += (double)Traits<T>::load(bias[c]);
         dst[idx] = Traits<T>::store((A)v);
     }

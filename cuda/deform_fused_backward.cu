@@ -24,9 +24,14 @@
 // TF32; 2: 3xTF32), the tile BM x BN x BK, MINB (blocks per multiprocessor asked of the register
 // allocator), PLAN (the epilogue reads each (position, tap, segment)'s corners, slopes and mask
 // from the chunk's plan, fused_gradient_plan, instead of computing them in every channel-tile
-// block). 256 threads. Dynamic shared memory: cuda_fused_backward.smem_bytes.
+// block), DET (deterministic: the input gradient added in 64-bit fixed point to gxq, with the
+// flags and the bounds of fixed_point.cuh, where gxcl is null; the offset and mask gradients
+// stored, not added, as one partial sum per segment of channels, slot (channel within its
+// group) / (4 * seg) of goff / gmsk, which fused_store adds in a fixed order). 256 threads.
+// Dynamic shared memory: cuda_fused_backward.smem_bytes.
 
 #include "fused_common.cuh"
+#include "fixed_point.cuh"
 
 namespace fused_bwd {
 
@@ -106,15 +111,24 @@ __global__ void fused_weight_columns(const T* __restrict__ w, T* __restrict__ wt
     }
 }
 
+// The staged value of fused_channels_first: float32, or (FIXED) the fixed-point sum's double.
+template <bool FIXED> struct StagedValue { typedef float type; };
+template <> struct StagedValue<true> { typedef double type; };
+
 // gxcl (B, S, Cpa) float32 -> gx (B, C, S) in T (sample stride gx_bstride), plus bias[c] when
 // given (the transposed convolution's forward). A 64x64 tile through shared memory per block
-// iteration (256 threads as 32 x 8), as fused_channels_last the other way.
-template <typename T, typename I>
-__global__ void fused_channels_first(const float* __restrict__ gxcl, const T* __restrict__ bias,
-                                     T* __restrict__ gx, const int batch, const int channels, const int Cpa,
-                                     const I S, const I gx_bstride) {
+// iteration (256 threads as 32 x 8), as fused_channels_last the other way. FIXED: the source is
+// the deterministic scatter's fixed-point accumulator gxq with its flags (fixed_point.cuh; the
+// sample's exponent from the bounds, as in the scatter) instead of gxcl.
+template <typename T, typename I, bool FIXED>
+__global__ void fused_channels_first(const float* __restrict__ gxcl, const dcn_u64* __restrict__ gxq,
+                                     const unsigned* __restrict__ flags, const dcn_u64* __restrict__ weight_bound,
+                                     const dcn_u64* __restrict__ gy_bounds, const dcn_u64* __restrict__ mask_bounds,
+                                     const int log2_count, const T* __restrict__ bias, T* __restrict__ gx,
+                                     const int batch, const int channels, const int Cpa, const I S, const I gx_bstride) {
+    typedef typename StagedValue<FIXED>::type V;
     constexpr int TILE = 64;
-    __shared__ float tile[TILE][TILE + 1];
+    __shared__ V tile[TILE][TILE + 1];
     const I s_tiles = (S + TILE - 1) / TILE;
     const int c_tiles = (channels + TILE - 1) / TILE;
     const I blocks = (I)batch * c_tiles * s_tiles;
@@ -126,14 +140,26 @@ __global__ void fused_channels_first(const float* __restrict__ gxcl, const T* __
         const int b = (int)(rest / c_tiles);
         const I s0 = st * TILE;
         const int c0 = ct * TILE;
-        // read: threadIdx.x along channels (coalesced in gxcl)
+        int E = 0;
+        if constexpr (FIXED) E = dcn_det::exponent(weight_bound, gy_bounds + b, mask_bounds == nullptr ? nullptr : mask_bounds + b,
+                                                   log2_count);
+        // read: threadIdx.x along channels (coalesced in gxcl / gxq)
 #pragma unroll
         for (int r = ty; r < TILE; r += 8) {
             const I s = s0 + r;
 #pragma unroll
             for (int h = 0; h < TILE; h += 32) {
                 const int c = c0 + tx + h;
-                tile[tx + h][r] = (s < S && c < channels) ? gxcl[((I)b * S + s) * Cpa + c] : 0.0f;
+                V v = V(0);
+                if (s < S && c < channels) {
+                    const I e = ((I)b * S + s) * Cpa + c;
+                    if constexpr (FIXED) {
+                        v = dcn_det::value(gxq, flags, (long long)e, E);
+                    } else {
+                        v = gxcl[e];
+                    }
+                }
+                tile[tx + h][r] = v;
             }
         }
         __syncthreads();
@@ -142,26 +168,29 @@ __global__ void fused_channels_first(const float* __restrict__ gxcl, const T* __
         for (int r = ty; r < TILE; r += 8) {
             const int c = c0 + r;
             if (c >= channels) continue;
-            const float bv = bias == nullptr ? 0.0f : Traits<T>::load(bias[c]);
+            const V bv = bias == nullptr ? V(0) : V(Traits<T>::load(bias[c]));
 #pragma unroll
             for (int h = 0; h < TILE; h += 32) {
                 const I s = s0 + tx + h;
-                if (s < S) gx[(I)b * gx_bstride + (I)c * S + s] = Traits<T>::store(tile[r][tx + h] + bv);
+                if (s < S) gx[(I)b * gx_bstride + (I)c * S + s] = Traits<T>::store((float)(tile[r][tx + h] + bv));
             }
         }
         __syncthreads();
     }
 }
 
-// src (B, per_sample) float32 -> dst in T (sample stride dst_bstride): the offset and mask
-// gradients out of their accumulators.
+// src (slots, B, per_sample) float32 -> dst in T (sample stride dst_bstride): the offset and mask
+// gradients out of their accumulators, the slots (the deterministic data kernel's partial sums
+// per segment of channels; 1 slot otherwise) added in their order.
 template <typename T, typename I>
 __global__ void fused_store(const float* __restrict__ src, T* __restrict__ dst, const int batch,
-                            const I per_sample, const I dst_bstride) {
+                            const I per_sample, const I dst_bstride, const int slots) {
     const I total = (I)batch * per_sample;
     for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
         const I b = idx / per_sample;
-        dst[b * dst_bstride + idx % per_sample] = Traits<T>::store(src[idx]);
+        float v = src[idx];
+        for (int k = 1; k < slots; ++k) v += src[idx + (I)k * total];
+        dst[b * dst_bstride + idx % per_sample] = Traits<T>::store(v);
     }
 }
 
@@ -217,7 +246,7 @@ __global__ void fused_gradient_plan(const T* __restrict__ offset, const T* __res
     }
 }
 
-template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool PLAN>
+template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool PLAN, bool DET>
 __global__ void __launch_bounds__(fused_bwd::THREADS, MINB)
 deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt, const T* __restrict__ xcl,
                            const T* __restrict__ offset, const T* __restrict__ mask,
@@ -227,7 +256,9 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                            const int mask_groups, const int Cogp, const I offset_bstride, const I mask_bstride,
                            const int seg, const I* __restrict__ plan_rows, const float* __restrict__ plan_weights,
                            const float* __restrict__ plan_slopes, const float* __restrict__ plan_masks,
-                           const int seg_len) {
+                           const int seg_len, dcn_u64* __restrict__ gxq, unsigned* __restrict__ gx_flags,
+                           const dcn_u64* __restrict__ weight_bound, const dcn_u64* __restrict__ gy_bounds,
+                           const dcn_u64* __restrict__ mask_bounds, const int log2_count) {
     using namespace fused;
     using fused_bwd::THREADS;
     constexpr int VEC = Tile<T>::VEC;
@@ -339,6 +370,9 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     // lane 4 channels at a time (BM/4/LANES passes over the channels).
     const int sub = lane / LANES;           // which of the warp's PPW positions
     const int lane_c = (lane % LANES) * 4;  // this lane's first channel within a pass
+    // (DET) a pass's channels share their groups, and so its lanes their corners: every lane is
+    // active or none (C_in/groups and the group sizes are multiples of 4 * seg)
+    const bool uniform = seg == LANES;
     int tc[N];
     dcn::unravel<N, int>(t, g.ksize, tc);
     for (int n0 = warp * PPW; n0 < BN; n0 += WARPS * PPW) {
@@ -349,6 +383,13 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
         const I q = pvalid ? p % Q : 0;
         int qc[N];
         dcn::unravel<N, I>(q, g.out_size, qc);
+        [[maybe_unused]] double scale = 0.0;   // (DET) 2^E of the sample
+        if constexpr (DET) {
+            if (pvalid && gxq != nullptr) {
+                scale = ldexp(1.0, dcn_det::exponent(weight_bound, gy_bounds + b,
+                                                     mask_bounds == nullptr ? nullptr : mask_bounds + b, log2_count));
+            }
+        }
 #pragma unroll 1
         for (int cpass = 0; cpass < BM; cpass += LANES * 4) {
             const int c = m0 + cpass + lane_c;          // channel within the group
@@ -390,7 +431,29 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                 }
                 if (cr.valid) {
                     const float4 gc = *reinterpret_cast<const float4*>(Gs + n * GLD + cpass + lane_c);
-                    if (gxcl != nullptr) {
+                    if constexpr (DET) {
+                        if (gxq != nullptr) {
+                            // exact integer sums, in any order. Where the lanes share their corners,
+                            // lane i adds channels i, i + LANES, ...: each reduction instruction then
+                            // covers consecutive 8-byte words (a lane's 4 consecutive channels would
+                            // touch twice the sectors: H200, 2x slower alone)
+                            const I row0 = (I)b * S;
+#pragma unroll
+                            for (int j = 0; j < 4; ++j) {
+                                const int cc = uniform ? cpass + lane % LANES + LANES * j : cpass + lane_c + j;
+                                const double v = (double)(Gs[n * GLD + cc] * m);
+                                const I channel = (I)grp * Cg + m0 + cc;
+#pragma unroll
+                                for (int k = 0; k < NC; ++k) {
+                                    const float w = cr.weight[k];
+                                    if (cr.ok[k] && w != 0.0f) {
+                                        dcn_det::accumulate_scaled(gxq, gx_flags, (long long)((row0 + cr.index[k]) * Cpa + channel),
+                                                                   (double)w * v, scale);
+                                    }
+                                }
+                            }
+                        }
+                    } else if (gxcl != nullptr) {
                         const float4 v = make_float4(gc.x * m, gc.y * m, gc.z * m, gc.w * m);
 #pragma unroll
                         for (int k = 0; k < NC; ++k) {
@@ -460,10 +523,23 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                 if (active && (lane & (seg - 1)) == 0) {
                     if (goff != nullptr) {
                         float* dst = goff + ((I)b * offset_groups + go) * K * N * Q + (I)t * N * Q + q;
+                        if constexpr (DET) {   // this segment's slot: one writer per element
+                            dst += (I)((cabs % per_go) / (4 * seg)) * ((I)batch * offset_groups * K * N * Q);
 #pragma unroll
-                        for (int a = 0; a < N; ++a) atomicAdd(dst + (I)a * Q, goff_part[a]);
+                            for (int a = 0; a < N; ++a) dst[(I)a * Q] = goff_part[a];
+                        } else {
+#pragma unroll
+                            for (int a = 0; a < N; ++a) atomicAdd(dst + (I)a * Q, goff_part[a]);
+                        }
                     }
-                    if (gmsk != nullptr) atomicAdd(gmsk + (((I)b * mask_groups + gm) * K + t) * Q + q, gmask_part);
+                    if (gmsk != nullptr) {
+                        float* dst = gmsk + (((I)b * mask_groups + gm) * K + t) * Q + q;
+                        if constexpr (DET) {
+                            dst[(I)((cabs % per_gm) / (4 * seg)) * ((I)batch * mask_groups * K * Q)] = gmask_part;
+                        } else {
+                            atomicAdd(dst, gmask_part);
+                        }
+                    }
                 }
             }
         }

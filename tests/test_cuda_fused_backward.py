@@ -132,6 +132,35 @@ def test_serving_rule_and_segments():
         fb.BackwardConfig(_geom(c_in=36, groups=2), np.float16, False)
 
 
+def test_deterministic_configuration():
+    """Deterministic: a 64-bit fixed-point accumulator with its flags and bounds in place of the
+    float32 one, one partial sum per segment of channels (of at most 16 lanes, whatever the
+    tile) for the offset and mask gradients, and 2^L >= Q * K contributions per element."""
+    fb = _backward_module()
+    geom = _geom(c_in=64, offset_groups=2, mask_groups=1)          # 32 channels per offset group
+    plain = fb.BackwardConfig(geom, np.float16, False)
+    det = fb.BackwardConfig(geom, np.float16, False, deterministic=True)
+    assert plain.slots == (1, 1) and plain.offsets["gxq"][1] == 0 and plain.offsets["gxcl"][1] > 0
+    assert det.seg == 8 and det.slots == (1, 2)                     # 32 / (4 * 8), 64 / (4 * 8)
+    n, S, Cpa = det.chunk, det.S, det.Cpa
+    assert det.offsets["gxcl"][1] == 0
+    assert det.offsets["gxq"][1:] == (n * S * Cpa, np.dtype(np.uint64))
+    assert det.offsets["gx_flags"][1] == -(-n * S * Cpa // 16)
+    assert det.offsets["bounds"][1] == 2 * n and det.offsets["weight_bound"][1] == 1
+    assert det.offsets["gmsk"][1] == 2 * n * det.m_ch * det.Q
+    assert det.log2_count == (det.Q * det.K - 1).bit_length()
+    assert "fixed-point" in det.description and "fixed-point" not in plain.description
+    wide = _geom(c_in=256)
+    for tile in fb._tiles(np.float16):
+        assert fb.BackwardConfig(wide, np.float16, False, tile, deterministic=True).seg == 16
+    assert fb.BackwardConfig(wide, np.float16, False, fb._tiles(np.float16)[1]).seg == 32
+    no_offset = fb.BackwardConfig(_geom(offset_groups=0), np.float32, False, deterministic=True)
+    assert no_offset.log2_count == (no_offset.K - 1).bit_length()
+    names = fb.name_expressions(np.float16, 2, False)
+    assert "fused_channels_first<__half, int, true>" in names
+    assert fb.kernel_name(np.float16, False, 2, 0, (64, 64, 64, 2), "data", True, True).endswith(", true, true>")
+
+
 class _Spec:
     def __init__(self, dtype, geom, device="cuda", deterministic=False):
         self.dtype, self.device, self.geom, self.device_id = np.dtype(dtype), device, geom, 0
@@ -143,7 +172,9 @@ def test_serves_only_the_backward_of_what_it_can_compute():
     geom = _geom()
     assert "only conv_backward" in backend.serves(_Spec(np.float16, geom), "conv_forward")
     assert "float64 stays on cuda/im2col" in backend.serves(_Spec(np.float64, geom), "conv_backward")
-    assert "atomics" in backend.serves(_Spec(np.float16, geom, deterministic=True), "conv_backward")
+    # deterministic plans too (the fixed-point scatter); without a GPU only the device is missing
+    reason = backend.serves(_Spec(np.float16, geom, deterministic=True), "conv_backward")
+    assert reason is None or "CUDA device" in reason
     assert "runs on CUDA devices" in backend.serves(_Spec(np.float16, geom, device="cpu"), "conv_backward")
     assert "multiple of 4" in backend.serves(_Spec(np.float16, _geom(c_in=36, groups=2)), "conv_backward")
 

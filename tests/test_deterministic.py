@@ -47,17 +47,18 @@ class Collide:
     Each (sample, offset group, tap, position) samples one of ``points`` fractional positions
     (fractional parts in [0.2, 0.8], off the kinks), some far from their regular position
     (outside the scatter's shared-memory box), so every corner of those points receives
-    hundreds of contributions.
+    hundreds of contributions. ``channels``: the convolution's (C_in, C_out) (default 4 and 6,
+    swapped for the transposed one); the transposed op's input has C_out channels.
     """
 
-    def __init__(self, ndim, transposed, seed=0, batch=2):
+    def __init__(self, ndim, transposed, seed=0, batch=2, channels=None, groups=2, offset_groups=2, mask_groups=1):
         rng = np.random.default_rng(1000 * ndim + 10 * transposed + seed)
         spatial, kernel = {1: ((300,), (3,)), 2: ((20, 21), (3, 2)), 3: ((6, 7, 5), (2, 3, 2))}[ndim]
-        groups, offset_groups, mask_groups = 2, 2, 1
         stride, padding, dilation = (1,) * ndim, (1,) * ndim, (1,) * (ndim - 1) + (2,)
-        c_small, c_large = 4, 6              # conv: C_in, C_out (C_out/groups, C_in/G_o ... integral)
-        conv_in = c_small if not transposed else c_large
-        conv_out = c_large if not transposed else c_small
+        if channels is None:                 # the convolution's (C_in, C_out), small
+            c_small, c_large = 4, 6          # (C_out/groups, C_in/G_o ... integral)
+            channels = (c_small, c_large) if not transposed else (c_large, c_small)
+        conv_in, conv_out = channels
         geom, _ = conv_geometry((batch, conv_in) + spatial, (conv_out, conv_in // groups) + kernel,
                                 None, None, None, stride, padding, dilation, groups)
         Q, K = geom.output_shape, geom.kernel_volume
@@ -164,8 +165,10 @@ def _spec(deterministic, dtype=np.float32, device="cuda"):
 
 def test_registry_chooses_the_deterministic_backward(monkeypatch):
     pytest.importorskip("cupy")
-    from dcn_cupy._backends import cuda_direct
+    from dcn_cupy._backends import cuda_direct, cuda_fused_backward
     monkeypatch.setattr(cuda_direct, "MAX_MACS", 0)   # the choice among the other CUDA algorithms
+    # cuda/im2col measured faster than cuda/fused-backward (which also serves these plans on a GPU)
+    monkeypatch.setattr(cuda_fused_backward, "fused_versus_im2col", lambda *a: (2.0, 1.0, 2.0, 1.0))
     chosen = lambda spec, primitive: "{0.device}/{0.algorithm}".format(_backends.choose(spec, primitive)[0])
     assert chosen(_spec(True), "conv_backward") == "cuda/im2col-deterministic"
     assert chosen(_spec(False), "conv_backward") == "cuda/im2col"
@@ -420,3 +423,116 @@ def test_plan_descriptions_and_broadcast_batch(monkeypatch):
     y = p.forward(z, arrays["weight"], arrays["offset"], arrays["mask"], arrays["bias"])
     z64 = np.broadcast_to(case.arrays_["input"][:1], case.arrays_["input"].shape)
     assert relative_error(_host(y), case.reference(dict(case.arrays_, input=z64))) < 1e-10
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused backward's deterministic mode (cuda/fused-backward's DET data kernel)
+
+#: The convolution's (C_in, C_out), groups, offset groups, mask groups: every pass of a
+#: position's lanes in one group (the coalesced fixed-point scatter), and segments smaller than
+#: a pass (each lane its own 4 channels).
+FUSED_LAYOUTS = {"uniform": ((128, 32), 1, 1, 1), "grouped": ((64, 32), 2, 2, 1)}
+
+
+def _fused_case(ndim, transposed, layout, seed=6):
+    channels, groups, offset_groups, mask_groups = FUSED_LAYOUTS[layout]
+    return Collide(ndim, transposed, seed=seed, channels=channels, groups=groups, offset_groups=offset_groups,
+                   mask_groups=mask_groups)
+
+
+def _fused_plan(case, arrays, monkeypatch, tile=None, plans=None):
+    """A deterministic plan whose backward (the transposed forward too) is cuda/fused-backward's,
+    with the data tile ``tile`` and the sampling plans forced on or off (None: the rules)."""
+    from dcn_cupy._backends import cuda_fused_backward as fb
+    if tile is not None:
+        monkeypatch.setattr(fb, "_choose_tile", lambda geom, dtype: tile)
+    monkeypatch.setattr(fb, "SAMPLING_PLAN", plans)
+    return dcn_cupy.plan(**arrays, **case.params, transposed=case.transposed, deterministic=True,
+                         algorithm="cuda/fused-backward", allow_tf32=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", sorted(FUSED_LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES[:3], ids=DTYPE_IDS[:3])
+@pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_fused_deterministic_bitwise_across_runs_tiles_and_plans(ndim, transposed, dtype, layout, monkeypatch):
+    """Colliding inputs: every gradient (and the transposed forward, the same scatter) is bitwise
+    the same over 3 runs, over both data tiles and with the sampling plans on and off, and right."""
+    cupy = _cupy()
+    from dcn_cupy._backends import cuda_fused_backward as fb
+    case = _fused_case(ndim, transposed, layout)
+    arrays64 = {k: a.astype(dtype).astype(np.float64) for k, a in case.arrays_.items()}
+    gy64 = case.grad_output.astype(dtype).astype(np.float64)
+    arrays = {k: cupy.asarray(a.astype(dtype)) for k, a in case.arrays_.items()}
+    gy = cupy.asarray(case.grad_output.astype(dtype))
+    results = []
+    for tile in fb._tiles(dtype):
+        for plans in (False, True):
+            with monkeypatch.context() as m:
+                p = _fused_plan(case, arrays, m, tile, plans)
+                assert "fixed-point 64-bit channels-last scatter" in str(p), str(p)
+                runs = []
+                for _ in range(3):
+                    grads = p.backward(gy, **arrays)
+                    y = p.forward(**arrays) if transposed else None
+                    runs.append(tuple(_bits(getattr(grads, name)) for name in ARGUMENTS) + (_bits(y),))
+            assert len(set(runs)) == 1, (tile, plans, case.label)
+            results.append(runs[0])
+    assert len(set(results)) == 1, case.label
+    tol = TOL[np.dtype(dtype)]
+    expected = _expected_gradients(case, arrays64, gy64)
+    for name in ARGUMENTS:
+        err = relative_error(_host(getattr(grads, name)), expected[name])
+        assert err < tol, (name, err, case.label)
+    if transposed:
+        assert relative_error(_host(y), case.reference(arrays64)) < tol, case.label
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", sorted(FUSED_LAYOUTS))
+def test_fused_deterministic_non_finite_and_chunks(layout, monkeypatch):
+    """Non-finite contributions (inf, -inf, NaN in grad_output) give the default mode's pattern,
+    bitwise the same in every run; one sample per chunk gives the same input, offset and mask
+    gradients bit for bit (the exponents are per sample)."""
+    cupy = _cupy()
+    from dcn_cupy._backends import cuda_fused
+    case = _fused_case(2, False, layout, seed=4)
+    gy = case.grad_output.astype(np.float32)
+    gy[0, 1, 3, 4] = np.inf
+    gy[0, 2, 5, 5] = -np.inf
+    gy[1, 0, 2, 2] = np.nan
+    arrays = case.arrays(lambda a: cupy.asarray(a.astype(np.float32)))
+    expected = _host(case.backward(cupy.asarray(gy), **arrays, **case.params, wrt=["input"]).input)
+    assert np.isnan(expected).any() and np.isfinite(expected).any()
+    p = _fused_plan(case, arrays, monkeypatch)
+    runs = [p.backward(cupy.asarray(gy), **arrays) for _ in range(3)]
+    assert len({_bits(r.input) for r in runs}) == 1
+    got = _host(runs[0].input)
+    for test in (np.isnan, np.isposinf, np.isneginf):
+        assert np.array_equal(test(got), test(expected)), test.__name__
+    finite = np.isfinite(expected)
+    assert relative_error(got[finite], expected[finite]) < 1e-4
+    monkeypatch.setattr(cuda_fused, "WORKSPACE_LIMIT_BYTES", 1)
+    chunked = _fused_plan(case, arrays, monkeypatch)
+    assert "chunks of 1 samples" in str(chunked)
+    again = chunked.backward(cupy.asarray(gy), **arrays)
+    for name in ("input", "offset", "mask"):
+        assert _bits(getattr(again, name)) == _bits(getattr(runs[0], name)), name
+
+
+@pytest.mark.gpu
+def test_deterministic_plans_follow_the_fused_measurement(monkeypatch):
+    """Deterministic plans take cuda/fused-backward where it measured faster than cuda/im2col
+    (the same measurement as the default mode), else cuda/im2col-deterministic."""
+    cupy = _cupy()
+    from dcn_cupy._backends import cuda_direct, cuda_fused_backward as fb
+    monkeypatch.setattr(cuda_direct, "MAX_MACS", 0)
+    case = _fused_case(2, False, "uniform")
+    arrays = case.arrays(lambda a: cupy.asarray(a.astype(np.float16)))
+    monkeypatch.setattr(fb, "fused_versus_im2col", lambda *a: (1.0, 2.0, 2.0, 1.0))
+    p = dcn_cupy.plan(**arrays, **case.params, deterministic=True)
+    assert "backward: cuda/fused-backward" in p.algorithm and "fixed-point" in str(p)
+    monkeypatch.setattr(fb, "fused_versus_im2col", lambda *a: (2.0, 1.0, 1.0, 2.0))
+    p = dcn_cupy.plan(**arrays, **case.params, deterministic=True)
+    assert "backward: cuda/im2col-deterministic" in p.algorithm

@@ -16,6 +16,14 @@ when TF32 is allowed, else 3xTF32; float32 accumulation):
   sampling plan computed once per batch chunk (``fused_sampling_plan``: rows and weights per
   segment of channels, tap and position) instead of from the offsets and mask in every block.
 
+Deterministic plans (``deterministic=True``) run the data kernel's ``DET`` instantiation: the input
+gradient is added in 64-bit fixed point (``cuda/fixed_point.cuh``, the exponents from bounds
+computed on the device by cuda/im2col-deterministic's bound kernels, non-finite values as sticky
+flags) into a channels-last integer accumulator, the offset and mask gradients are stored as
+one partial sum per segment of channels and added in a fixed order, and the weight gradient's
+splits are summed in a fixed order as always: every gradient is bitwise the same from run to
+run, whatever the order of the atomics.
+
 In 2D and 3D the data kernel likewise reads each position's corners, slopes and mask from a plan
 of its own (``fused_gradient_plan``) where that plan fits (``SAMPLING_PLAN`` says when).
 
@@ -34,7 +42,7 @@ workspace. The transposed convolution's forward is this backward's input gradien
 so it runs here too.
 
 Served (``FusedBackwardBackend.serves``): float16, bfloat16 and float32 on CUDA devices of
-compute capability 8.0 or more, not ``deterministic`` (the scatter's atomics), when every lane's
+compute capability 8.0 or more, ``deterministic`` or not, when every lane's
 4 channels lie in one conv, offset and mask group (C_in/groups, C_in/offset_groups and
 C_in/mask_groups multiples of 4) and, with several conv groups, C_out/groups is a multiple of
 the 16-byte vector (8 half / 4 float32 channels). Chosen automatically where it measured faster
@@ -52,6 +60,7 @@ import numpy as np
 import cupy
 
 from . import cuda as _cuda
+from . import cuda_deterministic as _deterministic
 from . import cuda_fused as _fused
 
 _SOURCE = "deform_fused_backward.cu"
@@ -128,27 +137,33 @@ def _weight_tile(geom, dtype) -> tuple:
     return max(served or fitting, key=lambda tile: tile[0])
 
 
+def _bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
 def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, kernel: str = "data",
-                plan: bool = False) -> str:
-    """A data or (``kernel="weight"``) weight kernel, reading its plan (``plan``) or not."""
+                plan: bool = False, deterministic: bool = False) -> str:
+    """A data or (``kernel="weight"``) weight kernel, reading its plan (``plan``) or not; the
+    data kernel ``deterministic`` (fixed-point scatter) or not."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
     bm, bn, bk, minb = tile
-    return (f"deform_fused_backward_{kernel}<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}, "
-            f"{'true' if plan else 'false'}>")
+    det = f", {_bool(deterministic)}" if kernel == "data" else ""
+    return f"deform_fused_backward_{kernel}<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}, {_bool(plan)}{det}>"
 
 
 def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
     """Every kernel instantiation of one module (one dtype, one N, one index width)."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
-    names = [kernel_name(dtype, index64, ndim, prec, tile, "data", plan) for prec in _fused._precisions(dtype)
-             for tile in _tiles(dtype) for plan in (False, True)]
+    names = [kernel_name(dtype, index64, ndim, prec, tile, "data", plan, det) for prec in _fused._precisions(dtype)
+             for tile in _tiles(dtype) for plan in (False, True) for det in (False, True)]
     names += [kernel_name(dtype, index64, ndim, prec, tile, "weight", plan)
               for prec in _fused._precisions(dtype) for tile in _weight_tiles(dtype) for plan in (False, True)]
     names += [f"{kernel}<{t}, {i}>" for kernel in
-              ("fused_channels_last", "fused_weight_columns", "fused_channels_first", "fused_store",
-               "fused_position_rows", "fused_weight_sum")]
+              ("fused_channels_last", "fused_weight_columns", "fused_store", "fused_position_rows",
+               "fused_weight_sum")]
+    names += [f"fused_channels_first<{t}, {i}, {_bool(fixed)}>" for fixed in (False, True)]
     names += [f"fused_sampling_plan<{t}, {i}, {ndim}>", f"fused_gradient_plan<{t}, {i}, {ndim}>"]
     return tuple(names)
 
@@ -245,7 +260,7 @@ class BackwardConfig:
     """What one backward of one geometry and dtype launches (chosen once per plan)."""
 
     def __init__(self, geom, dtype, allow_tf32: bool, tile=None, multiprocessors: int = 132, fused_weight=None,
-                 weight_tile=None, sampling_plan=None, gradient_plan=None):
+                 weight_tile=None, sampling_plan=None, gradient_plan=None, deterministic: bool = False):
         dtype = np.dtype(dtype)
         reason = unsupported(geom, dtype)
         if reason is not None:
@@ -263,6 +278,16 @@ class BackwardConfig:
         self.Cogp = _fused._round_up(self.Cog, bk)
         self.off_ch, self.m_ch = self.Go * self.K * geom.ndim, self.Gm * self.K
         it = self.itemsize
+        # deterministic: the input gradient in 64-bit fixed point (8 bytes and 2 flag bits per
+        # element), the offset and mask gradients as one partial sum per segment of channels
+        self.deterministic = bool(deterministic)
+        # (deterministic: segments of at most 16 lanes, the 64-channel tile's, so that every tile
+        # adds the same partial sums in the same tree: bitwise the same gradients)
+        self.seg = segment_lanes(geom, min(bm, 64) if self.deterministic else bm)
+        _, per_go, per_gm = _per_group(geom)
+        self.slots = (per_go // (4 * self.seg), per_gm // (4 * self.seg)) if self.deterministic else (1, 1)
+        self.log2_count = int(max(self.Q * self.K if geom.has_offset else self.K, 1) - 1).bit_length()
+        gx_bytes = self.S * self.Cpa * (8 + 0.25 if self.deterministic else 4)
         # the weight gradient: fused where each sampling thread's channels share their groups
         # (unless fused_weight is False: cuda/im2col's then, FusedBackward.run)
         self.weight_tile = tuple(weight_tile) if weight_tile is not None else _weight_tile(geom, dtype)
@@ -279,8 +304,9 @@ class BackwardConfig:
         self.sampling_plan = self.fused_weight and (rule if sampling_plan is None else bool(sampling_plan))
         corners = 1 << geom.ndim
         plan_entries = self.segments * self.K * corners if self.sampling_plan else 0   # per position
-        buffers = (self.S * self.Cp * it + self.Q * self.Cop * it + self.S * self.Cpa * 4
-                   + (self.off_ch + self.m_ch) * self.Q * 4 + (self.Q * Co * it if self.fused_weight else 0))
+        buffers = int(self.S * self.Cp * it + self.Q * self.Cop * it + gx_bytes
+                      + (self.off_ch * self.slots[0] + self.m_ch * self.slots[1]) * self.Q * 4
+                      + (self.Q * Co * it if self.fused_weight else 0))
         # the data kernel's corners, slopes and mask from a plan per chunk (the rule: in 2D and 3D,
         # at most MAX_PLAN_SEGMENTS segments, the plan no larger than a sample's other buffers)
         if gradient_plan is None:
@@ -296,10 +322,17 @@ class BackwardConfig:
         self.Pp = _fused._round_up(n * self.Q, vec)
         self.weight_tiles = self.K * G * -(-self.Cog // wbm) * -(-self.Cg // wbn)
         self.splits = max(1, min(MAX_SPLITS, -(-WAVES * multiprocessors // self.weight_tiles), -(-n * self.Q // wbk)))
+        det = self.deterministic
         sizes = {
             "xcl": ((n * self.S + 1) * self.Cp, dtype), "gycl": ((n * self.Q + 1) * self.Cop, dtype),
-            "gxcl": (n * self.S * self.Cpa, np.float32), "goff": (n * self.off_ch * self.Q, np.float32),
-            "gmsk": (n * self.m_ch * self.Q, np.float32), "wt": (G * self.K * self.Cg * self.Cogp, dtype),
+            "gxcl": (0 if det else n * self.S * self.Cpa, np.float32),
+            "gxq": (n * self.S * self.Cpa if det else 0, np.uint64),
+            "gx_flags": (-(-n * self.S * self.Cpa // 16) if det else 0, np.uint32),
+            "weight_bound": (1 if det else 0, np.uint64),
+            "bounds": (2 * n if det else 0, np.uint64),        # per sample: grad_output's, then the mask's
+            "goff": (n * self.off_ch * self.Q * self.slots[0], np.float32),
+            "gmsk": (n * self.m_ch * self.Q * self.slots[1], np.float32),
+            "wt": (G * self.K * self.Cg * self.Cogp, dtype),
             "gyr": (Co * self.Pp if self.fused_weight else 0, dtype),
             "part": (self.splits * Co * self.K * self.Cg if self.fused_weight else 0, np.float32),
             "plan_weights": (n * self.Q * plan_entries, np.float32),
@@ -317,7 +350,6 @@ class BackwardConfig:
             self.offsets[name] = (total, count, np.dtype(dt))
             total = _fused._round_up(total + count * np.dtype(dt).itemsize, _ALIGN)
         self.workspace_bytes = total
-        self.seg = segment_lanes(geom, bm)
         self.smem_bytes = smem_bytes(dtype, self.tile)
         self.weight_smem_bytes = smem_bytes(dtype, self.weight_tile)
         self.struct = _cuda._geom_struct(geom)
@@ -330,7 +362,9 @@ class BackwardConfig:
         weight = (f"weight gradient fused ({self.splits} position splits, fixed-order sum{plan})" if self.fused_weight
                   else "weight gradient through cuda/im2col")
         data_plan = " from a plan per chunk" if self.gradient_plan else ""
-        return (f"cuda/fused-backward: {prec} mma.sync, tile {bm}x{bn}x{bk}, channels-last vector scatter{data_plan}, "
+        scatter = ("deterministic: fixed-point 64-bit channels-last scatter, offset and mask gradients summed in a "
+                   "fixed order" if self.deterministic else "channels-last vector scatter")
+        return (f"cuda/fused-backward: {prec} mma.sync, tile {bm}x{bn}x{bk}, {scatter}{data_plan}, "
                 f"{weight}, chunks of {self.chunk} samples, {'64' if self.index64 else '32'}-bit index")
 
     def blocks(self, n: int) -> int:
@@ -346,13 +380,16 @@ class BackwardConfig:
         if name in ("data", "weight"):
             tile, smem = (self.tile, self.smem_bytes) if name == "data" else (self.weight_tile, self.weight_smem_bytes)
             plan = self.gradient_plan if name == "data" else self.sampling_plan
-            fn = _function(kernel_name(self.dtype, self.index64, g.ndim, self.precision, tile, name, plan),
-                           self.dtype, g.ndim, self.index64)
+            fn = _function(kernel_name(self.dtype, self.index64, g.ndim, self.precision, tile, name, plan,
+                                       self.deterministic), self.dtype, g.ndim, self.index64)
             if smem > 48 * 1024:
                 _fused._allow_shared_memory(fn, smem)
             return fn
+        if name in ("weight_bound", "sample_bound"):   # cuda/im2col-deterministic's bound kernels
+            return _deterministic._kernels(self.dtype, g.ndim, self.index64)[name]
         i = "long long" if self.index64 else "int"
         n = f", {g.ndim}" if name in ("fused_sampling_plan", "fused_gradient_plan") else ""
+        n = f", {_bool(self.deterministic)}" if name == "fused_channels_first" else n
         return _function(f"{name}<{_cuda._CTYPES[self.dtype]}, {i}{n}>", self.dtype, g.ndim, self.index64)
 
     def view(self, workspace, name: str):
@@ -384,6 +421,14 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
         ops.append(op(kernel("fused_weight_columns"), grid(config.offsets["wt"][1]), (_THREADS,), (
             u64(w), u64(view["wt"]), i32(g.groups), i32(config.Cog), i32(config.Cg), i32(config.Cogp),
             i32(config.K))))
+    det = config.deterministic and bool(gx)
+    if det:   # the weight's bound of the fixed-point exponents (fixed_point.cuh)
+        ops.append((2, view["weight_bound"], 8))
+        cols = config.Cg * config.K
+        ops.append(op(kernel("weight_bound"), grid(g.groups * cols), (_THREADS,), (
+            u64(w), i32(g.groups), i32(config.Cog), index(cols), u64(view["weight_bound"]))))
+        gy_bounds = view["bounds"]
+        mask_bounds = gy_bounds + 8 * config.chunk if mask else 0
     layout = kernel("fused_channels_last")
     for start in range(0, g.batch, config.chunk):
         n = min(config.chunk, g.batch - start)
@@ -399,10 +444,24 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
             ops.append(op(layout, (min(blocks, _MAX_GRID),), (_THREADS,), (
                 gy_n, u64(view["gycl"]), i32(n), i32(g.out_channels), i32(config.Cop), index(config.Q),
                 index(gy_bs))))
-            accumulators = (("gxcl", gx), ("goff", g_off), ("gmsk", g_m))
-            for name, target in accumulators:
+            # the accumulators cleared (the deterministic ones' partial sums are stored, not added)
+            cleared = ((("gxq", gx), ("gx_flags", gx), ("bounds", gx)) if config.deterministic else
+                       (("gxcl", gx), ("goff", g_off), ("gmsk", g_m)))
+            for name, target in cleared:
                 if target:
-                    ops.append((2, view[name], config.offsets[name][1] * 4))
+                    _, count, dt = config.offsets[name]
+                    ops.append((2, view[name], count * dt.itemsize))
+            if det:   # the samples' bounds: max |grad_output[b]| and max |mask[b]|
+                bound = kernel("sample_bound")
+                for array, per_sample, bs, bounds in ((gy_n, g.out_channels * config.Q, gy_bs, gy_bounds),
+                                                      (msk_n, config.m_ch * config.Q, msk_bs, mask_bounds)):
+                    if bounds:   # (recorded launches are 1-d: each block walks every sample)
+                        blocks = max(1, min(-(-per_sample // (4 * _THREADS)), 1024))
+                        ops.append(op(bound, (blocks,), (_THREADS,), (
+                            array, index(per_sample), np.int64(bs), i32(n), u64(bounds))))
+            fixed = (u64(view["gxq"]), u64(view["gx_flags"]), u64(view["weight_bound"]), u64(gy_bounds),
+                     at(mask_bounds, 0)) if det else (None,) * 5
+            accumulators = (("gxcl", 0 if config.deterministic else gx), ("goff", g_off), ("gmsk", g_m))
             plan = ("gradient_rows", "gradient_weights", "gradient_slopes", "gradient_masks")
             if config.gradient_plan:
                 ops.append(op(kernel("fused_gradient_plan"), grid(n * config.Q * config.K * config.segments),
@@ -416,17 +475,20 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
                 i32(g.in_channels), i32(config.Cp), i32(config.Cpa), i32(g.out_channels), i32(config.Cop),
                 i32(g.groups), i32(config.Go), i32(config.Gm), i32(config.Cogp), index(off_bs), index(msk_bs),
                 i32(config.seg), *(u64(view[name]) if config.gradient_plan else None for name in plan),
-                i32(config.seg_len)), config.smem_bytes))
+                i32(config.seg_len), *fixed, i32(config.log2_count)), config.smem_bytes))
             if gx:
                 blocks = n * -(-g.in_channels // 64) * -(-config.S // 64)
                 ops.append(op(kernel("fused_channels_first"), (min(blocks, _MAX_GRID),), (_THREADS,), (
-                    u64(view["gxcl"]), at(bias, 0), u64(gx + start * gx_bs * it), i32(n), i32(g.in_channels),
-                    i32(config.Cpa), index(config.S), index(gx_bs))))
-            for name, target, bs, channels in (("goff", g_off, goff_bs, config.off_ch), ("gmsk", g_m, gm_bs, config.m_ch)):
+                    None if det else u64(view["gxcl"]), *fixed, i32(config.log2_count), at(bias, 0),
+                    u64(gx + start * gx_bs * it), i32(n), i32(g.in_channels), i32(config.Cpa), index(config.S),
+                    index(gx_bs))))
+            for name, target, bs, channels, slots in (("goff", g_off, goff_bs, config.off_ch, config.slots[0]),
+                                                      ("gmsk", g_m, gm_bs, config.m_ch, config.slots[1])):
                 if target:
                     per_sample = channels * config.Q
                     ops.append(op(kernel("fused_store"), grid(n * per_sample), (_THREADS,), (
-                        u64(view[name]), u64(target + start * bs * it), i32(n), index(per_sample), index(bs))))
+                        u64(view[name]), u64(target + start * bs * it), i32(n), index(per_sample), index(bs),
+                        i32(slots))))
         if gw:
             pp = _fused._round_up(n * config.Q, _VEC[config.dtype])
             ops.append(op(kernel("fused_position_rows"), grid(g.out_channels * pp), (_THREADS,), (
@@ -609,8 +671,6 @@ class FusedBackwardBackend:
         dtype = np.dtype(spec.dtype)
         if dtype not in SERVED_DTYPES:
             return f"cuda/fused-backward serves float16, bfloat16 and float32; {dtype} stays on cuda/im2col"
-        if spec.deterministic:
-            return "its scatter adds with floating-point atomics, whose order (and so rounding) varies from run to run"
         reason = unsupported(spec.geom, dtype)
         if reason is not None:
             return reason
@@ -648,10 +708,14 @@ class FusedBackwardBackend:
             config = BackwardConfig(spec.geom, spec.dtype, bool(spec.allow_tf32),
                                     multiprocessors=_fused._multiprocessors(),
                                     fused_weight=fused_weight_choice(spec.geom, spec.dtype, spec.allow_tf32,
-                                                                     getattr(spec, "transposed", False)))
-            for name in ("fused_weight_columns", "fused_channels_last", "fused_channels_first", "fused_store",
-                         "fused_position_rows", "fused_weight_sum", "fused_sampling_plan", "fused_gradient_plan",
-                         "data", "weight"):
+                                                                     getattr(spec, "transposed", False)),
+                                    deterministic=spec.deterministic)
+            names = ["fused_weight_columns", "fused_channels_last", "fused_channels_first", "fused_store",
+                     "fused_position_rows", "fused_weight_sum", "fused_sampling_plan", "fused_gradient_plan",
+                     "data", "weight"]
+            if config.deterministic:
+                names += ["weight_bound", "sample_bound"]
+            for name in names:
                 config.kernel(name)   # compile now, never during a CUDA-graph capture
             weight = None if config.fused_weight else _cuda._Backward(spec)
         return FusedBackward(config, weight)
