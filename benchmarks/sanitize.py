@@ -19,7 +19,7 @@ without the sampling plan, every precision, N = 1, 2, 3, poisoned offsets, parti
 one-sample chunks and the 64-bit instantiation, checked against the reference; then the fused
 backward (cuda/fused-backward, ``fused_backward_cases``: every gradient of conv and transposed
 conv, every data and weight tile, the weight gradient with and without its sampling plan,
-one-sample chunks, 64-bit indices). ``--fused-only`` runs just the fused cases (for
+deterministic plans (the fixed-point scatter), one-sample chunks, 64-bit indices). ``--fused-only`` runs just the fused cases (for
 racecheck; ``--fused-quick`` fewer of them); ``--robustness-only`` just the degenerate-shape
 and non-finite cases.
 Without a CUDA device (or CuPy) it says so and exits with status 0.
@@ -233,15 +233,15 @@ def fused_cases(quick: bool = False) -> int:
 def fused_backward_cases(quick: bool = False) -> int:
     """cuda/fused-backward (forced through plans): every gradient of conv and transposed conv
     (its forward is this backward's input gradient), N = 1, 2, 3, every precision, poisoned
-    offsets; the weight gradient with and without its sampling plan; every data and weight
-    tile; one-sample chunks and the 64-bit instantiation;
+    offsets; the weight gradient with and without its sampling plan; deterministic plans; every
+    data and weight tile; one-sample chunks and the 64-bit instantiation;
     checked against the float64 reference of the rounded inputs."""
     from dcn_cupy import reference
     from dcn_cupy._backends import cuda_fused_backward as fb
     tol = {np.dtype(np.float32): 5e-3, np.dtype(np.float16): 5e-3, BFLOAT16: 4e-2}
     count = 0
 
-    def run(case, dtype, allow_tf32, tile=None, weight_tile=None, sampling_plan=None):
+    def run(case, dtype, allow_tf32, tile=None, weight_tile=None, sampling_plan=None, deterministic=False):
         dtype = np.dtype(dtype)
         arrays = _poisoned(case.arrays_)
         with np.errstate(over="ignore"):
@@ -255,7 +255,7 @@ def fused_backward_cases(quick: bool = False) -> int:
                 fb.WEIGHT_TILES = dict(saved[1], **{key: (weight_tile,)})
             fb.SAMPLING_PLAN = sampling_plan
             p = dcn_cupy.plan(*(gpu[k] for k in ARGUMENTS), **case.params, transposed=case.transposed,
-                              algorithm="cuda/fused-backward", allow_tf32=allow_tf32)
+                              algorithm="cuda/fused-backward", allow_tf32=allow_tf32, deterministic=deterministic)
         finally:
             fb.TILES, fb.WEIGHT_TILES, fb.SAMPLING_PLAN = saved
         assert "backward: cuda/fused-backward" in p.algorithm or case.transposed, p.algorithm
@@ -289,6 +289,11 @@ def fused_backward_cases(quick: bool = False) -> int:
             for sampling_plan in (True, False):
                 run(case, np.float16, False, sampling_plan=sampling_plan)
                 count += 1
+            # deterministic: the fixed-point scatter and the per-segment partial sums
+            for dtype, tf32 in ((np.float16, False),) if quick else ((np.float16, False), (np.float32, True),
+                                                                     (np.float32, False)):
+                run(case, dtype, tf32, deterministic=True)
+                count += 1
     rng = np.random.default_rng(1999)
     case = random_case(rng, 2, False, batch=2, channels_scale=16)
     for dtype, key in ((np.float16, "half"), (np.float32, "float")):
@@ -305,7 +310,8 @@ def fused_backward_cases(quick: bool = False) -> int:
             case = random_case(rng, ndim, False, batch=3, channels_scale=16)
             run(case, np.float16, False)
             run(case, np.float32, False)
-            count += 2
+            run(case, np.float16, False, deterministic=True)
+            count += 3
     finally:
         fb._fused.WORKSPACE_LIMIT_BYTES, fb._INT32_SAFE = limit, safe
     return count

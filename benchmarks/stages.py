@@ -1,7 +1,7 @@
 """Time the CUDA algorithms whole, through plans, and the stages of their executables alone (for NOTES-gpu.md).
 
     python benchmarks/stages.py [--shape 8,256,56] [--dtypes float16,float32] [--ndim 2] [--tf32] [--fused]
-                                [--fused-backward] [--sampling-plan auto|on|off]
+                                [--fused-backward] [--sampling-plan auto|on|off] [--deterministic]
 
 Prints, per dtype: for each distinct plan (``dcn_cupy.plan`` with the automatic choice, which
 takes cuda/fused for float16/bfloat16; forced ``algorithm="cuda/im2col"`` and
@@ -14,7 +14,8 @@ fused forward ("cuda/fused", ``--fused`` alone skips the rest): the whole forwar
 channels-last copy, its weight re-layout and the fused kernel alone for each tile height, with
 TFLOP/s (2 * C_out * C_in * K * B * Q over the time); then the fused backward
 ("cuda/fused-backward", ``--fused-backward`` alone skips the rest): whole, its parts, its two
-kernels alone and the weight gradient's sampling plan (``--sampling-plan on|off`` forces it).
+kernels alone and the weight gradient's sampling plan (``--sampling-plan on|off`` forces it;
+``--deterministic``: its deterministic configuration, against cuda/im2col-deterministic).
 TF32 GEMMs only with ``--tf32``.
 """
 
@@ -46,6 +47,8 @@ def main(argv=None):
     parser.add_argument("--tiles", default="", help="extra fused tiles to time, 'BM,BN,BK,MINB,ENGINE;...'")
     parser.add_argument("--sampling-plan", choices=("auto", "on", "off"), default="auto",
                         help="the fused weight gradient's corners from a sampling plan: the rule, forced on or off")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="the fused backward's deterministic configuration (fixed-point scatter)")
     args = parser.parse_args(argv)
     B, C, H = (int(v) for v in args.shape.split(","))
     names = [name for name in args.dtypes.split(",") if name]
@@ -81,7 +84,7 @@ def main(argv=None):
                 if args.fused:
                     fused_stages(x, w, off, msk, geom, name, t, extra)
                 if args.fused_backward:
-                    fused_backward_stages(x, w, off, msk, gy, geom, name, t)
+                    fused_backward_stages(x, w, off, msk, gy, geom, name, t, args.deterministic)
             continue
         print(f"== {name}: B={B} C={C}->{C} {'x'.join([str(H)] * n)} 3^{n}, offset+mask, "
               f"{'TF32' if args.tf32 and np.dtype(dtype) == np.float32 else 'no TF32'}, {device}", flush=True)
@@ -89,7 +92,7 @@ def main(argv=None):
         im2col_stages(x, w, off, msk, gy, geom, t, args.tf32)
         if np.dtype(dtype) != np.float64:
             fused_stages(x, w, off, msk, geom, name, t, extra)
-            fused_backward_stages(x, w, off, msk, gy, geom, name, t)
+            fused_backward_stages(x, w, off, msk, gy, geom, name, t, args.deterministic)
         cupy.get_default_memory_pool().free_all_blocks()
     return 0
 
@@ -295,25 +298,29 @@ def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
                       flush=True)
 
 
-def fused_backward_stages(x, w, off, msk, gy, geom, name, t):
+def fused_backward_stages(x, w, off, msk, gy, geom, name, t, deterministic=False):
     """Time the fused backward (cuda/fused-backward) whole, with its own weight gradient and with
     cuda/im2col's, then its parts as calls (each with its layout copies: the input gradient
     alone, the offset and mask gradients, the weight gradient) and its two kernels alone, every
-    precision of the dtype, with TFLOP/s of each GEMM's work (2 * C_out * C_in/G * K * B * Q)."""
+    precision of the dtype, with TFLOP/s of each GEMM's work (2 * C_out * C_in/G * K * B * Q).
+    ``deterministic``: its deterministic configuration, cuda/im2col-deterministic's backward
+    beside it."""
     import cupy
-    from dcn_cupy._backends import PlanSpec, cuda as be, cuda_fused_backward as fb
+    from dcn_cupy._backends import PlanSpec, cuda as be, cuda_deterministic, cuda_fused_backward as fb
     flop = 2.0 * geom.out_channels * geom.in_channels_per_group * geom.kernel_volume * geom.batch * geom.output_size
-    print(f"== fused backward, {name}: x {x.shape}, w {w.shape}, {_device_name()}")
+    print(f"== fused backward{' (deterministic)' if deterministic else ''}, {name}: x {x.shape}, w {w.shape}, "
+          f"{_device_name()}")
     grads = {"input": cupy.empty_like(x), "weight": cupy.empty_like(w), "offset": cupy.empty_like(off),
              "mask": cupy.empty_like(msk)}
     args = {"grad_output": gy, "input": x, "weight": w, "offset": off, "mask": msk, "bias": None}
     sms = fb._fused._multiprocessors()
     for allow_tf32 in ((True, False) if np.dtype(x.dtype) == np.float32 else (False,)):
-        own = fb.BackwardConfig(geom, x.dtype, allow_tf32, multiprocessors=sms)
+        own = fb.BackwardConfig(geom, x.dtype, allow_tf32, multiprocessors=sms, deterministic=deterministic)
         print(f"  {own.description}")
-        im2col = be._Backward(PlanSpec(geom, np.dtype(x.dtype), "cuda", cupy.cuda.runtime.getDevice(), False,
-                                       allow_tf32))
-        through = fb.BackwardConfig(geom, x.dtype, allow_tf32, multiprocessors=sms, fused_weight=False)
+        spec = PlanSpec(geom, np.dtype(x.dtype), "cuda", cupy.cuda.runtime.getDevice(), deterministic, allow_tf32)
+        im2col = (cuda_deterministic._DeterministicBackward if deterministic else be._Backward)(spec)
+        through = fb.BackwardConfig(geom, x.dtype, allow_tf32, multiprocessors=sms, fused_weight=False,
+                                    deterministic=deterministic)
         ws = cupy.empty(max(own.workspace_bytes, through.workspace_bytes, im2col.workspace_bytes), dtype=np.uint8)
 
         def call(config, wanted, weight=None):
@@ -323,7 +330,8 @@ def fused_backward_stages(x, w, off, msk, gy, geom, name, t):
         every = ("input", "weight", "offset", "mask")
         rows = [("whole backward, weight gradient fused", call(own, every)) if own.fused_weight else None,
                 ("whole backward, weight through cuda/im2col", call(through, every, im2col)),
-                ("cuda/im2col's whole backward", lambda: im2col.run(dict(args, wanted=frozenset(every)), grads, ws)),
+                (f"{'cuda/im2col-deterministic' if deterministic else 'cuda/im2col'}'s whole backward",
+                 lambda: im2col.run(dict(args, wanted=frozenset(every)), grads, ws)),
                 ("input gradient alone", call(through, ("input",))),
                 ("offset and mask gradients", call(through, ("offset", "mask"))),
                 ("weight gradient, fused", call(own, ("weight",))) if own.fused_weight else None]
@@ -349,12 +357,15 @@ def fused_backward_stages(x, w, off, msk, gy, geom, name, t):
                 i32(own.seg_len), i32(own.segments), index(fb._fused._batch_stride(off)),
                 index(fb._fused._batch_stride(msk)))), 4)
             print(f"  {'plan of the data gradients':<44} {ms:8.3f} ms  ({entries} entries)")
+        # the deterministic accumulator, flags and bounds (the bounds as the whole call left them)
+        fixed = ((view("gxq"), view("gx_flags"), view("weight_bound"), view("bounds"), view("bounds")[own.chunk:])
+                 if deterministic else (None,) * 5)
         ms = t(lambda: data((own.blocks(n),), (256,), (
-            view("gycl"), view("wt"), view("xcl"), off, msk, view("gxcl"), view("goff"), view("gmsk"), own.struct,
-            i32(n), i32(geom.in_channels), i32(own.Cp), i32(own.Cpa), i32(geom.out_channels), i32(own.Cop),
-            i32(geom.groups), i32(own.Go), i32(own.Gm), i32(own.Cogp), index(fb._fused._batch_stride(off)),
-            index(fb._fused._batch_stride(msk)), i32(own.seg), *gradient_plan, i32(own.seg_len)),
-            shared_mem=own.smem_bytes), 4)
+            view("gycl"), view("wt"), view("xcl"), off, msk, None if deterministic else view("gxcl"), view("goff"),
+            view("gmsk"), own.struct, i32(n), i32(geom.in_channels), i32(own.Cp), i32(own.Cpa),
+            i32(geom.out_channels), i32(own.Cop), i32(geom.groups), i32(own.Go), i32(own.Gm), i32(own.Cogp),
+            index(fb._fused._batch_stride(off)), index(fb._fused._batch_stride(msk)), i32(own.seg), *gradient_plan,
+            i32(own.seg_len), *fixed, i32(own.log2_count)), shared_mem=own.smem_bytes), 4)
         print(f"  {'data-gradient kernel alone, tile %dx%dx%d' % own.tile[:3]:<44} {ms:8.3f} ms  "
               f"{flop / ms / 1e9:7.1f} TFLOP/s ({own.blocks(n)} blocks, {fb._fused.num_registers(data)} regs)")
         if own.fused_weight:
