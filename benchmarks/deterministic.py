@@ -17,15 +17,18 @@ Precisions: fp32 (strict, no TF32), fp16 and bf16.
 Usage: ``python benchmarks/deterministic.py [--quick]`` (without a CUDA device it says so and
 exits with status 0).
 
-Measured on one NVIDIA H200 (2026-11-26, CuPy 14.2, CUDA 13), ms:
+Measured on one NVIDIA H200 (2026-11-26, session 7, CuPy 14.2, CUDA 13, ``--quick``), ms:
 
-    prec  what                 default  determ.  ratio  bitwise(det/default)
-    fp32  backward               3.179    3.766   1.18  True/False
-    fp32  backward input         1.856    2.293   1.24  True/False
-    fp32  transposed forward     1.879    2.291   1.22  True/False
-    fp16  backward               2.182    2.547   1.17  True/False
-    fp16  backward input         1.229    1.610   1.31  True/False
-    fp16  transposed forward     1.184    1.547   1.31  True/False
+    prec  what                 default  determ.  ratio im2col-det
+    fp32  backward               3.116    3.723   1.19      4.662
+    fp32  backward input         1.631    1.998   1.23      2.299
+    fp32  transposed forward     1.751    2.266   1.29      2.276
+    fp16  backward               0.947    1.331   1.41      2.670
+    fp16  backward input         0.425    0.774   1.82      1.612
+    fp16  transposed forward     0.427    0.776   1.82      1.598
+    bf16  backward               0.939    1.363   1.45      2.631
+    bf16  backward input         0.441    0.780   1.77      1.672
+    bf16  transposed forward     0.416    0.790   1.90      1.618
 """
 
 from __future__ import annotations

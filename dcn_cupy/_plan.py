@@ -697,9 +697,11 @@ def plan(input, weight, offset=None, mask=None, bias=None, stride=1, padding=0, 
             (``output_padding`` only with ``transposed=True``).
         transposed (bool): plan the transposed convolution. Default: False.
         deterministic (bool): only algorithms whose results are bitwise identical from run to
-            run. On CUDA the backward (and the transposed forward) then use
-            ``cuda/im2col-deterministic`` (64-bit fixed-point scatter); the CPU backend is
-            deterministic as it is. Default: False.
+            run. On CUDA the backward (and the transposed forward) then add the input gradient
+            in 64-bit fixed point: ``cuda/fused-backward``'s deterministic kernels where the
+            fused backward measured faster than ``cuda/im2col``, else
+            ``cuda/im2col-deterministic``; the CPU backend is deterministic as it is.
+            Default: False.
         device (str, optional): ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; read off the arrays when
             they are arrays, default ``"cpu"`` for specs.
         algorithm (str, optional): force an algorithm, e.g. ``"cuda/im2col"`` or ``"cpu/numba"``
