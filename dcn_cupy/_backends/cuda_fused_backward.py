@@ -703,7 +703,8 @@ class FusedBackwardBackend:
         """None where the automatic choice should take it; else why not: cuda/im2col measured
         faster on one batch chunk of the configuration, used as the plan uses it: every gradient
         in one call, or split as a transposed convolution's (without a measurement, the fused
-        one)."""
+        one). Deterministic plans follow the same measurement (the default mode's); where it
+        says cuda/im2col, cuda/im2col-deterministic serves them."""
         try:
             with cupy.cuda.Device(spec.device_id):
                 timed = fused_versus_im2col(spec.geom, spec.dtype, bool(spec.allow_tf32))
