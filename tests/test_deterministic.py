@@ -2,8 +2,9 @@
 
 CPU (no GPU needed): the deterministic module compiles through NVRTC (skipped without CuPy,
 NVRTC or the CUDA headers unless ``DCN_CUPY_REQUIRE_NVRTC`` is set), the backend registry
-picks ``cuda/im2col-deterministic`` exactly for deterministic CUDA backwards, and the CPU
-backend accepts ``deterministic=True`` and is bitwise repeatable at any thread count.
+picks ``cuda/im2col-deterministic`` exactly for deterministic CUDA backwards that
+cuda/fused-backward does not take, and the CPU backend accepts ``deterministic=True`` and is
+bitwise repeatable at any thread count.
 
 GPU (``@pytest.mark.gpu``): inputs whose offsets pull every tap of every position onto a few
 input points (hundreds of contributions collide on each of their corners, in the shared-memory
@@ -14,7 +15,10 @@ gradients against the default CUDA backward in float64, itself validated against
 reference in test_cuda.py) for
 N = 1, 2, 3, conv and transposed, every ``wrt`` subset, float16/bfloat16/float32/float64.
 Tolerances as in test_cuda.py (float64 1e-10, float32 1e-4 relative in norm, half types
-against float64 gradients of the same rounded inputs).
+against float64 gradients of the same rounded inputs). Then cuda/fused-backward's deterministic
+kernels on colliding inputs with its channel constraints: bitwise equal over runs, both data
+tiles, the sampling plans on and off and one-sample chunks; non-finite contributions; the
+automatic choice between it and cuda/im2col-deterministic.
 """
 
 from __future__ import annotations
