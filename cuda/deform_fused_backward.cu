@@ -207,28 +207,17 @@ __global__ void fused_gradient_plan(const T* __restrict__ offset, const T* __res
                                     const int offset_groups, const int mask_groups, const int seg_len,
                                     const int segments, const I offset_bstride, const I mask_bstride) {
     constexpr int NC = 1 << N;
-    const I Q = dcn::prod_size<N, I>(g.out_size);
-    const I S = dcn::prod_size<N, I>(g.in_size);
-    const int K = (int)dcn::prod_size<N, I>(g.ksize);
-    const I BQ = (I)batch * Q;
-    const int per_go = offset == nullptr ? channels : channels / offset_groups;
-    const int per_gm = mask == nullptr ? channels : channels / mask_groups;
-    const I total = BQ * K * segments;
-    for (I e = dcn::global_thread_index<I>(); e < total; e += dcn::global_thread_stride<I>()) {
-        I p;
-        int t, c0;
-        fused::plan_entry(e, BQ, K, seg_len, p, t, c0);
-        const I b = p / Q;
-        const I q = p % Q;
-        int qc[N], tc[N];
-        dcn::unravel<N, I>(q, g.out_size, qc);
+    const fused::PlanEntries<I, N> pe(g, batch, channels, offset != nullptr, offset_groups, mask != nullptr,
+                                      mask_groups, seg_len, segments);
+    for (I e = dcn::global_thread_index<I>(); e < pe.total; e += dcn::global_thread_stride<I>()) {
+        I b, q;
+        int qc[N], t, go, gm, tc[N];
+        pe.decode(e, g, b, q, qc, t, go, gm);
         dcn::unravel<N, int>(t, g.ksize, tc);
         // as the data kernel's epilogue (deform_fused_backward_data, PLAN false)
         float pos[N];
-        masks[e] = fused_bwd::sampling_position(g, qc, tc, offset, mask, b, q, Q, K, t,
-                                                per_go >= channels ? 0 : c0 / per_go,
-                                                per_gm >= channels ? 0 : c0 / per_gm, offset_bstride,
-                                                mask_bstride, pos);
+        masks[e] = fused_bwd::sampling_position(g, qc, tc, offset, mask, b, q, pe.Q, pe.K, t, go, gm,
+                                                offset_bstride, mask_bstride, pos);
         dcn::Corners<float, I, N> cr;
         cr.compute(pos, g.in_size);
         // (a corner off the grid, or of a position that samples 0, has weight and slopes 0)
@@ -236,7 +225,7 @@ __global__ void fused_gradient_plan(const T* __restrict__ offset, const T* __res
         float slope[NC * N];
 #pragma unroll
         for (int k = 0; k < NC; ++k) {
-            row[k] = cr.ok[k] ? (I)b * S + cr.index[k] : (I)-1;
+            row[k] = cr.ok[k] ? b * pe.S + cr.index[k] : (I)-1;
 #pragma unroll
             for (int a = 0; a < N; ++a) slope[k * N + a] = cr.dweight[k][a];
         }

@@ -384,15 +384,42 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, co
     }
 }
 
-// Entry e of a plan over (segment j, tap t, position p), e = (j * K + t) * BQ + p: its position,
-// its tap and the first channel of its segment (seg_len channels each).
-template <typename I>
-__device__ __forceinline__ void plan_entry(I e, I BQ, int K, int seg_len, I& p, int& t, int& c0) {
-    p = e % BQ;
-    const I jt = e / BQ;
-    t = (int)(jt % K);
-    c0 = (int)(jt / K) * seg_len;
-}
+// The entries of a plan over (segment j, tap t, position p = b*Q + q), e = (j * K + t) * BQ + p,
+// for a batch chunk of `batch` samples and segments of seg_len channels (one offset group and one
+// mask group each), and the decoding of one entry.
+template <typename I, int N>
+struct PlanEntries {
+    I Q, S, BQ, total;
+    int K, seg_len, per_go, per_gm, channels;
+
+    __device__ __forceinline__ PlanEntries(const Geom<N>& g, int batch, int channels_, bool offset,
+                                           int offset_groups, bool mask, int mask_groups, int seg_len_,
+                                           int segments)
+        : seg_len(seg_len_), channels(channels_) {
+        Q = dcn::prod_size<N, I>(g.out_size);
+        S = dcn::prod_size<N, I>(g.in_size);
+        K = (int)dcn::prod_size<N, I>(g.ksize);
+        BQ = (I)batch * Q;
+        per_go = offset ? channels / offset_groups : channels;
+        per_gm = mask ? channels / mask_groups : channels;
+        total = BQ * K * segments;
+    }
+
+    // Entry e: its sample b, position q (coordinates qc), tap t, and its segment's offset group
+    // go and mask group gm.
+    __device__ __forceinline__ void decode(I e, const Geom<N>& g, I& b, I& q, int (&qc)[N], int& t, int& go,
+                                           int& gm) const {
+        const I p = e % BQ;
+        const I jt = e / BQ;
+        t = (int)(jt % K);
+        const int c0 = (int)(jt / K) * seg_len;
+        b = p / Q;
+        q = p % Q;
+        dcn::unravel<N, I>(q, g.out_size, qc);
+        go = per_go >= channels ? 0 : c0 / per_go;
+        gm = per_gm >= channels ? 0 : c0 / per_gm;
+    }
+};
 
 }  // namespace fused
 
@@ -458,27 +485,17 @@ __global__ void fused_sampling_plan(const T* __restrict__ offset, const T* __res
                                     const int seg_len, const int segments, const I offset_bstride,
                                     const I mask_bstride) {
     constexpr int NC = 1 << N;
-    const I Q = dcn::prod_size<N, I>(g.out_size);
-    const I S = dcn::prod_size<N, I>(g.in_size);
-    const int K = (int)dcn::prod_size<N, I>(g.ksize);
-    const I BQ = (I)batch * Q;
-    const I zero_row = (I)batch * S;
-    const int per_go = offset == nullptr ? channels : channels / offset_groups;
-    const int per_gm = mask == nullptr ? channels : channels / mask_groups;
-    const I total = BQ * K * segments;
-    for (I e = dcn::global_thread_index<I>(); e < total; e += dcn::global_thread_stride<I>()) {
-        I p;
-        int t, c0;
-        fused::plan_entry(e, BQ, K, seg_len, p, t, c0);
-        const I b = p / Q;
-        const I q = p % Q;
-        int qc[N];
-        dcn::unravel<N, I>(q, g.out_size, qc);
+    const fused::PlanEntries<I, N> pe(g, batch, channels, offset != nullptr, offset_groups, mask != nullptr,
+                                      mask_groups, seg_len, segments);
+    const I zero_row = (I)batch * pe.S;
+    for (I e = dcn::global_thread_index<I>(); e < pe.total; e += dcn::global_thread_stride<I>()) {
+        I b, q;
+        int qc[N], t, go, gm;
+        pe.decode(e, g, b, q, qc, t, go, gm);
         fused::Sampler<I, N> smp;
         smp.reset();
-        smp.update(t, per_go >= channels ? 0 : c0 / per_go, per_gm >= channels ? 0 : c0 / per_gm, true, g, qc,
-                   offset == nullptr ? nullptr : offset + b * offset_bstride + q,
-                   mask == nullptr ? nullptr : mask + b * mask_bstride + q, K, Q, b * S);
+        smp.update(t, go, gm, true, g, qc, offset == nullptr ? nullptr : offset + b * offset_bstride + q,
+                   mask == nullptr ? nullptr : mask + b * mask_bstride + q, pe.K, pe.Q, b * pe.S);
         I row[NC];
 #pragma unroll
         for (int c = 0; c < NC; ++c) row[c] = smp.row[c] >= 0 ? smp.row[c] : zero_row;
