@@ -20,7 +20,9 @@ one-sample chunks and the 64-bit instantiation, checked against the reference; t
 backward (cuda/fused-backward, ``fused_backward_cases``: every gradient of conv and transposed
 conv, every data and weight tile, the weight gradient with and without its sampling plan,
 deterministic plans (the fixed-point scatter), one-sample chunks, 64-bit indices). ``--fused-only`` runs just the fused cases (for
-racecheck; ``--fused-quick`` fewer of them); ``--robustness-only`` just the degenerate-shape
+racecheck; ``--fused-quick`` fewer of them); ``--columns-only`` just cuda/im2col's channels-last
+column sampler (half types, 1D/2D, channels per group multiples of 8: conv and transposed,
+poisoned offsets, one-sample chunks, 64-bit); ``--robustness-only`` just the degenerate-shape
 and non-finite cases.
 Without a CUDA device (or CuPy) it says so and exits with status 0.
 """
@@ -102,11 +104,12 @@ def _spec_of(case, dtype):
     return PlanSpec(geom, np.dtype(dtype), "cuda", cupy.cuda.runtime.getDevice(), False, False)
 
 
-def smallest_limit(case, dtype, backward: str):
+def smallest_limit(case, dtype, backward: str, whole_samples: bool = False):
     """A workspace limit (dcn_cupy._backends.cuda.WORKSPACE_LIMIT_BYTES) just large enough for
     ``backward``'s conv_backward of ``case`` and, where the plan's forward is cuda/im2col's, that
     forward (bisection on building them; the limit 1 would refuse them with a MemoryError), and
-    whether either runs chunks of rows within a sample there."""
+    whether either runs chunks of rows within a sample there (``whole_samples``: the smallest
+    limit that needs none: one-sample chunks)."""
     from dcn_cupy._backends import backend_named
     spec = _spec_of(case, dtype)
     builders = [(backward, "conv_backward")]
@@ -116,9 +119,10 @@ def smallest_limit(case, dtype, backward: str):
     def build(limit):
         with _settings(WORKSPACE_LIMIT_BYTES=limit):
             try:
-                return [backend_named(name).build(spec, primitive) for name, primitive in builders]
+                built = [backend_named(name).build(spec, primitive) for name, primitive in builders]
             except MemoryError:
                 return None
+            return None if whole_samples and any(c.rows for e in built for c in e.chunks) else built
 
     lo, hi = 1, 1 << 12
     while build(hi) is None:
@@ -155,6 +159,24 @@ def edge_case():
     y = dcn_cupy.deform_conv2d(x, w, cupy.asarray(off))
     dcn_cupy.deform_conv2d_backward(cupy.ones(y.shape), x, w, cupy.asarray(off))
     cupy.cuda.Device().synchronize()
+
+
+def columns_cases() -> int:
+    """cuda/im2col's channels-last column sampler (the half types in 1D and 2D, channels per
+    group multiples of 8): conv and transposed, poisoned offsets, one-sample chunks, 64-bit."""
+    count = 0
+    for ndim, transposed in itertools.product((1, 2), (False, True)):
+        rng = np.random.default_rng(990 + 10 * ndim + transposed)
+        case = random_case(rng, ndim, transposed, batch=3, channels_scale=8)
+        for dtype in (np.float16, BFLOAT16):
+            with use_algorithm("cuda/im2col"):
+                run_case(case, dtype, poison=False)
+                run_case(case, dtype, poison=True)
+            limit, _ = smallest_limit(case, dtype, "cuda/im2col", whole_samples=True)
+            with _settings(_INT32_SAFE=0, WORKSPACE_LIMIT_BYTES=limit), use_algorithm("cuda/im2col"):
+                run_case(case, dtype, poison=True)
+            count += 3
+    return count
 
 
 def fused_cases(quick: bool = False) -> int:
@@ -328,6 +350,9 @@ def main() -> int:
         count += fused_backward_cases(quick="--fused-quick" in sys.argv)
         print(f"SANITIZE RUN OK: {count} fused cases")
         return 0
+    if "--columns-only" in sys.argv:
+        print(f"SANITIZE RUN OK: {columns_cases()} channels-last column cases")
+        return 0
     if "--robustness-only" in sys.argv:  # degenerate shapes and non-finite inputs (issue 11)
         count = robustness_cases()
         print(f"SANITIZE RUN OK: {count} robustness cases")
@@ -376,6 +401,7 @@ def main() -> int:
                 count += 3
     edge_case()
     count += 1
+    count += columns_cases()
     count += fused_cases()
     count += fused_backward_cases()
     count += robustness_cases()

@@ -176,7 +176,7 @@ def im2col_stages(x, w, off, msk, gy, geom, t, allow_tf32):
 
     def f_im2col():
         for c, q, xs, os_, ms, cols, _, _ in fwd_chunks:
-            fx._launch(c.kernels["im2col"], C * q, (xs, os_, ms, cols, c.struct, c.i_n, fx.i_C, fx.i_Go, fx.i_Gm))
+            fx._sample_columns(fws, c, xs, os_, ms, cols)
 
     def f_gemm():
         handle = fx._cublas(fws)
@@ -193,7 +193,7 @@ def im2col_stages(x, w, off, msk, gy, geom, t, allow_tf32):
 
     def b_im2col():
         for c, q, xs, os_, ms, _, _, cols, *_ in bwd_chunks:
-            bx._launch(c.kernels["im2col"], C * q, (xs, os_, ms, cols, c.struct, c.i_n, bx.i_C, bx.i_Go, bx.i_Gm))
+            bx._sample_columns(bws, c, xs, os_, ms, cols)
 
     def b_gemm_weight():
         handle = bx._cublas(bws)
@@ -219,11 +219,11 @@ def im2col_stages(x, w, off, msk, gy, geom, t, allow_tf32):
     b_to_columns()
     b_im2col()    # the columns the weight GEMM reads
     stages = {
-        "forward: im2col": t(f_im2col),
+        f"forward: im2col{' (channels-last copy + fused_columns)' if fx.channels_last else ''}": t(f_im2col),
         "forward: gemm W@cols": t(f_gemm),
         "forward: layout (columns_to_batch)": t(f_layout),
         "backward: batch_to_columns": t(b_to_columns),
-        "backward: im2col": t(b_im2col),
+        f"backward: im2col{' (channels-last copy + fused_columns)' if bx.channels_last else ''}": t(b_im2col),
         "backward: gemm gy@cols^T (weight)": t(b_gemm_weight),
         "backward: gemm W^T@gy (column grads)": t(b_gemm_cgrad),
         "backward: col2im (tiled)": t(b_col2im),

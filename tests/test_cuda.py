@@ -117,6 +117,57 @@ def test_half_types(ndim, transposed, dtype):
         assert err < HALF_GRAD_TOL[dtype], f"{name}: {err} {case.label}"
 
 
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])
+@pytest.mark.parametrize("ndim", [1, 2])
+def test_channels_last_columns(ndim, transposed, dtype, monkeypatch):
+    """cuda/im2col's columns of the half types from the channels-last sampler
+    (``CHANNELS_LAST_COLUMNS``) against deform_im2col's and the float64 reference: forward and
+    every gradient, with conv groups and offset groups != mask groups (channels per group
+    multiples of 8), in one chunk, in chunks of samples, and with 64-bit indices."""
+    cuda = cuda_backend()
+    dtype = np.dtype(dtype)
+    rng = np.random.default_rng(61 + ndim + 2 * transposed)
+    case = random_case(rng, ndim, transposed, batch=5, channels_scale=8)
+    arrays = case.arrays(to_gpu(dtype))
+    ref_arrays = rounded(case, dtype)
+    expected = case.reference(ref_arrays)
+    grad_output = cupy.asarray(rng.standard_normal(expected.shape).astype(dtype))
+    exact = case.backward(grad_output.astype(np.float64),
+                          **{k: None if a is None else cupy.asarray(a) for k, a in ref_arrays.items()},
+                          **case.params)
+
+    def run(channels_last, limit=cuda.WORKSPACE_LIMIT_BYTES, int32_safe=cuda._INT32_SAFE):
+        monkeypatch.setattr(cuda, "CHANNELS_LAST_COLUMNS", channels_last)
+        monkeypatch.setattr(cuda, "WORKSPACE_LIMIT_BYTES", limit)
+        monkeypatch.setattr(cuda, "_INT32_SAFE", int32_safe)
+        p = dcn_cupy.plan(**arrays, **case.params, transposed=transposed, algorithm="cuda/im2col")
+        return str(p), p.forward(**arrays), p.backward(grad_output, **arrays)
+
+    described, y_old, g_old = run(False)
+    assert "channels-last copy" not in described, described
+    described, y_one, g_one = run(True)
+    assert "channels-last copy" in described and "of up to 5 sample(s)" in described, described
+    results = [(y_one, g_one), run(True, int32_safe=0)[1:]]
+    for limit in sorted({int(2**20 * 0.8**i) // 256 * 256 for i in range(40)}, reverse=True):
+        described, *result = run(True, limit=limit)   # the largest limit that splits the batch
+        if "channels-last copy" in described and ("up to 1 sample(s)" in described
+                                                   or "up to 2 sample(s)" in described):
+            results.append(result)
+            break
+    assert len(results) == 3, "no workspace limit gave chunks of samples with the channels-last sampler"
+    for y, g in [(y_old, g_old)] + results:
+        assert relative_error(host(y), expected) < HALF_TOL[dtype], case.label
+        assert relative_error(host(y), host(y_old)) < HALF_TOL[dtype], case.label
+        for name in ARGUMENTS:
+            got = getattr(g, name)
+            assert got.dtype == dtype, name
+            err = relative_error(host(got), host(getattr(exact, name)))
+            assert err < HALF_GRAD_TOL[dtype], f"{name}: {err} {case.label}"
+    # 64-bit indices: the same columns, the same GEMMs
+    assert relative_error(host(results[1][1].weight), host(g_one.weight)) < 1e-12
+
+
 @pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])
 @pytest.mark.parametrize("ndim", [1, 2, 3])
 @pytest.mark.parametrize("seed", range(3))

@@ -100,6 +100,7 @@ class _DeterministicBackward(_cuda._Backward):
 
     def __init__(self, spec):
         _cuda._Executable.__init__(self, spec)
+        self.channels_last = False     # its columns through deform_im2col (no channels-last copy here)
         it, acc = self.dtype.itemsize, self.acc.itemsize
         geom = self.geom
         self.off_ch = geom.offset_groups * self.K * geom.ndim

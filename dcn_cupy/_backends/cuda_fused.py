@@ -165,7 +165,8 @@ def name_expressions(dtype, ndim: int, index64: bool, engine: int = 0) -> tuple:
              if tile[4] == engine and not (engine == 1 and prec == 2)
              and (uniform or tile == _per_channel_tile(dtype, engine)) and pipeline_depth(dtype, ndim, tile)
              and not (plan and (not uniform or engine == 2))]
-    names += [f"fused_channels_last<{t}, {i}>", f"fused_weight_rows<{t}, {i}>", f"fused_sampling_plan<{t}, {i}, {ndim}>"]
+    names += [f"fused_channels_last<{t}, {i}>", f"fused_weight_rows<{t}, {i}>", f"fused_sampling_plan<{t}, {i}, {ndim}>",
+              f"fused_columns<{t}, {i}, {ndim}>"]
     return tuple(names)
 
 
@@ -231,11 +232,13 @@ _modules = {}
 _functions = {}
 
 
-def _function(name: str, dtype, ndim: int, index64: bool, engine: int = 0):
+def _function(name: str, dtype, ndim: int, index64: bool, engine: int = 0, names: tuple = None):
+    """The kernel ``name`` on the current device, from the module of ``names`` (default: the
+    whole module of its dtype, N, index width and engine), compiled once per device."""
     device = cupy.cuda.runtime.getDevice()
     fn = _functions.get((device, name))
     if fn is None:
-        names = name_expressions(dtype, ndim, index64, engine)
+        names = names or name_expressions(dtype, ndim, index64, engine)
         if name not in names:       # a tile outside TILES (benchmarks): a module of its own
             names = (name,)
         mkey = (device, names)
@@ -248,6 +251,16 @@ def _function(name: str, dtype, ndim: int, index64: bool, engine: int = 0):
             _modules[mkey] = module
         fn = _functions[(device, name)] = module.get_function(name)
     return fn
+
+
+def column_kernels(dtype, ndim: int, index64: bool) -> tuple:
+    """``(fused_channels_last, fused_columns)`` of one dtype, N and index width: cuda/im2col's
+    channels-last sampler (``cuda._Executable``), from a module of these two kernels alone, so
+    that cuda/im2col does not compile the fused forward's tiles for them."""
+    t = _cuda._CTYPES[np.dtype(dtype)]
+    i = "long long" if index64 else "int"
+    names = (f"fused_channels_last<{t}, {i}>", f"fused_columns<{t}, {i}, {ndim}>")
+    return tuple(_function(name, dtype, ndim, index64, names=names) for name in names)
 
 
 def _allow_shared_memory(fn, nbytes: int) -> None:
@@ -574,6 +587,12 @@ def _random_arguments(g, dtype):
 
 #: (device, geometry, dtype, precision) -> (fused ms, im2col ms), measured once per key.
 _versus = {}
+#: The automatic choice takes cuda/im2col's forward only where it measured faster than this
+#: fraction of the fused forward's time: the fused one needs no columns buffer (at B=8 C256
+#: 56x56 fp16, 26 MiB of workspace against 155), so a near tie goes to it. (H200, with the
+#: channels-last columns: 1D C256 L4096 fp16 fused 0.260 ms against im2col 0.266; B=8 C256
+#: 56x56 0.245 against 0.290, yet one one-chunk measurement of it took im2col.)
+IM2COL_MARGIN = 0.9
 
 
 def fused_versus_im2col(geom, dtype, allow_tf32: bool):
@@ -724,9 +743,9 @@ class FusedBackend:
     def recommends(self, spec, primitive: str):
         """None where the automatic choice should take cuda/fused; else why not. For the half
         types the fused forward (its tuned tile) and cuda/im2col's are timed once on one batch
-        chunk of the configuration (:func:`fused_versus_im2col`), and the faster is taken;
-        without a measurement (``DCN_CUPY_FUSED_TUNE=0``, or a CUDA-graph capture) the fused
-        kernel is."""
+        chunk of the configuration (:func:`fused_versus_im2col`), and cuda/im2col is taken where
+        it measured faster than ``IM2COL_MARGIN`` (0.9) times the fused forward's time; without
+        a measurement (``DCN_CUPY_FUSED_TUNE=0``, or a CUDA-graph capture) the fused kernel is."""
         if np.dtype(spec.dtype) not in PREFERRED_DTYPES:
             return "float32 measured slower than cuda/im2col (force algorithm='cuda/fused' to use it)"
         try:
@@ -734,9 +753,9 @@ class FusedBackend:
                 timed = fused_versus_im2col(spec.geom, spec.dtype, bool(spec.allow_tf32))
         except cupy.cuda.runtime.CUDARuntimeError:   # no usable device here: the rule (fused)
             timed = None
-        if timed is not None and timed[1] < timed[0]:
+        if timed is not None and timed[1] < IM2COL_MARGIN * timed[0]:
             return (f"cuda/im2col measured faster for this configuration ({timed[1]:.3f} ms against "
-                    f"{timed[0]:.3f} ms on one batch chunk)")
+                    f"{timed[0]:.3f} ms on one batch chunk, below {IM2COL_MARGIN} of it)")
         return None
 
     def build(self, spec, primitive: str) -> FusedForward:
