@@ -1,7 +1,8 @@
 """Time the CUDA algorithms whole, through plans, and the stages of their executables alone (for NOTES-gpu.md).
 
     python benchmarks/stages.py [--shape 8,256,56] [--dtypes float16,float32] [--ndim 2] [--tf32] [--fused]
-                                [--fused-backward] [--sampling-plan auto|on|off] [--deterministic]
+                                [--fused-backward] [--sampling-plan auto|on|off] [--columns auto|on|off]
+                                [--deterministic]
 
 Prints, per dtype: for each distinct plan (``dcn_cupy.plan`` with the automatic choice, which
 takes cuda/fused for float16/bfloat16; forced ``algorithm="cuda/im2col"`` and
@@ -47,6 +48,8 @@ def main(argv=None):
     parser.add_argument("--tiles", default="", help="extra fused tiles to time, 'BM,BN,BK,MINB,ENGINE;...'")
     parser.add_argument("--sampling-plan", choices=("auto", "on", "off"), default="auto",
                         help="the fused weight gradient's corners from a sampling plan: the rule, forced on or off")
+    parser.add_argument("--columns", choices=("auto", "on", "off"), default="auto",
+                        help="cuda/im2col's channels-last column sampler forced on or off (CHANNELS_LAST_COLUMNS)")
     parser.add_argument("--deterministic", action="store_true",
                         help="the fused backward's deterministic configuration (fixed-point scatter)")
     args = parser.parse_args(argv)
@@ -61,6 +64,9 @@ def main(argv=None):
         return 0
     import cupy
     from dcn_cupy import _geometry
+    if args.columns != "auto":
+        from dcn_cupy._backends import cuda
+        cuda.CHANNELS_LAST_COLUMNS = args.columns == "on"
     if args.sampling_plan != "auto":
         from dcn_cupy._backends import cuda_fused_backward
         cuda_fused_backward.SAMPLING_PLAN = args.sampling_plan == "on"
