@@ -669,22 +669,23 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
 //   columns[c*K + t, p] = m * sample(x[b, c], P(q, t)),  p = b*Q + q,
 // with each corner one 16-byte load of VEC consecutive channels of xcl (fused_channels_last's
 // copy, its zero row read for a corner not read) in place of deform_im2col's 2-byte gathers
-// from the channel's plane. Per block a tile of COLUMN_POSITIONS positions x COLUMN_CHANNELS
-// channels of one tap: each thread samples one position's VEC channels (their corners and
-// weights, mask included, computed once: the channels share their offset and mask groups, as
-// the host checks), blended in float32 as deform_im2col; the tile is transposed through shared
-// memory so that each warp stores 32 consecutive positions of one column row.
+// from the channel's plane. Per block a tile of COLUMN_POSITIONS positions x CH channels of one
+// tap: 8 threads per position, each sampling VPT vectors of VEC channels (the 8 threads' vectors
+// adjacent: 128 contiguous bytes per corner row), with the corners and weights (mask included)
+// of its (position, tap, offset group, mask group) computed once per group (fused::Sampler's
+// key), blended in float32 as deform_im2col; the tile is transposed through shared memory so
+// that each warp stores 32 consecutive positions of one column row.
 constexpr int COLUMN_POSITIONS = 32;
 constexpr int COLUMN_THREADS = 256;
 
-template <typename T, typename I, int N>
+template <typename T, typename I, int N, int VPT>
 __global__ void __launch_bounds__(COLUMN_THREADS)
 fused_columns(const T* __restrict__ xcl, const T* __restrict__ offset, const T* __restrict__ mask,
               T* __restrict__ columns, const Geom<N> g, const int batch, const int channels, const int Cp,
               const int offset_groups, const int mask_groups) {
     constexpr int VEC = fused::Tile<T>::VEC;
     constexpr int LANES = COLUMN_THREADS / COLUMN_POSITIONS;   // threads per position
-    constexpr int CH = LANES * VEC;                             // channels per tile
+    constexpr int CH = LANES * VEC * VPT;                       // channels per tile
     __shared__ float tile[CH][COLUMN_POSITIONS + 1];
     const I Q = dcn::prod_size<N, I>(g.out_size);
     const I S = dcn::prod_size<N, I>(g.in_size);
@@ -705,38 +706,40 @@ fused_columns(const T* __restrict__ xcl, const T* __restrict__ offset, const T* 
         const I rest = blk / c_tiles;
         const int t = (int)(rest % K);
         const I p0 = rest / K * COLUMN_POSITIONS;
-        const int c0 = ct * CH + lane_v * VEC;
-        {
-            const I p = p0 + lane_p;
+        const I p = p0 + lane_p;
+        const bool position = p < BQ;
+        const I b = position ? p / Q : 0, q = position ? p % Q : 0;
+        int qc[N];
+        dcn::unravel<N, I>(q, g.out_size, qc);
+        fused::Sampler<I, N> smp;
+        smp.reset();
+#pragma unroll
+        for (int v = 0; v < VPT; ++v) {
+            const int cl = (v * LANES + lane_v) * VEC;   // channel within the tile
+            const int c0 = ct * CH + cl;
             float acc[VEC];
 #pragma unroll
             for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
-            if (p < BQ && c0 < channels) {
-                const I b = p / Q, q = p % Q;
-                int qc[N];
-                dcn::unravel<N, I>(q, g.out_size, qc);
-                fused::Sampler<I, N> smp;
-                smp.reset();
-                smp.update(t, per_go >= channels ? 0 : c0 / per_go, per_gm >= channels ? 0 : c0 / per_gm, true, g, qc,
-                           offset == nullptr ? nullptr : offset + b * offset_groups * K * N * Q + q,
+            if (position && c0 < channels) {
+                smp.update(t, per_go >= channels ? 0 : c0 / per_go, per_gm >= channels ? 0 : c0 / per_gm, true, g,
+                           qc, offset == nullptr ? nullptr : offset + b * offset_groups * K * N * Q + q,
                            mask == nullptr ? nullptr : mask + b * mask_groups * K * Q + q, K, Q, b * S);
-                uint4 v[1 << N];
+                uint4 x[1 << N];
 #pragma unroll
                 for (int k = 0; k < (1 << N); ++k) {
-                    v[k] = __ldg(reinterpret_cast<const uint4*>(xcl + (smp.row[k] >= 0 ? smp.row[k] : zero_row) * Cp + c0));
+                    x[k] = __ldg(reinterpret_cast<const uint4*>(xcl + (smp.row[k] >= 0 ? smp.row[k] : zero_row) * Cp + c0));
                 }
 #pragma unroll
-                for (int k = 0; k < (1 << N); ++k) fused::Vec<T>::add(acc, smp.weight[k], v[k]);
+                for (int k = 0; k < (1 << N); ++k) fused::Vec<T>::add(acc, smp.weight[k], x[k]);
             }
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) tile[lane_v * VEC + j][lane_p] = acc[j];
+            for (int j = 0; j < VEC; ++j) tile[cl + j][lane_p] = acc[j];
         }
         __syncthreads();
-        const I p = p0 + lane;
-        if (p < BQ) {
+        if (p0 + lane < BQ) {
             for (int r = warp; r < CH; r += COLUMN_THREADS / 32) {
                 const int c = ct * CH + r;
-                if (c < channels) columns[((I)c * K + t) * BQ + p] = Traits<T>::store(tile[r][lane]);
+                if (c < channels) columns[((I)c * K + t) * BQ + p0 + lane] = Traits<T>::store(tile[r][lane]);
             }
         }
         __syncthreads();

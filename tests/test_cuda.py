@@ -117,18 +117,20 @@ def test_half_types(ndim, transposed, dtype):
         assert err < HALF_GRAD_TOL[dtype], f"{name}: {err} {case.label}"
 
 
-@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("channels_scale", [8, 32], ids=["c8", "c32"])
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16, np.float32], ids=["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])
 @pytest.mark.parametrize("ndim", [1, 2])
-def test_channels_last_columns(ndim, transposed, dtype, monkeypatch):
-    """cuda/im2col's columns of the half types from the channels-last sampler
-    (``CHANNELS_LAST_COLUMNS``) against deform_im2col's and the float64 reference: forward and
-    every gradient, with conv groups and offset groups != mask groups (channels per group
-    multiples of 8), in one chunk, in chunks of samples, and with 64-bit indices."""
+def test_channels_last_columns(ndim, transposed, dtype, channels_scale, monkeypatch):
+    """cuda/im2col's columns from the channels-last sampler (``CHANNELS_LAST_COLUMNS``) against
+    deform_im2col's and the float64 reference: forward and every gradient, with conv groups and
+    offset groups != mask groups (channels per group multiples of 8), 1, 2 or 4 vectors per
+    thread (8 to 256 channels), in one chunk, in chunks of samples, and with 64-bit indices."""
     cuda = cuda_backend()
     dtype = np.dtype(dtype)
-    rng = np.random.default_rng(61 + ndim + 2 * transposed)
-    case = random_case(rng, ndim, transposed, batch=5, channels_scale=8)
+    tol, grad_tol = HALF_TOL.get(dtype, 1e-4), HALF_GRAD_TOL.get(dtype, 1e-4)
+    rng = np.random.default_rng(61 + ndim + 2 * transposed + channels_scale)
+    case = random_case(rng, ndim, transposed, batch=5, channels_scale=channels_scale)
     arrays = case.arrays(to_gpu(dtype))
     ref_arrays = rounded(case, dtype)
     expected = case.reference(ref_arrays)
@@ -157,13 +159,13 @@ def test_channels_last_columns(ndim, transposed, dtype, monkeypatch):
             break
     assert len(results) == 3, "no workspace limit gave chunks of samples with the channels-last sampler"
     for y, g in [(y_old, g_old)] + results:
-        assert relative_error(host(y), expected) < HALF_TOL[dtype], case.label
-        assert relative_error(host(y), host(y_old)) < HALF_TOL[dtype], case.label
+        assert relative_error(host(y), expected) < tol, case.label
+        assert relative_error(host(y), host(y_old)) < tol, case.label
         for name in ARGUMENTS:
             got = getattr(g, name)
             assert got.dtype == dtype, name
             err = relative_error(host(got), host(getattr(exact, name)))
-            assert err < HALF_GRAD_TOL[dtype], f"{name}: {err} {case.label}"
+            assert err < grad_tol, f"{name}: {err} {case.label}"
     # 64-bit indices: the same columns, the same GEMMs
     assert relative_error(host(results[1][1].weight), host(g_one.weight)) < 1e-12
 

@@ -95,16 +95,28 @@ TILE_HALO = 3
 #: Upper bound of the tiled scatter's shared memory per block.
 TILE_SMEM_BYTES = 48 * 1024
 _TILE = 256
-#: float16 and bfloat16 columns in 1D and 2D are sampled from a channels-last copy of the
-#: chunk's input (cuda/fused's fused_channels_last and fused_columns: one 16-byte load per
-#: corner and 8 channels, corners computed once per position and tap) where each 8-channel
-#: vector lies in one offset and one mask group, on compute capability 8.0 or more; the rest,
-#: and everything with False, through deform_im2col (2-byte gathers, one thread per channel and
-#: position). H200, im2col stage alone: B=8 C256 56x56 fp16 0.331 -> 0.213 ms, B=16 C512 14x14
-#: 0.085 -> 0.059, 1D C256 L4096 0.271 -> 0.141; not float32 (0.89x) nor 3D (0.96x).
+#: float16, bfloat16 and float32 columns in 1D and 2D are sampled from a channels-last copy of
+#: the chunk's input (cuda/fused's fused_channels_last and fused_columns: one 16-byte load per
+#: corner and 8 (4) channels, corners computed once per position, tap and group) where each
+#: vector of channels lies in one offset and one mask group, on compute capability 8.0 or more;
+#: the rest, and everything with False, through deform_im2col (2-byte gathers, one thread per
+#: channel and position). H200, the im2col stage alone (NOTES-gpu.md, session 8): B=8 C256 56x56
+#: fp16 0.33 -> 0.127 ms, fp32 0.32 -> 0.193; B=16 C512 14x14 fp16 0.089 -> 0.046, fp32 0.086 ->
+#: 0.063; 1D C256 L4096 fp16 0.28 -> 0.110; not 3D (slower at C32).
 CHANNELS_LAST_COLUMNS = True
-_COLUMN_VEC = 8            # channels per 16-byte vector of the half types
-_COLUMN_TILE = (32, 64)    # fused_columns' block tile: positions x channels (COLUMN_POSITIONS, 8 * VEC)
+#: Channels per 16-byte vector, the unit of the channels-last sampler.
+_COLUMN_VEC = {np.dtype(np.float16): 8, BFLOAT16: 8, np.dtype(np.float32): 4}
+_COLUMN_POSITIONS, _COLUMN_LANES = 32, 8   # fused_columns' block: positions x threads per position
+
+
+def _column_vectors(channels: int, vec: int) -> int:
+    """fused_columns' vectors per thread: the most (4, 2 or 1) whose block tile of
+    8 * vec * vectors channels does not exceed ``channels`` (idle threads cost more than the
+    corners recomputed per vector: H200, B=32 C64 fp16 0.187 ms at 1 against 0.272 at 4)."""
+    for vectors in (4, 2):
+        if _COLUMN_LANES * vec * vectors <= channels:
+            return vectors
+    return 1
 _MAIN_SOURCE = "deform_conv.cu"
 
 
@@ -836,11 +848,12 @@ class _Executable:
         """Whether this executable's columns come from the channels-last sampler
         (``CHANNELS_LAST_COLUMNS``); the chunking may still turn it off (rows of one sample)."""
         geom = self.geom
-        if not CHANNELS_LAST_COLUMNS or self.dtype not in (np.dtype(np.float16), BFLOAT16) or geom.ndim > 2:
+        vec = _COLUMN_VEC.get(self.dtype)
+        if not CHANNELS_LAST_COLUMNS or vec is None or geom.ndim > 2:
             return False
         per_go = self.C // self.Go if geom.has_offset else self.C
         per_gm = self.C // self.Gm if geom.has_mask else self.C
-        if per_go % _COLUMN_VEC or per_gm % _COLUMN_VEC:
+        if per_go % vec or per_gm % vec:
             return False
         try:
             return int(cupy.cuda.Device(self.device_id).compute_capability) >= 80
@@ -860,7 +873,8 @@ class _Executable:
         found = self._column_kernels.get(wide)
         if found is None:
             from . import cuda_fused
-            found = self._column_kernels[wide] = cuda_fused.column_kernels(self.dtype, self.geom.ndim, wide)
+            vectors = _column_vectors(self.C, _COLUMN_VEC[self.dtype])
+            found = self._column_kernels[wide] = cuda_fused.column_kernels(self.dtype, self.geom.ndim, wide, vectors)
         return found
 
     def _column_launches(self, c, x, offset, mask, cols, xcl) -> list:
@@ -874,9 +888,10 @@ class _Executable:
         wide = self._wide_columns(c)
         index = np.int64 if wide else np.int32
         copy, sample = self.column_kernels(wide)
-        positions, channels = _COLUMN_TILE
+        vec = _COLUMN_VEC[self.dtype]
+        tile = _COLUMN_LANES * vec * _column_vectors(self.C, vec)   # the block's channels
         copy_blocks = c.n * -(-self.C // 64) * -(-self.S // 64)
-        sample_blocks = -(-q // positions) * self.K * -(-self.C // channels)
+        sample_blocks = -(-q // _COLUMN_POSITIONS) * self.K * -(-self.C // tile)
         return [(copy, (min(copy_blocks, _MAX_GRID),), (256,),
                  (x, xcl, c.i_n, self.i_C, self.i_C, index(self.S), index(self.C * self.S))),
                 (sample, (min(sample_blocks, _MAX_GRID),), (256,),

@@ -165,8 +165,8 @@ def name_expressions(dtype, ndim: int, index64: bool, engine: int = 0) -> tuple:
              if tile[4] == engine and not (engine == 1 and prec == 2)
              and (uniform or tile == _per_channel_tile(dtype, engine)) and pipeline_depth(dtype, ndim, tile)
              and not (plan and (not uniform or engine == 2))]
-    names += [f"fused_channels_last<{t}, {i}>", f"fused_weight_rows<{t}, {i}>", f"fused_sampling_plan<{t}, {i}, {ndim}>",
-              f"fused_columns<{t}, {i}, {ndim}>"]
+    names += [f"fused_channels_last<{t}, {i}>", f"fused_weight_rows<{t}, {i}>", f"fused_sampling_plan<{t}, {i}, {ndim}>"]
+    names += [f"fused_columns<{t}, {i}, {ndim}, {vectors}>" for vectors in COLUMN_VECTORS]
     return tuple(names)
 
 
@@ -253,13 +253,17 @@ def _function(name: str, dtype, ndim: int, index64: bool, engine: int = 0, names
     return fn
 
 
-def column_kernels(dtype, ndim: int, index64: bool) -> tuple:
-    """``(fused_channels_last, fused_columns)`` of one dtype, N and index width: cuda/im2col's
-    channels-last sampler (``cuda._Executable``), from a module of these two kernels alone, so
-    that cuda/im2col does not compile the fused forward's tiles for them."""
+#: fused_columns' vectors of channels per thread (its VPT), one instantiation each.
+COLUMN_VECTORS = (1, 2, 4)
+
+
+def column_kernels(dtype, ndim: int, index64: bool, vectors: int) -> tuple:
+    """``(fused_channels_last, fused_columns)`` of one dtype, N, index width and vectors per
+    thread: cuda/im2col's channels-last sampler (``cuda._Executable``), from a module of these
+    two kernels alone, so that cuda/im2col does not compile the fused forward's tiles for them."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
-    names = (f"fused_channels_last<{t}, {i}>", f"fused_columns<{t}, {i}, {ndim}>")
+    names = (f"fused_channels_last<{t}, {i}>", f"fused_columns<{t}, {i}, {ndim}, {vectors}>")
     return tuple(_function(name, dtype, ndim, index64, names=names) for name in names)
 
 
