@@ -618,7 +618,7 @@ def test_automatic_choice_follows_the_fused_versus_im2col_measurement(monkeypatc
     monkeypatch.setattr(cuda_fused, "fused_versus_im2col", lambda *a: (2.0, 1.0))
     slower = dcn_cupy.plan(**arrays, **case.params)
     assert slower.algorithm.startswith("forward: cuda/im2col"), slower.algorithm
-    monkeypatch.setattr(cuda_fused, "fused_versus_im2col", lambda *a: (1.0, 0.95))   # a near tie: fused
+    monkeypatch.setattr(cuda_fused, "fused_versus_im2col", lambda *a: (1.0, 0.7))   # not clearly faster: fused
     assert dcn_cupy.plan(**arrays, **case.params).algorithm.startswith("forward: cuda/fused")
     monkeypatch.setattr(cuda_fused, "fused_versus_im2col", lambda *a: None)
     assert dcn_cupy.plan(**arrays, **case.params).algorithm.startswith("forward: cuda/fused")
