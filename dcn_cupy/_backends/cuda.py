@@ -95,6 +95,8 @@ TILE_HALO = 3
 #: Upper bound of the tiled scatter's shared memory per block.
 TILE_SMEM_BYTES = 48 * 1024
 _TILE = 256
+_MAIN_SOURCE = "deform_conv.cu"
+
 #: float16, bfloat16 and float32 columns in 1D and 2D are sampled from a channels-last copy of
 #: the chunk's input (cuda/fused's fused_channels_last and fused_columns: one 16-byte load per
 #: corner and 8 (4) channels, corners computed once per position, tap and group) where each
@@ -117,12 +119,11 @@ def _column_vectors(channels: int, vec: int) -> int:
         if _COLUMN_LANES * vec * vectors <= channels:
             return vectors
     return 1
-_MAIN_SOURCE = "deform_conv.cu"
 
 
 def settings() -> tuple:
     """The module settings an executable is built with (part of the functional API's plan key)."""
-    return (WORKSPACE_LIMIT_BYTES, TILE_HALO, TILE_SMEM_BYTES, _INT32_SAFE)
+    return (WORKSPACE_LIMIT_BYTES, TILE_HALO, TILE_SMEM_BYTES, _INT32_SAFE, CHANNELS_LAST_COLUMNS)
 
 
 def device_context(device_id: int):
