@@ -267,8 +267,7 @@ def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
         xcl = fu._views(config, ws)[0]
         n = geom.batch
         layout = config.kernel("fused_channels_last")
-        blocks = n * -(-config.Cp // 64) * -(-config.S // 64)
-        cl = t(lambda: layout((min(blocks, fu._MAX_GRID),), (256,), (
+        cl = t(lambda: layout(fu.layout_grid(n, config.Cp, config.S), (256,), (
             x, xcl, np.int32(n), np.int32(geom.in_channels), np.int32(config.Cp), index(config.S),
             index(fu._batch_stride(x)))))
         print(f"  {'channels-last copy of x':<40} {cl:8.3f} ms")

@@ -843,6 +843,10 @@ class _Executable:
         self.cublas_bytes = min(int(CUBLAS_WORKSPACE_BYTES), self.limit // 4) // _ALIGN * _ALIGN
         self._recordings = Recordings()
         self.channels_last = self._channels_last_columns()
+        vec = _COLUMN_VEC.get(self.dtype, 1)
+        # fused_columns' vectors per thread and its block tile's channels
+        self.column_vectors = _column_vectors(self.C, vec)
+        self.column_tile = _COLUMN_LANES * vec * self.column_vectors
         self._column_kernels = {}
 
     def _channels_last_columns(self) -> bool:
@@ -861,6 +865,18 @@ class _Executable:
         except Exception:   # no usable device: deform_im2col
             return False
 
+    def _chunking(self, per_position: int, fixed: int, per_sample: int, staging: int, what: str):
+        """``(samples per chunk, rows per chunk)`` (module ``_plan_chunks``), with the
+        channels-last copy's bytes where the sampler uses it; where a sample does not fit, chunks
+        of rows with ``staging`` more bytes per position and no copy (deform_im2col's columns)."""
+        it = self.dtype.itemsize
+        copy = (self.C * self.S * it, self.C * it) if self.channels_last else (0, 0)
+        n, rows = _plan_chunks(self.geom, per_position, fixed + copy[1], per_sample + copy[0], self.limit, what)
+        if rows is not None:
+            self.channels_last = False
+            n, rows = _plan_chunks(self.geom, per_position + staging, fixed, per_sample, self.limit, what)
+        return n, rows
+
     def _column_layout(self, n: int) -> None:
         """The channels-last copy of ``n`` samples and its zero row, where the sampler uses it."""
         if self.channels_last:
@@ -874,8 +890,8 @@ class _Executable:
         found = self._column_kernels.get(wide)
         if found is None:
             from . import cuda_fused
-            vectors = _column_vectors(self.C, _COLUMN_VEC[self.dtype])
-            found = self._column_kernels[wide] = cuda_fused.column_kernels(self.dtype, self.geom.ndim, wide, vectors)
+            found = self._column_kernels[wide] = cuda_fused.column_kernels(self.dtype, self.geom.ndim, wide,
+                                                                           self.column_vectors)
         return found
 
     def _column_launches(self, c, x, offset, mask, cols, xcl) -> list:
@@ -889,11 +905,9 @@ class _Executable:
         wide = self._wide_columns(c)
         index = np.int64 if wide else np.int32
         copy, sample = self.column_kernels(wide)
-        vec = _COLUMN_VEC[self.dtype]
-        tile = _COLUMN_LANES * vec * _column_vectors(self.C, vec)   # the block's channels
-        copy_blocks = c.n * -(-self.C // 64) * -(-self.S // 64)
-        sample_blocks = -(-q // _COLUMN_POSITIONS) * self.K * -(-self.C // tile)
-        return [(copy, (min(copy_blocks, _MAX_GRID),), (256,),
+        from .cuda_fused import layout_grid
+        sample_blocks = -(-q // _COLUMN_POSITIONS) * self.K * -(-self.C // self.column_tile)
+        return [(copy, layout_grid(c.n, self.C, self.S), (256,),
                  (x, xcl, c.i_n, self.i_C, self.i_C, index(self.S), index(self.C * self.S))),
                 (sample, (min(sample_blocks, _MAX_GRID),), (256,),
                  (xcl, offset, mask, cols, c.struct, c.i_n, self.i_C, self.i_C, self.i_Go, self.i_Gm))]
@@ -925,6 +939,9 @@ class _Executable:
             for b in range(self.B):
                 for lo in range(0, H, rows):
                     chunks.append(_Chunk(self, b, b + 1, lo, min(lo + rows, H)))
+        if self.channels_last:   # compiled here, never during a CUDA-graph capture
+            for c in chunks:
+                self.column_kernels(self._wide_columns(c))
         return chunks
 
     def _describe(self, name, n, rows):
@@ -979,13 +996,8 @@ class _Forward(_Executable):
         off_ch = self.geom.offset_groups * self.K * self.geom.ndim
         m_ch = self.geom.mask_groups * self.K
         per_position = self.C * self.K * it + self.Co * acc
-        fixed = self.cublas_bytes
-        copy = (self.C * self.S * it, self.C * it) if self.channels_last else (0, 0)
-        n, rows = _plan_chunks(self.geom, per_position, fixed + copy[1], copy[0], self.limit, "forward")
-        if rows is not None:  # staging of offsets, mask and the output rows
-            self.channels_last = False
-            per_position += (off_ch + m_ch + self.Co) * it
-            n, rows = _plan_chunks(self.geom, per_position, fixed, 0, self.limit, "forward")
+        # rows: staging of offsets, mask and the output rows
+        n, rows = self._chunking(per_position, self.cublas_bytes, 0, (off_ch + m_ch + self.Co) * it, "forward")
         self.rows = rows
         self.pointer_path = rows is None   # run_pointers serves every call (no staging)
         nq = n * self.Q if rows is None else rows * self.inner
@@ -1001,9 +1013,6 @@ class _Forward(_Executable):
         self.workspace_bytes = layout.size
         with cupy.cuda.Device(self.device_id):
             self.chunks = self._chunks(n, rows)
-            if self.channels_last:
-                for c in self.chunks:
-                    self.column_kernels(self._wide_columns(c))
         self.gemms = {}
         for c in self.chunks:
             if c.Q * c.n not in self.gemms:
@@ -1087,12 +1096,8 @@ class _Backward(_Executable):
         per_position = self.Co * it + self.C * self.K * (it + acc)
         fixed = self.cublas_bytes + (self.G * self.Cog * self.Cg * self.K * acc if half else 0)
         per_sample = self.C * self.S * acc if half else 0     # grad_x accumulated in float32
-        copy = (self.C * self.S * it, self.C * it) if self.channels_last else (0, 0)
-        n, rows = _plan_chunks(geom, per_position, fixed + copy[1], per_sample + copy[0], self.limit, "backward")
-        if rows is not None:  # staging of offsets, mask and their gradients
-            self.channels_last = False
-            per_position += 2 * (self.off_ch + self.m_ch) * it
-            n, rows = _plan_chunks(geom, per_position, fixed, per_sample, self.limit, "backward")
+        # rows: staging of offsets, mask and their gradients
+        n, rows = self._chunking(per_position, fixed, per_sample, 2 * (self.off_ch + self.m_ch) * it, "backward")
         self.rows = rows
         self.pointer_path = rows is None   # run_pointers serves every call (no staging)
         nq = n * self.Q if rows is None else rows * self.inner
@@ -1113,9 +1118,6 @@ class _Backward(_Executable):
         final = _index64(self.B * self.C * self.S, self.G * self.Cog * self.Cg * self.K)
         with cupy.cuda.Device(self.device_id):
             self.chunks = self._chunks(n, rows)
-            if self.channels_last:
-                for c in self.chunks:
-                    self.column_kernels(self._wide_columns(c))
             self.final = self.kernels(final)["finalize"]
         self.final_index = np.int64 if final else np.int32
         self.gemms = {}

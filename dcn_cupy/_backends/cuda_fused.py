@@ -253,6 +253,12 @@ def _function(name: str, dtype, ndim: int, index64: bool, engine: int = 0, names
     return fn
 
 
+def layout_grid(samples: int, channels: int, positions: int) -> tuple:
+    """The grid of fused_channels_last / fused_channels_first over ``samples`` x ``channels`` x
+    ``positions``: one block of _THREADS threads per 64 x 64 tile, grid-stride beyond _MAX_GRID."""
+    return (min(samples * -(-channels // 64) * -(-positions // 64), _MAX_GRID),)
+
+
 #: fused_columns' vectors of channels per thread (its VPT), one instantiation each.
 COLUMN_VECTORS = (1, 2, 4)
 
@@ -504,8 +510,7 @@ def run_forward(config: LaunchConfig, x, weight, offset, mask, bias, out, worksp
     msk_bs = 0 if mask is None else _batch_stride(mask)
     for start in range(0, g.batch, config.chunk):
         n = min(config.chunk, g.batch - start)
-        blocks = n * -(-config.Cp // 64) * -(-config.S // 64)
-        layout((min(blocks, _MAX_GRID),), (256,), (
+        layout(layout_grid(n, config.Cp, config.S), (_THREADS,), (
             x[start:start + n], xcl, np.int32(n), np.int32(g.in_channels), np.int32(config.Cp),
             index(config.S), index(x_bs),
         ))

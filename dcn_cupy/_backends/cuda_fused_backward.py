@@ -452,13 +452,11 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
         off_n, msk_n = at(offset, start * off_bs * it), at(mask, start * msk_bs * it)
         gy_n = u64(gy + start * gy_bs * it)
         if g_off or g_m or gw:   # the corner values
-            blocks = n * -(-config.Cp // 64) * -(-config.S // 64)
-            ops.append(op(layout, (min(blocks, _MAX_GRID),), (_THREADS,), (
+            ops.append(op(layout, _fused.layout_grid(n, config.Cp, config.S), (_THREADS,), (
                 u64(x + start * x_bs * it), u64(view["xcl"]), i32(n), i32(g.in_channels), i32(config.Cp),
                 index(config.S), index(x_bs))))
         if data:
-            blocks = n * -(-config.Cop // 64) * -(-config.Q // 64)
-            ops.append(op(layout, (min(blocks, _MAX_GRID),), (_THREADS,), (
+            ops.append(op(layout, _fused.layout_grid(n, config.Cop, config.Q), (_THREADS,), (
                 gy_n, u64(view["gycl"]), i32(n), i32(g.out_channels), i32(config.Cop), index(config.Q),
                 index(gy_bs))))
             # the accumulators cleared (the deterministic ones' partial sums are stored, not added)
@@ -494,8 +492,8 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
                 i32(config.seg), *(u64(view[name]) if config.gradient_plan else None for name in plan),
                 i32(config.seg_len), *fixed, i32(config.log2_count)), config.smem_bytes))
             if gx:
-                blocks = n * -(-g.in_channels // 64) * -(-config.S // 64)
-                ops.append(op(kernel("fused_channels_first"), (min(blocks, _MAX_GRID),), (_THREADS,), (
+                ops.append(op(kernel("fused_channels_first"), _fused.layout_grid(n, g.in_channels, config.S),
+                              (_THREADS,), (
                     None if det else u64(view["gxcl"]), *fixed, i32(config.log2_count), at(bias, 0),
                     u64(gx + start * gx_bs * it), i32(n), i32(g.in_channels), i32(config.Cpa), index(config.S),
                     index(gx_bs))))
