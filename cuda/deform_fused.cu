@@ -669,79 +669,122 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
 //   columns[c*K + t, p] = m * sample(x[b, c], P(q, t)),  p = b*Q + q,
 // with each corner one 16-byte load of VEC consecutive channels of xcl (fused_channels_last's
 // copy, its zero row read for a corner not read) in place of deform_im2col's 2-byte gathers
-// from the channel's plane. Per block a tile of COLUMN_POSITIONS positions x CH channels of one
-// tap: 8 threads per position, each sampling VPT vectors of VEC channels (the 8 threads' vectors
-// adjacent: 128 contiguous bytes per corner row), with the corners and weights (mask included)
-// of its (position, tap, offset group, mask group) computed once per group (fused::Sampler's
-// key), blended in float32 as deform_im2col; the tile is transposed through shared memory so
-// that each warp stores 32 consecutive positions of one column row.
+// from the channel's plane. Per block a tile of COLUMN_POSITIONS positions x CH channels and a
+// run of taps_per_block taps: the positions are decoded once (the divisions by the grid's sizes
+// were most of a one-tap block's instructions), then per tap 8 threads per position each sample
+// VPT vectors of VEC channels (the 8 threads' vectors adjacent: 128 contiguous bytes per corner
+// row), with the corners and weights (mask included) of its (position, tap, offset group, mask
+// group) computed once per group (fused::Sampler's key; the next tap's offsets and mask fetched
+// while this tap is sampled). The half types blend in packed pairs (fused::Packed, as the fused
+// forward), float32 in float32. The tile is transposed through shared memory, and each warp
+// stores two column rows at a time, two consecutive positions per lane (one 4- or 8-byte store)
+// where the row length n*Q is even.
 constexpr int COLUMN_POSITIONS = 32;
 constexpr int COLUMN_THREADS = 256;
+// Blocks per multiprocessor asked of the register allocator: 4 (64 registers, 32 warps) hides
+// the corner loads' latency best (H200, B=8 C256 56x56 fp16: 0.112 ms against 0.122 at 3 and
+// 0.143 with every vector's loads issued before the blends at 2; NOTES-gpu.md, session 9).
+constexpr int COLUMN_MIN_BLOCKS = 4;
 
 template <typename T, typename I, int N, int VPT>
-__global__ void __launch_bounds__(COLUMN_THREADS)
+__global__ void __launch_bounds__(COLUMN_THREADS, COLUMN_MIN_BLOCKS)
 fused_columns(const T* __restrict__ xcl, const T* __restrict__ offset, const T* __restrict__ mask,
               T* __restrict__ columns, const Geom<N> g, const int batch, const int channels, const int Cp,
-              const int offset_groups, const int mask_groups) {
+              const int offset_groups, const int mask_groups, const int taps_per_block) {
     constexpr int VEC = fused::Tile<T>::VEC;
     constexpr int LANES = COLUMN_THREADS / COLUMN_POSITIONS;   // threads per position
     constexpr int CH = LANES * VEC * VPT;                       // channels per tile
-    __shared__ float tile[CH][COLUMN_POSITIONS + 1];
+    constexpr int ROW = COLUMN_POSITIONS + 2;                   // even (paired loads), 2-way bank conflicts at most
+    constexpr int WARPS = COLUMN_THREADS / 32;
+    typedef typename fused::Pair<T>::bits Bits;                 // one value
+    typedef typename fused::Pair<T>::type Pair;                 // two consecutive positions of one row
+    constexpr int PER_WORD = 4 / (int)sizeof(T) > 0 ? 4 / (int)sizeof(T) : 1;   // values per 32-bit word
+    __shared__ __align__(16) Bits tile[CH][ROW];
     const I Q = dcn::prod_size<N, I>(g.out_size);
     const I S = dcn::prod_size<N, I>(g.in_size);
     const int K = (int)dcn::prod_size<N, I>(g.ksize);
     const I BQ = (I)batch * Q;
     const I zero_row = (I)batch * S;   // the row of zeros after the chunk's rows
+    const bool paired = (BQ & 1) == 0;  // every row's start even: pairs of positions aligned
     const int per_go = offset == nullptr ? channels : channels / offset_groups;
     const int per_gm = mask == nullptr ? channels : channels / mask_groups;
     const int c_tiles = (channels + CH - 1) / CH;
+    const int tap_runs = (K + taps_per_block - 1) / taps_per_block;
     const I p_tiles = (BQ + COLUMN_POSITIONS - 1) / COLUMN_POSITIONS;
-    const I blocks = p_tiles * K * c_tiles;
+    const I blocks = p_tiles * tap_runs * c_tiles;
     const int lane_v = threadIdx.x % LANES, lane_p = threadIdx.x / LANES;   // sampling
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;             // storing
-    // block -> (channel tile, tap, position tile), channel tiles fastest: blocks running together
-    // read the same corner rows
+    const int half = lane >> 4, pair = 2 * (lane & 15);
+    // block -> (channel tile, run of taps, position tile), channel tiles fastest: blocks running
+    // together read the same corner rows
     for (I blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
         const int ct = (int)(blk % c_tiles);
         const I rest = blk / c_tiles;
-        const int t = (int)(rest % K);
-        const I p0 = rest / K * COLUMN_POSITIONS;
+        const int t0 = (int)(rest % tap_runs) * taps_per_block;
+        const int t1 = min(K, t0 + taps_per_block);
+        const I p0 = rest / tap_runs * COLUMN_POSITIONS;
         const I p = p0 + lane_p;
         const bool position = p < BQ;
         const I b = position ? p / Q : 0, q = position ? p % Q : 0;
         int qc[N];
         dcn::unravel<N, I>(q, g.out_size, qc);
+        const T* off_q = offset == nullptr ? nullptr : offset + b * offset_groups * K * N * Q + q;
+        const T* msk_q = mask == nullptr ? nullptr : mask + b * mask_groups * K * Q + q;
+        const int first_c = ct * CH + lane_v * VEC;   // this thread's first vector: the key it prefetches
+        const int first_go = per_go >= channels ? 0 : min(first_c, channels - 1) / per_go;
+        const int first_gm = per_gm >= channels ? 0 : min(first_c, channels - 1) / per_gm;
         fused::Sampler<I, N> smp;
         smp.reset();
+        for (int t = t0; t < t1; ++t) {
 #pragma unroll
-        for (int v = 0; v < VPT; ++v) {
-            const int cl = (v * LANES + lane_v) * VEC;   // channel within the tile
-            const int c0 = ct * CH + cl;
-            float acc[VEC];
+            for (int v = 0; v < VPT; ++v) {
+                const int cl = (v * LANES + lane_v) * VEC;   // channel within the tile
+                const int c0 = ct * CH + cl;
+                uint4 out = make_uint4(0u, 0u, 0u, 0u);
+                if (position && c0 < channels) {
+                    smp.update(t, per_go >= channels ? 0 : c0 / per_go, per_gm >= channels ? 0 : c0 / per_gm, true,
+                               g, qc, off_q, msk_q, K, Q, b * S);
+                    if (v == 0 && t + 1 < t1) smp.prefetch(t + 1, first_go, first_gm, true, off_q, msk_q, K, Q);
+                    uint4 x[1 << N];
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
-            if (position && c0 < channels) {
-                smp.update(t, per_go >= channels ? 0 : c0 / per_go, per_gm >= channels ? 0 : c0 / per_gm, true, g,
-                           qc, offset == nullptr ? nullptr : offset + b * offset_groups * K * N * Q + q,
-                           mask == nullptr ? nullptr : mask + b * mask_groups * K * Q + q, K, Q, b * S);
-                uint4 x[1 << N];
+                    for (int k = 0; k < (1 << N); ++k) {
+                        x[k] = __ldg(reinterpret_cast<const uint4*>(
+                            xcl + (smp.row[k] >= 0 ? smp.row[k] : zero_row) * Cp + c0));
+                    }
+                    if constexpr (fused::Packed<T>::value) {
 #pragma unroll
-                for (int k = 0; k < (1 << N); ++k) {
-                    x[k] = __ldg(reinterpret_cast<const uint4*>(xcl + (smp.row[k] >= 0 ? smp.row[k] : zero_row) * Cp + c0));
+                        for (int k = 0; k < (1 << N); ++k)
+                            fused::Packed<T>::fma(out, fused::Packed<T>::weight(smp.weight[k]), x[k]);
+                    } else {
+                        float acc[VEC];
+#pragma unroll
+                        for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+#pragma unroll
+                        for (int k = 0; k < (1 << N); ++k) fused::Vec<T>::add(acc, smp.weight[k], x[k]);
+                        out = fused::Vec<T>::pack(acc);
+                    }
                 }
+                const unsigned words[4] = {out.x, out.y, out.z, out.w};
 #pragma unroll
-                for (int k = 0; k < (1 << N); ++k) fused::Vec<T>::add(acc, smp.weight[k], x[k]);
+                for (int j = 0; j < VEC; ++j)
+                    tile[cl + j][lane_p] = (Bits)(words[j / PER_WORD] >> (32 / PER_WORD * (j % PER_WORD)));
             }
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) tile[cl + j][lane_p] = acc[j];
-        }
-        __syncthreads();
-        if (p0 + lane < BQ) {
-            for (int r = warp; r < CH; r += COLUMN_THREADS / 32) {
+            __syncthreads();
+            // two rows per warp store, lanes 0-15 the first, 16-31 the second, 2 positions each
+            const I pp = p0 + pair;
+#pragma unroll 4
+            for (int r = 2 * warp + half; r < CH; r += 2 * WARPS) {
                 const int c = ct * CH + r;
-                if (c < channels) columns[((I)c * K + t) * BQ + p0 + lane] = Traits<T>::store(tile[r][lane]);
+                if (c >= channels || pp >= BQ) continue;
+                Bits* dst = reinterpret_cast<Bits*>(columns + ((I)c * K + t) * BQ + pp);
+                if (paired) {   // BQ even: pp + 1 < BQ too, and dst is aligned to the pair
+                    *reinterpret_cast<Pair*>(dst) = *reinterpret_cast<const Pair*>(&tile[r][pair]);
+                } else {
+                    dst[0] = tile[r][pair];
+                    if (pp + 1 < BQ) dst[1] = tile[r][pair + 1];
+                }
             }
+            __syncthreads();
         }
-        __syncthreads();
     }
 }

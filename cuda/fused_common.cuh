@@ -16,6 +16,11 @@ namespace fused {
 template <typename T> struct Tile { static const int VEC = 8; static const int PAD = 8; };
 template <> struct Tile<float> { static const int VEC = 4; static const int PAD = 4; };
 
+// The bits of one value of T, and of two consecutive ones moved as one word (4 bytes for the
+// half types, 8 for float32).
+template <typename T> struct Pair { typedef unsigned short bits; typedef unsigned type; };
+template <> struct Pair<float> { typedef unsigned bits; typedef uint2 type; };
+
 __device__ __forceinline__ unsigned smem_address(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }

@@ -170,6 +170,43 @@ def test_channels_last_columns(ndim, transposed, dtype, channels_scale, monkeypa
     assert relative_error(host(results[1][1].weight), host(g_one.weight)) < 1e-12
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["float16", "float32"])
+@pytest.mark.parametrize("shape", [(3, 35), (3, 5, 7), (2, 4, 6)], ids=["1d-odd", "2d-odd", "2d-even"])
+def test_channels_last_columns_odd_row_length(shape, dtype, monkeypatch):
+    """fused_columns stores two positions per lane only where a columns row (n*Q positions) has
+    even length; an odd one (3 samples of 35 or 5x7 positions) takes its one-value stores, and
+    both give deform_im2col's columns (forward and the weight gradient, which reads them)."""
+    cuda = cuda_backend()
+    dtype = np.dtype(dtype)
+    batch, *spatial = shape
+    ndim = len(spatial)
+    rng = np.random.default_rng(sum(shape) + ndim)
+    C, K = 16, 3 ** ndim
+    arrays = {"input": rng.standard_normal((batch, C, *spatial)),
+              "weight": rng.standard_normal((C, C) + (3,) * ndim) / (C * K) ** 0.5,
+              "offset": rng.standard_normal((batch, ndim * K, *spatial)),
+              "mask": rng.random((batch, K, *spatial))}
+    arrays = {k: a.astype(dtype) for k, a in arrays.items()}
+    grad_output = rng.standard_normal((batch, C, *spatial)).astype(dtype)
+    expected = reference.deform_conv(**{k: a.astype(np.float64) for k, a in arrays.items()}, padding=1)
+    results = {}
+    for channels_last in (False, True):
+        monkeypatch.setattr(cuda, "CHANNELS_LAST_COLUMNS", channels_last)
+        p = dcn_cupy.plan(**{k: cupy.asarray(a) for k, a in arrays.items()}, padding=1, algorithm="cuda/im2col")
+        assert ("channels-last copy" in str(p)) == channels_last, str(p)
+        gpu = {k: cupy.asarray(a) for k, a in arrays.items()}
+        results[channels_last] = (host(p.forward(**gpu)), p.backward(cupy.asarray(grad_output), **gpu))
+    tol = HALF_TOL.get(dtype, 1e-4)
+    for y, _ in results.values():
+        assert relative_error(y, expected) < tol
+    assert relative_error(results[True][0], results[False][0]) < tol
+    for name in ARGUMENTS:
+        got, old = getattr(results[True][1], name), getattr(results[False][1], name)
+        if old is None:
+            continue
+        assert relative_error(host(got), host(old)) < HALF_GRAD_TOL.get(dtype, 1e-4), name
+
+
 @pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])
 @pytest.mark.parametrize("ndim", [1, 2, 3])
 @pytest.mark.parametrize("seed", range(3))

@@ -121,6 +121,17 @@ def _column_vectors(channels: int, vec: int) -> int:
     return 1
 
 
+#: fused_columns' blocks per launch wanted at least (a few per multiprocessor): a block samples
+#: a run of taps, the longest that keeps this many blocks, decoding its positions once for all.
+COLUMN_BLOCKS = 2048
+
+
+def _column_taps(tiles: int, taps: int) -> int:
+    """Taps per fused_columns block, for a launch of ``tiles`` (position x channel) tiles."""
+    runs = min(taps, max(1, -(-COLUMN_BLOCKS // max(tiles, 1))))
+    return -(-taps // runs)
+
+
 def settings() -> tuple:
     """The module settings an executable is built with (part of the functional API's plan key)."""
     return (WORKSPACE_LIMIT_BYTES, TILE_HALO, TILE_SMEM_BYTES, _INT32_SAFE, CHANNELS_LAST_COLUMNS)
@@ -906,11 +917,13 @@ class _Executable:
         index = np.int64 if wide else np.int32
         copy, sample = self.column_kernels(wide)
         from .cuda_fused import layout_grid
-        sample_blocks = -(-q // _COLUMN_POSITIONS) * self.K * -(-self.C // self.column_tile)
+        tiles = -(-q // _COLUMN_POSITIONS) * -(-self.C // self.column_tile)
+        taps = _column_taps(tiles, self.K)
+        sample_blocks = tiles * -(-self.K // taps)
         return [(copy, layout_grid(c.n, self.C, self.S), (256,),
                  (x, xcl, c.i_n, self.i_C, self.i_C, index(self.S), index(self.C * self.S))),
                 (sample, (min(sample_blocks, _MAX_GRID),), (256,),
-                 (xcl, offset, mask, cols, c.struct, c.i_n, self.i_C, self.i_C, self.i_Go, self.i_Gm))]
+                 (xcl, offset, mask, cols, c.struct, c.i_n, self.i_C, self.i_C, self.i_Go, self.i_Gm, np.int32(taps)))]
 
     def kernels(self, index64: bool) -> dict:
         """Every kernel function of this executable for one index width (compiled here)."""
