@@ -102,9 +102,9 @@ _MAIN_SOURCE = "deform_conv.cu"
 #: corner and 8 (4) channels, corners computed once per position, tap and group) where each
 #: vector of channels lies in one offset and one mask group, on compute capability 8.0 or more;
 #: the rest, and everything with False, through deform_im2col (2-byte gathers, one thread per
-#: channel and position). H200, the im2col stage alone (NOTES-gpu.md, session 8): B=8 C256 56x56
-#: fp16 0.33 -> 0.127 ms, fp32 0.32 -> 0.193; B=16 C512 14x14 fp16 0.089 -> 0.046, fp32 0.086 ->
-#: 0.063; 1D C256 L4096 fp16 0.28 -> 0.110; not 3D (slower at C32).
+#: channel and position). H200, the im2col stage alone (NOTES-gpu.md, sessions 8 and 9): B=8 C256
+#: 56x56 fp16 0.33 -> 0.112 ms, fp32 0.32 -> 0.184; B=16 C512 14x14 fp16 0.089 -> 0.035, fp32
+#: 0.086 -> 0.058; 1D C256 L4096 fp16 0.28 -> 0.107; not 3D (slower at C32).
 CHANNELS_LAST_COLUMNS = True
 #: Channels per 16-byte vector, the unit of the channels-last sampler.
 _COLUMN_VEC = {np.dtype(np.float16): 8, BFLOAT16: 8, np.dtype(np.float32): 4}
