@@ -671,7 +671,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
 // copy, its zero row read for a corner not read) in place of deform_im2col's 2-byte gathers
 // from the channel's plane. Per block a tile of COLUMN_POSITIONS positions x CH channels and a
 // run of taps_per_block taps: the positions are decoded once (the divisions by the grid's sizes
-// were most of a one-tap block's instructions), then per tap 8 threads per position each sample
+// were a fifth of a one-tap block's instructions), then per tap 8 threads per position each sample
 // VPT vectors of VEC channels (the 8 threads' vectors adjacent: 128 contiguous bytes per corner
 // row), with the corners and weights (mask included) of its (position, tap, offset group, mask
 // group) computed once per group (fused::Sampler's key; the next tap's offsets and mask fetched
