@@ -3,7 +3,9 @@
 B=1, C 16->16, 8x8, 3x3, DCNv2 (offset + mask), padding 1, float32. On a GPU the device is kept
 busy by a long kernel queued first, so that a call's time is its host time (validation,
 interop, launches); on the CPU the rows are the whole call (the problem is tiny). Each row
-times forward alone and forward+backward (every gradient): per round, the median over repeats
+times forward alone and forward+backward (every gradient; on the torch rows the leaves' ``.grad``
+set to None first, inside the timed call, as a training step's ``optimizer.zero_grad()`` does,
+unless ``--accumulate``): per round, the median over repeats
 of the mean over a batch of calls; every path is timed once per round, in turn, and the table
 gives the median over the rounds, so that a slow spell of the host weighs on every path alike.
 
@@ -168,6 +170,11 @@ def path_functional(device, rng):
     return fwd, both, busy
 
 
+#: Whether the torch rows' forward+backward adds into the leaves' existing ``.grad`` (one
+#: accumulation kernel per leaf) instead of starting from ``.grad = None`` (``--accumulate``).
+ACCUMULATE = False
+
+
 def _torch_tensors(device, rng, grad):
     torch = _torch_cuda() if device == "cuda" else _need("torch")
     t = {k: torch.from_numpy(v).to(device) for k, v in _arrays(rng).items()}
@@ -175,6 +182,15 @@ def _torch_tensors(device, rng, grad):
         for k in ("input", "weight", "offset", "mask", "bias"):
             t[k].requires_grad_(True)
     return torch, t
+
+
+def _zero_grad(t):
+    """What ``optimizer.zero_grad()`` does before a training step's backward (its default,
+    ``set_to_none=True``): the backward then hands its gradients to the leaves, with no
+    accumulation kernel. Nothing with ``--accumulate``."""
+    if not ACCUMULATE:
+        for v in t.values():
+            v.grad = None
 
 
 def path_dcn_torch(device, rng):
@@ -189,6 +205,7 @@ def path_dcn_torch(device, rng):
             dt.deform_conv2d(t["input"], t["weight"], t["offset"], t["mask"], t["bias"], padding=1)
 
     def both():
+        _zero_grad(t)
         y = dt.deform_conv2d(t["input"], t["weight"], t["offset"], t["mask"], t["bias"], padding=1)
         y.backward(gy)
 
@@ -273,6 +290,7 @@ def path_torchvision(device, rng):
             ops.deform_conv2d(t["input"], t["offset"], t["weight"], t["bias"], padding=1, mask=t["mask"])
 
     def both():
+        _zero_grad(t)
         ops.deform_conv2d(t["input"], t["offset"], t["weight"], t["bias"], padding=1, mask=t["mask"]).backward(gy)
 
     return fwd, both, busy
@@ -281,8 +299,8 @@ def path_torchvision(device, rng):
 def path_torch_floor(device, rng):
     """What torch's autograd costs any Python-level op of this signature: a
     ``torch.autograd.Function`` of the five tensors whose forward allocates the output and whose
-    backward allocates the five gradients, no kernel (the engine, the node, the five
-    accumulations into ``.grad``)."""
+    backward allocates the five gradients, no kernel (the engine, the node, the five leaves'
+    ``.grad``)."""
     _need("torch")
     torch, t = _torch_tensors(device, rng, True)
     busy = _Busy("torch") if device == "cuda" else None
@@ -304,6 +322,7 @@ def path_torch_floor(device, rng):
             Allocating.apply(*tensors)
 
     def both():
+        _zero_grad(t)
         Allocating.apply(*tensors).backward(gy)
 
     return fwd, both, busy
@@ -321,6 +340,7 @@ def path_dense(device, rng):
             conv(t["input"], t["weight"], t["bias"], padding=1)
 
     def both():
+        _zero_grad(t)
         conv(t["input"], t["weight"], t["bias"], padding=1).backward(gy)
 
     return fwd, both, busy
@@ -419,7 +439,11 @@ def main(argv=None):
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--accumulate", action="store_true",
+                        help="torch rows: add into the leaves' existing .grad (earlier tables' method)")
     args = parser.parse_args(argv)
+    global ACCUMULATE
+    ACCUMULATE = args.accumulate
     devices = ("cuda", "cpu") if args.device == "all" else (args.device,)
     where = {"cpu": "CPU"}
     try:
@@ -453,7 +477,8 @@ def main(argv=None):
             except Exception as error:
                 row[3], row[4] = None, f"error: {type(error).__name__}: {' '.join(str(error).split())[:100]}"
     print(f"# host µs per call, B={B} C{C}->{C} {H}x{H} {K}x{K} DCNv2 float32 (GPU: {where.get('cuda', 'none')}); "
-          f"median of {args.rounds} rounds")
+          f"median of {args.rounds} rounds; torch rows' forward+backward "
+          f"{'adding into existing .grad' if ACCUMULATE else 'from .grad = None (zero_grad)'}")
     print("| path | arrays | device | forward µs | forward+backward µs |")
     print("| --- | --- | --- | ---: | ---: |")
     for name, label, device, made, message, (fwd_times, both_times) in rows:
@@ -462,6 +487,28 @@ def main(argv=None):
             continue
         fwd_us, both_us = statistics.median(fwd_times), statistics.median(both_times)
         print(f"| {name} | {label} | {where.get(device, device)} | {fwd_us:.1f} | {both_us:.1f} |", flush=True)
+    _print_targets(rows)
+
+
+def _print_targets(rows) -> None:
+    """Issue 7's host-time targets, checked against this run's medians (GPU rows)."""
+    found = {(name, device): (statistics.median(f), statistics.median(b))
+             for name, _, device, made, message, (f, b) in rows if message is None and f and b}
+    plan, functional = found.get(("plan (out=, workspace=)", "cuda")), found.get(("functional API", "cuda"))
+    torch_eager = found.get(("dcn_cupy.torch eager", "cuda"))
+    peer = found.get(("torchvision.ops.deform_conv2d", "cuda"))
+    checks = []
+    if plan:
+        checks += [("plan forward <= 25 µs", plan[0], 25.0), ("plan forward+backward <= 62.5 µs", plan[1], 62.5)]
+    if functional:
+        checks += [("functional forward <= 50 µs", functional[0], 50.0),
+                   ("functional forward+backward <= 125 µs", functional[1], 125.0)]
+    if torch_eager and peer:
+        checks += [(f"dcn_cupy.torch forward < torchvision's ({peer[0]:.1f} µs)", torch_eager[0], peer[0]),
+                   (f"dcn_cupy.torch forward+backward <= 2.5x torchvision's forward ({2.5 * peer[0]:.1f} µs): "
+                    f"{torch_eager[1] / peer[0]:.2f}x", torch_eager[1], 2.5 * peer[0])]
+    for text, value, limit in checks:
+        print(f"target {text}: {value:.1f} -> {'met' if value <= limit else 'NOT met'}")
 
 
 if __name__ == "__main__":

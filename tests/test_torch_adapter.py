@@ -573,7 +573,7 @@ def test_raw_address_path_equals_array_path(kind, label, wrt, monkeypatch):
     y_fast, g_fast = run()
     assert ("launch_forward", True) in calls and ("launch_backward", True) in calls, calls
     calls.clear()
-    monkeypatch.setattr(_runtime, "launch_stream", lambda tensors: None)
+    monkeypatch.setattr(_runtime, "launch_addresses", lambda tensors: None)
     y_slow, g_slow = run()
     assert not calls
     torch.testing.assert_close(y_fast, y_slow, rtol=1e-12, atol=1e-12)
@@ -590,10 +590,10 @@ def test_raw_address_path_is_skipped_for_non_contiguous_tensors():
     n, kwargs = CONV_CASES["2d"]
     args, params = conv_case(n, **kwargs)
     cuda = {k: v.cuda() for k, v in args.items()}
-    assert _runtime.launch_stream(tuple(cuda[k] for k in NAMES)) is not None
+    assert _runtime.launch_addresses(tuple(cuda[k] for k in NAMES)) is not None
     strided = dict(cuda, input=cuda["input"].transpose(2, 3).contiguous().transpose(2, 3))
-    assert _runtime.launch_stream(tuple(strided[k] for k in NAMES)) is None
-    assert _runtime.launch_stream(tuple(dict(cuda, weight=cuda["weight"].float())[k] for k in NAMES)) is None
+    assert _runtime.launch_addresses(tuple(strided[k] for k in NAMES)) is None
+    assert _runtime.launch_addresses(tuple(dict(cuda, weight=cuda["weight"].float())[k] for k in NAMES)) is None
     torch.testing.assert_close(dct.deform_conv2d(**strided, **params), dct.deform_conv2d(**cuda, **params),
                                rtol=1e-12, atol=1e-12)
 

@@ -50,11 +50,11 @@ def _forward(transposed: bool, tensors: Sequence[Optional[Tensor]], hyper, plan=
     if plan is None:
         plan = _plans.plan_for(transposed, tensors, hyper)
     out = input.new_empty(plan.output_shape)
-    stream = _runtime.launch_stream(tensors)
-    addresses = None if stream is None else tuple(_address(t) for t in tensors)
+    launch = _runtime.launch_addresses(tensors)
     if ctx is not None:
-        ctx.raw = addresses
-    if stream is not None:  # the plan's shapes hold by construction: its launches on raw addresses
+        ctx.raw = None if launch is None else launch[1]
+    if launch is not None:  # the plan's shapes hold by construction: its launches on raw addresses
+        stream, addresses = launch
         workspace = _workspace_tensor(plan.forward_workspace_bytes, input)
         if plan.launch_forward(addresses, out.data_ptr(), _address(workspace), stream):
             return out
@@ -64,17 +64,18 @@ def _forward(transposed: bool, tensors: Sequence[Optional[Tensor]], hyper, plan=
     return out
 
 
-#: Per pattern of wanted gradients (one bool per NAMES entry): the wanted names as a list and
-#: as a frozenset (built once, not at every backward).
+#: Per pattern of requested gradients and present tensors: which gradients are wanted (one bool
+#: per NAMES entry), their names as a list and as a frozenset (built once, not at every backward).
 _WANTED: dict = {}
 
 
-def _wanted_names(wanted: Sequence[bool]):
-    key = tuple(wanted)
+def _wanted_names(wrt: Sequence[bool], tensors: Sequence[Optional[Tensor]]):
+    key = (tuple(wrt), tensors[2] is None, tensors[3] is None, tensors[4] is None)
     found = _WANTED.get(key)
     if found is None:
-        names = [name for name, w in zip(NAMES, key) if w]
-        found = _WANTED[key] = (names, frozenset(names))
+        wanted = tuple(bool(w) and t is not None for w, t in zip(wrt, tensors))
+        names = [name for name, w in zip(NAMES, wanted) if w]
+        found = _WANTED[key] = (wanted, names, frozenset(names))
     return found
 
 
@@ -85,11 +86,12 @@ def _backward(transposed: bool, grad_output: Tensor, tensors: Sequence[Optional[
     still the one to use; ``raw``: the addresses of the saved ``tensors``, which passed the
     raw-address checks in the forward (autograd refuses saved tensors changed in place since)."""
     input = tensors[0]
-    wanted = [bool(w) and t is not None for w, t in zip(wrt, tensors)]
-    names, name_set = _wanted_names(wanted)
+    wanted, names, name_set = _wanted_names(wrt, tensors)
     # empty_like: the cheapest allocation call (no shape, dtype or device to parse); a contiguous
-    # tensor's own layout is contiguous, and without the memory_format keyword it costs ~1 µs less
-    grads = [(torch.empty_like(t) if t.is_contiguous() else torch.empty_like(t, memory_format=_CONTIGUOUS))
+    # tensor's own layout is contiguous (as raw's tensors are), and without the memory_format
+    # keyword it costs ~1 µs less
+    grads = [(torch.empty_like(t) if raw is not None or t.is_contiguous()
+              else torch.empty_like(t, memory_format=_CONTIGUOUS))
              if w else (input.new_empty(0) if placeholders else None)
              for w, t in zip(wanted, tensors)]
     if not names:
@@ -97,19 +99,25 @@ def _backward(transposed: bool, grad_output: Tensor, tensors: Sequence[Optional[
     if (plan is None or plan.deterministic != torch.are_deterministic_algorithms_enabled()
             or plan.allow_tf32 != _runtime.allow_tf32(input)):
         plan = _plans.plan_for(transposed, tensors, hyper)
-    if not grad_output.is_contiguous() and not (grad_output.dim() > 1 and grad_output.shape[0] > 0
-                                                 and grad_output[0].is_contiguous()):
-        grad_output = grad_output.contiguous()   # torch's copy: cheaper than CuPy's in the plan
-    if raw is not None and grad_output.dtype == input.dtype and grad_output.get_device() == input.get_device():
-        stream = _runtime.launch_stream((grad_output,))
+    contiguous = grad_output.is_contiguous()
+    if not contiguous and not (grad_output.dim() > 1 and grad_output.shape[0] > 0 and grad_output[0].is_contiguous()):
+        grad_output, contiguous = grad_output.contiguous(), True   # torch's copy: cheaper than CuPy's in the plan
+    launch = None   # (stream, grad_output's address, the tensors' addresses)
+    if raw is not None:   # the saved tensors passed launch_addresses: grad_output's checks alone, inline
+        index = grad_output.get_device()
+        stream = (_runtime.launch_stream(index) if contiguous and grad_output.dtype == input.dtype
+                  and not grad_output.is_neg() and index == input.get_device() else None)
+        if stream is not None:
+            launch = (stream, grad_output.data_ptr(), raw)
     else:
-        raw = None
-        stream = _runtime.launch_stream((grad_output,) + tuple(tensors))
-    if stream is not None:
+        found = _runtime.launch_addresses((grad_output,) + tuple(tensors))
+        if found is not None:
+            launch = (found[0], found[1][0], found[1][1:])
+    if launch is not None:
+        stream, gy_address, addresses = launch
         workspace = _workspace_tensor(plan.backward_workspace_bytes, input)
         outs = {name: g.data_ptr() for name, g, w in zip(NAMES, grads, wanted) if w}
-        addresses = raw if raw is not None else tuple(_address(t) for t in tensors)
-        if plan.launch_backward(grad_output.data_ptr(), addresses, name_set, outs, _address(workspace), stream):
+        if plan.launch_backward(gy_address, addresses, name_set, outs, _address(workspace), stream):
             return tuple(grads)
     args = [_runtime.native(grad_output)] + [_runtime.native(t) for t in tensors]
     out = {name: _runtime.native(g) for name, g, w in zip(NAMES, grads, wanted) if w}
@@ -303,6 +311,28 @@ def _eager_backward(ctx, grad_output):
 #: The backward when autograd records it (``create_graph=True``): torch's wrapper that makes a
 #: second differentiation raise. Without recording (the usual case) its checks cost ~5 µs.
 _backward_once = once_differentiable(_eager_backward)
+
+#: ``EagerConv.apply`` below torch's Python ``Function.apply`` (the C++ apply it ends in, bound
+#: to EagerConv), and the two checks that wrapper makes before it: functorch transforms (which
+#: need that wrapper) and dead functorch wrappers among the tensors (unwrapped).
+try:
+    _eager_apply = super(torch.autograd.Function, EagerConv).apply
+    _functorch_active = torch._C._are_functorch_transforms_active
+    _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+except AttributeError:  # pragma: no cover - a torch without them
+    _eager_apply = None
+
+
+def eager_conv(transposed: bool, hyper, input, weight, offset, mask, bias) -> Tensor:
+    """``EagerConv.apply(transposed, hyper, input, weight, offset, mask, bias)``, skipping torch's
+    Python wrapper of ``apply`` where no functorch transform is active (its argument binding and
+    generator cost ~10 µs of host time per call: a third of the forward's own)."""
+    if _eager_apply is None or _functorch_active():
+        return EagerConv.apply(transposed, hyper, input, weight, offset, mask, bias)
+    return _eager_apply(transposed, hyper, _unwrap_if_dead(input), _unwrap_if_dead(weight),
+                        None if offset is None else _unwrap_if_dead(offset),
+                        None if mask is None else _unwrap_if_dead(mask),
+                        None if bias is None else _unwrap_if_dead(bias))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -110,10 +110,12 @@ except AttributeError:  # pragma: no cover - a torch without it
     _current_device = torch.cuda.current_device
 
 
-def launch_stream(tensors) -> Optional[int]:
-    """torch's current stream (a ``cudaStream_t``) when ``tensors`` (the first one present)
-    can go to a plan as raw addresses: all CUDA, contiguous, of one dtype, on the current
-    device, none lazily negated; None otherwise (the caller takes the array path)."""
+def launch_addresses(tensors) -> Optional[tuple]:
+    """``(stream, addresses)`` when ``tensors`` (the first one present) can go to a plan as raw
+    addresses: all CUDA, contiguous, of one dtype, on the current device, none lazily negated;
+    then ``stream`` is torch's current stream (a ``cudaStream_t``) and ``addresses`` each
+    tensor's ``data_ptr()`` (0 for None), in one pass. None otherwise (the caller takes the
+    array path)."""
     first = tensors[0]
     if not first.is_cuda:
         return None
@@ -121,10 +123,21 @@ def launch_stream(tensors) -> Optional[int]:
     if index != _current_device():
         return None
     dtype = first.dtype
+    addresses = []
     for t in tensors:
-        if t is not None and (t.dtype != dtype or t.get_device() != index or not t.is_contiguous() or t.is_neg()):
+        if t is None:
+            addresses.append(0)
+        elif t.dtype != dtype or t.get_device() != index or not t.is_contiguous() or t.is_neg():
             return None
-    return _current_raw_stream(index)
+        else:
+            addresses.append(t.data_ptr())
+    return _current_raw_stream(index), tuple(addresses)
+
+
+def launch_stream(index: int) -> Optional[int]:
+    """torch's current stream (a ``cudaStream_t``) of CUDA device ``index`` when that is the
+    current device (a plan's raw-address launches run on the current one); None otherwise."""
+    return _current_raw_stream(index) if index == _current_device() else None
 
 
 try:

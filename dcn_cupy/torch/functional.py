@@ -131,7 +131,7 @@ def _convolve(transposed: bool, tensors: List[Optional[Tensor]], hyper) -> Tenso
     tensors = _autocast(tensors)
     route = _route(tensors)
     if route == _GRAPH:
-        return _ops.EagerConv.apply(transposed, hyper, *tensors)
+        return _ops.eager_conv(transposed, hyper, *tensors)
     if route == _NO_GRAPH:
         return _ops._forward(transposed, tensors, hyper)
     stride, padding, output_padding, dilation, groups = hyper   # the ops' int[] arguments: lists
