@@ -438,7 +438,7 @@ def main(argv=None):
     parser.add_argument("--device", choices=("all", "cpu", "cuda"), default="all")
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--accumulate", action="store_true",
                         help="torch rows: add into the leaves' existing .grad (earlier tables' method)")
     args = parser.parse_args(argv)
@@ -509,6 +509,12 @@ def _print_targets(rows) -> None:
                     f"{torch_eager[1] / peer[0]:.2f}x", torch_eager[1], 2.5 * peer[0])]
     for text, value, limit in checks:
         print(f"target {text}: {value:.1f} -> {'met' if value <= limit else 'NOT met'}")
+    rounds = {name: (f, b) for name, _, device, made, message, (f, b) in rows
+              if message is None and device == "cuda"}
+    ours, peer = rounds.get("dcn_cupy.torch eager"), rounds.get("torchvision.ops.deform_conv2d")
+    if ours and peer and ours[1] and peer[0]:
+        print("dcn_cupy.torch forward+backward / torchvision's forward, round by round: "
+              + ", ".join(f"{b / f:.2f}x" for b, f in zip(ours[1], peer[0])))
 
 
 if __name__ == "__main__":
