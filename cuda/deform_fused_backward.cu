@@ -7,10 +7,10 @@
 // steps of BK on tensor cores (fused::warp_mma, float32 accumulation) from two tiles copied with
 // cp.async (double-buffered): the weight columns wt[g, t, c, o] (A: rows c, K = o contiguous)
 // and the channels-last grad_output gycl[p, o] (B: rows p). The tile then goes to shared memory
-// (float32) and, in the epilogue, one warp per position (lanes along the channels, 4 per lane):
+// (float32) and, in the epilogue, one warp per position (lanes along the channels, CPL per lane):
 //   * grad_input: G * mask * w_corner is added to the CHANNELS-LAST float32 accumulator
-//     gxcl[b, s, c] with one 4-channel vector reduction (REDG.ADD.F32x4 on sm_90) per corner and
-//     lane, where col2im needs a scalar atomic per channel;
+//     gxcl[b, s, c] with 4-channel vector reductions (REDG.ADD.F32x4 on sm_90), CPL/4 per corner
+//     and lane, where col2im needs a scalar atomic per channel;
 //   * grad_offset / grad_mask: each lane sums, over its channels, G * mask * d sample / d P_a
 //     and G * sample (corner values read channels-last from xcl), the lanes of one offset / mask
 //     group add theirs by shuffles (`seg` lanes: a power of two, no segment crossing a group),
@@ -27,7 +27,9 @@
 // block), DET (deterministic: the input gradient added in 64-bit fixed point to gxq, with the
 // flags and the bounds of fixed_point.cuh, where gxcl is null; the offset and mask gradients
 // stored, not added, as one partial sum per segment of channels, slot (channel within its
-// group) / (4 * seg) of goff / gmsk, which fused_store adds in a fixed order). 256 threads.
+// group) / (4 * seg) of goff / gmsk, which fused_store adds in a fixed order), CPL (channels per
+// epilogue lane: 4, or 8 where every group's channels are a multiple of 8, not DET; the rule,
+// cuda_fused_backward.epilogue_lane_channels, takes 8 in 3D only). 256 threads.
 // Dynamic shared memory: cuda_fused_backward.smem_bytes.
 
 #include "fused_common.cuh"
@@ -235,7 +237,7 @@ __global__ void fused_gradient_plan(const T* __restrict__ offset, const T* __res
     }
 }
 
-template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool PLAN, bool DET>
+template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool PLAN, bool DET, int CPL>
 __global__ void __launch_bounds__(fused_bwd::THREADS, MINB)
 deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt, const T* __restrict__ xcl,
                            const T* __restrict__ offset, const T* __restrict__ mask,
@@ -260,9 +262,11 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     constexpr int B_VECS = BN * BK / VEC / THREADS;
     constexpr int GLD = BM + 4;                      // row of the staged column-gradient tile (floats)
     constexpr int NC = 1 << N;
-    constexpr int LANES = BM / 4 < 32 ? BM / 4 : 32; // lanes per position in the epilogue
+    constexpr int LANES = BM / CPL < 32 ? BM / CPL : 32; // lanes per position in the epilogue
     constexpr int PPW = 32 / LANES;                  // positions per warp and pass
+    constexpr int V4 = CPL / 4;                      // a lane's channels, in fours
     static_assert(A_VECS >= 1 && B_VECS >= 1 && MT >= 1 && NT % 2 == 0 && BM % 64 == 0, "tile shape");
+    static_assert((CPL == 4 || CPL == 8) && (!DET || CPL == 4), "channels per lane: 4, or 8 (not deterministic)");
 
     extern __shared__ __align__(128) unsigned char fused_smem[];
     T* const As0 = reinterpret_cast<T*>(fused_smem);
@@ -356,9 +360,11 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     __syncthreads();
 
     // Epilogue: warp w takes positions w*PPW + pass*WARPS*PPW ..., LANES lanes per position, each
-    // lane 4 channels at a time (BM/4/LANES passes over the channels).
-    const int sub = lane / LANES;           // which of the warp's PPW positions
-    const int lane_c = (lane % LANES) * 4;  // this lane's first channel within a pass
+    // lane CPL channels at a time (BM/CPL/LANES passes over the channels). A position's corners,
+    // weights and branches are the same for all its lanes: 8 channels per lane pay them once for
+    // twice the channels (all group sizes multiples of 8), in more registers.
+    const int sub = lane / LANES;             // which of the warp's PPW positions
+    const int lane_c = (lane % LANES) * CPL;  // this lane's first channel within a pass
     // (DET) a pass's channels share their groups, and so its lanes their corners: every lane is
     // active or none (C_in/groups and the group sizes are multiples of 4 * seg)
     const bool uniform = seg == LANES;
@@ -380,7 +386,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
             }
         }
 #pragma unroll 1
-        for (int cpass = 0; cpass < BM; cpass += LANES * 4) {
+        for (int cpass = 0; cpass < BM; cpass += LANES * CPL) {
             const int c = m0 + cpass + lane_c;          // channel within the group
             const bool active = pvalid && c < Cg;
             const int cabs = grp * Cg + c;
@@ -419,7 +425,9 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                     cr.compute(pos, g.in_size);
                 }
                 if (cr.valid) {
-                    const float4 gc = *reinterpret_cast<const float4*>(Gs + n * GLD + cpass + lane_c);
+                    float4 gc[V4];
+#pragma unroll
+                    for (int v = 0; v < V4; ++v) gc[v] = *reinterpret_cast<const float4*>(Gs + n * GLD + cpass + lane_c + 4 * v);
                     if constexpr (DET) {
                         if (gxq != nullptr) {
                             // exact integer sums, in any order. Where the lanes share their corners,
@@ -443,34 +451,41 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                             }
                         }
                     } else if (gxcl != nullptr) {
-                        const float4 v = make_float4(gc.x * m, gc.y * m, gc.z * m, gc.w * m);
+                        float4 v[V4];
+#pragma unroll
+                        for (int u = 0; u < V4; ++u) v[u] = make_float4(gc[u].x * m, gc[u].y * m, gc[u].z * m, gc[u].w * m);
 #pragma unroll
                         for (int k = 0; k < NC; ++k) {
                             const float w = cr.weight[k];
                             if (cr.ok[k] && w != 0.0f) {
-                                fused_bwd::add4(gxcl + ((I)b * S + cr.index[k]) * Cpa + cabs,
-                                                make_float4(w * v.x, w * v.y, w * v.z, w * v.w));
+                                float* const dst = gxcl + ((I)b * S + cr.index[k]) * Cpa + cabs;
+#pragma unroll
+                                for (int u = 0; u < V4; ++u)
+                                    fused_bwd::add4(dst + 4 * u, make_float4(w * v[u].x, w * v[u].y, w * v[u].z, w * v[u].w));
                             }
                         }
                     }
                     if (goff != nullptr || gmsk != nullptr) {
-                        float4 xv[NC];
+                        float4 xv[NC][V4];
 #pragma unroll
                         for (int k = 0; k < NC; ++k) {
-                            xv[k] = cr.ok[k] ? fused_bwd::Load4<T>::run(xcl + ((I)b * S + cr.index[k]) * Cp + cabs)
-                                             : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                            const T* const src = xcl + ((I)b * S + cr.index[k]) * Cp + cabs;
+#pragma unroll
+                            for (int u = 0; u < V4; ++u)
+                                xv[k][u] = cr.ok[k] ? fused_bwd::Load4<T>::run(src + 4 * u) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                         }
                         // channel by channel, as dcn::accumulate_position_gradients
 #pragma unroll
-                        for (int j = 0; j < 4; ++j) {
-                            const float cg = fused_bwd::component(gc, j);
+                        for (int jj = 0; jj < CPL; ++jj) {
+                            const int u = jj / 4, j = jj % 4;
+                            const float cg = fused_bwd::component(gc[u], j);
                             if (gmsk != nullptr) {
                                 float sv = 0.0f;
                                 bool used = false;
 #pragma unroll
                                 for (int k = 0; k < NC; ++k) {
                                     if (cr.weight[k] != 0.0f) {
-                                        sv += cr.weight[k] * fused_bwd::component(xv[k], j);
+                                        sv += cr.weight[k] * fused_bwd::component(xv[k][u], j);
                                         used = true;
                                     }
                                 }
@@ -485,7 +500,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
 #pragma unroll
                                     for (int k = 0; k < NC; ++k) {
                                         if (cr.dweight[k][a] != 0.0f) {
-                                            d += cr.dweight[k][a] * fused_bwd::component(xv[k], j);
+                                            d += cr.dweight[k][a] * fused_bwd::component(xv[k][u], j);
                                             used = true;
                                         }
                                     }

@@ -96,6 +96,22 @@ def test_serving_rule_and_segments():
     assert fb.segment_lanes(_geom(c_in=64, offset_groups=4), 128) == 4
     assert fb.segment_lanes(_geom(c_in=48, mask_groups=2), 64) == 2     # 24 channels per mask group
     assert fb.segment_lanes(_geom(c_in=12), 64) == 1
+    assert fb.segment_lanes(_geom(c_in=256), 64, 8) == 8                 # 8 lanes of 8 channels a position
+    assert fb.segment_lanes(_geom(c_in=64, offset_groups=4), 128, 8) == 2
+    # the data kernel's epilogue: 8 channels a lane in 3D where every group's channel count is a
+    # multiple of 8 and the backward is not deterministic; 4 otherwise, and 8 cannot be forced there
+    assert fb.epilogue_lane_channels(_geom(c_in=48, mask_groups=2, ndim=3), False) == 8   # 24 channels a group
+    assert fb.epilogue_lane_channels(_geom(c_in=48, mask_groups=2), False) == 4          # 2D
+    assert fb.epilogue_lane_channels(_geom(c_in=12, ndim=3), False) == 4
+    assert fb.epilogue_lane_channels(_geom(c_in=64, offset_groups=16, ndim=3), False) == 4   # 4 channels a group
+    assert fb.epilogue_lane_channels(_geom(c_in=64, ndim=3), True) == 4
+    assert fb.BackwardConfig(_geom(c_in=64, ndim=3), np.float16, False).lane_channels == 8
+    assert "8 channels a lane" in fb.BackwardConfig(_geom(c_in=64, ndim=3), np.float16, False).description
+    assert fb.BackwardConfig(_geom(c_in=64, ndim=3), np.float16, False, lane_channels=4).lane_channels == 4
+    assert fb.BackwardConfig(_geom(c_in=64), np.float16, False).lane_channels == 4
+    for geom in (_geom(c_in=64), _geom(c_in=64, offset_groups=16, ndim=3)):
+        with pytest.raises(ValueError, match="lane_channels=8"):
+            fb.BackwardConfig(geom, np.float16, False, lane_channels=8)
     # the fused weight gradient: a sampling thread's 16 (half) / 8 (float32) channels in one group
     assert fb.weight_unsupported(_geom(c_in=64, offset_groups=2), np.float16) is None
     assert "C_in/offset_groups = 8 is not a multiple of 16" in fb.weight_unsupported(
@@ -154,6 +170,9 @@ def test_deterministic_configuration():
     for tile in fb._tiles(np.float16):
         assert fb.BackwardConfig(wide, np.float16, False, tile, deterministic=True).seg == 16
     assert fb.BackwardConfig(wide, np.float16, False, fb._tiles(np.float16)[1]).seg == 32
+    wide3 = _geom(c_in=256, ndim=3)
+    assert fb.BackwardConfig(wide3, np.float16, False, fb._tiles(np.float16)[1]).seg == 16   # 8 channels a lane
+    assert fb.BackwardConfig(wide3, np.float16, False, fb._tiles(np.float16)[1], lane_channels=4).seg == 32
     no_offset = fb.BackwardConfig(_geom(offset_groups=0), np.float32, False, deterministic=True)
     assert no_offset.log2_count == (no_offset.K - 1).bit_length()
     # 3 blocks per SM for the deterministic MINB 2 tiles where that does not spill
@@ -166,7 +185,11 @@ def test_deterministic_configuration():
     names = fb.name_expressions(np.float16, 2, False)
     assert "fused_channels_first<__half, int, true>" in names
     assert fb.kernel_name(np.float16, False, 2, 0, (64, 64, 64, 3), "data", False, True) in names
-    assert fb.kernel_name(np.float16, False, 2, 0, (64, 64, 64, 2), "data", True, True).endswith(", true, true>")
+    assert fb.kernel_name(np.float16, False, 2, 0, (64, 64, 64, 2), "data", True, True).endswith(", true, true, 4>")
+    assert fb.kernel_name(np.float16, False, 2, 0, (64, 64, 64, 2), "data", True, False, 8) not in names
+    names3 = fb.name_expressions(np.float16, 3, False)
+    assert fb.kernel_name(np.float16, False, 3, 0, (64, 64, 64, 2), "data", True, False, 8) in names3
+    assert fb.kernel_name(np.float16, False, 3, 0, (64, 64, 64, 2), "data", True, True, 8) not in names3
 
 
 class _Spec:
@@ -216,7 +239,7 @@ def wide_case(rng, ndim, *, groups=2, offset_groups=2, mask_groups=1, c_in=64, c
 
 
 def run_gradients(arrays, params, grad_output, precision, tile=None, wanted=NAMES, broadcast=False, weight_tile=None,
-                  sampling_plan=None, gradient_plan=None):
+                  sampling_plan=None, gradient_plan=None, lane_channels=None):
     """The fused data gradients of float64 NumPy arrays cast to ``precision``'s dtype (outputs
     poisoned with NaN) and the float64 reference gradients of the rounded inputs."""
     cupy = _cupy()
@@ -235,7 +258,7 @@ def run_gradients(arrays, params, grad_output, precision, tile=None, wanted=NAME
     shapes = [None if arrays[k] is None else arrays[k].shape for k in ("input", "weight", "offset", "mask")]
     geom = _geometry.conv_geometry(*shapes, None, **params)[0]
     config = fb.BackwardConfig(geom, dtype, precision == "tf32", tile, weight_tile=weight_tile,
-                               sampling_plan=sampling_plan, gradient_plan=gradient_plan)
+                               sampling_plan=sampling_plan, gradient_plan=gradient_plan, lane_channels=lane_channels)
     out = {name: cupy.full(arrays[name].shape, np.nan, dtype=dtype) for name in wanted if arrays[name] is not None}
     gy_dev = cupy.asarray(gy) if not broadcast else cupy.broadcast_to(cupy.asarray(gy[:1]), gy.shape)
     args = dict(grad_output=gy_dev, bias=None, wanted=frozenset(wanted), **dev)
@@ -316,6 +339,39 @@ def test_data_gradients_from_their_plan_equal_corners_computed_in_place(ndim, pr
             check(planned, expected, precision, label)
             for name, value in planned.items():
                 assert relative_error(value, in_place[name]) < TOL[precision] / 10, (name, label)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_eight_channels_per_lane_equal_four(precision):
+    """The 3D data kernel's epilogue with 8 channels per lane (the rule where every group's
+    channel count is a multiple of 8) gives the input, offset and mask gradients of 4 per lane
+    (up to the order of the atomics), both against the reference: every data tile, with and
+    without the gradients' plan, offset groups != mask groups, with and without offsets / mask,
+    non-finite and huge offsets among them."""
+    fb = _backward_module()
+    ndim = 3
+    rng = np.random.default_rng(123)
+    for offset_groups, mask_groups, offset, mask in ((2, 4, True, True), (1, 1, False, True), (4, 1, True, False)):
+        arrays, params, gy = wide_case(rng, ndim, groups=2, offset_groups=offset_groups, mask_groups=mask_groups,
+                                       c_in=128, c_out=32, offset=offset, mask=mask, batch=3)
+        if offset:
+            off = arrays["offset"].reshape(-1)
+            picks = rng.choice(off.size, size=off.size // 8, replace=False)
+            off[picks] = np.array([np.nan, np.inf, -np.inf, 1e30, -3e9, 0.5])[rng.integers(0, 6, size=picks.size)]
+        wanted = ("input", "offset", "mask")
+        for tile in fb._tiles(DTYPE[precision]):
+            for plan in (False, True):
+                label = (tile, plan, offset_groups, mask_groups, offset, mask)
+                eight, expected, config = run_gradients(arrays, params, gy, precision, tile, wanted=wanted,
+                                                        gradient_plan=plan, lane_channels=8)
+                assert config.lane_channels == 8 and "8 channels a lane" in config.description, label
+                four, _, config = run_gradients(arrays, params, gy, precision, tile, wanted=wanted,
+                                                gradient_plan=plan, lane_channels=4)
+                assert config.lane_channels == 4
+                check(eight, expected, precision, label)
+                for name, value in eight.items():
+                    assert relative_error(value, four[name]) < TOL[precision] / 10, (name, label)
 
 
 @pytest.mark.gpu

@@ -81,6 +81,13 @@ TILES = {
 #: (3D and 3xTF32 spill at 3). H200, fp16 B=8 C256 56x56 deterministic backward 1.54 -> 1.32 ms
 #: (input gradient alone 0.89 -> 0.77; the default 0.93 either way).
 DETERMINISTIC_MINB = 3
+#: Channels per lane of the data kernel's epilogue (``epilogue_lane_channels`` chooses): 8 pays each
+#: position's corners, weights and branches once for twice the channels of 4, at the cost of
+#: registers (2D fp16 64x64x64: 101 against 80, 2 blocks per SM instead of 3). H200, data
+#: gradients alone, ms, 4 -> 8 channels a lane: 3D B=2 C32 32^3 fp16 2.10 -> 1.73, tf32 1.92 ->
+#: 1.64 (8 corners a position); B=8 C256 56x56 fp16 0.60 -> 0.78, tf32 0.98 -> 1.05; B=16 C512
+#: 14x14 equal; 1D C256 L4096 fp16 0.55 -> 0.57 (NOTES-gpu.md, session 10). So 8 in 3D only.
+LANE_CHANNELS = (4, 8)
 #: The weight gradient's tiles per dtype (BM output channels, BN input channels, BK positions per
 #: step, MINB), 256 / BK sampling threads per position: the tallest no taller than C_out/groups
 #: is taken (``_weight_tile``), since each output-channel tile samples the input again; a
@@ -156,13 +163,14 @@ def _bool(value: bool) -> str:
 
 
 def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, kernel: str = "data",
-                plan: bool = False, deterministic: bool = False) -> str:
+                plan: bool = False, deterministic: bool = False, lane_channels: int = 4) -> str:
     """A data or (``kernel="weight"``) weight kernel, reading its plan (``plan``) or not; the
-    data kernel ``deterministic`` (fixed-point scatter) or not."""
+    data kernel ``deterministic`` (fixed-point scatter) or not, with ``lane_channels`` channels
+    per epilogue lane."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
     bm, bn, bk, minb = tile
-    det = f", {_bool(deterministic)}" if kernel == "data" else ""
+    det = f", {_bool(deterministic)}, {lane_channels}" if kernel == "data" else ""
     return f"deform_fused_backward_{kernel}<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}, {_bool(plan)}{det}>"
 
 
@@ -170,9 +178,9 @@ def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
     """Every kernel instantiation of one module (one dtype, one N, one index width)."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
-    names = [kernel_name(dtype, index64, ndim, prec, data_tile(tile, ndim, prec, det), "data", plan, det)
+    names = [kernel_name(dtype, index64, ndim, prec, data_tile(tile, ndim, prec, det), "data", plan, det, cpl)
              for prec in _fused._precisions(dtype) for tile in _tiles(dtype) for plan in (False, True)
-             for det in (False, True)]
+             for det in (False, True) for cpl in LANE_CHANNELS if cpl == 4 or (ndim == 3 and not det)]
     names += [kernel_name(dtype, index64, ndim, prec, tile, "weight", plan)
               for prec in _fused._precisions(dtype) for tile in _weight_tiles(dtype) for plan in (False, True)]
     names += [f"{kernel}<{t}, {i}>" for kernel in
@@ -251,15 +259,25 @@ def weight_unsupported(geom, dtype, tile=None):
     return None
 
 
-def segment_lanes(geom, bm: int) -> int:
+def segment_lanes(geom, bm: int, lane_channels: int = 4) -> int:
     """Lanes whose offset/mask partial sums are added by shuffles before one atomic: the largest
-    power of two, at most the lanes of one position, whose 4-channel segments never cross a
-    conv, offset or mask group boundary."""
-    lanes = min(32, bm // 4)
+    power of two, at most the lanes of one position, whose segments (``lane_channels`` channels a
+    lane) never cross a conv, offset or mask group boundary."""
+    lanes = min(32, bm // lane_channels)
     seg = 1
-    while seg * 2 <= lanes and all(count % (8 * seg) == 0 for count in _per_group(geom)):
+    while seg * 2 <= lanes and all(count % (2 * lane_channels * seg) == 0 for count in _per_group(geom)):
         seg *= 2
     return seg
+
+
+def epilogue_lane_channels(geom, deterministic: bool) -> int:
+    """The rule for the data kernel's channels per epilogue lane: 8 in 3D (eight corners a
+    position: measured faster, LANE_CHANNELS) where every conv, offset and mask group's channel
+    count is a multiple of 8 (a lane's channels share their groups) and the backward is not
+    deterministic (whose partial-sum trees assume 4); else 4."""
+    if geom.ndim == 3 and not deterministic and all(count % 8 == 0 for count in _per_group(geom)):
+        return 8
+    return 4
 
 
 #: (channels per segment, segments) of the weight gradient's sampling plan: the forward's.
@@ -275,7 +293,8 @@ class BackwardConfig:
     """What one backward of one geometry and dtype launches (chosen once per plan)."""
 
     def __init__(self, geom, dtype, allow_tf32: bool, tile=None, multiprocessors: int = 132, fused_weight=None,
-                 weight_tile=None, sampling_plan=None, gradient_plan=None, deterministic: bool = False):
+                 weight_tile=None, sampling_plan=None, gradient_plan=None, deterministic: bool = False,
+                 lane_channels=None):
         dtype = np.dtype(dtype)
         reason = unsupported(geom, dtype)
         if reason is not None:
@@ -298,7 +317,12 @@ class BackwardConfig:
         self.deterministic = bool(deterministic)
         # (deterministic: segments of at most 16 lanes, the 64-channel tile's, so that every tile
         # adds the same partial sums in the same tree: bitwise the same gradients)
-        self.seg = segment_lanes(geom, min(bm, 64) if self.deterministic else bm)
+        # channels per epilogue lane (lane_channels: the rule, or forced to 4 or 8)
+        rule = epilogue_lane_channels(geom, self.deterministic)
+        self.lane_channels = rule if lane_channels is None else int(lane_channels)
+        if self.lane_channels not in LANE_CHANNELS or (self.lane_channels != rule and self.lane_channels == 8):
+            raise ValueError(f"lane_channels={lane_channels} is not served here (the rule gives {rule})")
+        self.seg = segment_lanes(geom, min(bm, 64) if self.deterministic else bm, self.lane_channels)
         _, per_go, per_gm = _per_group(geom)
         self.slots = (per_go // (4 * self.seg), per_gm // (4 * self.seg)) if self.deterministic else (1, 1)
         self.log2_count = int(max(self.Q * self.K if geom.has_offset else self.K, 1) - 1).bit_length()
@@ -379,7 +403,8 @@ class BackwardConfig:
         data_plan = " from a plan per chunk" if self.gradient_plan else ""
         scatter = ("deterministic: fixed-point 64-bit channels-last scatter, offset and mask gradients summed in a "
                    "fixed order" if self.deterministic else "channels-last vector scatter")
-        return (f"cuda/fused-backward: {prec} mma.sync, tile {bm}x{bn}x{bk}, {scatter}{data_plan}, "
+        return (f"cuda/fused-backward: {prec} mma.sync, tile {bm}x{bn}x{bk}, {scatter}{data_plan} "
+                f"({self.lane_channels} channels a lane), "
                 f"{weight}, chunks of {self.chunk} samples, {'64' if self.index64 else '32'}-bit index")
 
     def blocks(self, n: int) -> int:
@@ -398,7 +423,7 @@ class BackwardConfig:
             if name == "data":
                 tile = data_tile(tile, g.ndim, self.precision, self.deterministic)
             fn = _function(kernel_name(self.dtype, self.index64, g.ndim, self.precision, tile, name, plan,
-                                       self.deterministic), self.dtype, g.ndim, self.index64)
+                                       self.deterministic, self.lane_channels), self.dtype, g.ndim, self.index64)
             if smem > 48 * 1024:
                 _fused._allow_shared_memory(fn, smem)
             return fn
