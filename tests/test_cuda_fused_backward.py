@@ -311,6 +311,21 @@ def test_weight_gradient_from_the_sampling_plan_equals_corners_computed_in_place
         check(planned, expected, precision, (offset_groups, mask_groups, offset, mask))
 
 
+def poisoned_group_cases(rng, ndim, *, groups, c_in):
+    """``(offset_groups, mask_groups, offset, mask), arrays, params, grad_output`` of wide cases
+    with offset groups != mask groups and the offset or the mask absent once; an eighth of the
+    offsets non-finite or huge."""
+    for case in ((2, 4, True, True), (1, 1, False, True), (4, 1, True, False)):
+        offset_groups, mask_groups, offset, mask = case
+        arrays, params, gy = wide_case(rng, ndim, groups=groups, offset_groups=offset_groups, mask_groups=mask_groups,
+                                       c_in=c_in, c_out=32, offset=offset, mask=mask, batch=3)
+        if offset:
+            off = arrays["offset"].reshape(-1)
+            picks = rng.choice(off.size, size=off.size // 8, replace=False)
+            off[picks] = np.array([np.nan, np.inf, -np.inf, 1e30, -3e9, 0.5])[rng.integers(0, 6, size=picks.size)]
+        yield case, arrays, params, gy
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["float16", "bfloat16", "tf32", "float32"])
 @pytest.mark.parametrize("ndim", [1, 2, 3])
@@ -321,13 +336,7 @@ def test_data_gradients_from_their_plan_equal_corners_computed_in_place(ndim, pr
     offsets / mask, non-finite and huge offsets among them."""
     fb = _backward_module()
     rng = np.random.default_rng(90 + ndim)
-    for offset_groups, mask_groups, offset, mask in ((2, 4, True, True), (1, 1, False, True), (4, 1, True, False)):
-        arrays, params, gy = wide_case(rng, ndim, groups=1, offset_groups=offset_groups, mask_groups=mask_groups,
-                                       c_in=160, c_out=32, offset=offset, mask=mask, batch=3)
-        if offset:
-            off = arrays["offset"].reshape(-1)
-            picks = rng.choice(off.size, size=off.size // 8, replace=False)
-            off[picks] = np.array([np.nan, np.inf, -np.inf, 1e30, -3e9, 0.5])[rng.integers(0, 6, size=picks.size)]
+    for case, arrays, params, gy in poisoned_group_cases(rng, ndim, groups=1, c_in=160):
         wanted = ("input", "offset", "mask")
         for tile in fb._tiles(DTYPE[precision]):
             planned, expected, config = run_gradients(arrays, params, gy, precision, tile, wanted=wanted,
@@ -335,7 +344,7 @@ def test_data_gradients_from_their_plan_equal_corners_computed_in_place(ndim, pr
             assert config.gradient_plan and "from a plan" in config.description
             in_place, _, config = run_gradients(arrays, params, gy, precision, tile, wanted=wanted, gradient_plan=False)
             assert not config.gradient_plan
-            label = (tile, offset_groups, mask_groups, offset, mask)
+            label = (tile,) + case
             check(planned, expected, precision, label)
             for name, value in planned.items():
                 assert relative_error(value, in_place[name]) < TOL[precision] / 10, (name, label)
@@ -350,19 +359,12 @@ def test_eight_channels_per_lane_equal_four(precision):
     without the gradients' plan, offset groups != mask groups, with and without offsets / mask,
     non-finite and huge offsets among them."""
     fb = _backward_module()
-    ndim = 3
     rng = np.random.default_rng(123)
-    for offset_groups, mask_groups, offset, mask in ((2, 4, True, True), (1, 1, False, True), (4, 1, True, False)):
-        arrays, params, gy = wide_case(rng, ndim, groups=2, offset_groups=offset_groups, mask_groups=mask_groups,
-                                       c_in=128, c_out=32, offset=offset, mask=mask, batch=3)
-        if offset:
-            off = arrays["offset"].reshape(-1)
-            picks = rng.choice(off.size, size=off.size // 8, replace=False)
-            off[picks] = np.array([np.nan, np.inf, -np.inf, 1e30, -3e9, 0.5])[rng.integers(0, 6, size=picks.size)]
+    for case, arrays, params, gy in poisoned_group_cases(rng, 3, groups=2, c_in=128):
         wanted = ("input", "offset", "mask")
         for tile in fb._tiles(DTYPE[precision]):
             for plan in (False, True):
-                label = (tile, plan, offset_groups, mask_groups, offset, mask)
+                label = (tile, plan) + case
                 eight, expected, config = run_gradients(arrays, params, gy, precision, tile, wanted=wanted,
                                                         gradient_plan=plan, lane_channels=8)
                 assert config.lane_channels == 8 and "8 channels a lane" in config.description, label
