@@ -708,13 +708,15 @@ fused_columns(const T* __restrict__ xcl, const T* __restrict__ offset, const T* 
     const bool paired = (BQ & 1) == 0;  // every row's start even: pairs of positions aligned
     const int per_go = offset == nullptr ? channels : channels / offset_groups;
     const int per_gm = mask == nullptr ? channels : channels / mask_groups;
+    auto offset_group = [&](int c) { return per_go >= channels ? 0 : c / per_go; };
+    auto mask_group = [&](int c) { return per_gm >= channels ? 0 : c / per_gm; };
     const int c_tiles = (channels + CH - 1) / CH;
     const int tap_runs = (K + taps_per_block - 1) / taps_per_block;
     const I p_tiles = (BQ + COLUMN_POSITIONS - 1) / COLUMN_POSITIONS;
     const I blocks = p_tiles * tap_runs * c_tiles;
     const int lane_v = threadIdx.x % LANES, lane_p = threadIdx.x / LANES;   // sampling
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;             // storing
-    const int half = lane >> 4, pair = 2 * (lane & 15);
+    const int second_row = lane >> 4, pair = 2 * (lane & 15);   // which of a warp's two rows, first position
     // block -> (channel tile, run of taps, position tile), channel tiles fastest: blocks running
     // together read the same corner rows
     for (I blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
@@ -731,8 +733,8 @@ fused_columns(const T* __restrict__ xcl, const T* __restrict__ offset, const T* 
         const T* off_q = offset == nullptr ? nullptr : offset + b * offset_groups * K * N * Q + q;
         const T* msk_q = mask == nullptr ? nullptr : mask + b * mask_groups * K * Q + q;
         const int first_c = ct * CH + lane_v * VEC;   // this thread's first vector: the key it prefetches
-        const int first_go = per_go >= channels ? 0 : min(first_c, channels - 1) / per_go;
-        const int first_gm = per_gm >= channels ? 0 : min(first_c, channels - 1) / per_gm;
+        const int first_go = offset_group(min(first_c, channels - 1));
+        const int first_gm = mask_group(min(first_c, channels - 1));
         fused::Sampler<I, N> smp;
         smp.reset();
         for (int t = t0; t < t1; ++t) {
@@ -742,8 +744,7 @@ fused_columns(const T* __restrict__ xcl, const T* __restrict__ offset, const T* 
                 const int c0 = ct * CH + cl;
                 uint4 out = make_uint4(0u, 0u, 0u, 0u);
                 if (position && c0 < channels) {
-                    smp.update(t, per_go >= channels ? 0 : c0 / per_go, per_gm >= channels ? 0 : c0 / per_gm, true,
-                               g, qc, off_q, msk_q, K, Q, b * S);
+                    smp.update(t, offset_group(c0), mask_group(c0), true, g, qc, off_q, msk_q, K, Q, b * S);
                     if (v == 0 && t + 1 < t1) smp.prefetch(t + 1, first_go, first_gm, true, off_q, msk_q, K, Q);
                     uint4 x[1 << N];
 #pragma unroll
@@ -773,7 +774,7 @@ fused_columns(const T* __restrict__ xcl, const T* __restrict__ offset, const T* 
             // two rows per warp store, lanes 0-15 the first, 16-31 the second, 2 positions each
             const I pp = p0 + pair;
 #pragma unroll 4
-            for (int r = 2 * warp + half; r < CH; r += 2 * WARPS) {
+            for (int r = 2 * warp + second_row; r < CH; r += 2 * WARPS) {
                 const int c = ct * CH + r;
                 if (c >= channels || pp >= BQ) continue;
                 Bits* dst = reinterpret_cast<Bits*>(columns + ((I)c * K + t) * BQ + pp);

@@ -947,13 +947,13 @@ class _Executable:
         wide = self._wide_columns(c)
         index = np.int64 if wide else np.int32
         copy, sample = self.column_kernels(wide)
-        from .cuda_fused import layout_grid
+        from . import cuda_fused   # (it imports this module)
         tiles = -(-q // _COLUMN_POSITIONS) * -(-self.C // self.column_tile)
         taps = _column_taps(tiles, self.K)
         sample_blocks = tiles * -(-self.K // taps)
-        return [(copy, layout_grid(c.n, self.C, self.S), (256,),
+        return [(copy, cuda_fused.layout_grid(c.n, self.C, self.S), (cuda_fused._THREADS,),
                  (x, xcl, c.i_n, self.i_C, self.i_C, index(self.S), index(self.C * self.S))),
-                (sample, (min(sample_blocks, _MAX_GRID),), (256,),
+                (sample, (min(sample_blocks, _MAX_GRID),), (_COLUMN_POSITIONS * _COLUMN_LANES,),
                  (xcl, offset, mask, cols, c.struct, c.i_n, self.i_C, self.i_C, self.i_Go, self.i_Gm, np.int32(taps)))]
 
     def kernels(self, index64: bool) -> dict:
