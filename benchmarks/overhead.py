@@ -492,8 +492,9 @@ def main(argv=None):
 
 def _print_targets(rows) -> None:
     """Issue 7's host-time targets, checked against this run's medians (GPU rows)."""
-    found = {(name, device): (statistics.median(f), statistics.median(b))
-             for name, _, device, made, message, (f, b) in rows if message is None and f and b}
+    timed = {(name, device): times for name, _, device, made, message, times in rows
+             if message is None and all(times)}   # (forward, forward+backward) per round
+    found = {key: (statistics.median(f), statistics.median(b)) for key, (f, b) in timed.items()}
     plan, functional = found.get(("plan (out=, workspace=)", "cuda")), found.get(("functional API", "cuda"))
     torch_eager = found.get(("dcn_cupy.torch eager", "cuda"))
     peer = found.get(("torchvision.ops.deform_conv2d", "cuda"))
@@ -509,10 +510,8 @@ def _print_targets(rows) -> None:
                     f"{torch_eager[1] / peer[0]:.2f}x", torch_eager[1], 2.5 * peer[0])]
     for text, value, limit in checks:
         print(f"target {text}: {value:.1f} -> {'met' if value <= limit else 'NOT met'}")
-    rounds = {name: (f, b) for name, _, device, made, message, (f, b) in rows
-              if message is None and device == "cuda"}
-    ours, peer = rounds.get("dcn_cupy.torch eager"), rounds.get("torchvision.ops.deform_conv2d")
-    if ours and peer and ours[1] and peer[0]:
+    ours, peer = timed.get(("dcn_cupy.torch eager", "cuda")), timed.get(("torchvision.ops.deform_conv2d", "cuda"))
+    if ours and peer:
         print("dcn_cupy.torch forward+backward / torchvision's forward, round by round: "
               + ", ".join(f"{b / f:.2f}x" for b, f in zip(ours[1], peer[0])))
 

@@ -120,7 +120,8 @@ def launch_addresses(tensors) -> Optional[tuple]:
     if not first.is_cuda:
         return None
     index = first.get_device()
-    if index != _current_device():
+    stream = launch_stream(index)
+    if stream is None:
         return None
     dtype = first.dtype
     addresses = []
@@ -131,7 +132,7 @@ def launch_addresses(tensors) -> Optional[tuple]:
             return None
         else:
             addresses.append(t.data_ptr())
-    return _current_raw_stream(index), tuple(addresses)
+    return stream, tuple(addresses)
 
 
 def launch_stream(index: int) -> Optional[int]:
