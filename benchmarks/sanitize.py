@@ -222,7 +222,7 @@ def fused_cases(quick: bool = False) -> int:
     case = random_case(rng, 2, False, batch=2, channels_scale=64)
     for dtype, tf32 in ((np.float16, False), (np.float32, True), (np.float32, False)):
         for tile in fu._tiles(dtype):
-            if tile[4] == 1 and (not tf32 and dtype == np.float32 or not fu.wgmma_available()):
+            if fu.is_wgmma(tile) and (not tf32 and dtype == np.float32 or not fu.wgmma_available()):
                 continue
             # corners computed per thread, and read from the sampling plan (16-byte sampler, engines 0 and 1)
             for sampling_plan in (False, True) if tile[4] != 2 else (False,):

@@ -64,7 +64,7 @@ def _module_keys():
 
 def _key_id(key):
     dtype, ndim, index64, engine = key
-    return f"{np.dtype(dtype).name}-{ndim}d-{'i64' if index64 else 'i32'}-{('mma', 'wgmma', 'pipeline')[engine]}"
+    return f"{np.dtype(dtype).name}-{ndim}d-{'i64' if index64 else 'i32'}-{('mma', 'wgmma', 'pipeline', 'wgmma-ws')[engine]}"
 
 
 def _compile_module(key):
@@ -72,7 +72,7 @@ def _compile_module(key):
     from cupy_backends.cuda.libs import nvrtc
     from dcn_cupy._backends import cuda, cuda_fused as fused
     names = fused.name_expressions(*key)
-    arch = fused.SM90A if key[3] == 1 else f"-arch={ARCH}"
+    arch = fused.SM90A if key[3] in fused.WGMMA_ENGINES else f"-arch={ARCH}"
     program = nvrtc.createProgram(fused.module_source(), "dcn_cupy_fused.cu", (), ())
     try:
         for name in names:
@@ -115,7 +115,7 @@ def test_fused_source_defines_exactly_the_instantiated_kernels():
     for key in fused.all_module_keys():
         assert {name.split("<", 1)[0] for name in fused.name_expressions(*key)} == defined
         # ..., UNIFORM, ENGINE[, DEPTH[, THREADS[, PLAN]]]>
-        assert all(re.search(rf", (true|false), {key[3]}(, [1-9](, (256|512)(, true)?)?)?>$", name)
+        assert all(re.search(rf", (true|false), {key[3]}(, [1-9](, (256|384|512)(, true)?)?)?>$", name)
                    for name in fused.name_expressions(*key) if name.startswith("deform_fused_forward"))
 
 
@@ -228,11 +228,11 @@ def test_64bit_indices_use_the_first_tile_of_each_engine(monkeypatch):
             assert c.index64 and c.tile == first[c.tile[4]]
             c = fused.LaunchConfig(g, dtype, True, 132, tile=fused.TILES[key][1])
             assert c.index64 and c.tile == first[0]
-        for engine in (0, 1):
+        for engine in (0, 1, 3):
             parts = [n.split("<", 1)[1].rstrip(">").split(", ")
                      for n in fused.name_expressions(dtype, 2, True, engine) if n.startswith("deform_fused")]
             assert parts and all(p[1] == "long long" for p in parts)
-            assert {tuple(int(v) for v in p[4:8] + p[9:10]) for p in parts} == {first[engine]}
+            assert {tuple(int(v) for v in p[4:8] + p[9:10]) for p in parts} == {first[engine][:5]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,13 +243,13 @@ def _cupy():
     return pytest.importorskip("cupy")
 
 
-ENGINES = pytest.mark.parametrize("engine", [0, 1], ids=["mma", "wgmma"])
+ENGINES = pytest.mark.parametrize("engine", [0, 1, 3], ids=["mma", "wgmma", "wgmma-ws"])
 
 
 def engine_tile(engine, precision):
     """The first tile of TILES of ``engine`` (skips where the device or precision has none)."""
     fused = _fused()
-    if engine == 1 and (precision == "float32" or not fused.wgmma_available()):
+    if engine in fused.WGMMA_ENGINES and (precision == "float32" or not fused.wgmma_available()):
         pytest.skip("wgmma: compute capability 9.0 and fp16 / bf16 / TF32 only")
     return next(tile for tile in fused._tiles(DTYPE[precision]) if tile[4] == engine)
 
@@ -339,7 +339,7 @@ def test_groups_and_missing_arguments(offset_groups, mask_groups, present):
                                bias="bias" in present)
     for precision in PRECISIONS:
         for tile in fused._tiles(DTYPE[precision]):
-            if tile[4] == 1 and (precision == "float32" or not fused.wgmma_available()):
+            if fused.is_wgmma(tile) and (precision == "float32" or not fused.wgmma_available()):
                 continue
             for taps_inner in (True, False):
                 got, expected, _ = run_fused_tile(arrays, params, precision, tile, taps_inner)
@@ -362,7 +362,7 @@ def test_sampling_plan_gives_the_corners_each_thread_computes(ndim):
         orders = (True, False) if offset_groups == cases[0][0] else (False,)
         for precision in PRECISIONS:
             for tile in fused._tiles(DTYPE[precision]):
-                if tile[4] == 2 or tile[4] == 1 and (precision == "float32" or not fused.wgmma_available()):
+                if tile[4] == 2 or fused.is_wgmma(tile) and (precision == "float32" or not fused.wgmma_available()):
                     continue
                 for taps_inner in orders:
                     planned, expected, config = run_fused_tile(arrays, params, precision, tile, taps_inner, True)
@@ -399,7 +399,7 @@ def test_large_output_channel_tiles_and_batch_spanning_tiles():
     fused = _fused()
     for precision in PRECISIONS:
         for tile in fused._tiles(DTYPE[precision]):
-            if tile[4] == 1 and (precision == "float32" or not fused.wgmma_available()):
+            if fused.is_wgmma(tile) and (precision == "float32" or not fused.wgmma_available()):
                 continue
             got, expected, _ = run_fused_tile(arrays, params, precision, tile)
             assert relative_error(got, expected) < TOL[precision], (precision, tile)
@@ -423,7 +423,7 @@ def test_every_half_tile_in_every_dimension(ndim):
         expected = reference.deform_conv(**{k: a.astype(dtype).astype(np.float64) for k, a in arrays.items()},
                                          **params)
         for tile in fused._tiles(dtype):
-            if tile[4] == 1 and not fused.wgmma_available():
+            if fused.is_wgmma(tile) and not fused.wgmma_available():
                 continue
             for taps_inner in (True, False):
                 config = fused.LaunchConfig(geom, dtype, False, tile=tile, taps_inner=taps_inner)
