@@ -215,7 +215,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     constexpr int CPT = BK / TPP;                // channels per sampling thread
     constexpr int NV = CPT / VEC;                // 16-byte vectors per sampling thread
     constexpr int NC = 1 << N;
-    constexpr int WARPS_N = BN / 32, WARPS_M = THREADS / 32 / WARPS_N;
+    constexpr int WARPS_N = BN / 32, WARPS_M = (ENGINE == 3 ? 256 : THREADS) / 32 / WARPS_N;
     constexpr int WM = BM / WARPS_M, WN = 32;    // warp tile
     constexpr int MT = WM / 16, NT = WN / 8;     // mma tiles per warp
     constexpr int A_VECS = BM * BK / VEC / SAMPLERS;  // weight vectors copied per sampling thread and step
@@ -695,14 +695,10 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             // overwriting it). Every arrival is matched by a wait.
             // A sampler keeps one step in flight: the weight copy and the corner loads of step
             // s + 1 are issued before step s's stage is finished (its blend waits on its loads).
-            // Blocks of more than 512 threads start at 80 registers a thread (768 threads): the
-            // samplers give some up and the MMA warps take them (m64n128 needs 64 accumulators).
-            constexpr int START_REGS = 65536 / THREADS / 8 * 8;
-            constexpr int SAMPLER_REGS = THREADS > 512 ? 64 : START_REGS;
-            constexpr int MMA_REGS = THREADS > 512 ? (THREADS * START_REGS - SAMPLERS * SAMPLER_REGS) / 256 / 8 * 8
-                                                   : START_REGS;
+            // (setmaxnreg, to move registers from the samplers to the MMA warps in blocks of more
+            // than 512 threads, was not honoured by ptxas for the wgmma code: C7602 "Insufficient
+            // registers (80)" for m64n128 at 768 threads; tiles of 768 threads fit 80 as they are.)
             if (tid >= MMA_THREADS) {
-                if constexpr (THREADS > 512) registers_decrease<SAMPLER_REGS>();
                 constexpr bool SAMPLE = DCN_FUSED_WS_EXPERIMENT != 2;
                 weight_copy(0, 0);
                 if (SAMPLE) sample_load(0);
@@ -723,7 +719,6 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 }
                 return;
             }
-            if constexpr (THREADS > 512) registers_increase<MMA_REGS>();
             for (int s = 0; s < steps; ++s) {
                 barrier_sync(1 + s % DEPTH, THREADS);
                 // the samplers' generic-proxy writes (stores, cp.async), ordered by the barrier,
