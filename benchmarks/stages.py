@@ -275,6 +275,8 @@ def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
         for tile in tuple(fu._tiles(x.dtype)) + tuple(extra_tiles):
             if fu.is_wgmma(tile) and (not allow_tf32 and np.dtype(x.dtype) == np.float32 or not fu.wgmma_available()):
                 continue
+            if not fu.tile_serves(geom, x.dtype, tile):
+                continue
             c = fu.LaunchConfig(geom, x.dtype, allow_tf32, sms, tile=tile)
             wsc = cupy.empty(c.workspace_bytes, dtype=np.uint8)
             fu.run_forward(c, x, w, off, msk, None, out, wsc)   # fills the channels-last copy and weight rows

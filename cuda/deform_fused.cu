@@ -21,8 +21,9 @@
 //     two warpgroups, m64nBNk16 / k8 from shared-memory descriptors; fp16, bf16, TF32), which
 //     runs asynchronously while the threads sample the next step; ENGINE 3, wgmma with the warps
 //     specialised (sm_90a): two warpgroups only multiply, the other THREADS - 256 threads only
-//     copy weight tiles and sample, into a ring of DEPTH stages paced by named barriers, so that
-//     sampling runs up to DEPTH steps ahead of the MMAs and neither waits on the other's latency.
+//     sample, into a ring of DEPTH stages paced by named barriers, each stage's weight tile one
+//     bulk copy (cp.async.bulk on an mbarrier) of fused_weight_tiles' layout, so that sampling
+//     runs up to DEPTH steps ahead of the MMAs and neither waits on the other's latency.
 // The next step's weight copy and corner loads are issued before this step's MMAs complete
 // (two shared-memory buffers, one barrier per step). ENGINE 2 (benchmarks only, not in the
 // host's TILES: measured slower, NOTES-gpu.md) is ENGINE 0 with the corners copied by cp.async
@@ -96,11 +97,28 @@ __device__ __forceinline__ void wgmma_wait_pending() { asm volatile("wgmma.wait_
 // that the MMA warps wait on, and the MMA warps on its "empty" one that the samplers wait on).
 __device__ __forceinline__ void barrier_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(count) : "memory"); }
 __device__ __forceinline__ void barrier_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(count) : "memory"); }
-// Move this warpgroup's registers per thread up or down to N (sm_90a; the block's total fixed).
-template <int N>
-__device__ __forceinline__ void registers_increase() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N)); }
-template <int N>
-__device__ __forceinline__ void registers_decrease() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N)); }
+// An mbarrier in shared memory (ENGINE 3's weight stages): initialised for one arrival; the
+// sampler that issues a stage's bulk weight copy arrives expecting its bytes, the copy completes
+// them, and the MMA warps wait for the phase of that use of the stage.
+__device__ __forceinline__ void mbarrier_init(unsigned long long* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" :: "r"(smem_address(bar)) : "memory");
+}
+__device__ __forceinline__ void mbarrier_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbarrier_expect(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(smem_address(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned parity) {
+    asm volatile("{\n.reg .pred done;\nwait:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra wait;\n}\n" :: "r"(smem_address(bar)), "r"(parity) : "memory");
+}
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory by the
+// copy engine, completing on `bar`.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 :: "r"(smem_address(dst)), "l"(src), "r"(bytes), "r"(smem_address(bar)) : "memory");
+}
+
 __device__ __forceinline__ void register_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
 // D(64xN, float) += A(64xK) * B(KxN), both from shared memory (descriptors), one warpgroup;
@@ -194,6 +212,32 @@ __global__ void fused_weight_rows(const T* __restrict__ w, T* __restrict__ wr, c
     }
 }
 
+// w (C_out, C/G, K) -> ENGINE 3's weight tiles: for each (group g, tile of BM output channels
+// mt, tap t, chunk of BK channels ch), tile ((g * m_tiles + mt) * K + t) * chunks + ch, its
+// BM x BK values in the shared tile's own order (8-row x 16-byte core matrices, fused::tile_offset
+// for ENGINE 3), zero past C_out/G and C/G: one contiguous block a stage, for one bulk copy.
+template <typename T, typename I>
+__global__ void fused_weight_tiles(const T* __restrict__ w, T* __restrict__ wt, const int Cog, const int groups,
+                                   const int Cg, const int K, const int BM, const int BK, const int round_tf32) {
+    constexpr int VEC = fused::Tile<T>::VEC;
+    const int m_tiles = (Cog + BM - 1) / BM, chunks = (Cg + BK - 1) / BK;
+    const I per_tile = (I)BM * BK;
+    const I total = (I)groups * m_tiles * K * chunks * per_tile;
+    for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
+        const I tile = idx / per_tile;
+        const int rem = (int)(idx % per_tile);
+        const int r = rem / BK, c = rem % BK;
+        const int ch = (int)(tile % chunks);
+        const int t = (int)(tile / chunks % K);
+        const I gm = tile / chunks / K;
+        const int mt = (int)(gm % m_tiles), g = (int)(gm / m_tiles);
+        const int o = mt * BM + r, cc = ch * BK + c;
+        const T v = o < Cog && cc < Cg ? maybe_tf32(w[(((I)g * Cog + o) * Cg + cc) * K + t], round_tf32)
+                                       : Traits<T>::store(0.0f);
+        wt[tile * per_tile + ((r >> 3) * (BK / VEC) + c / VEC) * (8 * VEC) + (r & 7) * VEC + c % VEC] = v;
+    }
+}
+
 template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool UNIFORM, int ENGINE,
           int DEPTH = 1, int THREADS = fused::THREADS, bool PLAN = false>
 __global__ void __launch_bounds__(THREADS, MINB)
@@ -209,7 +253,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     constexpr bool WGMMA = ENGINE == 1 || ENGINE == 3;
     // ENGINE 3: warps 0-7 (two warpgroups) only multiply, the others only sample
     constexpr int MMA_THREADS = ENGINE == 3 ? 256 : 0;
-    constexpr int SAMPLERS = THREADS - MMA_THREADS;   // threads that sample and copy the weights
+    constexpr int SAMPLERS = THREADS - MMA_THREADS;   // threads that sample (engines 0-2: and copy the weights)
     constexpr int TPP = SAMPLERS / BN;           // sampling threads per position
     constexpr int LD = WGMMA ? BK : BK + Tile<T>::PAD;  // shared row length (A: per output channel, B: per position)
     constexpr int CPT = BK / TPP;                // channels per sampling thread
@@ -227,7 +271,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     static_assert(!WGMMA || (BM % 128 == 0 && (BN == 64 || BN == 128) && PREC != 2),
                   "wgmma: 2 warpgroups of BM/2 rows (m64 instructions) x BN positions, TF32 or half");
     static_assert(ENGINE != 3 || (SAMPLERS >= 128 && 2 * DEPTH <= 15),
-                  "warp-specialised ring: a warpgroup or more of samplers, 8 positions a warp, 2 barriers a stage");
+                  "warp-specialised ring: a warpgroup or more of samplers, 2 named barriers a stage");
     static_assert(!PLAN || (UNIFORM && ENGINE != 2), "the sampling plan: 16-byte sampler, engines 0 and 1");
 
     // Buffers of the weight tile (BM rows of LD; ENGINE 2: DEPTH + 1 of them) and two of the
@@ -350,9 +394,8 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         }
     };
 
-    // This thread's weight vectors: row w_r0 + j * W_RSTEP of the tile, channels w_cv.. of the
-    // chunk. wgmma tiles: the 8 threads of a quarter warp copy the same vector of 8 consecutive
-    // rows (one core matrix, distinct banks), as the sampled tile's stores.
+    // This thread's weight vectors (engines 0-2): row w_r0 + j * W_RSTEP of the tile, channels
+    // w_cv.. of the chunk.
     constexpr int KV = BK / VEC;
     static_assert(SAMPLERS % KV == 0, "weight copy rows");
     constexpr int W_RSTEP = SAMPLERS / KV;
@@ -687,43 +730,54 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 __syncthreads();
             }
         } else {
-            // ENGINE 3, warp-specialised: the samplers fill a ring of DEPTH stages (weight tile by
-            // cp.async, sampled tile by their own stores) as far ahead as it allows, while warps
+            // ENGINE 3, warp-specialised: the samplers fill a ring of DEPTH stages (weight tile by a
+            // bulk copy, sampled tile by their own stores) as far ahead as it allows, while warps
             // 0-7 multiply. Stage k has barrier 1 + k ("full": the samplers arrive once their
             // writes are visible to wgmma; the MMA warps wait) and 1 + DEPTH + k ("empty": the
             // MMA warps arrive once the wgmma reading it has completed; the samplers wait before
             // overwriting it). Every arrival is matched by a wait.
-            // A sampler keeps one step in flight: the weight copy and the corner loads of step
-            // s + 1 are issued before step s's stage is finished (its blend waits on its loads).
-            // (setmaxnreg, to move registers from the samplers to the MMA warps in blocks of more
-            // than 512 threads, was not honoured by ptxas for the wgmma code: C7602 "Insufficient
-            // registers (80)" for m64n128 at 768 threads; tiles of 768 threads fit 80 as they are.)
+            // The weight tile of a stage is one contiguous block of wr (fused_weight_tiles), copied
+            // by the copy engine (cp.async.bulk, issued by the first sampler once the stage is
+            // empty) and waited for by the MMA warps on the stage's mbarrier: the samplers only
+            // sample. A sampler keeps one step in flight: step s + 1's corner loads are issued
+            // before step s's stage is stored (its blend waits on its loads).
+            __shared__ __align__(8) unsigned long long weight_full[DEPTH];
+            if (tid == 0) {
+#pragma unroll
+                for (int k = 0; k < DEPTH; ++k) mbarrier_init(&weight_full[k]);
+                mbarrier_init_fence();
+            }
+            __syncthreads();
             if (tid >= MMA_THREADS) {
                 constexpr bool SAMPLE = DCN_FUSED_WS_EXPERIMENT != 2;
-                weight_copy(0, 0);
+                constexpr unsigned WEIGHT_BYTES = BM * BK * sizeof(T);
+                const T* const w_tiles = wr + ((I)grp * m_tiles + m0 / BM) * K * chunks * (BM * BK);
+                auto weight_bulk = [&](int step, int stage) {
+                    if (tid != MMA_THREADS) return;
+                    const int t = step_tap(step), ch = step_chunk(step);
+                    mbarrier_expect(&weight_full[stage], WEIGHT_BYTES);
+                    bulk_copy(As0 + stage * BM * LD, w_tiles + ((I)t * chunks + ch) * (BM * BK), WEIGHT_BYTES,
+                              &weight_full[stage]);
+                };
+                weight_bulk(0, 0);
                 if (SAMPLE) sample_load(0);
                 for (int s = 0; s < steps; ++s) {
                     const bool more = s + 1 < steps;
                     if (more) {
                         if (s + 1 >= DEPTH) barrier_sync(1 + DEPTH + (s + 1) % DEPTH, THREADS);
-                        weight_copy(s + 1, (s + 1) % DEPTH);
+                        weight_bulk(s + 1, (s + 1) % DEPTH);
                     }
                     if (SAMPLE) sample_store(s % DEPTH);
-                    if (more) {
-                        if (SAMPLE) sample_load(s + 1);
-                        copy_wait_pending<1>();   // step s's weight copy (step s + 1's may be in flight)
-                    } else {
-                        copy_wait_all();
-                    }
+                    if (more && SAMPLE) sample_load(s + 1);
                     barrier_arrive(1 + s % DEPTH, THREADS);
                 }
                 return;
             }
             for (int s = 0; s < steps; ++s) {
                 barrier_sync(1 + s % DEPTH, THREADS);
-                // the samplers' generic-proxy writes (stores, cp.async), ordered by the barrier,
-                // made visible to this thread's wgmma (async proxy); a fence on the samplers'
-                // side would also wait for their next step's copies in flight
+                mbarrier_wait(&weight_full[s % DEPTH], (s / DEPTH) & 1);
+                // the samplers' generic-proxy stores, ordered by the barrier, made visible to this
+                // thread's wgmma (async proxy)
                 proxy_fence();
                 if (DCN_FUSED_WS_EXPERIMENT != 1) mma_issue(s % DEPTH);
                 wgmma_wait_pending<1>();   // step s - 1's MMAs have read their stage

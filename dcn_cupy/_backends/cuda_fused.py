@@ -60,8 +60,8 @@ _THREADS = 256   # threads per block of the small kernels, and of a tile that na
 _VEC = {np.dtype(np.float16): 8, BFLOAT16: 8, np.dtype(np.float32): 4}
 DTYPES = tuple(_VEC)
 #: The tiles (BM output channels, BN positions, BK channels per step, MINB blocks per SM asked
-#: of the register allocator, ENGINE: 0 mma.sync, 1 wgmma[, THREADS per block: 256 when not
-#: given; 512 for mma.sync tiles only]) instantiated per dtype, kept from
+#: of the register allocator, ENGINE: 0 mma.sync, 1 wgmma, 3 warp-specialised wgmma[, THREADS
+#: per block: 256 when not given; 512 for mma.sync and ENGINE 3 tiles]) instantiated per dtype, kept from
 #: those measured (NOTES-gpu.md); one is chosen per shape (plan_config). The first of each
 #: engine (the smallest) also has the per-channel sampler and the 64-bit indices. wgmma tiles
 #: (sm_90a) need a compute capability 9.0 device and compute fp16, bf16 and TF32 (not 3xTF32).
@@ -72,13 +72,17 @@ DTYPES = tuple(_VEC)
 #: and second only to 256x64x64 MINB 1 at C256 / C512 (NOTES-gpu.md, fused3). 256x64x64 in
 #: blocks of 512 threads (127 registers: 16 warps per SM where 256 threads give 8) was 2-4%
 #: faster than with 256 threads at C256 and C512 (fused4).
-#: ENGINE 3 (sm_90a, like 1) specialises the warps: 256 threads multiply with wgmma, the other
-#: THREADS - 256 copy the weights and sample, into a ring of ``RING_STAGES`` shared-memory stages.
+#: ENGINE 3 (sm_90a, like 1) specialises the warps: 256 threads multiply with wgmma while the
+#: other THREADS - 256 sample into a ring of ``RING_STAGES`` shared-memory stages, each stage's
+#: weight tile one bulk copy of ``fused_weight_tiles``'s layout; its threads' vectors interleave
+#: over a step's chunk, so it serves only where each chunk lies in one offset and mask group, and
+#: has no per-channel sampler. H200, kernel alone, fp16: 0.141 ms against 0.234 for the 512-thread
+#: mma.sync tile at B=8 C256 56x56, 0.081 against 0.141 at B=16 C512 14x14 (NOTES-gpu.md, session 11).
 TILES = {
     "half": ((64, 64, 64, 1, 0), (256, 64, 64, 1, 0), (128, 128, 64, 1, 0),
              (128, 64, 64, 1, 1), (256, 128, 32, 1, 1), (128, 128, 64, 1, 1),
              (64, 128, 32, 2, 0), (64, 64, 64, 2, 0), (128, 64, 64, 2, 0), (256, 64, 64, 1, 0, 512),
-             (256, 64, 64, 1, 3, 512), (128, 128, 64, 1, 3, 512), (128, 64, 64, 1, 3, 384)),
+             (256, 64, 64, 1, 3, 512), (128, 128, 64, 1, 3, 512)),
     "float": ((64, 64, 32, 1, 0), (256, 64, 32, 1, 0), (128, 128, 16, 1, 0),
               (128, 64, 32, 1, 1), (256, 128, 16, 1, 1), (128, 128, 32, 1, 1),
               (256, 64, 32, 1, 3, 512)),
@@ -189,7 +193,8 @@ def name_expressions(dtype, ndim: int, index64: bool, engine: int = 0) -> tuple:
              if tile[4] == engine and not (engine in WGMMA_ENGINES and prec == 2)
              and (uniform or tile == _per_channel_tile(dtype, engine)) and pipeline_depth(dtype, ndim, tile)
              and not (plan and (not uniform or engine == 2))]
-    names += [f"fused_channels_last<{t}, {i}>", f"fused_weight_rows<{t}, {i}>", f"fused_sampling_plan<{t}, {i}, {ndim}>"]
+    names += [f"fused_channels_last<{t}, {i}>", f"fused_weight_rows<{t}, {i}>", f"fused_weight_tiles<{t}, {i}>",
+              f"fused_sampling_plan<{t}, {i}, {ndim}>"]
     names += [f"fused_columns<{t}, {i}, {ndim}, {vectors}>" for vectors in COLUMN_VECTORS]
     return tuple(names)
 
@@ -356,6 +361,12 @@ def _uniform(geom, tile) -> bool:
     return _segment(geom) % (tile[2] * tile[1] // tile_samplers(tile)) == 0
 
 
+def tile_serves(geom, dtype, tile) -> bool:
+    """Whether ``tile`` can compute ``geom``: its 16-byte sampler serves it, or it is its engine's
+    per-channel tile."""
+    return _uniform(geom, tile) or tuple(tile) == _per_channel_tile(dtype, tile[4])
+
+
 def _per_channel_tile(dtype, engine: int) -> tuple:
     """The one tile per engine instantiated with the per-channel sampler (and 64-bit indices):
     the first of TILES (engines 2 and 3, whose threads' vectors are 16-byte only, have none:
@@ -369,20 +380,20 @@ def _candidates(geom, dtype, wgmma: bool, index64: bool = False) -> list:
     tiles whose threads would cross a group boundary only the per-channel one of each engine."""
     Cog = geom.out_channels // geom.groups
     tiles = [tile for tile in _tiles(dtype, index64) if (not is_wgmma(tile) or wgmma)
-             and (_uniform(geom, tile) or tile == _per_channel_tile(dtype, tile[4]))
-             and pipeline_depth(dtype, geom.ndim, tile)]
+             and tile_serves(geom, dtype, tile) and pipeline_depth(dtype, geom.ndim, tile)]
     limit = max(64, _round_up(Cog, 64))
     fitting = [tile for tile in tiles if tile[0] <= limit]
     return fitting or [min(tiles)]
 
 
 def _choose_tile(geom, dtype, positions: int, multiprocessors: int, wgmma: bool, index64: bool = False) -> tuple:
-    """The tile of a shape without timing: among the candidates, wgmma ones first where allowed,
-    then the tallest and widest, the first that gives at least two blocks per multiprocessor;
-    else the one with the most blocks."""
+    """The tile of a shape without timing: among the candidates, wgmma ones first where allowed
+    (the warp-specialised ones first of all), then the tallest and widest, the first that gives
+    at least two blocks per multiprocessor; else the one with the most blocks."""
     groups = geom.groups
     Cog = geom.out_channels // groups
-    candidates = sorted(_candidates(geom, dtype, wgmma, index64), key=lambda tile: (-(tile[4] == 1), -tile[4], -tile[0], -tile[1]))
+    candidates = sorted(_candidates(geom, dtype, wgmma, index64),
+                        key=lambda tile: (-(tile[4] == 3), -(tile[4] == 1), -tile[4], -tile[0], -tile[1]))
     blocks = lambda tile: -(-positions // tile[1]) * -(-Cog // tile[0]) * groups  # noqa: E731
     for tile in candidates:
         if blocks(tile) >= 2 * multiprocessors:
@@ -455,7 +466,8 @@ class LaunchConfig:
         if not self.depth:
             raise ValueError(f"tile {self.tile} does not fit shared memory for {geom.ndim}-d sampling")
         self.smem_bytes = smem_bytes(dtype, geom.ndim, self.tile, self.depth)
-        self.weight_elems = Co * self.K * self.Cgp
+        # ENGINE 3: whole tiles of BM rows (fused_weight_tiles); else rows (fused_weight_rows)
+        self.weight_elems = (G * self.m_tiles * bm if engine == 3 else Co) * self.K * self.Cgp
         self.xcl_elems = (n * self.S + 1) * self.Cp   # the chunk's rows, then the zero row
         # the channels-last chunk, the weight rows, then the plan's rows and weights
         self.plan_offset = (_round_up(self.xcl_elems * self.itemsize, _ALIGN)
@@ -526,11 +538,18 @@ def run_forward(config: LaunchConfig, x, weight, offset, mask, bias, out, worksp
     g = config.geom
     index = np.int64 if config.index64 else np.int32
     xcl, wr, plan_rows, plan_weights = _views(config, workspace)
-    rows = g.out_channels * config.Cgp
-    config.kernel("fused_weight_rows")((min(-(-rows // _THREADS), _MAX_GRID),), (_THREADS,), (
-        weight, wr, np.int32(g.out_channels), np.int32(config.Cg), np.int32(config.Cgp), np.int32(config.K),
-        np.int32(config.precision == 1),
-    ))
+    if config.tile[4] == 3:
+        bm, _, bk = config.tile[:3]
+        config.kernel("fused_weight_tiles")((min(-(-config.weight_elems // _THREADS), _MAX_GRID),), (_THREADS,), (
+            weight, wr, np.int32(config.Cog), np.int32(g.groups), np.int32(config.Cg), np.int32(config.K),
+            np.int32(bm), np.int32(bk), np.int32(config.precision == 1),
+        ))
+    else:
+        rows = g.out_channels * config.Cgp
+        config.kernel("fused_weight_rows")((min(-(-rows // _THREADS), _MAX_GRID),), (_THREADS,), (
+            weight, wr, np.int32(g.out_channels), np.int32(config.Cg), np.int32(config.Cgp), np.int32(config.K),
+            np.int32(config.precision == 1),
+        ))
     layout = config.kernel("fused_channels_last")
     forward = config.kernel("forward")
     struct = config.struct
@@ -804,7 +823,8 @@ class FusedBackend:
             raise ValueError(reason)
         with cupy.cuda.Device(spec.device_id):
             config = plan_config(spec.geom, spec.dtype, bool(spec.allow_tf32))
-            for name in ("fused_weight_rows", "fused_channels_last", "forward"):
+            for name in ("fused_weight_tiles" if config.tile[4] == 3 else "fused_weight_rows", "fused_channels_last",
+                         "forward"):
                 config.kernel(name)   # compile now, never during a CUDA-graph capture
         return FusedForward(config)
 
