@@ -40,6 +40,8 @@ def main(argv=None):
     parser.add_argument("--tiles", default=EXTRA)
     parser.add_argument("--budget", type=float, default=190.0)
     parser.add_argument("--only-tiles", action="store_true", help="time the --tiles only, not TILES' candidates")
+    parser.add_argument("--time-failures", action="store_true",
+                        help="time tiles whose results fail the check too (experiment switches)")
     args = parser.parse_args(argv)
     reason = no_gpu_reason()
     if reason is not None:
@@ -72,7 +74,7 @@ def main(argv=None):
             tf32 = dname == "tf32"    # float32 through TF32
             cands = [] if args.only_tiles else fu._candidates(geom, dtype, wgmma)
             limit = max(64, -(-C // 64) * 64)
-            tiles = list(cands) + [t for t in extra if t not in cands and t[0] <= limit and (t[4] != 1 or wgmma)]
+            tiles = list(cands) + [t for t in extra if t not in cands and t[0] <= limit and (not fu.is_wgmma(t) or wgmma)]
             out = cupy.empty(geom.y_shape, dtype=dtype)
             runs = []   # (label, kernel fn, whole fn)
             for tile in tiles:
@@ -95,7 +97,7 @@ def main(argv=None):
                              np.int32(C), np.int32(1), np.int32(1), np.int32(1), np.int32(c.Cgp),
                              np.int32(fu._batch_stride(off)), np.int32(fu._batch_stride(msk)), np.int32(taps_inner),
                              plan_rows, plan_weights, np.int32(c.seg_len))
-                    label = ("%dx%dx%d minb %d %s" % (tile[:4] + (("mma", "wgmma", "pipe")[tile[4]],))
+                    label = ("%dx%dx%d minb %d %s" % (tile[:4] + (("mma", "wgmma", "pipe", "wgmma-ws")[tile[4]],))
                              + (f" {c.threads}t" if c.threads != 256 else "")
                              + (" taps in " if taps_inner else " taps out"))
                     runs.append(dict(label=label, err=err, ok=ok, regs=fu.num_registers(kern), blocks=c.blocks(B),
@@ -105,7 +107,7 @@ def main(argv=None):
                                      k=float("inf"), f=float("inf")))
             for _ in range(2):    # two interleaved rounds, the best kept
                 for r in runs:
-                    if r["ok"]:
+                    if r["ok"] or args.time_failures:
                         r["k"] = min(r["k"], _time_cupy(r["kernel"], 3, 5, 10))
                         r["f"] = min(r["f"], _time_cupy(r["whole"], 3, 5, 10))
             print(f"== B={B} C={C}->{C} {H}x{H} 3x3 {dname} (candidates of TILES: {len(cands)}; "

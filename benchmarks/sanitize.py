@@ -198,6 +198,8 @@ def fused_cases(quick: bool = False) -> int:
         else:              # one tile: its launch configuration (plans choose the tile themselves)
             shapes = [None if arrays[k] is None else arrays[k].shape for k in ARGUMENTS]
             geom = _geometry.conv_geometry(*shapes, ndim=case.ndim, **case.params)[0]
+            if not fu.tile_serves(geom, dtype, tile):
+                return False
             out = cupy.empty(geom.y_shape, dtype=dtype)
             config = fu.LaunchConfig(geom, dtype, allow_tf32, tile=tile, sampling_plan=sampling_plan)
             fu.run_forward(config, *(gpu[k] for k in ARGUMENTS), out)
@@ -207,6 +209,7 @@ def fused_cases(quick: bool = False) -> int:
         err = relative_error(got, reference.deform_conv(**rounded, **case.params))
         assert err < {np.dtype(np.float32): 3e-3, np.dtype(np.float16): 3e-3, BFLOAT16: 2.4e-2}[np.dtype(dtype)], \
             (err, case.label)
+        return True
 
     for ndim in (2,) if quick else (1, 2, 3):
         for scale in (1, 16):   # per-channel and (mostly) 16-byte-vector sampling
@@ -222,12 +225,11 @@ def fused_cases(quick: bool = False) -> int:
     case = random_case(rng, 2, False, batch=2, channels_scale=64)
     for dtype, tf32 in ((np.float16, False), (np.float32, True), (np.float32, False)):
         for tile in fu._tiles(dtype):
-            if tile[4] == 1 and (not tf32 and dtype == np.float32 or not fu.wgmma_available()):
+            if fu.is_wgmma(tile) and (not tf32 and dtype == np.float32 or not fu.wgmma_available()):
                 continue
             # corners computed per thread, and read from the sampling plan (16-byte sampler, engines 0 and 1)
             for sampling_plan in (False, True) if tile[4] != 2 else (False,):
-                run(case, dtype, tf32, poison=True, tile=tile, sampling_plan=sampling_plan)
-                count += 1
+                count += run(case, dtype, tf32, poison=True, tile=tile, sampling_plan=sampling_plan)
     if quick:
         return count
     # one-sample chunks of the channels-last copy (a sample is never split) and 64-bit indices

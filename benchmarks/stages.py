@@ -273,7 +273,9 @@ def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
         print(f"  {'channels-last copy of x':<40} {cl:8.3f} ms")
         struct = be._geom_struct(geom)
         for tile in tuple(fu._tiles(x.dtype)) + tuple(extra_tiles):
-            if tile[4] == 1 and (not allow_tf32 and np.dtype(x.dtype) == np.float32 or not fu.wgmma_available()):
+            if fu.is_wgmma(tile) and (not allow_tf32 and np.dtype(x.dtype) == np.float32 or not fu.wgmma_available()):
+                continue
+            if not fu.tile_serves(geom, x.dtype, tile):
                 continue
             c = fu.LaunchConfig(geom, x.dtype, allow_tf32, sms, tile=tile)
             wsc = cupy.empty(c.workspace_bytes, dtype=np.uint8)

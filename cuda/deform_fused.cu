@@ -19,7 +19,11 @@
 //     (fp16 / bf16 m16n8k16 in their own format, float32 as TF32 m16n8k8 (PREC 1) or 3xTF32
 //     (PREC 2: a = big + small, three products, float32 accuracy)); ENGINE 1, wgmma (sm_90a,
 //     two warpgroups, m64nBNk16 / k8 from shared-memory descriptors; fp16, bf16, TF32), which
-//     runs asynchronously while the threads sample the next step.
+//     runs asynchronously while the threads sample the next step; ENGINE 3, wgmma with the warps
+//     specialised (sm_90a): two warpgroups only multiply, the other THREADS - 256 threads only
+//     sample, into a ring of DEPTH stages paced by named barriers, each stage's weight tile one
+//     bulk copy (cp.async.bulk on an mbarrier) of fused_weight_tiles' layout, so that sampling
+//     runs up to DEPTH steps ahead of the MMAs and neither waits on the other's latency.
 // The next step's weight copy and corner loads are issued before this step's MMAs complete
 // (two shared-memory buffers, one barrier per step). ENGINE 2 (benchmarks only, not in the
 // host's TILES: measured slower, NOTES-gpu.md) is ENGINE 0 with the corners copied by cp.async
@@ -40,11 +44,19 @@
 // Template parameters: T storage type, I index type (int or long long), N spatial dims,
 // PREC (0: T's own tensor-core format; 1: TF32; 2: 3xTF32), the tile BM x BN x BK, MINB (blocks
 // per multiprocessor asked of the register allocator), UNIFORM (16-byte-vector sampler), ENGINE,
-// DEPTH (ENGINE 2's ring), THREADS (per block: 256, or 512 for mma.sync tiles, which halves each
-// thread's accumulators and sampling for a tile as tall as 256 rows). Dynamic shared memory:
-// 2 * (BM + BN) * (BK + PAD) elements of T (PAD = 0 for wgmma); ENGINE 2: cuda_fused.smem_bytes.
+// DEPTH (ENGINE 2's and ENGINE 3's rings), THREADS (per block: 256, or 512 for mma.sync tiles,
+// which halves each thread's accumulators and sampling for a tile as tall as 256 rows; ENGINE 3:
+// 256 MMA threads plus the samplers). Dynamic shared memory: 2 * (BM + BN) * (BK + PAD) elements
+// of T (PAD = 0 for wgmma); ENGINE 3: DEPTH * (BM + BN) * BK; ENGINE 2: cuda_fused.smem_bytes.
 
 #include "fused_common.cuh"
+
+// Experiment switch of ENGINE 3 (benchmarks/fused_variants.py builds modules with it set):
+// DCN_FUSED_WS_EXPERIMENT 1 skips the MMAs, 2 the corner loads and blends (timing only: wrong
+// results), so that each side of the ring can be timed alone.
+#ifndef DCN_FUSED_WS_EXPERIMENT
+#define DCN_FUSED_WS_EXPERIMENT 0
+#endif
 
 namespace fused {
 
@@ -58,7 +70,7 @@ constexpr int THREADS = 256;
 // 8-row group next to each other (leading byte offset 128, stride byte offset BK/VEC*128).
 template <int ENGINE, int LD, int BK, int VEC>
 __device__ __forceinline__ int tile_offset(int row, int kv) {
-    if constexpr (ENGINE != 1) {
+    if constexpr (ENGINE != 1 && ENGINE != 3) {
         return row * LD + kv * VEC;
     } else {
         return ((row >> 3) * (BK / VEC) + kv) * (8 * VEC) + (row & 7) * VEC;
@@ -77,6 +89,36 @@ __device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Wait until at most P of this warpgroup's committed wgmma groups are pending.
+template <int P>
+__device__ __forceinline__ void wgmma_wait_pending() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(P) : "memory"); }
+// Named barrier `id` (1-15; 0 is __syncthreads') of `count` threads: wait for all of them, or
+// only signal this warp's arrival (ENGINE 3's ring: samplers arrive on a stage's "full" barrier
+// that the MMA warps wait on, and the MMA warps on its "empty" one that the samplers wait on).
+__device__ __forceinline__ void barrier_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(count) : "memory"); }
+__device__ __forceinline__ void barrier_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(count) : "memory"); }
+// An mbarrier in shared memory (ENGINE 3's weight stages): initialised for one arrival; the
+// sampler that issues a stage's bulk weight copy arrives expecting its bytes, the copy completes
+// them, and the MMA warps wait for the phase of that use of the stage.
+__device__ __forceinline__ void mbarrier_init(unsigned long long* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" :: "r"(smem_address(bar)) : "memory");
+}
+__device__ __forceinline__ void mbarrier_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbarrier_expect(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(smem_address(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned parity) {
+    asm volatile("{\n.reg .pred done;\nwait:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra wait;\n}\n" :: "r"(smem_address(bar)), "r"(parity) : "memory");
+}
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory by the
+// copy engine, completing on `bar`.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 :: "r"(smem_address(dst)), "l"(src), "r"(bytes), "r"(smem_address(bar)) : "memory");
+}
+
 __device__ __forceinline__ void register_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
 // D(64xN, float) += A(64xK) * B(KxN), both from shared memory (descriptors), one warpgroup;
@@ -170,6 +212,32 @@ __global__ void fused_weight_rows(const T* __restrict__ w, T* __restrict__ wr, c
     }
 }
 
+// w (C_out, C/G, K) -> ENGINE 3's weight tiles: for each (group g, tile of BM output channels
+// mt, tap t, chunk of BK channels ch), tile ((g * m_tiles + mt) * K + t) * chunks + ch, its
+// BM x BK values in the shared tile's own order (8-row x 16-byte core matrices, fused::tile_offset
+// for ENGINE 3), zero past C_out/G and C/G: one contiguous block a stage, for one bulk copy.
+template <typename T, typename I>
+__global__ void fused_weight_tiles(const T* __restrict__ w, T* __restrict__ wt, const int Cog, const int groups,
+                                   const int Cg, const int K, const int BM, const int BK, const int round_tf32) {
+    constexpr int VEC = fused::Tile<T>::VEC;
+    const int m_tiles = (Cog + BM - 1) / BM, chunks = (Cg + BK - 1) / BK;
+    const I per_tile = (I)BM * BK;
+    const I total = (I)groups * m_tiles * K * chunks * per_tile;
+    for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
+        const I tile = idx / per_tile;
+        const int rem = (int)(idx % per_tile);
+        const int r = rem / BK, c = rem % BK;
+        const int ch = (int)(tile % chunks);
+        const int t = (int)(tile / chunks % K);
+        const I gm = tile / chunks / K;
+        const int mt = (int)(gm % m_tiles), g = (int)(gm / m_tiles);
+        const int o = mt * BM + r, cc = ch * BK + c;
+        const T v = o < Cog && cc < Cg ? maybe_tf32(w[(((I)g * Cog + o) * Cg + cc) * K + t], round_tf32)
+                                       : Traits<T>::store(0.0f);
+        wt[tile * per_tile + ((r >> 3) * (BK / VEC) + c / VEC) * (8 * VEC) + (r & 7) * VEC + c % VEC] = v;
+    }
+}
+
 template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool UNIFORM, int ENGINE,
           int DEPTH = 1, int THREADS = fused::THREADS, bool PLAN = false>
 __global__ void __launch_bounds__(THREADS, MINB)
@@ -182,30 +250,40 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                      const int seg_len) {
     using namespace fused;
     constexpr int VEC = Tile<T>::VEC;
-    constexpr int TPP = THREADS / BN;            // sampling threads per position
-    constexpr int LD = ENGINE != 1 ? BK + Tile<T>::PAD : BK;  // shared row length (A: per output channel, B: per position)
+    constexpr bool WGMMA = ENGINE == 1 || ENGINE == 3;
+    // ENGINE 3: warps 0-7 (two warpgroups) only multiply, the others only sample
+    constexpr int MMA_THREADS = ENGINE == 3 ? 256 : 0;
+    constexpr int SAMPLERS = THREADS - MMA_THREADS;   // threads that sample (engines 0-2: and copy the weights)
+    constexpr int TPP = SAMPLERS / BN;           // sampling threads per position
+    constexpr int LD = WGMMA ? BK : BK + Tile<T>::PAD;  // shared row length (A: per output channel, B: per position)
     constexpr int CPT = BK / TPP;                // channels per sampling thread
     constexpr int NV = CPT / VEC;                // 16-byte vectors per sampling thread
     constexpr int NC = 1 << N;
-    constexpr int WARPS_N = BN / 32, WARPS_M = THREADS / 32 / WARPS_N;
+    constexpr int WARPS_N = BN / 32, WARPS_M = (ENGINE == 3 ? 256 : THREADS) / 32 / WARPS_N;
     constexpr int WM = BM / WARPS_M, WN = 32;    // warp tile
     constexpr int MT = WM / 16, NT = WN / 8;     // mma tiles per warp
-    constexpr int A_VECS = BM * BK / VEC / THREADS;  // weight vectors copied per thread and step
-    static_assert(A_VECS >= 1 && NV >= 1 && MT >= 1 && NT % 2 == 0 && BM * BK % (VEC * THREADS) == 0, "tile shape");
+    constexpr int A_VECS = BM * BK / VEC / SAMPLERS;  // weight vectors copied per sampling thread and step
+    static_assert(A_VECS >= 1 && NV >= 1 && MT >= 1 && NT % 2 == 0 && BM * BK % (VEC * SAMPLERS) == 0 &&
+                  SAMPLERS % BN == 0, "tile shape");
     static_assert(ENGINE != 2 || (UNIFORM && DEPTH >= 1), "corner pipeline: 16-byte sampler only");
-    static_assert(THREADS == fused::THREADS || ENGINE == 0, "blocks of other than 256 threads: mma.sync only");
-    static_assert(ENGINE != 1 || (BM % 128 == 0 && (BN == 64 || BN == 128) && PREC != 2),
+    static_assert(THREADS == fused::THREADS || ENGINE == 0 || ENGINE == 3,
+                  "blocks of other than 256 threads: mma.sync, or the warp-specialised wgmma");
+    static_assert(!WGMMA || (BM % 128 == 0 && (BN == 64 || BN == 128) && PREC != 2),
                   "wgmma: 2 warpgroups of BM/2 rows (m64 instructions) x BN positions, TF32 or half");
+    static_assert(ENGINE != 3 || (SAMPLERS >= 128 && 2 * DEPTH <= 15),
+                  "warp-specialised ring: a warpgroup or more of samplers, 2 named barriers a stage");
     static_assert(!PLAN || (UNIFORM && ENGINE != 2), "the sampling plan: 16-byte sampler, engines 0 and 1");
 
     // Buffers of the weight tile (BM rows of LD; ENGINE 2: DEPTH + 1 of them) and two of the
     // sampled tile (BN rows of LD); ENGINE 2 then the ring of raw corner vectors (DEPTH stages
     // of NC x NV x THREADS, thread-fastest) and of the corner weights (DEPTH x NC x THREADS).
-    constexpr int A_BUFS = ENGINE == 2 ? DEPTH + 1 : 2;
+    // ENGINE 3: a ring of DEPTH stages, each a weight tile and a sampled tile.
+    constexpr int A_BUFS = ENGINE == 2 ? DEPTH + 1 : (ENGINE == 3 ? DEPTH : 2);
+    constexpr int B_BUFS = ENGINE == 3 ? DEPTH : 2;
     extern __shared__ __align__(128) unsigned char fused_smem[];
     T* const As0 = reinterpret_cast<T*>(fused_smem);
     T* const Bs0 = As0 + A_BUFS * BM * LD;
-    uint4* const Raw0 = reinterpret_cast<uint4*>(Bs0 + 2 * BN * LD);
+    uint4* const Raw0 = reinterpret_cast<uint4*>(Bs0 + B_BUFS * BN * LD);
     float* const Wts0 = reinterpret_cast<float*>(Raw0 + (ENGINE == 2 ? DEPTH * NC * NV * THREADS : 0));
 
     const int tid = threadIdx.x;
@@ -250,9 +328,17 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     auto offset_group = [&](int c) { return per_go >= channels ? 0 : c / per_go; };
     auto mask_group = [&](int c) { return per_gm >= channels ? 0 : c / per_gm; };
 
-    // This thread's sampling position and channel slice.
-    const int sn = tid / TPP;
-    const int sh = (tid % TPP) * CPT;
+    // This thread's sampling position and channel slice (ENGINE 3: sampler tid - 256). ENGINE 3
+    // interleaves the slices: vector v of the thread's NV is vector v * TPP + tid % TPP of the
+    // chunk, so that one load instruction of the TPP threads of a position reads TPP whole
+    // consecutive vectors (full 32-byte sectors, not half of each); its uniform sampler needs
+    // each chunk within one offset and mask group (cuda_fused._uniform).
+    constexpr bool INTERLEAVED = ENGINE == 3;
+    constexpr int VSTRIDE = INTERLEAVED ? TPP : 1;   // vectors between a thread's vectors
+    static_assert(!INTERLEAVED || UNIFORM, "interleaved slices: the 16-byte sampler only");
+    const int ptid = tid - MMA_THREADS;
+    const int sn = ptid / TPP;
+    const int sh = (ptid % TPP) * (INTERLEAVED ? VEC : CPT);
     const I sp = p0 + sn;
     const bool svalid = sp < BQ;
     int qc[N];
@@ -308,11 +394,13 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         }
     };
 
-    // This thread's weight vectors: row w_r0 + j * W_RSTEP of the tile, channels w_cv.. of the chunk.
-    static_assert(THREADS % (BK / VEC) == 0, "weight copy rows");
-    constexpr int W_RSTEP = THREADS / (BK / VEC);
-    const int w_r0 = tid / (BK / VEC);
-    const int w_cv = (tid % (BK / VEC)) * VEC;
+    // This thread's weight vectors (engines 0-2): row w_r0 + j * W_RSTEP of the tile, channels
+    // w_cv.. of the chunk.
+    constexpr int KV = BK / VEC;
+    static_assert(SAMPLERS % KV == 0, "weight copy rows");
+    constexpr int W_RSTEP = SAMPLERS / KV;
+    const int w_r0 = ptid / KV;
+    const int w_cv = (ptid % KV) * VEC;
     const T* const w_row0 = wr + ((I)(grp * Cog + m0 + w_r0) * K * Cgp + w_cv);
     auto weight_issue = [&](int step, int buf) {
         const int t = step_tap(step);
@@ -418,7 +506,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 const uint4* src = reinterpret_cast<const uint4*>(
                     xcl + (smp.row[c] >= 0 ? smp.row[c] : zero_row) * Cp + cabs);
 #pragma unroll
-                for (int v = 0; v < NV; ++v) raw[c][v] = __ldg(src + v);
+                for (int v = 0; v < NV; ++v) raw[c][v] = __ldg(src + v * VSTRIDE);
             }
             // the offset and mask of the step after, if they change then
             if (step + 1 < steps) {
@@ -457,7 +545,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     auto sample_store = [&](int buf) {
         T* const bt = Bs0 + buf * BN * LD;
         auto dst = [&](int v) -> uint4& {
-            return *reinterpret_cast<uint4*>(bt + tile_offset<ENGINE, LD, BK, VEC>(sn, sh / VEC + v));
+            return *reinterpret_cast<uint4*>(bt + tile_offset<ENGINE, LD, BK, VEC>(sn, sh / VEC + v * VSTRIDE));
         };
         if constexpr (UNIFORM && Packed<T>::value) {
             // half types: the corners blended in packed pairs (fused::Packed), corner by corner
@@ -523,7 +611,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         copy_wait_pending<DEPTH - 1>();
         corner_blend(0);
         __syncthreads();
-    } else {
+    } else if constexpr (ENGINE != 3) {
         // Prologue: step 0 into buffer 0.
         weight_copy(0, 0);
         sample_load(0);
@@ -534,7 +622,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
 #endif
         __syncthreads();
     }
-    if constexpr (ENGINE != 1) {
+    if constexpr (!WGMMA) {
         if constexpr (ENGINE == 2) {
             for (int s = 0; s < steps; ++s) {
                 if (s + DEPTH < steps) corner_issue(s + DEPTH);
@@ -587,7 +675,8 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     } else {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
         // Warpgroup wg computes rows BM/2*wg.. of the tile (MI m64 instructions); the MMA of a
-        // step runs asynchronously while the threads sample the next step into the other buffer.
+        // step runs asynchronously while the threads (ENGINE 3: the sampling warps) sample the
+        // next step into another buffer.
         constexpr int KSTEP = PREC == 0 ? 16 : 8;          // wgmma K
         constexpr int MI = BM / 2 / 64;
         constexpr int NACC = BN / 2;                        // accumulators per thread and instruction
@@ -599,11 +688,10 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
             for (int i = 0; i < NACC; ++i) d[mi][i] = 0.0f;
-        for (int s = 0; s < steps; ++s) {
-            const int cur = s & 1;
-            const bool more = s + 1 < steps;
-            const T* A = As0 + cur * BM * LD + wg * (BM / 2) * BK;
-            const T* B = Bs0 + cur * BN * LD;
+        // The MMAs of one step (buffer `buf`), committed as one wgmma group.
+        auto mma_issue = [&](int buf) {
+            const T* A = As0 + buf * BM * LD + wg * (BM / 2) * BK;
+            const T* B = Bs0 + buf * BN * LD;
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -622,19 +710,88 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
                 for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
-            if (more) {
-                weight_copy(s + 1, cur ^ 1);
-                sample_load(s + 1);
-                sample_store(cur ^ 1);
+        };
+        if constexpr (ENGINE == 1) {
+            for (int s = 0; s < steps; ++s) {
+                const int cur = s & 1;
+                mma_issue(cur);
+                if (s + 1 < steps) {
+                    weight_copy(s + 1, cur ^ 1);
+                    sample_load(s + 1);
+                    sample_store(cur ^ 1);
+                }
+                wgmma_wait_all();
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                    for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
+                copy_wait_all();
+                proxy_fence();
+                __syncthreads();
+            }
+        } else {
+            // ENGINE 3, warp-specialised: the samplers fill a ring of DEPTH stages (weight tile by a
+            // bulk copy, sampled tile by their own stores) as far ahead as it allows, while warps
+            // 0-7 multiply. Stage k has barrier 1 + k ("full": the samplers arrive once their
+            // writes are visible to wgmma; the MMA warps wait) and 1 + DEPTH + k ("empty": the
+            // MMA warps arrive once the wgmma reading it has completed; the samplers wait before
+            // overwriting it). Every arrival is matched by a wait.
+            // The weight tile of a stage is one contiguous block of wr (fused_weight_tiles), copied
+            // by the copy engine (cp.async.bulk, issued by the first sampler once the stage is
+            // empty) and waited for by the MMA warps on the stage's mbarrier: the samplers only
+            // sample. A sampler keeps one step in flight: step s + 1's corner loads are issued
+            // before step s's stage is stored (its blend waits on its loads).
+            __shared__ __align__(8) unsigned long long weight_full[DEPTH];
+            if (tid == 0) {
+#pragma unroll
+                for (int k = 0; k < DEPTH; ++k) mbarrier_init(&weight_full[k]);
+                mbarrier_init_fence();
+            }
+            __syncthreads();
+            if (tid >= MMA_THREADS) {
+                constexpr bool SAMPLE = DCN_FUSED_WS_EXPERIMENT != 2;
+                constexpr unsigned WEIGHT_BYTES = BM * BK * sizeof(T);
+                const T* const w_tiles = wr + ((I)grp * m_tiles + m0 / BM) * K * chunks * (BM * BK);
+                auto weight_bulk = [&](int step, int stage) {
+                    if (tid != MMA_THREADS) return;
+                    const int t = step_tap(step), ch = step_chunk(step);
+                    mbarrier_expect(&weight_full[stage], WEIGHT_BYTES);
+                    bulk_copy(As0 + stage * BM * LD, w_tiles + ((I)t * chunks + ch) * (BM * BK), WEIGHT_BYTES,
+                              &weight_full[stage]);
+                };
+                weight_bulk(0, 0);
+                if (SAMPLE) sample_load(0);
+                for (int s = 0; s < steps; ++s) {
+                    const bool more = s + 1 < steps;
+                    if (more) {
+                        if (s + 1 >= DEPTH) barrier_sync(1 + DEPTH + (s + 1) % DEPTH, THREADS);
+                        weight_bulk(s + 1, (s + 1) % DEPTH);
+                    }
+                    if (SAMPLE) sample_store(s % DEPTH);
+                    if (more && SAMPLE) sample_load(s + 1);
+                    barrier_arrive(1 + s % DEPTH, THREADS);
+                }
+                return;
+            }
+            for (int s = 0; s < steps; ++s) {
+                barrier_sync(1 + s % DEPTH, THREADS);
+                mbarrier_wait(&weight_full[s % DEPTH], (s / DEPTH) & 1);
+                // the samplers' generic-proxy stores, ordered by the barrier, made visible to this
+                // thread's wgmma (async proxy)
+                proxy_fence();
+                if (DCN_FUSED_WS_EXPERIMENT != 1) mma_issue(s % DEPTH);
+                wgmma_wait_pending<1>();   // step s - 1's MMAs have read their stage
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                    for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
+                if (s >= 1 && s - 1 + DEPTH < steps) barrier_arrive(1 + DEPTH + (s - 1) % DEPTH, THREADS);
             }
             wgmma_wait_all();
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
                 for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
-            copy_wait_all();
-            proxy_fence();
-            __syncthreads();
         }
         // Epilogue: d[mi][4j + e] is row 64*mi + 16*(warp%4) + lane/4 + 8*(e/2) of the
         // warpgroup's rows, position 8j + 2*(lane%4) + e%2.

@@ -64,7 +64,7 @@ def _module_keys():
 
 def _key_id(key):
     dtype, ndim, index64, engine = key
-    return f"{np.dtype(dtype).name}-{ndim}d-{'i64' if index64 else 'i32'}-{('mma', 'wgmma', 'pipeline')[engine]}"
+    return f"{np.dtype(dtype).name}-{ndim}d-{'i64' if index64 else 'i32'}-{('mma', 'wgmma', 'pipeline', 'wgmma-ws')[engine]}"
 
 
 def _compile_module(key):
@@ -72,7 +72,7 @@ def _compile_module(key):
     from cupy_backends.cuda.libs import nvrtc
     from dcn_cupy._backends import cuda, cuda_fused as fused
     names = fused.name_expressions(*key)
-    arch = fused.SM90A if key[3] == 1 else f"-arch={ARCH}"
+    arch = fused.SM90A if key[3] in fused.WGMMA_ENGINES else f"-arch={ARCH}"
     program = nvrtc.createProgram(fused.module_source(), "dcn_cupy_fused.cu", (), ())
     try:
         for name in names:
@@ -115,7 +115,7 @@ def test_fused_source_defines_exactly_the_instantiated_kernels():
     for key in fused.all_module_keys():
         assert {name.split("<", 1)[0] for name in fused.name_expressions(*key)} == defined
         # ..., UNIFORM, ENGINE[, DEPTH[, THREADS[, PLAN]]]>
-        assert all(re.search(rf", (true|false), {key[3]}(, [1-9](, (256|512)(, true)?)?)?>$", name)
+        assert all(re.search(rf", (true|false), {key[3]}(, [1-9](, (256|384|512)(, true)?)?)?>$", name)
                    for name in fused.name_expressions(*key) if name.startswith("deform_fused_forward"))
 
 
@@ -193,9 +193,14 @@ def test_launch_config_choices():
     assert c.workspace_bytes >= 8 * 56 * 56 * 256 * 2 + 256 * 9 * 256 * 2
     assert fused.LaunchConfig(g, np.float32, True, 132).precision == 1
     assert fused.LaunchConfig(g, np.float32, False, 132).precision == 2
-    assert fused.LaunchConfig(g, np.float16, False, 132, wgmma=True).tile[4] == 1
-    assert fused.LaunchConfig(g, np.float32, True, 132, wgmma=True).tile[4] == 1
-    assert fused.LaunchConfig(g, np.float32, False, 132, wgmma=True).tile[4] == 0   # 3xTF32: mma.sync
+    # untuned, wgmma first (warp-specialised where its 16-byte sampler serves), 3xTF32 on mma.sync
+    assert fused.LaunchConfig(g, np.float16, False, 132, wgmma=True).tile[4] == 3
+    assert fused.LaunchConfig(g, np.float32, True, 132, wgmma=True).tile[4] == 3
+    assert fused.LaunchConfig(g, np.float32, False, 132, wgmma=True).tile[4] == 0
+    # 32-channel offset groups: not ENGINE 3 (each of its steps' 64-channel chunks in one group)
+    g32 = _geom((8, 256, 56, 56), (256, 256, 3, 3), (8, 8 * 18, 56, 56), (8, 9, 56, 56), padding=1)
+    assert fused.LaunchConfig(g32, np.float16, False, 132, wgmma=True).tile[4] == 1
+    assert not fused.tile_serves(g32, np.float16, fused.TILES["half"][-1])
     # 64 output channels per group: 64-channel tiles; 3 channels: per-channel sampler
     g = _geom((2, 64, 9, 9), (64, 32, 3, 3), groups=2)
     assert fused.LaunchConfig(g, np.float16, False, 132).tile[0] == 64
@@ -228,11 +233,11 @@ def test_64bit_indices_use_the_first_tile_of_each_engine(monkeypatch):
             assert c.index64 and c.tile == first[c.tile[4]]
             c = fused.LaunchConfig(g, dtype, True, 132, tile=fused.TILES[key][1])
             assert c.index64 and c.tile == first[0]
-        for engine in (0, 1):
+        for engine in (0, 1, 3):
             parts = [n.split("<", 1)[1].rstrip(">").split(", ")
                      for n in fused.name_expressions(dtype, 2, True, engine) if n.startswith("deform_fused")]
             assert parts and all(p[1] == "long long" for p in parts)
-            assert {tuple(int(v) for v in p[4:8] + p[9:10]) for p in parts} == {first[engine]}
+            assert {tuple(int(v) for v in p[4:8] + p[9:10]) for p in parts} == {first[engine][:5]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,13 +248,14 @@ def _cupy():
     return pytest.importorskip("cupy")
 
 
-ENGINES = pytest.mark.parametrize("engine", [0, 1], ids=["mma", "wgmma"])
+ENGINES = pytest.mark.parametrize("engine", [0, 1, 3], ids=["mma", "wgmma", "wgmma-ws"])
 
 
 def engine_tile(engine, precision):
-    """The first tile of TILES of ``engine`` (skips where the device or precision has none)."""
+    """The first tile of TILES of ``engine`` (skips where the device or precision has none).
+    ENGINE 3 has no per-channel sampler: its tests take channel counts it serves."""
     fused = _fused()
-    if engine == 1 and (precision == "float32" or not fused.wgmma_available()):
+    if engine in fused.WGMMA_ENGINES and (precision == "float32" or not fused.wgmma_available()):
         pytest.skip("wgmma: compute capability 9.0 and fp16 / bf16 / TF32 only")
     return next(tile for tile in fused._tiles(DTYPE[precision]) if tile[4] == engine)
 
@@ -308,7 +314,7 @@ def wide_case(rng, ndim, *, groups=2, offset_groups=2, mask_groups=1, c_in=64, c
 @pytest.mark.parametrize("ndim", [1, 2, 3])
 def test_vector_sampler_matches_reference(ndim, precision, engine):
     rng = np.random.default_rng(20 + ndim)
-    arrays, params = wide_case(rng, ndim)
+    arrays, params = wide_case(rng, ndim, c_in=128 if engine == 3 else 64)
     got, expected, config = run_fused(arrays, params, precision, ndim, engine)
     assert config.uniform
     assert relative_error(got, expected) < TOL[precision]
@@ -320,6 +326,8 @@ def test_vector_sampler_matches_reference(ndim, precision, engine):
 @pytest.mark.parametrize("ndim", [1, 2, 3])
 @pytest.mark.parametrize("seed", range(3))
 def test_per_channel_sampler_matches_reference(ndim, precision, seed, engine):
+    if engine == 3:
+        pytest.skip("ENGINE 3 has no per-channel sampler (plans take another engine there)")
     rng = np.random.default_rng(300 + 10 * ndim + seed)
     case = random_case(rng, ndim, False, offset=seed != 1, mask=seed != 2, bias=seed != 0, channels_scale=3)
     got, expected, config = run_fused(case.arrays_, case.params, precision, ndim, engine)
@@ -339,7 +347,9 @@ def test_groups_and_missing_arguments(offset_groups, mask_groups, present):
                                bias="bias" in present)
     for precision in PRECISIONS:
         for tile in fused._tiles(DTYPE[precision]):
-            if tile[4] == 1 and (precision == "float32" or not fused.wgmma_available()):
+            if fused.is_wgmma(tile) and (precision == "float32" or not fused.wgmma_available()):
+                continue
+            if not serves(arrays, params, precision, tile):
                 continue
             for taps_inner in (True, False):
                 got, expected, _ = run_fused_tile(arrays, params, precision, tile, taps_inner)
@@ -362,7 +372,9 @@ def test_sampling_plan_gives_the_corners_each_thread_computes(ndim):
         orders = (True, False) if offset_groups == cases[0][0] else (False,)
         for precision in PRECISIONS:
             for tile in fused._tiles(DTYPE[precision]):
-                if tile[4] == 2 or tile[4] == 1 and (precision == "float32" or not fused.wgmma_available()):
+                if tile[4] == 2 or fused.is_wgmma(tile) and (precision == "float32" or not fused.wgmma_available()):
+                    continue
+                if not serves(arrays, params, precision, tile):
                     continue
                 for taps_inner in orders:
                     planned, expected, config = run_fused_tile(arrays, params, precision, tile, taps_inner, True)
@@ -372,6 +384,13 @@ def test_sampling_plan_gives_the_corners_each_thread_computes(ndim):
                     label = (precision, tile, taps_inner, offset_groups, mask_groups, offset, mask)
                     assert np.array_equal(planned, in_place), label
                     assert relative_error(planned, expected) < TOL[precision], label
+
+
+def serves(arrays, params, precision, tile) -> bool:
+    """Whether ``tile`` can compute this case (ENGINE 3 needs each step's chunk in one group)."""
+    geom = _geometry.conv_geometry(*(None if arrays[k] is None else arrays[k].shape
+                                     for k in ("input", "weight", "offset", "mask", "bias")), **params)[0]
+    return _fused().tile_serves(geom, DTYPE[precision], tile)
 
 
 def run_fused_tile(arrays, params, precision, tile, taps_inner=True, sampling_plan=None):
@@ -394,13 +413,14 @@ def test_large_output_channel_tiles_and_batch_spanning_tiles():
     # C_out/groups = 200: two 128-channel tiles, the second partial; 5 samples of 9x9 (81
     # positions): position tiles span samples
     rng = np.random.default_rng(5)
-    arrays, params = wide_case(rng, 2, groups=1, offset_groups=1, mask_groups=1, c_in=96, c_out=200, batch=5,
+    arrays, params = wide_case(rng, 2, groups=1, offset_groups=1, mask_groups=1, c_in=128, c_out=200, batch=5,
                                stride=(1, 1), padding=(1, 1), dilation=(1, 1))
     fused = _fused()
     for precision in PRECISIONS:
         for tile in fused._tiles(DTYPE[precision]):
-            if tile[4] == 1 and (precision == "float32" or not fused.wgmma_available()):
+            if fused.is_wgmma(tile) and (precision == "float32" or not fused.wgmma_available()):
                 continue
+            assert serves(arrays, params, precision, tile), tile
             got, expected, _ = run_fused_tile(arrays, params, precision, tile)
             assert relative_error(got, expected) < TOL[precision], (precision, tile)
 
@@ -423,7 +443,7 @@ def test_every_half_tile_in_every_dimension(ndim):
         expected = reference.deform_conv(**{k: a.astype(dtype).astype(np.float64) for k, a in arrays.items()},
                                          **params)
         for tile in fused._tiles(dtype):
-            if tile[4] == 1 and not fused.wgmma_available():
+            if fused.is_wgmma(tile) and not fused.wgmma_available():
                 continue
             for taps_inner in (True, False):
                 config = fused.LaunchConfig(geom, dtype, False, tile=tile, taps_inner=taps_inner)
@@ -485,9 +505,11 @@ def test_matches_torchvision(precision):
 @pytest.mark.parametrize("ndim", [1, 2, 3])
 @pytest.mark.parametrize("wide", [True, False], ids=["vector", "per-channel"])
 def test_non_finite_and_huge_offsets(ndim, precision, wide, engine):
+    if engine == 3 and not wide:
+        pytest.skip("ENGINE 3 has no per-channel sampler")
     rng = np.random.default_rng(40 + ndim)
     if wide:
-        arrays, params = wide_case(rng, ndim)
+        arrays, params = wide_case(rng, ndim, c_in=128 if engine == 3 else 64)
     else:
         case = random_case(rng, ndim, False, batch=2)
         arrays, params = dict(case.arrays_), case.params
@@ -510,8 +532,10 @@ def test_non_finite_input_reaches_exactly_the_dense_convolution_pattern(wide, pr
     """Zero offsets, no mask: the non-finite pattern equals the dense convolution's (corners of
     weight 0 are not read; 3xTF32 keeps an infinite operand infinite)."""
     torch = pytest.importorskip("torch")
+    if engine == 3 and not wide:
+        pytest.skip("ENGINE 3 has no per-channel sampler")
     rng = np.random.default_rng(77)
-    C = 32 if wide else 6
+    C = (64 if engine == 3 else 32) if wide else 6
     x = rng.standard_normal((2, C, 9, 8))
     x[0, 1, 3, 4] = np.inf
     x[1, C - 1, 0, 0] = np.nan

@@ -20,7 +20,9 @@ transposed convolution's backward-to-input is such a forward, so it runs here to
 
 Launch parameters per shape: a tile (output channels x positions x channels per step) and an
 MMA engine, ``mma.sync`` (any GPU of compute capability 8.0 or more) or ``wgmma`` (sm_90a, the
-MMA running asynchronously while the block samples the next step; fp16, bf16 and TF32). The
+MMA running asynchronously while the block samples the next step; fp16, bf16 and TF32), the
+latter also with specialised warps (ENGINE 3: two warpgroups multiply while the others sample
+up to ``RING_STAGES`` steps ahead). The
 candidates of ``TILES`` no taller than C_out/groups are timed once per (device, geometry, dtype,
 precision) when a forward is first planned, on random data of one batch chunk, and the fastest
 is kept (``plan_config``); during a CUDA-graph capture, or with ``DCN_CUPY_FUSED_TUNE=0``, a
@@ -58,8 +60,8 @@ _THREADS = 256   # threads per block of the small kernels, and of a tile that na
 _VEC = {np.dtype(np.float16): 8, BFLOAT16: 8, np.dtype(np.float32): 4}
 DTYPES = tuple(_VEC)
 #: The tiles (BM output channels, BN positions, BK channels per step, MINB blocks per SM asked
-#: of the register allocator, ENGINE: 0 mma.sync, 1 wgmma[, THREADS per block: 256 when not
-#: given; 512 for mma.sync tiles only]) instantiated per dtype, kept from
+#: of the register allocator, ENGINE: 0 mma.sync, 1 wgmma, 3 warp-specialised wgmma[, THREADS
+#: per block: 256 when not given; 512 for mma.sync and ENGINE 3 tiles]) instantiated per dtype, kept from
 #: those measured (NOTES-gpu.md); one is chosen per shape (plan_config). The first of each
 #: engine (the smallest) also has the per-channel sampler and the 64-bit indices. wgmma tiles
 #: (sm_90a) need a compute capability 9.0 device and compute fp16, bf16 and TF32 (not 3xTF32).
@@ -70,13 +72,25 @@ DTYPES = tuple(_VEC)
 #: and second only to 256x64x64 MINB 1 at C256 / C512 (NOTES-gpu.md, fused3). 256x64x64 in
 #: blocks of 512 threads (127 registers: 16 warps per SM where 256 threads give 8) was 2-4%
 #: faster than with 256 threads at C256 and C512 (fused4).
+#: ENGINE 3 (sm_90a, like 1) specialises the warps: 256 threads multiply with wgmma while the
+#: other THREADS - 256 sample into a ring of ``RING_STAGES`` shared-memory stages, each stage's
+#: weight tile one bulk copy of ``fused_weight_tiles``'s layout; its threads' vectors interleave
+#: over a step's chunk, so it serves only where each chunk lies in one offset and mask group, and
+#: has no per-channel sampler. H200, kernel alone, fp16: 0.141 ms against 0.234 for the 512-thread
+#: mma.sync tile at B=8 C256 56x56, 0.081 against 0.141 at B=16 C512 14x14 (NOTES-gpu.md, session 11).
 TILES = {
     "half": ((64, 64, 64, 1, 0), (256, 64, 64, 1, 0), (128, 128, 64, 1, 0),
              (128, 64, 64, 1, 1), (256, 128, 32, 1, 1), (128, 128, 64, 1, 1),
-             (64, 128, 32, 2, 0), (64, 64, 64, 2, 0), (128, 64, 64, 2, 0), (256, 64, 64, 1, 0, 512)),
+             (64, 128, 32, 2, 0), (64, 64, 64, 2, 0), (128, 64, 64, 2, 0), (256, 64, 64, 1, 0, 512),
+             (256, 64, 64, 1, 3, 512), (128, 128, 64, 1, 3, 512)),
     "float": ((64, 64, 32, 1, 0), (256, 64, 32, 1, 0), (128, 128, 16, 1, 0),
-              (128, 64, 32, 1, 1), (256, 128, 16, 1, 1), (128, 128, 32, 1, 1)),
+              (128, 64, 32, 1, 1), (256, 128, 16, 1, 1), (128, 128, 32, 1, 1),
+              (256, 64, 32, 1, 3, 512)),
 }
+#: The engines that multiply with wgmma (sm_90a modules; fp16, bf16 and TF32, not 3xTF32).
+WGMMA_ENGINES = (1, 3)
+#: The ring depth of ENGINE 3 tiles (two named barriers a stage).
+RING_STAGES = 4
 _INT32_SAFE = 2**30
 _MAX_GRID = 1 << 20
 _ALIGN = 256
@@ -107,6 +121,16 @@ def tile_threads(tile) -> int:
     return tile[5] if len(tile) > 5 else _THREADS
 
 
+def tile_samplers(tile) -> int:
+    """Threads per block that sample (all, but for ENGINE 3's 256 MMA threads)."""
+    return tile_threads(tile) - (256 if tile[4] == 3 else 0)
+
+
+def is_wgmma(tile) -> bool:
+    """Whether a tile multiplies with wgmma (sm_90a; not 3xTF32)."""
+    return tile[4] in WGMMA_ENGINES
+
+
 def _tiles(dtype, index64: bool = False) -> tuple:
     """The tiles of a dtype; with 64-bit indices (huge problems) only the first of engines 0 and 1."""
     tiles = TILES["float" if np.dtype(dtype) == np.float32 else "half"]
@@ -126,6 +150,8 @@ def smem_bytes(dtype, ndim: int, tile: tuple, depth: int = 0) -> int:
     """Dynamic shared memory of a tile (engine 2: with a ring of ``depth`` corner stages)."""
     bm, bn, bk, _, engine = tile[:5]
     item, vec = np.dtype(dtype).itemsize, _VEC[np.dtype(dtype)]
+    if engine == 3:
+        return RING_STAGES * (bm + bn) * bk * item
     if engine != 2:
         return 2 * (bm + bn) * (bk + (vec if engine == 0 else 0)) * item
     return ((depth + 1) * bm + 2 * bn) * (bk + vec) * item + depth * (1 << ndim) * (bn * bk * item + _THREADS * 4)
@@ -133,6 +159,8 @@ def smem_bytes(dtype, ndim: int, tile: tuple, depth: int = 0) -> int:
 
 def pipeline_depth(dtype, ndim: int, tile: tuple) -> int:
     """The corner-ring depth of an engine 2 tile (0: does not fit; 1 for the other engines)."""
+    if tile[4] == 3:
+        return RING_STAGES
     if tile[4] != 2:
         return 1
     return max((d for d in range(1, MAX_DEPTH + 1) if smem_bytes(dtype, ndim, tile, d) <= PIPELINE_SMEM_BYTES),
@@ -147,7 +175,7 @@ def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, uniform
     if plan:
         rest = f", {pipeline_depth(dtype, ndim, tile)}, {threads}, true"
     else:
-        rest = f", {pipeline_depth(dtype, ndim, tile)}" if engine == 2 else (", 1" if threads != _THREADS else "")
+        rest = f", {pipeline_depth(dtype, ndim, tile)}" if engine in (2, 3) else (", 1" if threads != _THREADS else "")
         rest += f", {threads}" if threads != _THREADS else ""
     return (f"deform_fused_forward<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}, "
             f"{'true' if uniform else 'false'}, {engine}{rest}>")
@@ -155,17 +183,18 @@ def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, uniform
 
 def name_expressions(dtype, ndim: int, index64: bool, engine: int = 0) -> tuple:
     """Every kernel instantiation of one module (one dtype, one N, one index width, one engine:
-    0 mma.sync, built for the device's architecture; 1 wgmma, built for sm_90a); the 16-byte
+    0 mma.sync, built for the device's architecture; 1 and 3 wgmma, built for sm_90a); the 16-byte
     sampler of engines 0 and 1 with and without the sampling plan."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
     names = [kernel_name(dtype, index64, ndim, prec, tile, uniform, plan)
              for prec in _precisions(dtype) for tile in _tiles(dtype, index64) for uniform in (True, False)
              for plan in (False, True)
-             if tile[4] == engine and not (engine == 1 and prec == 2)
+             if tile[4] == engine and not (engine in WGMMA_ENGINES and prec == 2)
              and (uniform or tile == _per_channel_tile(dtype, engine)) and pipeline_depth(dtype, ndim, tile)
              and not (plan and (not uniform or engine == 2))]
-    names += [f"fused_channels_last<{t}, {i}>", f"fused_weight_rows<{t}, {i}>", f"fused_sampling_plan<{t}, {i}, {ndim}>"]
+    names += [f"fused_channels_last<{t}, {i}>", f"fused_weight_rows<{t}, {i}>", f"fused_weight_tiles<{t}, {i}>",
+              f"fused_sampling_plan<{t}, {i}, {ndim}>"]
     names += [f"fused_columns<{t}, {i}, {ndim}, {vectors}>" for vectors in COLUMN_VECTORS]
     return tuple(names)
 
@@ -173,7 +202,7 @@ def name_expressions(dtype, ndim: int, index64: bool, engine: int = 0) -> tuple:
 def all_module_keys():
     """(dtype, ndim, index64, engine) of every module this algorithm can build."""
     return [(dtype, ndim, index64, engine) for dtype in DTYPES for ndim in (1, 2, 3) for index64 in (False, True)
-            for engine in (0, 1, 2) if any(tile[4] == engine for tile in _tiles(dtype, index64))]
+            for engine in (0, 1, 2, 3) if any(tile[4] == engine for tile in _tiles(dtype, index64))]
 
 
 #: NVRTC options of the wgmma modules (CuPy's RawModule names the device's plain architecture).
@@ -244,7 +273,7 @@ def _function(name: str, dtype, ndim: int, index64: bool, engine: int = 0, names
         mkey = (device, names)
         module = _modules.get(mkey)
         if module is None:
-            if engine == 1:
+            if engine in WGMMA_ENGINES:
                 module = _Sm90aModule(names)
             else:
                 module = cupy.RawModule(code=module_source(), options=_cuda.compile_options(), name_expressions=names)
@@ -325,14 +354,24 @@ def plan_segments(geom) -> tuple:
 
 
 def _uniform(geom, tile) -> bool:
-    """Whether ``tile``'s threads each sample a channel slice within one segment (16-byte vectors)."""
-    return _segment(geom) % (tile[2] * tile[1] // tile_threads(tile)) == 0
+    """Whether ``tile``'s threads each sample a channel slice within one segment (16-byte vectors);
+    ENGINE 3 interleaves its threads' vectors over the step's chunk: the whole chunk."""
+    if tile[4] == 3:
+        return _segment(geom) % tile[2] == 0
+    return _segment(geom) % (tile[2] * tile[1] // tile_samplers(tile)) == 0
+
+
+def tile_serves(geom, dtype, tile) -> bool:
+    """Whether ``tile`` can compute ``geom``: its 16-byte sampler serves it, or it is its engine's
+    per-channel tile."""
+    return _uniform(geom, tile) or tuple(tile) == _per_channel_tile(dtype, tile[4])
 
 
 def _per_channel_tile(dtype, engine: int) -> tuple:
     """The one tile per engine instantiated with the per-channel sampler (and 64-bit indices):
-    the first of TILES (engine 2, the corner pipeline, has none: engine 0's)."""
-    return next(tile for tile in _tiles(dtype) if tile[4] == (0 if engine == 2 else engine))
+    the first of TILES (engines 2 and 3, whose threads' vectors are 16-byte only, have none:
+    engine 0's)."""
+    return next(tile for tile in _tiles(dtype) if tile[4] == (0 if engine in (2, 3) else engine))
 
 
 def _candidates(geom, dtype, wgmma: bool, index64: bool = False) -> list:
@@ -340,21 +379,21 @@ def _candidates(geom, dtype, wgmma: bool, index64: bool = False) -> list:
     to 64 (else the shortest), wgmma ones only where the device and precision allow, and of the
     tiles whose threads would cross a group boundary only the per-channel one of each engine."""
     Cog = geom.out_channels // geom.groups
-    tiles = [tile for tile in _tiles(dtype, index64) if (tile[4] != 1 or wgmma)
-             and (_uniform(geom, tile) or tile == _per_channel_tile(dtype, tile[4]))
-             and pipeline_depth(dtype, geom.ndim, tile)]
+    tiles = [tile for tile in _tiles(dtype, index64) if (not is_wgmma(tile) or wgmma)
+             and tile_serves(geom, dtype, tile) and pipeline_depth(dtype, geom.ndim, tile)]
     limit = max(64, _round_up(Cog, 64))
     fitting = [tile for tile in tiles if tile[0] <= limit]
     return fitting or [min(tiles)]
 
 
 def _choose_tile(geom, dtype, positions: int, multiprocessors: int, wgmma: bool, index64: bool = False) -> tuple:
-    """The tile of a shape without timing: among the candidates, wgmma ones first where allowed,
-    then the tallest and widest, the first that gives at least two blocks per multiprocessor;
-    else the one with the most blocks."""
+    """The tile of a shape without timing: among the candidates, wgmma ones first where allowed
+    (the warp-specialised ones first of all), then the tallest and widest, the first that gives
+    at least two blocks per multiprocessor; else the one with the most blocks."""
     groups = geom.groups
     Cog = geom.out_channels // groups
-    candidates = sorted(_candidates(geom, dtype, wgmma, index64), key=lambda tile: (-(tile[4] == 1), -tile[4], -tile[0], -tile[1]))
+    candidates = sorted(_candidates(geom, dtype, wgmma, index64),
+                        key=lambda tile: (-(tile[4] == 3), -(tile[4] == 1), -tile[4], -tile[0], -tile[1]))
     blocks = lambda tile: -(-positions // tile[1]) * -(-Cog // tile[0]) * groups  # noqa: E731
     for tile in candidates:
         if blocks(tile) >= 2 * multiprocessors:
@@ -411,7 +450,7 @@ class LaunchConfig:
         self.tile = tuple(tile)
         bm, bn, bk, _, engine = self.tile[:5]
         self.threads = tile_threads(self.tile)
-        if engine == 1 and self.precision == 2:
+        if engine in WGMMA_ENGINES and self.precision == 2:
             raise ValueError("the wgmma tiles compute in TF32 or the half types, not 3xTF32")
         self.Cgp = _round_up(self.Cg, bk)
         self.taps_inner = bool(taps_inner)    # measured slower for every tile at 56x56 (NOTES-gpu.md)
@@ -427,7 +466,8 @@ class LaunchConfig:
         if not self.depth:
             raise ValueError(f"tile {self.tile} does not fit shared memory for {geom.ndim}-d sampling")
         self.smem_bytes = smem_bytes(dtype, geom.ndim, self.tile, self.depth)
-        self.weight_elems = Co * self.K * self.Cgp
+        # ENGINE 3: whole tiles of BM rows (fused_weight_tiles); else rows (fused_weight_rows)
+        self.weight_elems = (G * self.m_tiles * bm if engine == 3 else Co) * self.K * self.Cgp
         self.xcl_elems = (n * self.S + 1) * self.Cp   # the chunk's rows, then the zero row
         # the channels-last chunk, the weight rows, then the plan's rows and weights
         self.plan_offset = (_round_up(self.xcl_elems * self.itemsize, _ALIGN)
@@ -441,7 +481,8 @@ class LaunchConfig:
     def description(self) -> str:
         prec = {0: str(self.dtype), 1: "tf32", 2: "3xtf32"}[self.precision]
         bm, bn, bk, _, engine = self.tile[:5]
-        engine_name = ("mma.sync", "wgmma", f"mma.sync, {self.depth}-step corner pipeline")[engine]
+        engine_name = ("mma.sync", "wgmma", f"mma.sync, {self.depth}-step corner pipeline",
+                       f"warp-specialised wgmma, {self.depth}-stage ring")[engine]
         return (f"cuda/fused: {prec} {engine_name}, tile {bm}x{bn}x{bk} ({self.threads} threads), "
                 f"{'16-byte vector' if self.uniform else 'per-channel'} sampling"
                 f"{' from a sampling plan' if self.sampling_plan else ''}, "
@@ -497,11 +538,18 @@ def run_forward(config: LaunchConfig, x, weight, offset, mask, bias, out, worksp
     g = config.geom
     index = np.int64 if config.index64 else np.int32
     xcl, wr, plan_rows, plan_weights = _views(config, workspace)
-    rows = g.out_channels * config.Cgp
-    config.kernel("fused_weight_rows")((min(-(-rows // _THREADS), _MAX_GRID),), (_THREADS,), (
-        weight, wr, np.int32(g.out_channels), np.int32(config.Cg), np.int32(config.Cgp), np.int32(config.K),
-        np.int32(config.precision == 1),
-    ))
+    if config.tile[4] == 3:
+        bm, _, bk = config.tile[:3]
+        config.kernel("fused_weight_tiles")((min(-(-config.weight_elems // _THREADS), _MAX_GRID),), (_THREADS,), (
+            weight, wr, np.int32(config.Cog), np.int32(g.groups), np.int32(config.Cg), np.int32(config.K),
+            np.int32(bm), np.int32(bk), np.int32(config.precision == 1),
+        ))
+    else:
+        rows = g.out_channels * config.Cgp
+        config.kernel("fused_weight_rows")((min(-(-rows // _THREADS), _MAX_GRID),), (_THREADS,), (
+            weight, wr, np.int32(g.out_channels), np.int32(config.Cg), np.int32(config.Cgp), np.int32(config.K),
+            np.int32(config.precision == 1),
+        ))
     layout = config.kernel("fused_channels_last")
     forward = config.kernel("forward")
     struct = config.struct
@@ -775,7 +823,8 @@ class FusedBackend:
             raise ValueError(reason)
         with cupy.cuda.Device(spec.device_id):
             config = plan_config(spec.geom, spec.dtype, bool(spec.allow_tf32))
-            for name in ("fused_weight_rows", "fused_channels_last", "forward"):
+            for name in ("fused_weight_tiles" if config.tile[4] == 3 else "fused_weight_rows", "fused_channels_last",
+                         "forward"):
                 config.kernel(name)   # compile now, never during a CUDA-graph capture
         return FusedForward(config)
 
