@@ -368,7 +368,7 @@ def test_sampling_plan_gives_the_corners_each_thread_computes(ndim):
     cases = ((2, 1, True, True), (1, 1, True, False), (1, 2, False, True))
     for offset_groups, mask_groups, offset, mask in cases:
         arrays, params = wide_case(rng, ndim, groups=1, offset_groups=offset_groups, mask_groups=mask_groups,
-                                   c_in=64, c_out=64, batch=3, offset=offset, mask=mask)
+                                   c_in=128, c_out=64, batch=3, offset=offset, mask=mask)
         orders = (True, False) if offset_groups == cases[0][0] else (False,)
         for precision in PRECISIONS:
             for tile in fused._tiles(DTYPE[precision]):
