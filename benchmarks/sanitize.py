@@ -220,14 +220,15 @@ def fused_cases(quick: bool = False) -> int:
                     continue
                 run(case, dtype, tf32, poison=scale == 16)
                 count += 1
-    # every tile (both engines where the device has wgmma), channel counts that suit them all
+    # every tile (the wgmma ones where the device has wgmma), channel counts that suit them all
     rng = np.random.default_rng(999)
     case = random_case(rng, 2, False, batch=2, channels_scale=64)
     for dtype, tf32 in ((np.float16, False), (np.float32, True), (np.float32, False)):
         for tile in fu._tiles(dtype):
             if fu.is_wgmma(tile) and (not tf32 and dtype == np.float32 or not fu.wgmma_available()):
                 continue
-            # corners computed per thread, and read from the sampling plan (16-byte sampler, engines 0 and 1)
+            # corners computed per thread, and read from the sampling plan (16-byte sampler, engines 0, 1 and 3);
+            # a tile that cannot serve the case (ENGINE 3 where a chunk spans groups) is skipped
             for sampling_plan in (False, True) if tile[4] != 2 else (False,):
                 count += run(case, dtype, tf32, poison=True, tile=tile, sampling_plan=sampling_plan)
     if quick:

@@ -96,7 +96,7 @@ _MAX_GRID = 1 << 20
 _ALIGN = 256
 #: The forward may read its corners from a sampling plan (``fused_sampling_plan``: the rows and
 #: weights of every segment, tap and position of a batch chunk, 8 bytes per corner) where its
-#: 16-byte sampler serves (engines 0 and 1) and the channels form at most this many segments of
+#: 16-byte sampler serves (engines 0, 1 and 3) and the channels form at most this many segments of
 #: one offset and mask group. The tuner times each tile with and without it (H200: 3-6% faster
 #: with it at B=8 C256 and B=32 C64 56x56 fp16, 7-13% slower at 512@14x14 and 3D C32, where each
 #: thread computes its corners once per 8 channel chunks or the extra registers spill;
@@ -132,7 +132,7 @@ def is_wgmma(tile) -> bool:
 
 
 def _tiles(dtype, index64: bool = False) -> tuple:
-    """The tiles of a dtype; with 64-bit indices (huge problems) only the first of engines 0 and 1."""
+    """The tiles of a dtype; with 64-bit indices (huge problems) only the first of engines 0, 1 and 3."""
     tiles = TILES["float" if np.dtype(dtype) == np.float32 else "half"]
     if index64:
         tiles = tuple(tile for i, tile in enumerate(tiles)
@@ -147,7 +147,8 @@ MAX_DEPTH = 4
 
 
 def smem_bytes(dtype, ndim: int, tile: tuple, depth: int = 0) -> int:
-    """Dynamic shared memory of a tile (engine 2: with a ring of ``depth`` corner stages)."""
+    """Dynamic shared memory of a tile (engine 2: with a ring of ``depth`` corner stages; engine 3: its
+    ring of ``RING_STAGES`` weight and sampled tiles)."""
     bm, bn, bk, _, engine = tile[:5]
     item, vec = np.dtype(dtype).itemsize, _VEC[np.dtype(dtype)]
     if engine == 3:
@@ -158,7 +159,8 @@ def smem_bytes(dtype, ndim: int, tile: tuple, depth: int = 0) -> int:
 
 
 def pipeline_depth(dtype, ndim: int, tile: tuple) -> int:
-    """The corner-ring depth of an engine 2 tile (0: does not fit; 1 for the other engines)."""
+    """The corner-ring depth of an engine 2 tile (0: does not fit), ``RING_STAGES`` for engine 3, 1 for
+    the other engines (the DEPTH template argument)."""
     if tile[4] == 3:
         return RING_STAGES
     if tile[4] != 2:
@@ -184,7 +186,7 @@ def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, uniform
 def name_expressions(dtype, ndim: int, index64: bool, engine: int = 0) -> tuple:
     """Every kernel instantiation of one module (one dtype, one N, one index width, one engine:
     0 mma.sync, built for the device's architecture; 1 and 3 wgmma, built for sm_90a); the 16-byte
-    sampler of engines 0 and 1 with and without the sampling plan."""
+    sampler of engines 0, 1 and 3 with and without the sampling plan."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
     names = [kernel_name(dtype, index64, ndim, prec, tile, uniform, plan)
