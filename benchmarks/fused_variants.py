@@ -5,7 +5,9 @@
 
 Prepends ``#define NAME VALUE`` lines for the ``--defines`` to the module source (the
 experiment switches: ``DCN_FUSED_PACKED_BLEND`` in fused_common.cuh, 1 by default, 0 for the
-float32 blend of the half types' corners), then runs ``fused_tiles.py`` with the
+float32 blend of the half types' corners; ``DCN_FUSED_WS_EXPERIMENT`` in deform_fused.cu, 0 by
+default, 1 or 2 for ENGINE 3 without its MMAs or without its sampling, wrong results that
+``--time-failures`` times anyway), then runs ``fused_tiles.py`` with the
 arguments after ``--`` in this process: the same checks against the strict float32 reference
 and the same timings. Run it once per variant, in one device call, and compare the tables
 (kernel times are GPU times, comparable across processes on one card).
