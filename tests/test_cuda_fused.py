@@ -622,6 +622,26 @@ def test_broadcast_batch_chunks_and_64bit_indices(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["float16", "tf32"])
+def test_warp_specialised_64bit_indices(monkeypatch, precision):
+    """ENGINE 3's 64-bit instantiation (its first tile) with one-sample chunks: C_out/groups = 96
+    (zero-padded weight tiles) and 5 samples of 7x7 (position tiles span samples)."""
+    fused = _fused()
+    if not fused.wgmma_available():
+        pytest.skip("ENGINE 3: compute capability 9.0")
+    rng = np.random.default_rng(17)
+    arrays, params = wide_case(rng, 2, groups=2, offset_groups=2, mask_groups=1, c_in=128, c_out=192, batch=5,
+                               stride=(1, 1), padding=(1, 1), dilation=(1, 1))
+    monkeypatch.setattr(fused, "WORKSPACE_LIMIT_BYTES", 1)
+    monkeypatch.setattr(fused, "_INT32_SAFE", 0)
+    tile = fused._tiles(DTYPE[precision], True)[-1]
+    assert tile[4] == 3
+    got, expected, config = run_fused_tile(arrays, params, precision, tile)
+    assert config.index64 and config.chunk == 1 and config.tile == tile and "warp-specialised" in config.description
+    assert relative_error(got, expected) < TOL[precision]
+
+
+@pytest.mark.gpu
 def test_automatic_choice_follows_the_fused_versus_im2col_measurement(monkeypatch):
     """For the half types the plan times the fused forward (its tuned tile) against cuda/im2col's
     once per configuration and takes cuda/im2col where it measured faster than IM2COL_MARGIN of
