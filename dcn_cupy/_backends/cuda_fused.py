@@ -458,7 +458,7 @@ class LaunchConfig:
         self.taps_inner = bool(taps_inner)    # measured slower for every tile at 56x56 (NOTES-gpu.md)
         self.struct = _cuda._geom_struct(geom)
         self.uniform = _uniform(geom, self.tile)
-        if not self.uniform and self.tile != _per_channel_tile(dtype, engine):
+        if not tile_serves(geom, dtype, self.tile):
             raise ValueError(f"tile {self.tile} has no per-channel sampler; this geometry needs one "
                              f"(the per-channel tile is {_per_channel_tile(dtype, engine)})")
         self.sampling_plan = wanted and self.uniform and engine != 2
@@ -468,7 +468,8 @@ class LaunchConfig:
         if not self.depth:
             raise ValueError(f"tile {self.tile} does not fit shared memory for {geom.ndim}-d sampling")
         self.smem_bytes = smem_bytes(dtype, geom.ndim, self.tile, self.depth)
-        # ENGINE 3: whole tiles of BM rows (fused_weight_tiles); else rows (fused_weight_rows)
+        # the weights' re-layout: ENGINE 3 whole tiles of BM rows (one bulk copy each); else rows
+        self.weight_kernel = "fused_weight_tiles" if engine == 3 else "fused_weight_rows"
         self.weight_elems = (G * self.m_tiles * bm if engine == 3 else Co) * self.K * self.Cgp
         self.xcl_elems = (n * self.S + 1) * self.Cp   # the chunk's rows, then the zero row
         # the channels-last chunk, the weight rows, then the plan's rows and weights
@@ -540,15 +541,16 @@ def run_forward(config: LaunchConfig, x, weight, offset, mask, bias, out, worksp
     g = config.geom
     index = np.int64 if config.index64 else np.int32
     xcl, wr, plan_rows, plan_weights = _views(config, workspace)
-    if config.tile[4] == 3:
+    relayout = config.kernel(config.weight_kernel)
+    if config.weight_kernel == "fused_weight_tiles":
         bm, _, bk = config.tile[:3]
-        config.kernel("fused_weight_tiles")((min(-(-config.weight_elems // _THREADS), _MAX_GRID),), (_THREADS,), (
+        relayout((min(-(-config.weight_elems // _THREADS), _MAX_GRID),), (_THREADS,), (
             weight, wr, np.int32(config.Cog), np.int32(g.groups), np.int32(config.Cg), np.int32(config.K),
             np.int32(bm), np.int32(bk), np.int32(config.precision == 1),
         ))
     else:
         rows = g.out_channels * config.Cgp
-        config.kernel("fused_weight_rows")((min(-(-rows // _THREADS), _MAX_GRID),), (_THREADS,), (
+        relayout((min(-(-rows // _THREADS), _MAX_GRID),), (_THREADS,), (
             weight, wr, np.int32(g.out_channels), np.int32(config.Cg), np.int32(config.Cgp), np.int32(config.K),
             np.int32(config.precision == 1),
         ))
@@ -825,8 +827,7 @@ class FusedBackend:
             raise ValueError(reason)
         with cupy.cuda.Device(spec.device_id):
             config = plan_config(spec.geom, spec.dtype, bool(spec.allow_tf32))
-            for name in ("fused_weight_tiles" if config.tile[4] == 3 else "fused_weight_rows", "fused_channels_last",
-                         "forward"):
+            for name in (config.weight_kernel, "fused_channels_last", "forward"):
                 config.kernel(name)   # compile now, never during a CUDA-graph capture
         return FusedForward(config)
 
