@@ -1,11 +1,11 @@
 """Registers, spills and shared memory of fused-forward tiles, from ptxas (NVRTC, no GPU needed).
 
     python benchmarks/fused_regs.py [--dtype float16] [--ndim 2] [--arch sm_90] \
-        [--tiles 'BM,BN,BK,MINB,ENGINE;...'] [--jobs 2]
+        [--tiles 'BM,BN,BK,MINB,ENGINE[,THREADS];...'] [--jobs 2] [--defines NAME=VALUE,...]
 
 Compiles each tile's uniform (16-byte-vector) kernel alone with ``--ptxas-options=-v`` and
 prints registers per thread, spill stores / loads (bytes), stack frame, the dynamic shared
-memory of the tile (``cuda_fused.smem_bytes``) and how many 256-thread blocks fit one SM by
+memory of the tile (``cuda_fused.smem_bytes``) and how many blocks of the tile's threads fit one SM by
 registers (64K per SM) and by shared memory (228 KiB per SM, 1 KiB reserved per block).
 Default tiles: those of TILES plus MINB=2 candidates (NOTES-gpu.md, fused3).
 """
@@ -26,10 +26,10 @@ DEFAULT_EXTRA = ((128, 64, 32, 2, 0), (128, 64, 64, 2, 0), (256, 64, 32, 2, 0), 
 
 
 def _compile(job):
-    name, arch = job
+    name, arch, prefix = job
     from cupy_backends.cuda.libs import nvrtc
     from dcn_cupy._backends import cuda, cuda_fused as fused
-    program = nvrtc.createProgram(fused.module_source(), "deform_fused.cu", (), ())
+    program = nvrtc.createProgram(prefix + fused.module_source(), "deform_fused.cu", (), ())
     try:
         nvrtc.addNameExpression(program, name)
         try:
@@ -61,15 +61,17 @@ def main(argv=None):
     parser.add_argument("--tiles", default="")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--log", action="store_true", help="print the ptxas log of each kernel")
+    parser.add_argument("--defines", default="", help="NAME=VALUE,... prepended as #defines (experiment switches)")
     args = parser.parse_args(argv)
     dtype = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16, "float32": np.dtype(np.float32)}[args.dtype]
     tiles = ([tuple(int(v) for v in t.split(",")) for t in args.tiles.split(";") if t] if args.tiles
              else list(fused._tiles(dtype)) + list(DEFAULT_EXTRA))
     prec = 0 if dtype != np.float32 else 1
+    prefix = "".join(f"#define {d.split('=', 1)[0]} {d.split('=', 1)[1]}\n" for d in args.defines.split(",") if d)
     jobs = []
     for tile in tiles:
         name = fused.kernel_name(dtype, False, args.ndim, prec, tile, True)
-        jobs.append((name, "sm_90a" if tile[4] == 1 else args.arch))
+        jobs.append((name, "sm_90a" if fused.is_wgmma(tile) else args.arch, prefix))
     with ProcessPoolExecutor(args.jobs) as pool:
         logs = dict(pool.map(_compile, jobs))
     print(f"{args.dtype} {args.ndim}-d, {args.arch}")
@@ -87,7 +89,7 @@ def main(argv=None):
         by_regs = 65536 // (((regs + 7) // 8 * 8) * threads) if regs else 0
         by_smem = (228 * 1024) // (smem + 1024)
         bm, bn, bk, minb, engine = tile[:5]
-        print(f"| {bm}x{bn}x{bk} | {threads} | {minb} | {('mma', 'wgmma', 'pipe')[engine]} | {regs} | {p['spill_st']}/{p['spill_ld']}"
+        print(f"| {bm}x{bn}x{bk} | {threads} | {minb} | {('mma', 'wgmma', 'pipe', 'wgmma-ws')[engine]} | {regs} | {p['spill_st']}/{p['spill_ld']}"
               f" | {p['stack']} | {smem / 1024:.1f} | {min(by_regs, by_smem)} ({by_regs}, {by_smem}) |", flush=True)
         if args.log:
             print(log)

@@ -272,6 +272,7 @@ def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
             index(fu._batch_stride(x)))))
         print(f"  {'channels-last copy of x':<40} {cl:8.3f} ms")
         struct = be._geom_struct(geom)
+        relayouts = set()
         for tile in tuple(fu._tiles(x.dtype)) + tuple(extra_tiles):
             if fu.is_wgmma(tile) and (not allow_tf32 and np.dtype(x.dtype) == np.float32 or not fu.wgmma_available()):
                 continue
@@ -281,12 +282,10 @@ def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
             wsc = cupy.empty(c.workspace_bytes, dtype=np.uint8)
             fu.run_forward(c, x, w, off, msk, None, out, wsc)   # fills the channels-last copy and weight rows
             xcl, wr, plan_rows, plan_weights = fu._views(c, wsc)
-            rows = c.kernel("fused_weight_rows")
-            if tile == tuple(fu._tiles(x.dtype))[0]:
-                wt = t(lambda: rows((min(-(-geom.out_channels * c.Cgp // 256), fu._MAX_GRID),), (256,), (
-                    w, wr, np.int32(geom.out_channels), np.int32(c.Cg), np.int32(c.Cgp), np.int32(c.K),
-                    np.int32(c.precision == 1))))
-                print(f"  {'weight re-layout':<40} {wt:8.3f} ms")
+            if c.weight_kernel not in relayouts:   # once per re-layout kernel
+                relayouts.add(c.weight_kernel)
+                wt = t(lambda: fu.relayout_weights(c, w, wr))
+                print(f"  {'weight re-layout (' + c.weight_kernel + ')':<40} {wt:8.3f} ms")
             try:
                 kern = c.kernel("forward")
             except Exception as error:

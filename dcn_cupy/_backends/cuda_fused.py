@@ -536,15 +536,15 @@ def _views(config: LaunchConfig, workspace):
     return xcl, wr, rows, weights
 
 
-def run_forward(config: LaunchConfig, x, weight, offset, mask, bias, out, workspace=None) -> None:
-    """``out = deform_conv(x) (+ bias)`` with the kernels of ``config``."""
+def relayout_weights(config: LaunchConfig, weight, wr) -> None:
+    """``wr`` = the weights in the forward kernel's order: ENGINE 3's whole tiles (one thread per
+    16-byte vector), else rows of ``Cgp`` channels per (output channel, tap)."""
     g = config.geom
-    index = np.int64 if config.index64 else np.int32
-    xcl, wr, plan_rows, plan_weights = _views(config, workspace)
     relayout = config.kernel(config.weight_kernel)
     if config.weight_kernel == "fused_weight_tiles":
         bm, _, bk = config.tile[:3]
-        relayout((min(-(-config.weight_elems // _THREADS), _MAX_GRID),), (_THREADS,), (
+        vectors = config.weight_elems // _VEC[np.dtype(config.dtype)]
+        relayout((min(-(-vectors // _THREADS), _MAX_GRID),), (_THREADS,), (
             weight, wr, np.int32(config.Cog), np.int32(g.groups), np.int32(config.Cg), np.int32(config.K),
             np.int32(bm), np.int32(bk), np.int32(config.precision == 1),
         ))
@@ -554,6 +554,14 @@ def run_forward(config: LaunchConfig, x, weight, offset, mask, bias, out, worksp
             weight, wr, np.int32(g.out_channels), np.int32(config.Cg), np.int32(config.Cgp), np.int32(config.K),
             np.int32(config.precision == 1),
         ))
+
+
+def run_forward(config: LaunchConfig, x, weight, offset, mask, bias, out, workspace=None) -> None:
+    """``out = deform_conv(x) (+ bias)`` with the kernels of ``config``."""
+    g = config.geom
+    index = np.int64 if config.index64 else np.int32
+    xcl, wr, plan_rows, plan_weights = _views(config, workspace)
+    relayout_weights(config, weight, wr)
     layout = config.kernel("fused_channels_last")
     forward = config.kernel("forward")
     struct = config.struct
