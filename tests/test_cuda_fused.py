@@ -4,8 +4,9 @@ mma.sync or wgmma, in either step order) against the float64 reference, the CPU 
 torchvision, for N = 1, 2, 3, both samplers (16-byte vectors and per channel), groups, offset
 groups != mask groups, stride / padding / dilation, with and without offset / mask / bias,
 non-finite and huge offsets, non-finite inputs, a broadcast batch, one-sample chunks, 64-bit
-indices, and the transposed backward-to-input. float32 (TF32 and 3xTF32) is tested although
-the plan layer keeps float32 on cuda/im2col.
+indices, and the transposed backward-to-input. float32 is tested in TF32 (which plans choose
+on compute capability 9.0) and 3xTF32 (which they leave on cuda/im2col); plans replay recorded
+launches.
 
 Tolerances (relative error in the norm): float16 3e-3 and bfloat16 2.4e-2 as for cuda/im2col
 (inputs rounded once, samples rounded once to the half type, output rounded once); TF32 3e-3
@@ -136,6 +137,26 @@ def test_serves_rule(monkeypatch):
     assert backend.primitives == ("conv_forward",)
     assert "only the forward" in backend.serves(_Spec(np.float32), "conv_backward")
     assert "CUDA" in backend.serves(_Spec(np.float32, device="cpu"), "conv_forward")
+
+
+def test_tf32_float32_is_considered_on_compute_capability_9(monkeypatch):
+    """float32 through TF32 is timed against cuda/im2col (and taken without a measurement) on
+    compute capability 9.0 only; strict float32 never is."""
+    fused = _fused()
+    monkeypatch.setattr(fused, "fused_versus_im2col", lambda *a: None)
+    tf32 = _Spec(np.float32)
+    tf32.allow_tf32 = True
+    monkeypatch.setattr(fused, "_compute_capability", lambda device_id: 90)
+    assert fused.BACKEND.recommends(tf32, "conv_forward") is None
+    assert "strict float32" in fused.BACKEND.recommends(_Spec(np.float32), "conv_forward")
+    monkeypatch.setattr(fused, "_compute_capability", lambda device_id: 80)
+    assert "below compute capability 9.0 (got 8.0" in fused.BACKEND.recommends(tf32, "conv_forward")
+
+    def no_device(device_id):
+        raise RuntimeError("no device")
+
+    monkeypatch.setattr(fused, "_compute_capability", no_device)
+    assert "no CUDA device 0" in fused.BACKEND.recommends(tf32, "conv_forward")
 
 
 def test_recommends_without_a_device_falls_back_to_the_rule():
@@ -556,7 +577,8 @@ def test_non_finite_input_reaches_exactly_the_dense_convolution_pattern(wide, pr
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_plans_choose_and_force_fused(dtype, monkeypatch):
-    """The plan layer: automatic choice (fused for the half types, im2col for float32), forced
+    """The plan layer: automatic choice (fused for the half types and for TF32 on compute
+    capability 9.0, im2col for strict float32), forced
     selection through ``algorithm=`` and ``use_algorithm``, and the transposed convolution's
     backward-to-input (a conv forward by duality) on the fused kernel."""
     cupy = _cupy()
@@ -572,9 +594,13 @@ def test_plans_choose_and_force_fused(dtype, monkeypatch):
         conv = random_case(rng, ndim, False, channels_scale=16)
         arrays = conv.arrays(lambda a: cupy.asarray(a.astype(dtype)))
         rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in conv.arrays_.items()}
-        auto = dcn_cupy.plan(**arrays, **conv.params)
+        auto = dcn_cupy.plan(**arrays, **conv.params, allow_tf32=False)
         expected_auto = "cuda/fused" if dtype == np.float16 else "cuda/im2col"
         assert f"forward: {expected_auto}" in auto.algorithm, auto.algorithm
+        if dtype == np.float32:   # TF32: the fused forward where the wgmma tile runs
+            tf32 = dcn_cupy.plan(**arrays, **conv.params, allow_tf32=True)
+            expected = "cuda/fused" if cuda_fused.wgmma_available() else "cuda/im2col"
+            assert f"forward: {expected}" in tf32.algorithm, tf32.algorithm
         forced = dcn_cupy.plan(**arrays, **conv.params, algorithm="cuda/fused")
         assert "forward: cuda/fused" in forced.algorithm, forced.algorithm
         y = forced.forward(**arrays)
@@ -642,6 +668,42 @@ def test_warp_specialised_64bit_indices(monkeypatch, precision):
 
 
 @pytest.mark.gpu
+def test_plans_replay_recorded_fused_launches():
+    """A plan's fused forward on C-contiguous arrays replays launches recorded once per set of
+    addresses (and serves Plan.launch_forward); new buffers record again; a batch that is not
+    C-contiguous takes the array path (run_forward). Every result is bitwise the same."""
+    cupy = _cupy()
+    fused = _fused()
+    import dcn_cupy
+    rng = np.random.default_rng(29)
+    arrays, params = wide_case(rng, 2, groups=2, offset_groups=2, mask_groups=1, c_in=64, c_out=64, batch=3,
+                               stride=(1, 1), padding=(1, 1), dilation=(1, 1))
+    dev = {k: cupy.asarray(a.astype(np.float16)) for k, a in arrays.items()}
+    p = dcn_cupy.plan(**dev, **params, algorithm="cuda/fused")
+    exe = p._fwd
+    assert isinstance(exe, fused.FusedForward) and exe.pointer_path
+    ws = cupy.empty(p.workspace_bytes, dtype=np.uint8)
+    outs = [cupy.full(p.output_shape, np.nan, dtype=np.float16) for _ in range(5)]
+    p.forward(**dev, out=outs[0], workspace=ws)
+    p.forward(**dev, out=outs[0], workspace=ws)
+    assert len(exe._recordings.entries) == 1
+    p.forward(**dev, out=outs[1], workspace=ws)
+    assert len(exe._recordings.entries) == 2
+    pointers = tuple(dev[k].data.ptr for k in ("input", "weight", "offset", "mask", "bias"))
+    assert p.launch_forward(pointers, outs[2].data.ptr, ws.data.ptr, cupy.cuda.get_current_stream().ptr)
+    fused.run_forward(exe.config, *(dev[k] for k in ("input", "weight", "offset", "mask", "bias")), outs[3], ws)
+    strided = cupy.stack([dev["input"], dev["input"]], axis=1)[:, 0]   # batch stride 2 * C * S
+    assert not strided.flags.c_contiguous
+    fused.run_forward(exe.config, strided, dev["weight"], dev["offset"], dev["mask"], dev["bias"], outs[4], ws)
+    cupy.cuda.get_current_stream().synchronize()
+    for out in outs[1:]:
+        np.testing.assert_array_equal(cupy.asnumpy(out), cupy.asnumpy(outs[0]))
+    rounded = {k: a.astype(np.float16).astype(np.float64) for k, a in arrays.items()}
+    assert relative_error(cupy.asnumpy(outs[0]).astype(np.float64), reference.deform_conv(**rounded, **params)) \
+        < TOL["float16"]
+
+
+@pytest.mark.gpu
 def test_automatic_choice_follows_the_fused_versus_im2col_measurement(monkeypatch):
     """For the half types the plan times the fused forward (its tuned tile) against cuda/im2col's
     once per configuration and takes cuda/im2col where it measured faster than IM2COL_MARGIN of
@@ -665,7 +727,8 @@ def test_automatic_choice_follows_the_fused_versus_im2col_measurement(monkeypatc
     monkeypatch.setattr(cuda_fused, "fused_versus_im2col", lambda *a: (2.0, 1.0))
     slower = dcn_cupy.plan(**arrays, **case.params)
     assert slower.algorithm.startswith("forward: cuda/im2col"), slower.algorithm
-    monkeypatch.setattr(cuda_fused, "fused_versus_im2col", lambda *a: (1.0, 0.7))   # not clearly faster: fused
+    not_clearly = (1.0, cuda_fused.IM2COL_MARGIN + 0.05)   # im2col faster, not clearly: fused
+    monkeypatch.setattr(cuda_fused, "fused_versus_im2col", lambda *a: not_clearly)
     assert dcn_cupy.plan(**arrays, **case.params).algorithm.startswith("forward: cuda/fused")
     monkeypatch.setattr(cuda_fused, "fused_versus_im2col", lambda *a: None)
     assert dcn_cupy.plan(**arrays, **case.params).algorithm.startswith("forward: cuda/fused")

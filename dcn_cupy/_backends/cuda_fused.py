@@ -11,12 +11,15 @@ which keeps float32 accuracy; float32 accumulation). Per call, and part of the t
 * the weight is re-laid as ``(C_out, K, Cgp)`` (rows along the input channels of one tap,
   ``Cgp`` = C_in/groups rounded up to the step's channel chunk, zero-padded).
 
-Serves ``conv_forward`` for float16 and bfloat16 on CUDA (``FusedBackend.serves``); the
-automatic choice takes it per configuration where it measured faster than ``cuda/im2col``'s
-forward (both timed once on one batch chunk when the plan is built: ``fused_versus_im2col``;
-e.g. at B=16 C512 14x14 fp16 im2col is faster). float32 (TF32 or 3xTF32 here, both tested)
-measured slower than ``cuda/im2col`` and stays there unless forced, as does float64. The
-transposed convolution's backward-to-input is such a forward, so it runs here too.
+Serves ``conv_forward`` for float16, bfloat16 and float32 on CUDA (``FusedBackend.serves``);
+the automatic choice considers it for the half types, and for float32 through TF32 on compute
+capability 9.0 (the warp-specialised wgmma tile), and takes it per configuration unless
+``cuda/im2col``'s forward measured clearly faster (both timed once on one batch chunk when the
+plan is built, as plans run them: ``fused_versus_im2col``; e.g. at B=16 C512 14x14 fp16 im2col
+is faster). Strict float32 (3xTF32 here, tested) measured slower than ``cuda/im2col`` and stays
+there unless forced, as does float64. The transposed convolution's backward-to-input is such a
+forward, so it runs here too. A plan's calls on C-contiguous arrays replay the launches
+recorded for their addresses (``FusedForward.run_pointers``).
 
 Launch parameters per shape: a tile (output channels x positions x channels per step) and an
 MMA engine, ``mma.sync`` (any GPU of compute capability 8.0 or more) or ``wgmma`` (sm_90a, the
@@ -515,81 +518,113 @@ def _batch_stride(array) -> int:
     return 0 if array.shape[0] <= 1 else array.strides[0] // array.itemsize
 
 
-def _views(config: LaunchConfig, workspace):
-    """The channels-last buffer, the weight rows and the sampling plan's rows and weights (None
-    without a plan), carved from ``workspace`` (or allocated)."""
+def _workspace_offsets(config: LaunchConfig) -> tuple:
+    """Byte offsets in the workspace of the channels-last buffer, the weight rows and the
+    sampling plan's rows and weights (the last two None without a plan)."""
+    wr_at = _round_up(config.xcl_elems * config.itemsize, _ALIGN)
+    if not config.sampling_plan:
+        return 0, wr_at, None, None
+    rows_at = config.plan_offset
+    return 0, wr_at, rows_at, rows_at + _round_up(config.plan_elems * config.plan_row_bytes, _ALIGN)
+
+
+def _checked_workspace(config: LaunchConfig, workspace):
+    """``workspace`` (or one allocated), checked to hold ``config.workspace_bytes``."""
     if workspace is None:
         workspace = cupy.empty(config.workspace_bytes, dtype=np.uint8)
     nbytes = workspace.size * workspace.itemsize
     if nbytes < config.workspace_bytes:
         raise ValueError(f"workspace must hold at least {config.workspace_bytes} bytes, got {nbytes}")
-    base = workspace.data
-    xcl_bytes = _round_up(config.xcl_elems * config.itemsize, _ALIGN)
-    xcl = cupy.ndarray((config.xcl_elems,), dtype=config.dtype, memptr=base)
-    wr = cupy.ndarray((config.weight_elems,), dtype=config.dtype, memptr=base + xcl_bytes)
+    return workspace
+
+
+def _views(config: LaunchConfig, workspace):
+    """The channels-last buffer, the weight rows and the sampling plan's rows and weights (None
+    without a plan), carved from ``workspace`` (or allocated)."""
+    base = _checked_workspace(config, workspace).data
+    xcl_at, wr_at, rows_at, weights_at = _workspace_offsets(config)
+    xcl = cupy.ndarray((config.xcl_elems,), dtype=config.dtype, memptr=base + xcl_at)
+    wr = cupy.ndarray((config.weight_elems,), dtype=config.dtype, memptr=base + wr_at)
     if not config.sampling_plan:
         return xcl, wr, None, None
-    rows_at = config.plan_offset
-    weights_at = rows_at + _round_up(config.plan_elems * config.plan_row_bytes, _ALIGN)
     rows = cupy.ndarray((config.plan_elems,), dtype=np.int64 if config.index64 else np.int32, memptr=base + rows_at)
     weights = cupy.ndarray((config.plan_elems,), dtype=np.float32, memptr=base + weights_at)
     return xcl, wr, rows, weights
 
 
-def relayout_weights(config: LaunchConfig, weight, wr) -> None:
-    """``wr`` = the weights in the forward kernel's order: ENGINE 3's whole tiles (one thread per
-    16-byte vector), else rows of ``Cgp`` channels per (output channel, tap)."""
-    g = config.geom
-    relayout = config.kernel(config.weight_kernel)
+def _relayout_launch(config: LaunchConfig, weight: int, wr: int):
+    """The weights' re-layout into the forward kernel's order (recorded, ``cuda._kernel_op``):
+    ENGINE 3's whole tiles (one thread per 16-byte vector), else rows of ``Cgp`` channels per
+    (output channel, tap)."""
+    g, i32 = config.geom, np.int32
+    kernel = config.kernel(config.weight_kernel)
     if config.weight_kernel == "fused_weight_tiles":
         bm, _, bk = config.tile[:3]
         vectors = config.weight_elems // _VEC[np.dtype(config.dtype)]
-        relayout((min(-(-vectors // _THREADS), _MAX_GRID),), (_THREADS,), (
-            weight, wr, np.int32(config.Cog), np.int32(g.groups), np.int32(config.Cg), np.int32(config.K),
-            np.int32(bm), np.int32(bk), np.int32(config.precision == 1),
-        ))
-    else:
-        rows = g.out_channels * config.Cgp
-        relayout((min(-(-rows // _THREADS), _MAX_GRID),), (_THREADS,), (
-            weight, wr, np.int32(g.out_channels), np.int32(config.Cg), np.int32(config.Cgp), np.int32(config.K),
-            np.int32(config.precision == 1),
-        ))
+        return _cuda._kernel_op(kernel, (min(-(-vectors // _THREADS), _MAX_GRID),), (_THREADS,), (
+            _cuda._u64(weight), _cuda._u64(wr), i32(config.Cog), i32(g.groups), i32(config.Cg), i32(config.K),
+            i32(bm), i32(bk), i32(config.precision == 1)))
+    rows = g.out_channels * config.Cgp
+    return _cuda._kernel_op(kernel, (min(-(-rows // _THREADS), _MAX_GRID),), (_THREADS,), (
+        _cuda._u64(weight), _cuda._u64(wr), i32(g.out_channels), i32(config.Cg), i32(config.Cgp), i32(config.K),
+        i32(config.precision == 1)))
+
+
+def relayout_weights(config: LaunchConfig, weight, wr) -> None:
+    """``wr`` = ``weight`` in the forward kernel's order, on the current stream."""
+    _cuda._replay([_relayout_launch(config, weight.data.ptr, wr.data.ptr)], None,
+                  cupy.cuda.get_current_stream().ptr)
+
+
+def forward_launches(config: LaunchConfig, inputs, strides, out: int, workspace: int) -> list:
+    """The launches of one forward, recorded (``cuda._kernel_op``) for ``cuda._replay``:
+    ``inputs`` the addresses of (x, w, offset, mask, bias) (0 for an absent one), ``strides`` the
+    sample strides in elements of (x, offset, mask) (0 for a broadcast batch), ``out`` the
+    address of a C-contiguous output, ``workspace`` of ``config.workspace_bytes``. Per batch
+    chunk: the channels-last copy, the sampling plan where the config has one, the kernel."""
+    g = config.geom
+    x, w, offset, mask, bias = inputs
+    x_bs, off_bs, msk_bs = strides
+    it, i32, u64, at, op = config.itemsize, np.int32, _cuda._u64, _cuda._at, _cuda._kernel_op
+    index = np.int64 if config.index64 else np.int32
+    xcl, wr, rows, weights = (None if o is None else workspace + o for o in _workspace_offsets(config))
+    ops = [_relayout_launch(config, w, wr)]
+    layout, forward = config.kernel("fused_channels_last"), config.kernel("forward")
+    struct = config.struct
+    for start in range(0, g.batch, config.chunk):
+        n = min(config.chunk, g.batch - start)
+        ops.append(op(layout, layout_grid(n, config.Cp, config.S), (_THREADS,), (
+            u64(x + start * x_bs * it), u64(xcl), i32(n), i32(g.in_channels), i32(config.Cp), index(config.S),
+            index(x_bs))))
+        offset_n, mask_n = at(offset, start * off_bs * it), at(mask, start * msk_bs * it)
+        if config.sampling_plan:
+            entries = n * config.Q * config.K * config.segments
+            ops.append(op(config.kernel("fused_sampling_plan"), (min(-(-entries // _THREADS), _MAX_GRID),),
+                          (_THREADS,), (offset_n, mask_n, u64(rows), u64(weights), struct, i32(n),
+                                        i32(g.in_channels), i32(max(g.offset_groups, 1)),
+                                        i32(max(g.mask_groups, 1)), i32(config.seg_len), i32(config.segments),
+                                        index(off_bs), index(msk_bs))))
+        ops.append(op(forward, (config.blocks(n),), (config.threads,), (
+            u64(xcl), u64(wr), offset_n, mask_n, at(bias, 0), u64(out + start * g.out_channels * config.Q * it),
+            struct, i32(n), i32(g.in_channels), i32(config.Cp), i32(g.out_channels), i32(g.groups),
+            i32(max(g.offset_groups, 1)), i32(max(g.mask_groups, 1)), i32(config.Cgp), index(off_bs),
+            index(msk_bs), i32(config.taps_inner), None if rows is None else u64(rows),
+            None if weights is None else u64(weights), i32(config.seg_len)), config.smem_bytes))
+    return ops
+
+
+def _address(array) -> int:
+    return 0 if array is None else array.data.ptr
 
 
 def run_forward(config: LaunchConfig, x, weight, offset, mask, bias, out, workspace=None) -> None:
-    """``out = deform_conv(x) (+ bias)`` with the kernels of ``config``."""
-    g = config.geom
-    index = np.int64 if config.index64 else np.int32
-    xcl, wr, plan_rows, plan_weights = _views(config, workspace)
-    relayout_weights(config, weight, wr)
-    layout = config.kernel("fused_channels_last")
-    forward = config.kernel("forward")
-    struct = config.struct
-    x_bs = _batch_stride(x)
-    off_bs = 0 if offset is None else _batch_stride(offset)
-    msk_bs = 0 if mask is None else _batch_stride(mask)
-    for start in range(0, g.batch, config.chunk):
-        n = min(config.chunk, g.batch - start)
-        layout(layout_grid(n, config.Cp, config.S), (_THREADS,), (
-            x[start:start + n], xcl, np.int32(n), np.int32(g.in_channels), np.int32(config.Cp),
-            index(config.S), index(x_bs),
-        ))
-        offset_n = None if offset is None else offset[start:start + n]
-        mask_n = None if mask is None else mask[start:start + n]
-        if config.sampling_plan:
-            entries = n * config.Q * config.K * config.segments
-            config.kernel("fused_sampling_plan")((min(-(-entries // _THREADS), _MAX_GRID),), (_THREADS,), (
-                offset_n, mask_n, plan_rows, plan_weights, struct, np.int32(n), np.int32(g.in_channels),
-                np.int32(max(g.offset_groups, 1)), np.int32(max(g.mask_groups, 1)), np.int32(config.seg_len),
-                np.int32(config.segments), index(off_bs), index(msk_bs),
-            ))
-        forward((config.blocks(n),), (config.threads,), (
-            xcl, wr, offset_n, mask_n, bias, out[start:start + n], struct,
-            np.int32(n), np.int32(g.in_channels), np.int32(config.Cp), np.int32(g.out_channels),
-            np.int32(g.groups), np.int32(max(g.offset_groups, 1)), np.int32(max(g.mask_groups, 1)),
-            np.int32(config.Cgp), index(off_bs), index(msk_bs), np.int32(config.taps_inner),
-            plan_rows, plan_weights, np.int32(config.seg_len),
-        ), shared_mem=config.smem_bytes)
+    """``out`` (C-contiguous) ``= deform_conv(x) (+ bias)`` with the kernels of ``config``, on the
+    current stream; x, offset and mask contiguous within each sample, any batch stride."""
+    workspace = _checked_workspace(config, workspace)
+    strides = tuple(0 if a is None else _batch_stride(a) for a in (x, offset, mask))
+    ops = forward_launches(config, tuple(_address(a) for a in (x, weight, offset, mask, bias)), strides,
+                           out.data.ptr, workspace.data.ptr)
+    _cuda._replay(ops, None, cupy.cuda.get_current_stream().ptr)
 
 
 #: Time the candidate tiles once per (device, geometry, dtype, precision) when a forward is first
@@ -638,9 +673,11 @@ def _best_times(runs: list, rounds: int = 2, repeats: int = 2) -> list:
 
 
 def _time_configs(configs: list, args: tuple, out, rounds: int = 2, repeats: int = 2) -> list:
-    """The best time (ms) of each launch configuration's forward (:func:`_best_times`)."""
+    """The best time (ms) of each launch configuration's forward (:func:`_best_times`), run as
+    plans run it (recorded launches)."""
     workspaces = [cupy.empty(config.workspace_bytes, dtype=np.uint8) for config in configs]
-    return _best_times([functools.partial(run_forward, config, *args, out, ws)
+    named = dict(zip(("input", "weight", "offset", "mask", "bias"), args))
+    return _best_times([functools.partial(FusedForward(config).run, named, out, ws)
                         for config, ws in zip(configs, workspaces)], rounds, repeats)
 
 
@@ -658,12 +695,12 @@ def _random_arguments(g, dtype):
 _versus = {}
 #: The automatic choice takes cuda/im2col's forward only where it measured faster than this
 #: fraction of the fused forward's time: the fused one needs no columns buffer (at B=8 C256
-#: 56x56 fp16 a peak of 26 MiB of forward memory against 167), and its one-chunk measurement
-#: varies by up to 20% between processes (its tile is tuned per process). H200, channels-last
-#: columns, whole batch, fp16: B=16 C512 14x14 im2col 0.074 ms against fused 0.156-0.189 (taken);
-#: B=8 C256 56x56 0.208 against 0.24-0.29 (not taken: at 0.75 some processes took it); 1D C256
-#: L4096 0.253 against 0.260 (not taken).
-IM2COL_MARGIN = 0.6
+#: 56x56 fp16 a peak of 33 MiB of forward memory against 167). Both are timed as plans run
+#: them, recorded launches (until session 12 the fused one went through CuPy's launches, ~100 µs
+#: of host time a call that the GPU waited for, and this was 0.6). H200, fp16, one process:
+#: B=16 C512 14x14 im2col 0.071 ms against fused 0.107 (taken); B=8 C256 56x56 0.191 against
+#: 0.172 (not taken).
+IM2COL_MARGIN = 0.85
 
 
 def fused_versus_im2col(geom, dtype, allow_tf32: bool):
@@ -691,8 +728,9 @@ def _time_versus(g, dtype, allow_tf32: bool, config) -> tuple:
     im2col = _cuda._Forward(_cuda._spec(g, dtype, allow_tf32))
     im2col_ws = cupy.empty(im2col.workspace_bytes, dtype=np.uint8)
     named = dict(zip(("input", "weight", "offset", "mask", "bias"), args))
+    fused_run = FusedForward(fused).run   # both as plans run them: recorded launches
     # 5 rounds of 2: the first rounds of a process ran fused up to 25% slow (H200, fused4)
-    best = _best_times([lambda: run_forward(fused, *args, out, fused_ws), lambda: im2col.run(named, out, im2col_ws)],
+    best = _best_times([lambda: fused_run(named, out, fused_ws), lambda: im2col.run(named, out, im2col_ws)],
                        rounds=5, repeats=2)
     cupy.cuda.get_current_stream().synchronize()
     return tuple(best)
@@ -764,31 +802,77 @@ def fused_conv_forward(x, weight, offset, mask, bias, geom, out, *, allow_tf32: 
 
 
 class FusedForward:
-    """The executable of one plan's forward."""
+    """The executable of one plan's forward. Calls on C-contiguous arrays replay launches
+    recorded per set of addresses (``run_pointers``: ~5 µs of host time a launch against CuPy's
+    argument processing of every launch)."""
+
+    pointer_path = True
 
     def __init__(self, config: LaunchConfig):
         self.config = config
         self.workspace_bytes = config.workspace_bytes
         self.description = config.description
+        self._recordings = _cuda.Recordings()
+        g = config.geom
+        offsets = max(g.offset_groups, 1) * config.K * g.ndim
+        self._strides = (g.in_channels * config.S, offsets * config.Q, max(g.mask_groups, 1) * config.K * config.Q)
 
     def run(self, args: dict, out, workspace) -> None:
         if self.config.geom.batch == 0:
             return
-        run_forward(self.config, args["input"], args["weight"], args.get("offset"), args.get("mask"),
-                    args.get("bias"), out, workspace)
+        arrays = tuple(args.get(k) for k in ("input", "weight", "offset", "mask", "bias"))
+        if _cuda.REPLAY and _cuda._plain_batch(*arrays, out):
+            self.run_pointers(tuple(_address(a) for a in arrays), out.data.ptr, workspace.data.ptr,
+                              cupy.cuda.get_current_stream().ptr)
+            return
+        run_forward(self.config, *arrays, out, workspace)
+
+    def run_pointers(self, inputs, out: int, workspace: int, stream: int) -> None:
+        """``run`` on raw device addresses of C-contiguous batched arrays (inputs: x, w, offset,
+        mask, bias; 0 for an absent one), on ``stream``: the launches recorded once per set of
+        addresses, then replayed."""
+        key = inputs + (out, workspace)
+        ops = self._recordings.get(key)
+        if ops is None:
+            ops = self._recordings.put(key, forward_launches(self.config, inputs, self._strides, out, workspace))
+        _cuda._replay(ops, None, stream)
 
 
-#: The dtypes the plan layer chooses cuda/fused for on its own: float32 measured slower than
-#: cuda/im2col (TF32 0.61 vs 0.47 ms, strict 1.15 vs 1.00 ms on an H200 at B=8 C256 56x56;
-#: NOTES-gpu.md), so it stays there unless forced (``algorithm="cuda/fused"``).
+#: The dtypes the plan layer considers cuda/fused for on its own, float32 too where TF32 is
+#: allowed on compute capability 9.0 (the warp-specialised TF32 tile: H200, B=8 C256 56x56,
+#: kernel 0.26 ms against cuda/im2col's whole TF32 forward 0.46, NOTES-gpu.md session 12);
+#: strict float32 (3xTF32, 1.15 against 1.00 ms) and TF32 on mma.sync (0.61 against 0.47)
+#: measured slower and stay on cuda/im2col unless forced (``algorithm="cuda/fused"``).
 PREFERRED_DTYPES = (np.dtype(np.float16), BFLOAT16)
 SERVED_DTYPES = PREFERRED_DTYPES + (np.dtype(np.float32),)
+
+
+def _compute_capability(device_id: int) -> int:
+    return int(cupy.cuda.Device(device_id).compute_capability)
+
+
+def _not_preferred(spec):
+    """Why the automatic choice does not consider cuda/fused for ``spec`` (None: it does)."""
+    dtype = np.dtype(spec.dtype)
+    if dtype in PREFERRED_DTYPES:
+        return None
+    if not spec.allow_tf32:
+        return "strict float32 (3xTF32) measured slower than cuda/im2col (force algorithm='cuda/fused' to use it)"
+    try:
+        capability = _compute_capability(spec.device_id)
+    except Exception as error:  # no driver or no such device
+        return f"no CUDA device {spec.device_id} to run the TF32 wgmma tile on ({type(error).__name__})"
+    if capability != 90:
+        return (f"float32 through TF32 measured slower than cuda/im2col below compute capability 9.0 (got "
+                f"{capability / 10}; force algorithm='cuda/fused' to use it)")
+    return None
 
 
 class FusedBackend:
     """``cuda/fused``: computes the forward for float16, bfloat16 and float32 (TF32 or 3xTF32)
     on CUDA devices of compute capability 8.0 or more, and is chosen automatically for float16
-    and bfloat16; float64 stays on ``cuda/im2col``."""
+    and bfloat16, and float32 through TF32 on compute capability 9.0; float64 stays on
+    ``cuda/im2col``."""
 
     device = "cuda"
     algorithm = "fused"
@@ -813,12 +897,14 @@ class FusedBackend:
 
     def recommends(self, spec, primitive: str):
         """None where the automatic choice should take cuda/fused; else why not. For the half
-        types the fused forward (its tuned tile) and cuda/im2col's are timed once on one batch
-        chunk of the configuration (:func:`fused_versus_im2col`), and cuda/im2col is taken where
-        it measured faster than ``IM2COL_MARGIN`` (0.6) times the fused forward's time; without
-        a measurement (``DCN_CUPY_FUSED_TUNE=0``, or a CUDA-graph capture) the fused kernel is."""
-        if np.dtype(spec.dtype) not in PREFERRED_DTYPES:
-            return "float32 measured slower than cuda/im2col (force algorithm='cuda/fused' to use it)"
+        types (and float32 through TF32 on compute capability 9.0: ``_not_preferred``) the fused
+        forward (its tuned tile) and cuda/im2col's are timed once on one batch chunk of the
+        configuration (:func:`fused_versus_im2col`), and cuda/im2col is taken where it measured
+        faster than ``IM2COL_MARGIN`` (0.85) times the fused forward's time; without a
+        measurement (``DCN_CUPY_FUSED_TUNE=0``, or a CUDA-graph capture) the fused kernel is."""
+        reason = _not_preferred(spec)
+        if reason is not None:
+            return reason
         try:
             with cupy.cuda.Device(spec.device_id):
                 timed = fused_versus_im2col(spec.geom, spec.dtype, bool(spec.allow_tf32))
@@ -835,7 +921,8 @@ class FusedBackend:
             raise ValueError(reason)
         with cupy.cuda.Device(spec.device_id):
             config = plan_config(spec.geom, spec.dtype, bool(spec.allow_tf32))
-            for name in (config.weight_kernel, "fused_channels_last", "forward"):
+            for name in (config.weight_kernel, "fused_channels_last", "forward") + (
+                    ("fused_sampling_plan",) if config.sampling_plan else ()):
                 config.kernel(name)   # compile now, never during a CUDA-graph capture
         return FusedForward(config)
 
