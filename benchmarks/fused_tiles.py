@@ -9,8 +9,9 @@ per tile (those of TILES that ``_candidates`` keeps for the shape, then ``--tile
 instantiated on demand: a tile outside TILES gets a module of its own) and step order: the
 relative error in the norm against that reference (must be < 3e-3 fp16, 2.4e-2 bf16, 5e-3 tf32), the
 kernel alone (CuPy events, median of 5 x 10 launches, all candidates timed in two interleaved
-rounds, best round kept) and the whole forward (``run_forward``: weight re-layout,
-channels-last copy, kernel). ``--budget`` seconds: no new shape is started past it.
+rounds, best round kept) and the whole forward (``FusedForward.run``, recorded launches as
+plans run them: weight re-layout, channels-last copy, kernel). ``--budget`` seconds: no new
+shape is started past it.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def main(argv=None):
             limit = max(64, -(-C // 64) * 64)
             tiles = list(cands) + [t for t in extra if t not in cands and t[0] <= limit and (not fu.is_wgmma(t) or wgmma)]
             out = cupy.empty(geom.y_shape, dtype=dtype)
-            runs = []   # (label, kernel fn, whole fn)
+            named = {"input": x, "weight": w, "offset": off, "mask": msk, "bias": None}
+            runs = []   # (label, kernel fn, whole fn: recorded launches, as plans run it)
             for tile in tiles:
                 for taps_inner in (0, 1):
                     try:
@@ -103,7 +105,7 @@ def main(argv=None):
                     runs.append(dict(label=label, err=err, ok=ok, regs=fu.num_registers(kern), blocks=c.blocks(B),
                                      kernel=(lambda kern=kern, c=c, kargs=kargs:
                                              kern((c.blocks(B),), (c.threads,), kargs, shared_mem=c.smem_bytes)),
-                                     whole=(lambda c=c, ws=ws: fu.run_forward(c, x, w, off, msk, None, out, ws)),
+                                     whole=(lambda run=fu.FusedForward(c).run, ws=ws: run(named, out, ws)),
                                      k=float("inf"), f=float("inf")))
             for _ in range(2):    # two interleaved rounds, the best kept
                 for r in runs:

@@ -6,8 +6,8 @@ against TILES without some tiles, same process and card (for NOTES-gpu.md).
 
 Per shape of ``gpu.py``'s SHAPES (offsets and mask, 3^N kernel, 'same' padding) and dtype: the
 tile each set chooses, tuned anew for each ("without": the same modules, the tiles of
-``--without`` left out of ``_candidates``), and the whole forward (``run_forward``, median of
-7 x 10 launches), the two sets timed alternately in two rounds, best kept. ``--warm`` first
+``--without`` left out of ``_candidates``), and the whole forward (``FusedForward.run``, the
+launches recorded once and replayed as plans run them, median of 7 x 10 calls), the two sets timed alternately in two rounds, best kept. ``--warm`` first
 compiles every half-type and float32 32-bit module (both engines) in parallel processes,
 filling CuPy's kernel cache (the GPU tests then load instead of compiling).
 """
@@ -92,15 +92,16 @@ def main(argv=None):
                 fu._tuned.clear()
                 c = fu.plan_config(geom, dtype, False)
                 ws = cupy.empty(c.workspace_bytes, dtype=np.uint8)
-                runs.append([c, ws, math.inf])
+                runs.append([c, ws, math.inf, fu.FusedForward(c).run])   # recorded launches, as plans run it
             fu._candidates = all_candidates
+            named = {"input": x, "weight": w, "offset": off, "mask": msk, "bias": None}
             for _ in range(2):
                 for r in runs:
-                    c, ws = r[0], r[1]
-                    r[2] = min(r[2], _time_cupy(lambda: fu.run_forward(c, x, w, off, msk, None, out, ws), 3, 7, 10))
-            desc = lambda c: "%dx%dx%d m%d %s %dt taps %s" % (c.tile[:4] + (("mma", "wgmma", "pipe")[c.tile[4]],  # noqa: E731
+                    ws, run = r[1], r[3]
+                    r[2] = min(r[2], _time_cupy(lambda: run(named, out, ws), 3, 7, 10))
+            desc = lambda c: "%dx%dx%d m%d %s %dt taps %s" % (c.tile[:4] + (("mma", "wgmma", "pipe", "wgmma-ws")[c.tile[4]],  # noqa: E731
                                                                         c.threads, "in" if c.taps_inner else "out"))
-            (a, _, ta), (b, _, tb) = runs
+            (a, _, ta, _), (b, _, tb, _) = runs
             print(f"| {sh['name']} | {dname} | {desc(a)} | {ta:.4f} | {desc(b)} | {tb:.4f} | {tb / ta:.2f}x |",
                   flush=True)
             cupy.get_default_memory_pool().free_all_blocks()

@@ -257,7 +257,9 @@ def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
         config = fu.plan_config(geom, x.dtype, allow_tf32)   # what a plan's cuda/fused forward runs
         ws = cupy.empty(config.workspace_bytes, dtype=np.uint8)
         print(f"  chosen for plans: {config.description}")
-        total = t(lambda: fu.run_forward(config, x, w, off, msk, None, out, ws))
+        named = {"input": x, "weight": w, "offset": off, "mask": msk, "bias": None}
+        run = fu.FusedForward(config).run   # as plans run it: launches recorded once, replayed
+        total = t(lambda: run(named, out, ws))
         print(f"  {'fused forward (all of it)':<40} {total:8.3f} ms  {flop / total / 1e9:7.1f} TFLOP/s", flush=True)
         if config.chunk < geom.batch:   # the copies below hold the whole batch
             print(f"  (the channels-last copy goes in chunks of {config.chunk} samples: kernel-alone timings "
@@ -284,7 +286,8 @@ def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
             xcl, wr, plan_rows, plan_weights = fu._views(c, wsc)
             if c.weight_kernel not in relayouts:   # once per re-layout kernel
                 relayouts.add(c.weight_kernel)
-                wt = t(lambda: fu.relayout_weights(c, w, wr))
+                relayout = [fu._relayout_launch(c, w.data.ptr, wr.data.ptr)]   # recorded once, replayed
+                wt = t(lambda: be._replay(relayout, None, cupy.cuda.get_current_stream().ptr))
                 print(f"  {'weight re-layout (' + c.weight_kernel + ')':<40} {wt:8.3f} ms")
             try:
                 kern = c.kernel("forward")

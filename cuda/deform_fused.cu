@@ -216,8 +216,10 @@ __global__ void fused_weight_rows(const T* __restrict__ w, T* __restrict__ wr, c
 // mt, tap t, chunk of BK channels ch), tile ((g * m_tiles + mt) * K + t) * chunks + ch, its
 // BM x BK values in the shared tile's own order (8-row x 16-byte core matrices, fused::tile_offset
 // for ENGINE 3), zero past C_out/G and C/G: one contiguous block a stage, for one bulk copy.
-// One thread per (tap, group, row, vector of VEC channels) writes one 16-byte vector; 8
-// consecutive threads take the 8 rows of a core matrix, so that they write 128 contiguous bytes.
+// One thread per (group, row, vector of VEC channels) reads the VEC x K values of its vector,
+// which lie together in w (a tap-by-tap read would fetch each 32-byte sector once per tap), and
+// writes one 16-byte vector per tap; 8 consecutive threads take the 8 rows of a core matrix, so
+// that they write 128 contiguous bytes.
 template <typename T, typename I>
 __global__ void fused_weight_tiles(const T* __restrict__ w, T* __restrict__ wt, const int Cog, const int groups,
                                    const int Cg, const int K, const int BM, const int BK, const int round_tf32) {
@@ -227,27 +229,28 @@ __global__ void fused_weight_tiles(const T* __restrict__ w, T* __restrict__ wt, 
     const int cvecs = chunks * kvs;              // vectors per (zero-padded) row of the group
     const int row_groups = m_tiles * BM / 8;     // 8-row groups per (zero-padded) group
     const I per_tile = (I)BM * BK;
-    const I total = (I)K * groups * row_groups * 8 * cvecs;
+    const I total = (I)groups * row_groups * 8 * cvecs;
     for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
         const int r8 = (int)(idx & 7);
         const I rest = idx >> 3;
         const int cv = (int)(rest % cvecs);
         const I rest2 = rest / cvecs;
         const int rg = (int)(rest2 % row_groups);
-        const I rest3 = rest2 / row_groups;
-        const int grp = (int)(rest3 % groups);
-        const int t = (int)(rest3 / groups);
+        const int grp = (int)(rest2 / row_groups);
         const int o = rg * 8 + r8;               // row within the group
         const int mt = o / BM, r = o % BM;
         const int ch = cv / kvs, kv = cv % kvs, c0 = cv * VEC;
-        __align__(16) T v[VEC];
-        const T* src = w + (((I)grp * Cog + o) * Cg + c0) * K + t;
+        const int valid = o < Cog ? min(VEC, Cg - c0) : 0;   // channels of the vector inside w
+        const T* src = w + (((I)grp * Cog + o) * Cg + c0) * K;
+        T* dst = wt + ((I)(grp * m_tiles + mt) * K * chunks + ch) * per_tile + ((r >> 3) * kvs + kv) * (8 * VEC) +
+                 (r & 7) * VEC;
+        for (int t = 0; t < K; ++t) {
+            __align__(16) T v[VEC];
 #pragma unroll
-        for (int j = 0; j < VEC; ++j)
-            v[j] = o < Cog && c0 + j < Cg ? maybe_tf32(src[(I)j * K], round_tf32) : Traits<T>::store(0.0f);
-        const I tile = ((I)(grp * m_tiles + mt) * K + t) * chunks + ch;
-        *reinterpret_cast<uint4*>(wt + tile * per_tile + ((r >> 3) * kvs + kv) * (8 * VEC) + (r & 7) * VEC) =
-            *reinterpret_cast<const uint4*>(v);
+            for (int j = 0; j < VEC; ++j)
+                v[j] = j < valid ? maybe_tf32(src[(I)j * K + t], round_tf32) : Traits<T>::store(0.0f);
+            *reinterpret_cast<uint4*>(dst + (I)t * chunks * per_tile) = *reinterpret_cast<const uint4*>(v);
+        }
     }
 }
 

@@ -554,13 +554,13 @@ def _views(config: LaunchConfig, workspace):
 
 def _relayout_launch(config: LaunchConfig, weight: int, wr: int):
     """The weights' re-layout into the forward kernel's order (recorded, ``cuda._kernel_op``):
-    ENGINE 3's whole tiles (one thread per 16-byte vector), else rows of ``Cgp`` channels per
-    (output channel, tap)."""
+    ENGINE 3's whole tiles (one thread per 16-byte vector of channels, every tap), else rows of
+    ``Cgp`` channels per (output channel, tap)."""
     g, i32 = config.geom, np.int32
     kernel = config.kernel(config.weight_kernel)
     if config.weight_kernel == "fused_weight_tiles":
         bm, _, bk = config.tile[:3]
-        vectors = config.weight_elems // _VEC[np.dtype(config.dtype)]
+        vectors = config.weight_elems // (_VEC[np.dtype(config.dtype)] * config.K)   # one thread each, every tap
         return _cuda._kernel_op(kernel, (min(-(-vectors // _THREADS), _MAX_GRID),), (_THREADS,), (
             _cuda._u64(weight), _cuda._u64(wr), i32(config.Cog), i32(g.groups), i32(config.Cg), i32(config.K),
             i32(bm), i32(bk), i32(config.precision == 1)))
@@ -568,12 +568,6 @@ def _relayout_launch(config: LaunchConfig, weight: int, wr: int):
     return _cuda._kernel_op(kernel, (min(-(-rows // _THREADS), _MAX_GRID),), (_THREADS,), (
         _cuda._u64(weight), _cuda._u64(wr), i32(g.out_channels), i32(config.Cg), i32(config.Cgp), i32(config.K),
         i32(config.precision == 1)))
-
-
-def relayout_weights(config: LaunchConfig, weight, wr) -> None:
-    """``wr`` = ``weight`` in the forward kernel's order, on the current stream."""
-    _cuda._replay([_relayout_launch(config, weight.data.ptr, wr.data.ptr)], None,
-                  cupy.cuda.get_current_stream().ptr)
 
 
 def forward_launches(config: LaunchConfig, inputs, strides, out: int, workspace: int) -> list:
