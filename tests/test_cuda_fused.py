@@ -240,6 +240,47 @@ def test_launch_config_choices():
         fused.LaunchConfig(g, np.float32, False, 132, tile=fused.TILES["float"][3])
 
 
+@pytest.mark.parametrize("tile, plan", [((256, 64, 64, 1, 3, 512), True), ((64, 64, 64, 1, 0), False)])
+def test_forward_launches_address_every_chunk(monkeypatch, tile, plan):
+    """The launches a plan records for a forward (no GPU: kernels and launches stubbed): the
+    weight re-layout once, then per batch chunk the channels-last copy, the sampling plan where
+    the config has one, and the kernel, each on its chunk's addresses and the workspace's parts."""
+    fused = _fused()
+    B, C, H, K, it = 5, 64, 9, 9, 2
+    g = _geom((B, C, H, H), (C, C, 3, 3), (B, 2 * K, H, H), (B, K, H, H), (C,), padding=1)
+    monkeypatch.setattr(fused, "WORKSPACE_LIMIT_BYTES", 1)   # one-sample chunks
+    config = fused.LaunchConfig(g, np.float16, False, 132, tile=tile, sampling_plan=plan)
+    assert config.chunk == 1 and config.sampling_plan == plan
+    monkeypatch.setattr(fused.LaunchConfig, "kernel", lambda self, name: name)
+    monkeypatch.setattr(fused._cuda, "_kernel_op",
+                        lambda kernel, grid, block, args, shared_mem=0: (kernel, grid, block, args, shared_mem))
+    x, w, off, msk, b, out, ws = (k << 24 for k in range(1, 8))
+    Q = S = H * H
+    strides = (C * S, 2 * K * Q, K * Q)
+    assert fused.FusedForward(config)._strides == strides   # those of C-contiguous arrays
+    ops = fused.forward_launches(config, (x, w, off, msk, b), strides, out, ws)
+    xcl_at, wr_at, rows_at, weights_at = fused._workspace_offsets(config)
+    per_chunk = ["fused_channels_last"] + (["fused_sampling_plan"] if plan else []) + ["forward"]
+    assert [op[0] for op in ops] == [config.weight_kernel] + per_chunk * B
+    assert [int(a) for a in ops[0][3][:2]] == [w, ws + wr_at]
+    for k in range(B):
+        chunk = ops[1 + k * len(per_chunk):1 + (k + 1) * len(per_chunk)]
+        layout, forward = chunk[0], chunk[-1]
+        assert [int(a) for a in layout[3][:2]] == [x + k * C * S * it, ws + xcl_at]
+        a = forward[3]
+        assert [int(v) for v in a[:6]] == [ws + xcl_at, ws + wr_at, off + k * 2 * K * Q * it, msk + k * K * Q * it,
+                                           b, out + k * C * Q * it]
+        assert int(a[7]) == 1 and forward[1] == (config.blocks(1),) and forward[2] == (config.threads,)
+        assert forward[4] == config.smem_bytes
+        if plan:
+            p = chunk[1][3]
+            assert [int(v) for v in p[:4]] == [off + k * 2 * K * Q * it, msk + k * K * Q * it, ws + rows_at,
+                                               ws + weights_at]
+            assert [int(v) for v in a[18:20]] == [ws + rows_at, ws + weights_at]
+        else:
+            assert a[18] is None and a[19] is None
+
+
 def test_64bit_indices_use_the_first_tile_of_each_engine(monkeypatch):
     fused = _fused()
     g = _geom((8, 256, 56, 56), (256, 256, 3, 3), (8, 18, 56, 56), (8, 9, 56, 56), padding=1)
