@@ -7,9 +7,10 @@ against TILES without some tiles, same process and card (for NOTES-gpu.md).
 Per shape of ``gpu.py``'s SHAPES (offsets and mask, 3^N kernel, 'same' padding) and dtype: the
 tile each set chooses, tuned anew for each ("without": the same modules, the tiles of
 ``--without`` left out of ``_candidates``), and the whole forward (``FusedForward.run``, the
-launches recorded once and replayed as plans run them, median of 7 x 10 calls), the two sets timed alternately in two rounds, best kept. ``--warm`` first
-compiles every half-type and float32 32-bit module (both engines) in parallel processes,
-filling CuPy's kernel cache (the GPU tests then load instead of compiling).
+launches recorded once and replayed as plans run them, median of 7 x 10 calls), the two sets
+timed alternately in two rounds, best kept. ``--warm`` first compiles every half-type and
+float32 32-bit module (both engines) in parallel processes, filling CuPy's kernel cache (the
+GPU tests then load instead of compiling).
 """
 
 from __future__ import annotations
