@@ -275,7 +275,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     constexpr int CPT = BK / TPP;                // channels per sampling thread
     constexpr int NV = CPT / VEC;                // 16-byte vectors per sampling thread
     constexpr int NC = 1 << N;
-    constexpr int WARPS_N = BN / 32, WARPS_M = (ENGINE == 3 ? 256 : THREADS) / 32 / WARPS_N;
+    constexpr int WARPS_N = BN / 32, WARPS_M = (ENGINE == 3 ? MMA_THREADS : THREADS) / 32 / WARPS_N;
     constexpr int WM = BM / WARPS_M, WN = 32;    // warp tile
     constexpr int MT = WM / 16, NT = WN / 8;     // mma tiles per warp
     constexpr int A_VECS = BM * BK / VEC / SAMPLERS;  // weight vectors copied per sampling thread and step

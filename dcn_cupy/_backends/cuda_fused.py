@@ -94,6 +94,8 @@ TILES = {
 WGMMA_ENGINES = (1, 3)
 #: The ring depth of ENGINE 3 tiles (two named barriers a stage).
 RING_STAGES = 4
+#: ENGINE 3's threads that only multiply (two warpgroups; the kernel's MMA_THREADS).
+_MMA_THREADS = 256
 _INT32_SAFE = 2**30
 _MAX_GRID = 1 << 20
 _ALIGN = 256
@@ -125,8 +127,8 @@ def tile_threads(tile) -> int:
 
 
 def tile_samplers(tile) -> int:
-    """Threads per block that sample (all, but for ENGINE 3's 256 MMA threads)."""
-    return tile_threads(tile) - (256 if tile[4] == 3 else 0)
+    """Threads per block that sample (all, but for ENGINE 3's MMA threads)."""
+    return tile_threads(tile) - (_MMA_THREADS if tile[4] == 3 else 0)
 
 
 def is_wgmma(tile) -> bool:
@@ -882,7 +884,7 @@ class FusedBackend:
         if dtype not in SERVED_DTYPES:
             return f"cuda/fused serves float16, bfloat16 and float32; {dtype} stays on cuda/im2col"
         try:
-            capability = int(cupy.cuda.Device(spec.device_id).compute_capability)
+            capability = _compute_capability(spec.device_id)
         except Exception as error:  # no driver or no such device: nothing to run on
             return f"cuda/fused found no CUDA device {spec.device_id} ({type(error).__name__})"
         if capability < 80:
