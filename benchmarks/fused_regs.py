@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of fused-forward tiles, from ptxas (NVRTC, no GPU needed).
 
-    python benchmarks/fused_regs.py [--dtype float16] [--ndim 2] [--arch sm_90] \
+    python benchmarks/fused_regs.py [--dtype float16] [--ndim 2] [--arch sm_90] [--strict] \
         [--tiles 'BM,BN,BK,MINB,ENGINE[,THREADS];...'] [--jobs 2] [--defines NAME=VALUE,...]
 
 Compiles each tile's uniform (16-byte-vector) kernel alone with ``--ptxas-options=-v`` and
@@ -62,11 +62,13 @@ def main(argv=None):
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--log", action="store_true", help="print the ptxas log of each kernel")
     parser.add_argument("--defines", default="", help="NAME=VALUE,... prepended as #defines (experiment switches)")
+    parser.add_argument("--strict", action="store_true", help="float32 in 3xTF32 (default: TF32)")
     args = parser.parse_args(argv)
     dtype = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16, "float32": np.dtype(np.float32)}[args.dtype]
     tiles = ([tuple(int(v) for v in t.split(",")) for t in args.tiles.split(";") if t] if args.tiles
              else list(fused._tiles(dtype)) + list(DEFAULT_EXTRA))
-    prec = 0 if dtype != np.float32 else 1
+    prec = 0 if dtype != np.float32 else (2 if args.strict else 1)
+    tiles = [tile for tile in tiles if fused.tile_computes(tile, prec)]
     prefix = "".join(f"#define {d.split('=', 1)[0]} {d.split('=', 1)[1]}\n" for d in args.defines.split(",") if d)
     jobs = []
     for tile in tiles:
@@ -74,16 +76,16 @@ def main(argv=None):
         jobs.append((name, "sm_90a" if fused.is_wgmma(tile) else args.arch, prefix))
     with ProcessPoolExecutor(args.jobs) as pool:
         logs = dict(pool.map(_compile, jobs))
-    print(f"{args.dtype} {args.ndim}-d, {args.arch}")
+    print(f"{args.dtype} {args.ndim}-d, {args.arch}{', 3xTF32' if prec == 2 else ''}")
     print("| tile BMxBNxBK | threads | MINB | engine | regs | spill st/ld B | stack B | smem KiB | blocks/SM (regs, smem) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for tile, (name, _) in zip(tiles, jobs):
+    for tile, (name, _, _) in zip(tiles, jobs):
         log = logs[name]
         if log.startswith("FAILED"):
             print(f"| {tile} | compile failed: {log[:300]!r} |")
             continue
         p = parse(log)
-        smem = fused.smem_bytes(dtype, args.ndim, tile, fused.pipeline_depth(dtype, args.ndim, tile))
+        smem = fused.smem_bytes(dtype, args.ndim, tile, fused.pipeline_depth(dtype, args.ndim, tile, prec), prec)
         regs = p["regs"] or 0
         threads = fused.tile_threads(tile)
         by_regs = 65536 // (((regs + 7) // 8 * 8) * threads) if regs else 0

@@ -225,7 +225,8 @@ def fused_cases(quick: bool = False) -> int:
     case = random_case(rng, 2, False, batch=2, channels_scale=64)
     for dtype, tf32 in ((np.float16, False), (np.float32, True), (np.float32, False)):
         for tile in fu._tiles(dtype):
-            if fu.is_wgmma(tile) and (not tf32 and dtype == np.float32 or not fu.wgmma_available()):
+            precision = 0 if dtype != np.float32 else (1 if tf32 else 2)
+            if fu.is_wgmma(tile) and not fu.wgmma_available() or not fu.tile_computes(tile, precision):
                 continue
             # corners computed per thread, and read from the sampling plan (16-byte sampler, engines 0, 1 and 3);
             # a tile that cannot serve the case (ENGINE 3 where a chunk spans groups) is skipped

@@ -276,7 +276,8 @@ def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
         struct = be._geom_struct(geom)
         relayouts = set()
         for tile in tuple(fu._tiles(x.dtype)) + tuple(extra_tiles):
-            if fu.is_wgmma(tile) and (not allow_tf32 and np.dtype(x.dtype) == np.float32 or not fu.wgmma_available()):
+            precision = 0 if np.dtype(x.dtype) != np.float32 else (1 if allow_tf32 else 2)
+            if fu.is_wgmma(tile) and not fu.wgmma_available() or not fu.tile_computes(tile, precision):
                 continue
             if not fu.tile_serves(geom, x.dtype, tile):
                 continue

@@ -23,7 +23,9 @@
 //     specialised (sm_90a): two warpgroups only multiply, the other THREADS - 256 threads only
 //     sample, into a ring of DEPTH stages paced by named barriers, each stage's weight tile one
 //     bulk copy (cp.async.bulk on an mbarrier) of fused_weight_tiles' layout, so that sampling
-//     runs up to DEPTH steps ahead of the MMAs and neither waits on the other's latency.
+//     runs up to DEPTH steps ahead of the MMAs and neither waits on the other's latency; fp16,
+//     bf16, TF32 and 3xTF32 (each tile stored as big and small parts, fused::split_tf32, and
+//     multiplied as a_small*b_big + a_big*b_small + a_big*b_big).
 // The next step's weight copy and corner loads are issued before this step's MMAs complete
 // (two shared-memory buffers, one barrier per step). ENGINE 2 (benchmarks only, not in the
 // host's TILES: measured slower, NOTES-gpu.md) is ENGINE 0 with the corners copied by cp.async
@@ -47,7 +49,8 @@
 // DEPTH (ENGINE 2's and ENGINE 3's rings), THREADS (per block: 256, or 512 for mma.sync tiles,
 // which halves each thread's accumulators and sampling for a tile as tall as 256 rows; ENGINE 3:
 // 256 MMA threads plus the samplers). Dynamic shared memory: 2 * (BM + BN) * (BK + PAD) elements
-// of T (PAD = 0 for wgmma); ENGINE 3: DEPTH * (BM + BN) * BK; ENGINE 2: cuda_fused.smem_bytes.
+// of T (PAD = 0 for wgmma); ENGINE 3: DEPTH * (BM + BN) * BK, twice that in 3xTF32; ENGINE 2:
+// cuda_fused.smem_bytes.
 
 #include "fused_common.cuh"
 
@@ -212,23 +215,37 @@ __global__ void fused_weight_rows(const T* __restrict__ w, T* __restrict__ wr, c
     }
 }
 
+// The 3xTF32 parts of a weight (fused::split_tf32); the half types have none.
+template <typename T>
+__device__ __forceinline__ void weight_parts(T v, T& big, T& small) { big = v; small = v; }
+template <>
+__device__ __forceinline__ void weight_parts<float>(float v, float& big, float& small) {
+    unsigned b, s;
+    fused::split_tf32(v, b, s);
+    big = __uint_as_float(b);
+    small = __uint_as_float(s);
+}
+
 // w (C_out, C/G, K) -> ENGINE 3's weight tiles: for each (group g, tile of BM output channels
 // mt, tap t, chunk of BK channels ch), tile ((g * m_tiles + mt) * K + t) * chunks + ch, its
 // BM x BK values in the shared tile's own order (8-row x 16-byte core matrices, fused::tile_offset
 // for ENGINE 3), zero past C_out/G and C/G: one contiguous block a stage, for one bulk copy.
+// precision: 0 the values, 1 TF32-rounded, 2 (3xTF32) the big parts' tile then the small parts'
+// (split_tf32), the block twice as long.
 // One thread per (group, row, vector of VEC channels) reads the VEC x K values of its vector,
 // which lie together in w (a tap-by-tap read would fetch each 32-byte sector once per tap), and
 // writes one 16-byte vector per tap; 8 consecutive threads take the 8 rows of a core matrix, so
 // that they write 128 contiguous bytes.
 template <typename T, typename I>
 __global__ void fused_weight_tiles(const T* __restrict__ w, T* __restrict__ wt, const int Cog, const int groups,
-                                   const int Cg, const int K, const int BM, const int BK, const int round_tf32) {
+                                   const int Cg, const int K, const int BM, const int BK, const int precision) {
     constexpr int VEC = fused::Tile<T>::VEC;
     const int m_tiles = (Cog + BM - 1) / BM, chunks = (Cg + BK - 1) / BK;
     const int kvs = BK / VEC;                    // vectors per tile row
     const int cvecs = chunks * kvs;              // vectors per (zero-padded) row of the group
     const int row_groups = m_tiles * BM / 8;     // 8-row groups per (zero-padded) group
     const I per_tile = (I)BM * BK;
+    const I tile_stride = precision == 2 ? 2 * per_tile : per_tile;
     const I total = (I)groups * row_groups * 8 * cvecs;
     for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
         const int r8 = (int)(idx & 7);
@@ -242,14 +259,21 @@ __global__ void fused_weight_tiles(const T* __restrict__ w, T* __restrict__ wt, 
         const int ch = cv / kvs, kv = cv % kvs, c0 = cv * VEC;
         const int valid = o < Cog ? min(VEC, Cg - c0) : 0;   // channels of the vector inside w
         const T* src = w + (((I)grp * Cog + o) * Cg + c0) * K;
-        T* dst = wt + ((I)(grp * m_tiles + mt) * K * chunks + ch) * per_tile + ((r >> 3) * kvs + kv) * (8 * VEC) +
+        T* dst = wt + ((I)(grp * m_tiles + mt) * K * chunks + ch) * tile_stride + ((r >> 3) * kvs + kv) * (8 * VEC) +
                  (r & 7) * VEC;
         for (int t = 0; t < K; ++t) {
             __align__(16) T v[VEC];
 #pragma unroll
             for (int j = 0; j < VEC; ++j)
-                v[j] = j < valid ? maybe_tf32(src[(I)j * K + t], round_tf32) : Traits<T>::store(0.0f);
-            *reinterpret_cast<uint4*>(dst + (I)t * chunks * per_tile) = *reinterpret_cast<const uint4*>(v);
+                v[j] = j < valid ? maybe_tf32(src[(I)j * K + t], precision == 1) : Traits<T>::store(0.0f);
+            T* const out = dst + (I)t * chunks * tile_stride;
+            if (precision == 2) {
+                __align__(16) T small[VEC];
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) weight_parts(v[j], v[j], small[j]);
+                *reinterpret_cast<uint4*>(out + per_tile) = *reinterpret_cast<const uint4*>(small);
+            }
+            *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(v);
         }
     }
 }
@@ -284,22 +308,27 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     static_assert(ENGINE != 2 || (UNIFORM && DEPTH >= 1), "corner pipeline: 16-byte sampler only");
     static_assert(THREADS == fused::THREADS || ENGINE == 0 || ENGINE == 3,
                   "blocks of other than 256 threads: mma.sync, or the warp-specialised wgmma");
-    static_assert(!WGMMA || (BM % 128 == 0 && (BN == 64 || BN == 128) && PREC != 2),
-                  "wgmma: 2 warpgroups of BM/2 rows (m64 instructions) x BN positions, TF32 or half");
-    static_assert(ENGINE != 3 || (SAMPLERS >= 128 && 2 * DEPTH <= 15),
-                  "warp-specialised ring: a warpgroup or more of samplers, 2 named barriers a stage");
+    static_assert(!WGMMA || (BM % 128 == 0 && (BN == 64 || BN == 128) && (PREC != 2 || ENGINE == 3)),
+                  "wgmma: 2 warpgroups of BM/2 rows (m64 instructions) x BN positions; 3xTF32 on ENGINE 3");
+    // (3 stages at least: the MMA warps free a stage one step late, keeping one step's MMAs in
+    // flight, and the samplers fill a stage one step ahead)
+    static_assert(ENGINE != 3 || (SAMPLERS >= 128 && DEPTH >= 3 && 2 * DEPTH <= 15),
+                  "warp-specialised ring: a warpgroup or more of samplers, 3 to 7 stages, 2 named barriers a stage");
     static_assert(!PLAN || (UNIFORM && ENGINE != 2), "the sampling plan: 16-byte sampler, engines 0 and 1");
 
     // Buffers of the weight tile (BM rows of LD; ENGINE 2: DEPTH + 1 of them) and two of the
     // sampled tile (BN rows of LD); ENGINE 2 then the ring of raw corner vectors (DEPTH stages
     // of NC x NV x THREADS, thread-fastest) and of the corner weights (DEPTH x NC x THREADS).
     // ENGINE 3: a ring of DEPTH stages, each a weight tile and a sampled tile.
+    // ENGINE 3 in 3xTF32: each buffer holds the tile's big parts, then its small parts (split_tf32).
     constexpr int A_BUFS = ENGINE == 2 ? DEPTH + 1 : (ENGINE == 3 ? DEPTH : 2);
     constexpr int B_BUFS = ENGINE == 3 ? DEPTH : 2;
+    constexpr int SPLIT = WGMMA && PREC == 2 ? 2 : 1;
+    constexpr int A_BUF = SPLIT * BM * LD, B_BUF = SPLIT * BN * LD;   // elements of one buffer
     extern __shared__ __align__(128) unsigned char fused_smem[];
     T* const As0 = reinterpret_cast<T*>(fused_smem);
-    T* const Bs0 = As0 + A_BUFS * BM * LD;
-    uint4* const Raw0 = reinterpret_cast<uint4*>(Bs0 + B_BUFS * BN * LD);
+    T* const Bs0 = As0 + A_BUFS * A_BUF;
+    uint4* const Raw0 = reinterpret_cast<uint4*>(Bs0 + B_BUFS * B_BUF);
     float* const Wts0 = reinterpret_cast<float*>(Raw0 + (ENGINE == 2 ? DEPTH * NC * NV * THREADS : 0));
 
     const int tid = threadIdx.x;
@@ -427,7 +456,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             const int r = w_r0 + j * W_RSTEP;
             const bool full = m0 + r < Cog;
             const T* src = full ? src0 + (I)j * W_RSTEP * K * Cgp : wr;
-            copy16_async(As0 + buf * BM * LD + tile_offset<ENGINE, LD, BK, VEC>(r, w_cv / VEC), src, full);
+            copy16_async(As0 + buf * A_BUF + tile_offset<ENGINE, LD, BK, VEC>(r, w_cv / VEC), src, full);
         }
     };
     auto weight_copy = [&](int step, int buf) {
@@ -489,7 +518,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
 #pragma unroll
             for (int j = 0; j < CPT; ++j) acc[j] = __uint_as_float(to_tf32(acc[j]));
         }
-        T* const bt = Bs0 + (step & 1) * BN * LD;
+        T* const bt = Bs0 + (step & 1) * B_BUF;
 #pragma unroll
         for (int v = 0; v < NV; ++v)
             *reinterpret_cast<uint4*>(bt + tile_offset<ENGINE, LD, BK, VEC>(sn, sh / VEC + v)) = Vec<T>::pack(acc + v * VEC);
@@ -559,9 +588,9 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
 
     // Finish the sample and store it into B buffer `buf` (row sn, channels sh..sh+CPT).
     auto sample_store = [&](int buf) {
-        T* const bt = Bs0 + buf * BN * LD;
-        auto dst = [&](int v) -> uint4& {
-            return *reinterpret_cast<uint4*>(bt + tile_offset<ENGINE, LD, BK, VEC>(sn, sh / VEC + v * VSTRIDE));
+        T* const bt = Bs0 + buf * B_BUF;
+        auto dst = [&](int v, int part = 0) -> uint4& {   // part 1: the small parts' tile (3xTF32)
+            return *reinterpret_cast<uint4*>(bt + part * BN * LD + tile_offset<ENGINE, LD, BK, VEC>(sn, sh / VEC + v * VSTRIDE));
         };
         if constexpr (UNIFORM && Packed<T>::value) {
             // half types: the corners blended in packed pairs (fused::Packed), corner by corner
@@ -584,12 +613,24 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
 #pragma unroll
                 for (int v = 0; v < NV; ++v) Vec<T>::add(acc + v * VEC, smp.weight[c], raw[c][v]);
             }
-            if constexpr (PREC == 1) {
+            if constexpr (SPLIT == 2) {
+                // 3xTF32 (wgmma): the big parts into the buffer's first tile, the small into its second
 #pragma unroll
-                for (int j = 0; j < CPT; ++j) acc[j] = __uint_as_float(to_tf32(acc[j]));
+                for (int v = 0; v < NV; ++v) {
+                    unsigned big[4], small[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) split_tf32(acc[v * VEC + e], big[e], small[e]);
+                    dst(v) = make_uint4(big[0], big[1], big[2], big[3]);
+                    dst(v, 1) = make_uint4(small[0], small[1], small[2], small[3]);
+                }
+            } else {
+                if constexpr (PREC == 1) {
+#pragma unroll
+                    for (int j = 0; j < CPT; ++j) acc[j] = __uint_as_float(to_tf32(acc[j]));
+                }
+#pragma unroll
+                for (int v = 0; v < NV; ++v) dst(v) = Vec<T>::pack(acc + v * VEC);
             }
-#pragma unroll
-            for (int v = 0; v < NV; ++v) dst(v) = Vec<T>::pack(acc + v * VEC);
         } else {
 #pragma unroll
             for (int v = 0; v < NV; ++v) {
@@ -613,7 +654,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
 
     auto multiply = [&](int abuf, int bbuf) {
         // PREC 1: the sampler stored TF32-rounded values already
-        warp_mma<T, PREC, true, MT, NT, LD, BK, WM, WN>(acc, As0 + abuf * BM * LD, Bs0 + bbuf * BN * LD, wm, wn, lane);
+        warp_mma<T, PREC, true, MT, NT, LD, BK, WM, WN>(acc, As0 + abuf * A_BUF, Bs0 + bbuf * B_BUF, wm, wn, lane);
     };
 
     if constexpr (ENGINE == 2) {
@@ -704,10 +745,11 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
             for (int i = 0; i < NACC; ++i) d[mi][i] = 0.0f;
-        // The MMAs of one step (buffer `buf`), committed as one wgmma group.
+        // The MMAs of one step (buffer `buf`), committed as one wgmma group; 3xTF32: the small
+        // products first, a_small*b_big + a_big*b_small + a_big*b_big.
         auto mma_issue = [&](int buf) {
-            const T* A = As0 + buf * BM * LD + wg * (BM / 2) * BK;
-            const T* B = Bs0 + buf * BN * LD;
+            const T* A = As0 + buf * A_BUF + wg * (BM / 2) * BK;
+            const T* B = Bs0 + buf * B_BUF;
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -718,7 +760,13 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 const unsigned long long db = wgmma_descriptor(B + ks * 2 * 8 * VEC, CORE, SBO);
 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi) {
-                    Wgmma<T, BN>::run(d[mi], wgmma_descriptor(A + mi * 64 * BK + ks * 2 * 8 * VEC, CORE, SBO), db);
+                    const T* a = A + mi * 64 * BK + ks * 2 * 8 * VEC;
+                    if constexpr (SPLIT == 2) {
+                        Wgmma<T, BN>::run(d[mi], wgmma_descriptor(a + BM * LD, CORE, SBO), db);
+                        Wgmma<T, BN>::run(d[mi], wgmma_descriptor(a, CORE, SBO),
+                                          wgmma_descriptor(B + BN * LD + ks * 2 * 8 * VEC, CORE, SBO));
+                    }
+                    Wgmma<T, BN>::run(d[mi], wgmma_descriptor(a, CORE, SBO), db);
                 }
             }
             wgmma_commit();
@@ -766,13 +814,13 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             __syncthreads();
             if (tid >= MMA_THREADS) {
                 constexpr bool SAMPLE = DCN_FUSED_WS_EXPERIMENT != 2;
-                constexpr unsigned WEIGHT_BYTES = BM * BK * sizeof(T);
-                const T* const w_tiles = wr + ((I)grp * m_tiles + m0 / BM) * K * chunks * (BM * BK);
+                constexpr unsigned WEIGHT_BYTES = SPLIT * BM * BK * sizeof(T);
+                const T* const w_tiles = wr + ((I)grp * m_tiles + m0 / BM) * K * chunks * (SPLIT * BM * BK);
                 auto weight_bulk = [&](int step, int stage) {
                     if (tid != MMA_THREADS) return;
                     const int t = step_tap(step), ch = step_chunk(step);
                     mbarrier_expect(&weight_full[stage], WEIGHT_BYTES);
-                    bulk_copy(As0 + stage * BM * LD, w_tiles + ((I)t * chunks + ch) * (BM * BK), WEIGHT_BYTES,
+                    bulk_copy(As0 + stage * A_BUF, w_tiles + ((I)t * chunks + ch) * (SPLIT * BM * BK), WEIGHT_BYTES,
                               &weight_full[stage]);
                 };
                 weight_bulk(0, 0);

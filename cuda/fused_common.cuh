@@ -54,6 +54,25 @@ __device__ __forceinline__ unsigned split_small(float v, unsigned big) {
     return isfinite(b) ? to_tf32(v - b) : 0u;
 }
 
+// 3xTF32 for the wgmma tiles, which multiply stored tiles of big and small parts (no per-product
+// choice of operands as in warp_mma): v = big + small, both TF32, both of v's sign and nonzero for a
+// finite v != 0 (big the TF32 truncation of v, or one TF32 unit nearer 0 where that is v itself;
+// small the rest, rounded); (v, v) for 0 and for a non-finite v. The three products a_big*b_big,
+// a_small*b_big and a_big*b_small of one pair then share their sign: an infinite factor makes
+// them infinite alike (never inf - inf), and 0 * inf arises only where a factor is 0 or NaN
+// (where the exact product is NaN too).
+__device__ __forceinline__ void split_tf32(float v, unsigned& big, unsigned& small) {
+    const unsigned bits = __float_as_uint(v);
+    if (v == 0.0f || !isfinite(v)) {
+        big = small = bits;
+        return;
+    }
+    unsigned b = bits & 0xFFFFE000u;   // truncated: magnitude towards 0
+    if (b == bits) b -= 0x2000u;       // one unit of the last TF32 place nearer 0 (|v| >= that unit)
+    big = b;
+    small = to_tf32(v - __uint_as_float(b));   // exact difference, rounded: keeps its sign
+}
+
 // The TF32 bits `big` where finite, else 0 (the operand of a 3xTF32 cross term).
 __device__ __forceinline__ unsigned finite_or_zero(unsigned big) {
     return isfinite(__uint_as_float(big)) ? big : 0u;

@@ -4,8 +4,8 @@ mma.sync or wgmma, in either step order) against the float64 reference, the CPU 
 torchvision, for N = 1, 2, 3, both samplers (16-byte vectors and per channel), groups, offset
 groups != mask groups, stride / padding / dilation, with and without offset / mask / bias,
 non-finite and huge offsets, non-finite inputs, a broadcast batch, one-sample chunks, 64-bit
-indices, and the transposed backward-to-input. float32 is tested in TF32 (which plans choose
-on compute capability 9.0) and 3xTF32 (which they leave on cuda/im2col); plans replay recorded
+indices, and the transposed backward-to-input. float32 is tested in TF32 and 3xTF32 (both of
+which plans consider on compute capability 9.0, the wgmma tiles); plans replay recorded
 launches.
 
 Tolerances (relative error in the norm): float16 3e-3 and bfloat16 2.4e-2 as for cuda/im2col
@@ -36,6 +36,8 @@ TOL = {"float16": 3e-3, "bfloat16": 2.4e-2, "tf32": 3e-3, "float32": 1e-5}
 DTYPE = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16, "tf32": np.dtype(np.float32),
          "float32": np.dtype(np.float32)}
 PRECISIONS = tuple(TOL)
+#: The kernels' PREC of each precision (0 the half type's own MMA, 1 TF32, 2 3xTF32).
+PREC = {"float16": 0, "bfloat16": 0, "tf32": 1, "float32": 2}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,6 +134,7 @@ def test_serves_rule(monkeypatch):
     backend = fused.BACKEND
     assert backend.device == "cuda" and backend.algorithm == "fused" and backend.priority > 10
     assert "float64 stays on cuda/im2col" in backend.serves(_Spec(np.float64), "conv_forward")
+    monkeypatch.setattr(fused, "_compute_capability", lambda device_id: 80)
     assert "measured slower than cuda/im2col" in backend.recommends(_Spec(np.float32), "conv_forward")
     assert backend.recommends(_Spec(np.float16), "conv_forward") is None
     assert backend.primitives == ("conv_forward",)
@@ -139,18 +142,21 @@ def test_serves_rule(monkeypatch):
     assert "CUDA" in backend.serves(_Spec(np.float32, device="cpu"), "conv_forward")
 
 
-def test_tf32_float32_is_considered_on_compute_capability_9(monkeypatch):
-    """float32 through TF32 is timed against cuda/im2col (and taken without a measurement) on
-    compute capability 9.0 only; strict float32 never is."""
+def test_float32_is_considered_on_compute_capability_9(monkeypatch):
+    """float32, through TF32 or strict (3xTF32), is timed against cuda/im2col (and taken
+    without a measurement) on compute capability 9.0 only (the wgmma tiles)."""
     fused = _fused()
     monkeypatch.setattr(fused, "fused_versus_im2col", lambda *a: None)
     tf32 = _Spec(np.float32)
     tf32.allow_tf32 = True
     monkeypatch.setattr(fused, "_compute_capability", lambda device_id: 90)
     assert fused.BACKEND.recommends(tf32, "conv_forward") is None
-    assert "strict float32" in fused.BACKEND.recommends(_Spec(np.float32), "conv_forward")
+    assert fused.BACKEND.recommends(_Spec(np.float32), "conv_forward") is None
     monkeypatch.setattr(fused, "_compute_capability", lambda device_id: 80)
-    assert "below compute capability 9.0 (got 8.0" in fused.BACKEND.recommends(tf32, "conv_forward")
+    assert "TF32 measured slower than cuda/im2col below compute capability 9.0 (got 8.0" in \
+        fused.BACKEND.recommends(tf32, "conv_forward")
+    assert "3xTF32 (strict float32) measured slower than cuda/im2col below compute capability 9.0" in \
+        fused.BACKEND.recommends(_Spec(np.float32), "conv_forward")
 
     def no_device(device_id):
         raise RuntimeError("no device")
@@ -214,10 +220,14 @@ def test_launch_config_choices():
     assert c.workspace_bytes >= 8 * 56 * 56 * 256 * 2 + 256 * 9 * 256 * 2
     assert fused.LaunchConfig(g, np.float32, True, 132).precision == 1
     assert fused.LaunchConfig(g, np.float32, False, 132).precision == 2
-    # untuned, wgmma first (warp-specialised where its 16-byte sampler serves), 3xTF32 on mma.sync
+    # untuned, wgmma first (warp-specialised where its 16-byte sampler serves; 3xTF32 too, in
+    # the tallest tile whose ring of twice-as-long stages fits), else mma.sync
     assert fused.LaunchConfig(g, np.float16, False, 132, wgmma=True).tile[4] == 3
     assert fused.LaunchConfig(g, np.float32, True, 132, wgmma=True).tile[4] == 3
-    assert fused.LaunchConfig(g, np.float32, False, 132, wgmma=True).tile[4] == 0
+    strict = fused.LaunchConfig(g, np.float32, False, 132, wgmma=True)
+    assert strict.tile[:5] == (256, 64, 16, 1, 3) and strict.depth == 4 and strict.smem_bytes == 160 * 1024
+    assert fused.LaunchConfig(g, np.float32, False, 132).tile[4] == 0
+    assert fused.pipeline_depth(np.float32, 2, (256, 64, 32, 1, 3, 512), 2) == 0   # 3 stages of 80 KiB: too long
     # 32-channel offset groups: not ENGINE 3 (each of its steps' 64-channel chunks in one group)
     g32 = _geom((8, 256, 56, 56), (256, 256, 3, 3), (8, 8 * 18, 56, 56), (8, 9, 56, 56), padding=1)
     assert fused.LaunchConfig(g32, np.float16, False, 132, wgmma=True).tile[4] == 1
@@ -317,9 +327,21 @@ def engine_tile(engine, precision):
     """The first tile of TILES of ``engine`` (skips where the device or precision has none).
     ENGINE 3 has no per-channel sampler: its tests take channel counts it serves."""
     fused = _fused()
-    if engine in fused.WGMMA_ENGINES and (precision == "float32" or not fused.wgmma_available()):
-        pytest.skip("wgmma: compute capability 9.0 and fp16 / bf16 / TF32 only")
-    return next(tile for tile in fused._tiles(DTYPE[precision]) if tile[4] == engine)
+    tile = next((tile for tile in fused._tiles(DTYPE[precision]) if tile[4] == engine and tile_runs(tile, precision)),
+                None)
+    if tile is None:
+        pytest.skip("wgmma: compute capability 9.0; ENGINE 1 has no 3xTF32")
+    return tile
+
+
+def tile_runs(tile, precision) -> bool:
+    """Whether ``tile`` runs here in ``precision``: the wgmma tiles on compute capability 9.0,
+    ENGINE 1 in fp16, bf16 and TF32 only, ENGINE 3 where its ring fits (3xTF32 stages are twice
+    as long)."""
+    fused = _fused()
+    dtype, prec = DTYPE[precision], PREC[precision]
+    return ((not fused.is_wgmma(tile) or fused.wgmma_available()) and fused.tile_computes(tile, prec)
+            and fused.pipeline_depth(dtype, 2, tile, prec) > 0)
 
 
 def run_fused(arrays: dict, params: dict, precision: str, ndim: int, engine=None):
@@ -409,7 +431,7 @@ def test_groups_and_missing_arguments(offset_groups, mask_groups, present):
                                bias="bias" in present)
     for precision in PRECISIONS:
         for tile in fused._tiles(DTYPE[precision]):
-            if fused.is_wgmma(tile) and (precision == "float32" or not fused.wgmma_available()):
+            if not tile_runs(tile, precision):
                 continue
             if not serves(arrays, params, precision, tile):
                 continue
@@ -437,7 +459,7 @@ def test_sampling_plan_gives_the_corners_each_thread_computes(ndim):
         for precision in PRECISIONS:
             arrays, params = by_width[64 if precision == "float32" else 128]
             for tile in fused._tiles(DTYPE[precision]):
-                if tile[4] == 2 or fused.is_wgmma(tile) and (precision == "float32" or not fused.wgmma_available()):
+                if tile[4] == 2 or not tile_runs(tile, precision):
                     continue
                 if not serves(arrays, params, precision, tile):
                     continue
@@ -483,7 +505,7 @@ def test_large_output_channel_tiles_and_batch_spanning_tiles():
     fused = _fused()
     for precision in PRECISIONS:
         for tile in fused._tiles(DTYPE[precision]):
-            if fused.is_wgmma(tile) and (precision == "float32" or not fused.wgmma_available()):
+            if not tile_runs(tile, precision):
                 continue
             assert serves(arrays, params, precision, tile), tile
             got, expected, _ = run_fused_tile(arrays, params, precision, tile)
@@ -508,7 +530,7 @@ def test_every_half_tile_in_every_dimension(ndim):
         expected = reference.deform_conv(**{k: a.astype(dtype).astype(np.float64) for k, a in arrays.items()},
                                          **params)
         for tile in fused._tiles(dtype):
-            if fused.is_wgmma(tile) and not fused.wgmma_available():
+            if not tile_runs(tile, precision):
                 continue
             for taps_inner in (True, False):
                 config = fused.LaunchConfig(geom, dtype, False, tile=tile, taps_inner=taps_inner)
@@ -618,8 +640,8 @@ def test_non_finite_input_reaches_exactly_the_dense_convolution_pattern(wide, pr
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_plans_choose_and_force_fused(dtype, monkeypatch):
-    """The plan layer: automatic choice (fused for the half types and for TF32 on compute
-    capability 9.0, im2col for strict float32), forced selection through ``algorithm=`` and
+    """The plan layer: automatic choice (fused for the half types, and for float32 in TF32 and
+    3xTF32 on compute capability 9.0), forced selection through ``algorithm=`` and
     ``use_algorithm``, and the transposed convolution's backward-to-input (a conv forward by
     duality) on the fused kernel."""
     cupy = _cupy()
@@ -636,7 +658,7 @@ def test_plans_choose_and_force_fused(dtype, monkeypatch):
         arrays = conv.arrays(lambda a: cupy.asarray(a.astype(dtype)))
         rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in conv.arrays_.items()}
         auto = dcn_cupy.plan(**arrays, **conv.params, allow_tf32=False)
-        expected_auto = "cuda/fused" if dtype == np.float16 else "cuda/im2col"
+        expected_auto = "cuda/fused" if dtype == np.float16 or cuda_fused.wgmma_available() else "cuda/im2col"
         assert f"forward: {expected_auto}" in auto.algorithm, auto.algorithm
         if dtype == np.float32:   # TF32: the fused forward where the wgmma tile runs
             tf32 = dcn_cupy.plan(**arrays, **conv.params, allow_tf32=True)

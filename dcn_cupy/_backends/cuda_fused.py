@@ -12,12 +12,13 @@ which keeps float32 accuracy; float32 accumulation). Per call, and part of the t
   ``Cgp`` = C_in/groups rounded up to the step's channel chunk, zero-padded).
 
 Serves ``conv_forward`` for float16, bfloat16 and float32 on CUDA (``FusedBackend.serves``);
-the automatic choice considers it for the half types, and for float32 through TF32 on compute
-capability 9.0 (the warp-specialised wgmma tile), and takes it per configuration unless
-``cuda/im2col``'s forward measured clearly faster (both timed once on one batch chunk when the
-plan is built, as plans run them: ``fused_versus_im2col``; e.g. at B=16 C512 14x14 fp16 im2col
-is faster). Strict float32 (3xTF32 here, tested) measured slower than ``cuda/im2col`` and stays
-there unless forced, as does float64. The transposed convolution's backward-to-input is such a
+the automatic choice considers it for the half types, and for float32 (TF32, or 3xTF32 where
+TF32 is not allowed) on compute capability 9.0 (the warp-specialised wgmma tiles), and takes it
+per configuration unless ``cuda/im2col``'s forward measured clearly faster (both timed once on
+one batch chunk when the plan is built, as plans run them: ``fused_versus_im2col``; e.g. at
+B=16 C512 14x14 fp16 im2col is faster). Below compute capability 9.0 float32 (mma.sync, tested)
+measured slower than ``cuda/im2col`` and stays there unless forced, as does float64 everywhere.
+The transposed convolution's backward-to-input is such a
 forward, so it runs here too. A plan's calls on C-contiguous arrays replay the launches
 recorded for their addresses (``FusedForward.run_pointers``).
 
@@ -67,7 +68,8 @@ DTYPES = tuple(_VEC)
 #: per block: 256 when not given; 512 for mma.sync and ENGINE 3 tiles]) instantiated per dtype, kept from
 #: those measured (NOTES-gpu.md); one is chosen per shape (plan_config). The first of each
 #: engine (the smallest) also has the per-channel sampler and the 64-bit indices. wgmma tiles
-#: (sm_90a) need a compute capability 9.0 device and compute fp16, bf16 and TF32 (not 3xTF32).
+#: (sm_90a) need a compute capability 9.0 device and compute fp16, bf16 and TF32, and ENGINE 3's
+#: 3xTF32 too (``tile_computes``).
 #: ENGINE 2 (the corner pipeline: cp.async corner copies several steps ahead) is not listed:
 #: slower than ENGINE 0 wherever measured; ``benchmarks/stages.py --tiles`` still times it.
 #: The half tiles with MINB 2 (128 registers, two 256-thread blocks per SM; no spills in 1-d and
@@ -88,11 +90,12 @@ TILES = {
              (256, 64, 64, 1, 3, 512), (128, 128, 64, 1, 3, 512)),
     "float": ((64, 64, 32, 1, 0), (256, 64, 32, 1, 0), (128, 128, 16, 1, 0),
               (128, 64, 32, 1, 1), (256, 128, 16, 1, 1), (128, 128, 32, 1, 1),
-              (256, 64, 32, 1, 3, 512)),
+              (256, 64, 32, 1, 3, 512), (256, 64, 16, 1, 3, 512), (128, 128, 32, 1, 3, 512)),
 }
-#: The engines that multiply with wgmma (sm_90a modules; fp16, bf16 and TF32, not 3xTF32).
+#: The engines that multiply with wgmma (sm_90a modules; fp16, bf16 and TF32; ENGINE 3 3xTF32 too).
 WGMMA_ENGINES = (1, 3)
-#: The ring depth of ENGINE 3 tiles (two named barriers a stage).
+#: The ring depth of ENGINE 3 tiles (two named barriers a stage), or the most stages that fit
+#: ``PIPELINE_SMEM_BYTES`` (3xTF32 stages hold big and small parts: twice as long).
 RING_STAGES = 4
 #: ENGINE 3's threads that only multiply (two warpgroups; the kernel's MMA_THREADS).
 _MMA_THREADS = 256
@@ -132,8 +135,14 @@ def tile_samplers(tile) -> int:
 
 
 def is_wgmma(tile) -> bool:
-    """Whether a tile multiplies with wgmma (sm_90a; not 3xTF32)."""
+    """Whether a tile multiplies with wgmma (sm_90a)."""
     return tile[4] in WGMMA_ENGINES
+
+
+def tile_computes(tile, precision: int) -> bool:
+    """Whether a tile multiplies in ``precision`` (0 half, 1 TF32, 2 3xTF32): every engine but
+    ENGINE 1 (wgmma, not warp-specialised) in 3xTF32."""
+    return not (tile[4] == 1 and precision == 2)
 
 
 def _tiles(dtype, index64: bool = False) -> tuple:
@@ -151,27 +160,28 @@ PIPELINE_SMEM_BYTES = 220 * 1024
 MAX_DEPTH = 4
 
 
-def smem_bytes(dtype, ndim: int, tile: tuple, depth: int = 0) -> int:
+def smem_bytes(dtype, ndim: int, tile: tuple, depth: int = 0, precision: int = 0) -> int:
     """Dynamic shared memory of a tile (engine 2: with a ring of ``depth`` corner stages; engine 3: its
-    ring of ``RING_STAGES`` weight and sampled tiles)."""
+    ring of ``depth`` stages of weight and sampled tiles, big and small parts of each in 3xTF32)."""
     bm, bn, bk, _, engine = tile[:5]
     item, vec = np.dtype(dtype).itemsize, _VEC[np.dtype(dtype)]
     if engine == 3:
-        return RING_STAGES * (bm + bn) * bk * item
+        return depth * (2 if precision == 2 else 1) * (bm + bn) * bk * item
     if engine != 2:
         return 2 * (bm + bn) * (bk + (vec if engine == 0 else 0)) * item
     return ((depth + 1) * bm + 2 * bn) * (bk + vec) * item + depth * (1 << ndim) * (bn * bk * item + _THREADS * 4)
 
 
-def pipeline_depth(dtype, ndim: int, tile: tuple) -> int:
-    """The corner-ring depth of an engine 2 tile (0: does not fit), ``RING_STAGES`` for engine 3, 1 for
-    the other engines (the DEPTH template argument)."""
-    if tile[4] == 3:
-        return RING_STAGES
-    if tile[4] != 2:
+def pipeline_depth(dtype, ndim: int, tile: tuple, precision: int = 0) -> int:
+    """The ring depth (the DEPTH template argument) of an engine 2 tile (corner stages, at most
+    MAX_DEPTH) or an engine 3 tile (3 to RING_STAGES: with 2 its samplers and MMA warps would wait
+    on each other): the most stages that fit PIPELINE_SMEM_BYTES (0: too few fit); 1 for the
+    other engines."""
+    if tile[4] not in (2, 3):
         return 1
-    return max((d for d in range(1, MAX_DEPTH + 1) if smem_bytes(dtype, ndim, tile, d) <= PIPELINE_SMEM_BYTES),
-               default=0)
+    least, most = (3, RING_STAGES) if tile[4] == 3 else (1, MAX_DEPTH)
+    return max((d for d in range(least, most + 1)
+                if smem_bytes(dtype, ndim, tile, d, precision) <= PIPELINE_SMEM_BYTES), default=0)
 
 
 def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, uniform: bool, plan: bool = False) -> str:
@@ -179,10 +189,11 @@ def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, uniform
     i = "long long" if index64 else "int"
     bm, bn, bk, minb, engine = tile[:5]
     threads = tile_threads(tile)
+    depth = pipeline_depth(dtype, ndim, tile, prec)
     if plan:
-        rest = f", {pipeline_depth(dtype, ndim, tile)}, {threads}, true"
+        rest = f", {depth}, {threads}, true"
     else:
-        rest = f", {pipeline_depth(dtype, ndim, tile)}" if engine in (2, 3) else (", 1" if threads != _THREADS else "")
+        rest = f", {depth}" if engine in (2, 3) else (", 1" if threads != _THREADS else "")
         rest += f", {threads}" if threads != _THREADS else ""
     return (f"deform_fused_forward<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}, "
             f"{'true' if uniform else 'false'}, {engine}{rest}>")
@@ -197,8 +208,8 @@ def name_expressions(dtype, ndim: int, index64: bool, engine: int = 0) -> tuple:
     names = [kernel_name(dtype, index64, ndim, prec, tile, uniform, plan)
              for prec in _precisions(dtype) for tile in _tiles(dtype, index64) for uniform in (True, False)
              for plan in (False, True)
-             if tile[4] == engine and not (engine in WGMMA_ENGINES and prec == 2)
-             and (uniform or tile == _per_channel_tile(dtype, engine)) and pipeline_depth(dtype, ndim, tile)
+             if tile[4] == engine and tile_computes(tile, prec)
+             and (uniform or tile == _per_channel_tile(dtype, engine)) and pipeline_depth(dtype, ndim, tile, prec)
              and not (plan and (not uniform or engine == 2))]
     names += [f"fused_channels_last<{t}, {i}>", f"fused_weight_rows<{t}, {i}>", f"fused_weight_tiles<{t}, {i}>",
               f"fused_sampling_plan<{t}, {i}, {ndim}>"]
@@ -381,25 +392,28 @@ def _per_channel_tile(dtype, engine: int) -> tuple:
     return next(tile for tile in _tiles(dtype) if tile[4] == (0 if engine in (2, 3) else engine))
 
 
-def _candidates(geom, dtype, wgmma: bool, index64: bool = False) -> list:
+def _candidates(geom, dtype, wgmma: bool, index64: bool = False, precision: int = 0) -> list:
     """The tiles worth trying for a shape: those of TILES no taller than C_out/groups rounded up
-    to 64 (else the shortest), wgmma ones only where the device and precision allow, and of the
-    tiles whose threads would cross a group boundary only the per-channel one of each engine."""
+    to 64 (else the shortest), wgmma ones only where the device allows, those that compute the
+    precision, and of the tiles whose threads would cross a group boundary only the per-channel
+    one of each engine."""
     Cog = geom.out_channels // geom.groups
     tiles = [tile for tile in _tiles(dtype, index64) if (not is_wgmma(tile) or wgmma)
-             and tile_serves(geom, dtype, tile) and pipeline_depth(dtype, geom.ndim, tile)]
+             and tile_computes(tile, precision) and tile_serves(geom, dtype, tile)
+             and pipeline_depth(dtype, geom.ndim, tile, precision)]
     limit = max(64, _round_up(Cog, 64))
     fitting = [tile for tile in tiles if tile[0] <= limit]
     return fitting or [min(tiles)]
 
 
-def _choose_tile(geom, dtype, positions: int, multiprocessors: int, wgmma: bool, index64: bool = False) -> tuple:
+def _choose_tile(geom, dtype, positions: int, multiprocessors: int, wgmma: bool, index64: bool = False,
+                 precision: int = 0) -> tuple:
     """The tile of a shape without timing: among the candidates, wgmma ones first where allowed
     (the warp-specialised ones first of all), then the tallest and widest, the first that gives
     at least two blocks per multiprocessor; else the one with the most blocks."""
     groups = geom.groups
     Cog = geom.out_channels // groups
-    candidates = sorted(_candidates(geom, dtype, wgmma, index64),
+    candidates = sorted(_candidates(geom, dtype, wgmma, index64, precision),
                         key=lambda tile: (-(tile[4] == 3), -(tile[4] == 1), -tile[4], -tile[0], -tile[1]))
     blocks = lambda tile: -(-positions // tile[1]) * -(-Cog // tile[0]) * groups  # noqa: E731
     for tile in candidates:
@@ -450,15 +464,14 @@ class LaunchConfig:
             n * self.Q * plan_entries,
         ) > _INT32_SAFE
         if tile is None:
-            tile = _choose_tile(geom, dtype, n * self.Q, multiprocessors, bool(wgmma) and self.precision != 2,
-                                self.index64)
+            tile = _choose_tile(geom, dtype, n * self.Q, multiprocessors, bool(wgmma), self.index64, self.precision)
         if self.index64 and tuple(tile) not in _tiles(dtype, True):
             tile = _per_channel_tile(dtype, tile[4])
         self.tile = tuple(tile)
         bm, bn, bk, _, engine = self.tile[:5]
         self.threads = tile_threads(self.tile)
-        if engine in WGMMA_ENGINES and self.precision == 2:
-            raise ValueError("the wgmma tiles compute in TF32 or the half types, not 3xTF32")
+        if not tile_computes(self.tile, self.precision):
+            raise ValueError(f"tile {self.tile} (ENGINE 1, wgmma) computes in TF32 or the half types, not 3xTF32")
         self.Cgp = _round_up(self.Cg, bk)
         self.taps_inner = bool(taps_inner)    # measured slower for every tile at 56x56 (NOTES-gpu.md)
         self.struct = _cuda._geom_struct(geom)
@@ -469,13 +482,15 @@ class LaunchConfig:
         self.sampling_plan = wanted and self.uniform and engine != 2
         self.plan_elems = n * self.Q * plan_entries if self.sampling_plan else 0
         self.m_tiles = -(-self.Cog // bm)
-        self.depth = pipeline_depth(dtype, geom.ndim, self.tile)
+        self.depth = pipeline_depth(dtype, geom.ndim, self.tile, self.precision)
         if not self.depth:
             raise ValueError(f"tile {self.tile} does not fit shared memory for {geom.ndim}-d sampling")
-        self.smem_bytes = smem_bytes(dtype, geom.ndim, self.tile, self.depth)
-        # the weights' re-layout: ENGINE 3 whole tiles of BM rows (one bulk copy each); else rows
+        self.smem_bytes = smem_bytes(dtype, geom.ndim, self.tile, self.depth, self.precision)
+        # the weights' re-layout: ENGINE 3 whole tiles of BM rows (one bulk copy each; in 3xTF32
+        # each tile's big parts, then its small parts); else rows
         self.weight_kernel = "fused_weight_tiles" if engine == 3 else "fused_weight_rows"
-        self.weight_elems = (G * self.m_tiles * bm if engine == 3 else Co) * self.K * self.Cgp
+        parts = 2 if engine == 3 and self.precision == 2 else 1
+        self.weight_elems = (G * self.m_tiles * bm * parts if engine == 3 else Co) * self.K * self.Cgp
         self.xcl_elems = (n * self.S + 1) * self.Cp   # the chunk's rows, then the zero row
         # the channels-last chunk, the weight rows, then the plan's rows and weights
         self.plan_offset = (_round_up(self.xcl_elems * self.itemsize, _ALIGN)
@@ -562,10 +577,11 @@ def _relayout_launch(config: LaunchConfig, weight: int, wr: int):
     kernel = config.kernel(config.weight_kernel)
     if config.weight_kernel == "fused_weight_tiles":
         bm, _, bk = config.tile[:3]
-        vectors = config.weight_elems // (_VEC[np.dtype(config.dtype)] * config.K)   # one thread each, every tap
+        # one thread per vector of channels (both parts in 3xTF32), every tap
+        vectors = g.groups * config.m_tiles * bm * config.Cgp // _VEC[np.dtype(config.dtype)]
         return _cuda._kernel_op(kernel, (min(-(-vectors // _THREADS), _MAX_GRID),), (_THREADS,), (
             _cuda._u64(weight), _cuda._u64(wr), i32(config.Cog), i32(g.groups), i32(config.Cg), i32(config.K),
-            i32(bm), i32(bk), i32(config.precision == 1)))
+            i32(bm), i32(bk), i32(config.precision)))
     rows = g.out_channels * config.Cgp
     return _cuda._kernel_op(kernel, (min(-(-rows // _THREADS), _MAX_GRID),), (_THREADS,), (
         _cuda._u64(weight), _cuda._u64(wr), i32(g.out_channels), i32(config.Cg), i32(config.Cgp), i32(config.K),
@@ -761,7 +777,7 @@ def _fastest_choice(geom, dtype, allow_tf32: bool, static, sms: int, wgmma: bool
     orders = (True, False) if g.kernel_volume > 1 and g.in_channels_per_group > 32 else (True,)
     plans = (False, True) if SAMPLING_PLAN is None else (SAMPLING_PLAN,)
     choices = [(tile, taps_inner, plan)
-               for tile in _candidates(geom, dtype, wgmma and static.precision != 2, static.index64)
+               for tile in _candidates(geom, dtype, wgmma, static.index64, static.precision)
                for taps_inner in orders for plan in plans
                if not plan or (_uniform(geom, tile) and tile[4] != 2 and plan_segments(geom)[1] <= MAX_PLAN_SEGMENTS)]
     configs = [LaunchConfig(g, dtype, allow_tf32, sms, tile=tile, taps_inner=taps_inner, sampling_plan=plan)
@@ -834,11 +850,11 @@ class FusedForward:
         _cuda._replay(ops, None, stream)
 
 
-#: The dtypes the plan layer considers cuda/fused for on its own, float32 too where TF32 is
-#: allowed on compute capability 9.0 (the warp-specialised TF32 tile: H200, B=8 C256 56x56,
-#: kernel 0.26 ms against cuda/im2col's whole TF32 forward 0.46, NOTES-gpu.md session 12);
-#: strict float32 (3xTF32, 1.15 against 1.00 ms) and TF32 on mma.sync (0.61 against 0.47)
-#: measured slower and stay on cuda/im2col unless forced (``algorithm="cuda/fused"``).
+#: The dtypes the plan layer considers cuda/fused for on its own; float32 too on compute
+#: capability 9.0, the warp-specialised wgmma tiles (H200, B=8 C256 56x56: TF32 kernel 0.26 ms
+#: against cuda/im2col's whole TF32 forward 0.46, NOTES-gpu.md session 12; 3xTF32 whole forward
+#: 0.54 against 0.91, session 13). On mma.sync, 3xTF32 (1.15 against 1.00 ms) and TF32 (0.61
+#: against 0.47) measured slower and stay on cuda/im2col unless forced (``algorithm="cuda/fused"``).
 PREFERRED_DTYPES = (np.dtype(np.float16), BFLOAT16)
 SERVED_DTYPES = PREFERRED_DTYPES + (np.dtype(np.float32),)
 
@@ -852,14 +868,13 @@ def _not_preferred(spec):
     dtype = np.dtype(spec.dtype)
     if dtype in PREFERRED_DTYPES:
         return None
-    if not spec.allow_tf32:
-        return "strict float32 (3xTF32) measured slower than cuda/im2col (force algorithm='cuda/fused' to use it)"
+    how = "TF32" if spec.allow_tf32 else "3xTF32 (strict float32)"
     try:
         capability = _compute_capability(spec.device_id)
     except Exception as error:  # no driver or no such device
-        return f"no CUDA device {spec.device_id} to run the TF32 wgmma tile on ({type(error).__name__})"
+        return f"no CUDA device {spec.device_id} to run the {how} wgmma tile on ({type(error).__name__})"
     if capability != 90:
-        return (f"float32 through TF32 measured slower than cuda/im2col below compute capability 9.0 (got "
+        return (f"float32 through {how} measured slower than cuda/im2col below compute capability 9.0 (got "
                 f"{capability / 10}; force algorithm='cuda/fused' to use it)")
     return None
 
@@ -867,7 +882,7 @@ def _not_preferred(spec):
 class FusedBackend:
     """``cuda/fused``: computes the forward for float16, bfloat16 and float32 (TF32 or 3xTF32)
     on CUDA devices of compute capability 8.0 or more, and is chosen automatically for float16
-    and bfloat16, and float32 through TF32 on compute capability 9.0; float64 stays on
+    and bfloat16, and for float32 (TF32 or 3xTF32) on compute capability 9.0; float64 stays on
     ``cuda/im2col``."""
 
     device = "cuda"
@@ -893,7 +908,7 @@ class FusedBackend:
 
     def recommends(self, spec, primitive: str):
         """None where the automatic choice should take cuda/fused; else why not. For the half
-        types (and float32 through TF32 on compute capability 9.0: ``_not_preferred``) the fused
+        types (and float32, TF32 or 3xTF32, on compute capability 9.0: ``_not_preferred``) the fused
         forward (its tuned tile) and cuda/im2col's are timed once on one batch chunk of the
         configuration (:func:`fused_versus_im2col`), and cuda/im2col is taken where it measured
         faster than ``IM2COL_MARGIN`` (0.85) times the fused forward's time; without a
