@@ -248,6 +248,12 @@ def test_launch_config_choices():
         fused.LaunchConfig(g, np.float16, False, 132, tile=fused.TILES["half"][1])
     with pytest.raises(ValueError, match="not 3xTF32"):
         fused.LaunchConfig(g, np.float32, False, 132, tile=fused.TILES["float"][3])
+    # 64 output channels: the tuner also times the shortest warp-specialised tile (128 rows)
+    g64 = _geom((32, 64, 56, 56), (64, 64, 3, 3), (32, 18, 56, 56), (32, 9, 56, 56), padding=1)
+    assert all(tile[0] == 64 for tile in fused._candidates(g64, np.float32, True, False, 2))
+    assert fused._tuned_candidates(g64, np.float32, True, False, 2)[-1] == (128, 128, 32, 1, 3, 512)
+    assert fused._tuned_candidates(g64, np.float16, True)[-1] == (128, 128, 64, 1, 3, 512)
+    assert all(tile[4] != 3 for tile in fused._tuned_candidates(g64, np.float16, False))
 
 
 @pytest.mark.parametrize("tile, plan", [((256, 64, 64, 1, 3, 512), True), ((64, 64, 64, 1, 0), False)])

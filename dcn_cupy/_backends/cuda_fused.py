@@ -406,6 +406,20 @@ def _candidates(geom, dtype, wgmma: bool, index64: bool = False, precision: int 
     return fitting or [min(tiles)]
 
 
+def _tuned_candidates(geom, dtype, wgmma: bool, index64: bool = False, precision: int = 0) -> list:
+    """The candidates the tuner times: ``_candidates``, and where none of them is warp-specialised
+    (C_out/groups <= 64: the wgmma tiles are 128 rows at least) the shortest ENGINE 3 tile that
+    serves, half its rows idle (H200, B=32 C64 56x56 3xTF32: 128x128x32 0.414 ms against
+    cuda/im2col's 0.453 and mma.sync 64x64x32's ~0.6, NOTES-gpu.md session 13)."""
+    tiles = _candidates(geom, dtype, wgmma, index64, precision)
+    if wgmma and not any(tile[4] == 3 for tile in tiles):
+        ws = [tile for tile in _tiles(dtype, index64) if tile[4] == 3 and tile_computes(tile, precision)
+              and tile_serves(geom, dtype, tile) and pipeline_depth(dtype, geom.ndim, tile, precision)]
+        if ws:
+            tiles.append(min(ws, key=lambda tile: (tile[0], -tile[1])))
+    return tiles
+
+
 def _choose_tile(geom, dtype, positions: int, multiprocessors: int, wgmma: bool, index64: bool = False,
                  precision: int = 0) -> tuple:
     """The tile of a shape without timing: among the candidates, wgmma ones first where allowed
@@ -777,7 +791,7 @@ def _fastest_choice(geom, dtype, allow_tf32: bool, static, sms: int, wgmma: bool
     orders = (True, False) if g.kernel_volume > 1 and g.in_channels_per_group > 32 else (True,)
     plans = (False, True) if SAMPLING_PLAN is None else (SAMPLING_PLAN,)
     choices = [(tile, taps_inner, plan)
-               for tile in _candidates(geom, dtype, wgmma, static.index64, static.precision)
+               for tile in _tuned_candidates(geom, dtype, wgmma, static.index64, static.precision)
                for taps_inner in orders for plan in plans
                if not plan or (_uniform(geom, tile) and tile[4] != 2 and plan_segments(geom)[1] <= MAX_PLAN_SEGMENTS)]
     configs = [LaunchConfig(g, dtype, allow_tf32, sms, tile=tile, taps_inner=taps_inner, sampling_plan=plan)
