@@ -330,8 +330,9 @@ ENGINES = pytest.mark.parametrize("engine", [0, 1, 3], ids=["mma", "wgmma", "wgm
 
 
 def engine_tile(engine, precision):
-    """The first tile of TILES of ``engine`` (skips where the device or precision has none).
-    ENGINE 3 has no per-channel sampler: its tests take channel counts it serves."""
+    """The first tile of TILES of ``engine`` that runs here in ``precision`` (``tile_runs``;
+    skips where there is none). ENGINE 3 has no per-channel sampler: its tests take channel
+    counts it serves."""
     fused = _fused()
     tile = next((tile for tile in fused._tiles(DTYPE[precision]) if tile[4] == engine and tile_runs(tile, precision)),
                 None)

@@ -18,9 +18,9 @@ per configuration unless ``cuda/im2col``'s forward measured clearly faster (both
 one batch chunk when the plan is built, as plans run them: ``fused_versus_im2col``; e.g. at
 B=16 C512 14x14 fp16 im2col is faster). Below compute capability 9.0 float32 (mma.sync, tested)
 measured slower than ``cuda/im2col`` and stays there unless forced, as does float64 everywhere.
-The transposed convolution's backward-to-input is such a
-forward, so it runs here too. A plan's calls on C-contiguous arrays replay the launches
-recorded for their addresses (``FusedForward.run_pointers``).
+The transposed convolution's backward-to-input is such a forward, so it runs here too. A plan's
+calls on C-contiguous arrays replay the launches recorded for their addresses
+(``FusedForward.run_pointers``).
 
 Launch parameters per shape: a tile (output channels x positions x channels per step) and an
 MMA engine, ``mma.sync`` (any GPU of compute capability 8.0 or more) or ``wgmma`` (sm_90a, the
@@ -94,7 +94,7 @@ TILES = {
 }
 #: The engines that multiply with wgmma (sm_90a modules; fp16, bf16 and TF32; ENGINE 3 3xTF32 too).
 WGMMA_ENGINES = (1, 3)
-#: The ring depth of ENGINE 3 tiles (two named barriers a stage), or the most stages that fit
+#: The most stages of an ENGINE 3 ring (two named barriers a stage); fewer where they do not fit
 #: ``PIPELINE_SMEM_BYTES`` (3xTF32 stages hold big and small parts: twice as long).
 RING_STAGES = 4
 #: ENGINE 3's threads that only multiply (two warpgroups; the kernel's MMA_THREADS).
