@@ -1,13 +1,14 @@
 """Time fused-forward tiles of your choice (TILES and others) on a few shapes, each checked first.
 
-    python benchmarks/fused_tiles.py [--shapes '8,256,56;32,64,56;16,512,14'] [--dtypes float16,bfloat16,tf32]
+    python benchmarks/fused_tiles.py [--shapes '8,256,56;32,64,56;16,512,14'] [--dtypes float16,bfloat16,tf32,float32]
         [--tiles 'BM,BN,BK,MINB,ENGINE[,THREADS];...'] [--only-tiles] [--budget 190]
 
 Per shape (B, C_in = C_out, HxW, 3x3, padding 1, offsets and mask, DCNv2) and dtype: the float32
 reference through a ``cuda/im2col`` plan (strict float32) on the same (rounded) inputs; then
-per tile (those of TILES that ``_candidates`` keeps for the shape, then ``--tiles``, each
+per tile (those of TILES that ``_tuned_candidates`` keeps for the shape, then ``--tiles``, each
 instantiated on demand: a tile outside TILES gets a module of its own) and step order: the
-relative error in the norm against that reference (must be < 3e-3 fp16, 2.4e-2 bf16, 5e-3 tf32), the
+relative error in the norm against that reference (must be < 3e-3 fp16, 2.4e-2 bf16, 5e-3 tf32,
+1e-5 float32, which runs in 3xTF32), the
 kernel alone (CuPy events, median of 5 x 10 launches, all candidates timed in two interleaved
 rounds, best round kept) and the whole forward (``FusedForward.run``, recorded launches as
 plans run them: weight re-layout, channels-last copy, kernel). ``--budget`` seconds: no new
@@ -29,8 +30,9 @@ import numpy as np  # noqa: E402
 from dcn_cupy._interop import BFLOAT16  # noqa: E402
 from gpu import _device_name, _time_cupy, no_gpu_reason  # noqa: E402
 
-DTYPES = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16, "tf32": np.dtype(np.float32)}
-TOL = {"float16": 3e-3, "bfloat16": 2.4e-2, "tf32": 5e-3}
+DTYPES = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16, "tf32": np.dtype(np.float32),
+          "float32": np.dtype(np.float32)}
+TOL = {"float16": 3e-3, "bfloat16": 2.4e-2, "tf32": 5e-3, "float32": 1e-5}
 EXTRA = "128,64,32,2,0;128,64,64,2,0;64,128,32,2,0;64,64,64,2,0;256,64,32,2,0;128,64,64,2,1;128,64,32,2,1;128,64,32,1,0"
 
 
@@ -72,10 +74,12 @@ def main(argv=None):
             ref = dcn_cupy.plan(*f32, padding=1, algorithm="cuda/im2col", allow_tf32=False).forward(*f32)
             geom, _ = _geometry.conv_geometry(x.shape, w.shape, off.shape, msk.shape, None, padding=1)
             flop = 2.0 * C * C * 9 * B * H * H
-            tf32 = dname == "tf32"    # float32 through TF32
-            cands = [] if args.only_tiles else fu._candidates(geom, dtype, wgmma)
+            tf32 = dname == "tf32"    # float32 through TF32; "float32": 3xTF32
+            precision = 0 if dtype != np.float32 else (1 if tf32 else 2)
+            cands = [] if args.only_tiles else fu._tuned_candidates(geom, dtype, wgmma, False, precision)
             limit = max(64, -(-C // 64) * 64)
-            tiles = list(cands) + [t for t in extra if t not in cands and t[0] <= limit and (not fu.is_wgmma(t) or wgmma)]
+            tiles = list(cands) + [t for t in extra if t not in cands and t[0] <= limit and (not fu.is_wgmma(t) or wgmma)
+                                   and fu.tile_computes(t, precision) and fu.pipeline_depth(dtype, 2, t, precision)]
             out = cupy.empty(geom.y_shape, dtype=dtype)
             named = {"input": x, "weight": w, "offset": off, "mask": msk, "bias": None}
             runs = []   # (label, kernel fn, whole fn: recorded launches, as plans run it)
