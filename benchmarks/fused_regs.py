@@ -67,7 +67,7 @@ def main(argv=None):
     dtype = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16, "float32": np.dtype(np.float32)}[args.dtype]
     tiles = ([tuple(int(v) for v in t.split(",")) for t in args.tiles.split(";") if t] if args.tiles
              else list(fused._tiles(dtype)) + list(DEFAULT_EXTRA))
-    prec = 0 if dtype != np.float32 else (2 if args.strict else 1)
+    prec = fused.precision_of(dtype, not args.strict)
     tiles = [tile for tile in tiles if fused.tile_computes(tile, prec)]
     prefix = "".join(f"#define {d.split('=', 1)[0]} {d.split('=', 1)[1]}\n" for d in args.defines.split(",") if d)
     jobs = []

@@ -75,11 +75,11 @@ def main(argv=None):
             geom, _ = _geometry.conv_geometry(x.shape, w.shape, off.shape, msk.shape, None, padding=1)
             flop = 2.0 * C * C * 9 * B * H * H
             tf32 = dname == "tf32"    # float32 through TF32; "float32": 3xTF32
-            precision = 0 if dtype != np.float32 else (1 if tf32 else 2)
+            precision = fu.precision_of(dtype, tf32)
             cands = [] if args.only_tiles else fu._tuned_candidates(geom, dtype, wgmma, False, precision)
             limit = max(64, -(-C // 64) * 64)
             tiles = list(cands) + [t for t in extra if t not in cands and t[0] <= limit and (not fu.is_wgmma(t) or wgmma)
-                                   and fu.tile_computes(t, precision) and fu.pipeline_depth(dtype, 2, t, precision)]
+                                   and fu.tile_builds(dtype, 2, t, precision)]
             out = cupy.empty(geom.y_shape, dtype=dtype)
             named = {"input": x, "weight": w, "offset": off, "mask": msk, "bias": None}
             runs = []   # (label, kernel fn, whole fn: recorded launches, as plans run it)

@@ -225,9 +225,8 @@ def fused_cases(quick: bool = False) -> int:
     case = random_case(rng, 2, False, batch=2, channels_scale=64)
     for dtype, tf32 in ((np.float16, False), (np.float32, True), (np.float32, False)):
         for tile in fu._tiles(dtype):
-            precision = 0 if dtype != np.float32 else (1 if tf32 else 2)
-            if (fu.is_wgmma(tile) and not fu.wgmma_available() or not fu.tile_computes(tile, precision)
-                    or not fu.pipeline_depth(dtype, 2, tile, precision)):   # 3xTF32 ring too long
+            if fu.is_wgmma(tile) and not fu.wgmma_available() or not fu.tile_builds(dtype, 2, tile,
+                                                                                      fu.precision_of(dtype, tf32)):
                 continue
             # corners computed per thread, and read from the sampling plan (16-byte sampler, engines 0, 1 and 3);
             # a tile that cannot serve the case (ENGINE 3 where a chunk spans groups) is skipped

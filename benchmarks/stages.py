@@ -276,9 +276,8 @@ def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
         struct = be._geom_struct(geom)
         relayouts = set()
         for tile in tuple(fu._tiles(x.dtype)) + tuple(extra_tiles):
-            precision = 0 if np.dtype(x.dtype) != np.float32 else (1 if allow_tf32 else 2)
-            if (fu.is_wgmma(tile) and not fu.wgmma_available() or not fu.tile_computes(tile, precision)
-                    or not fu.pipeline_depth(x.dtype, geom.ndim, tile, precision)):   # 3xTF32 ring too long
+            if fu.is_wgmma(tile) and not fu.wgmma_available() or not fu.tile_builds(
+                    x.dtype, geom.ndim, tile, fu.precision_of(x.dtype, allow_tf32)):
                 continue
             if not fu.tile_serves(geom, x.dtype, tile):
                 continue

@@ -346,9 +346,8 @@ def tile_runs(tile, precision) -> bool:
     ENGINE 1 in fp16, bf16 and TF32 only, ENGINE 3 where its ring fits (3xTF32 stages are twice
     as long)."""
     fused = _fused()
-    dtype, prec = DTYPE[precision], PREC[precision]
-    return ((not fused.is_wgmma(tile) or fused.wgmma_available()) and fused.tile_computes(tile, prec)
-            and fused.pipeline_depth(dtype, 2, tile, prec) > 0)
+    return ((not fused.is_wgmma(tile) or fused.wgmma_available())
+            and fused.tile_builds(DTYPE[precision], 2, tile, PREC[precision]))
 
 
 def run_fused(arrays: dict, params: dict, precision: str, ndim: int, engine=None):

@@ -139,10 +139,21 @@ def is_wgmma(tile) -> bool:
     return tile[4] in WGMMA_ENGINES
 
 
+def precision_of(dtype, allow_tf32: bool) -> int:
+    """The kernels' PREC: 0 the half type's own MMA; float32 1 (TF32) where allowed, else 2 (3xTF32)."""
+    return 0 if np.dtype(dtype) != np.float32 else (1 if allow_tf32 else 2)
+
+
 def tile_computes(tile, precision: int) -> bool:
     """Whether a tile multiplies in ``precision`` (0 half, 1 TF32, 2 3xTF32): every engine but
     ENGINE 1 (wgmma, not warp-specialised) in 3xTF32."""
     return not (tile[4] == 1 and precision == 2)
+
+
+def tile_builds(dtype, ndim: int, tile, precision: int) -> bool:
+    """Whether a tile has a kernel in ``precision``: it computes that precision and its ring fits
+    shared memory (3xTF32 stages are twice as long)."""
+    return tile_computes(tile, precision) and pipeline_depth(dtype, ndim, tile, precision) > 0
 
 
 def _tiles(dtype, index64: bool = False) -> tuple:
@@ -208,8 +219,8 @@ def name_expressions(dtype, ndim: int, index64: bool, engine: int = 0) -> tuple:
     names = [kernel_name(dtype, index64, ndim, prec, tile, uniform, plan)
              for prec in _precisions(dtype) for tile in _tiles(dtype, index64) for uniform in (True, False)
              for plan in (False, True)
-             if tile[4] == engine and tile_computes(tile, prec)
-             and (uniform or tile == _per_channel_tile(dtype, engine)) and pipeline_depth(dtype, ndim, tile, prec)
+             if tile[4] == engine and tile_builds(dtype, ndim, tile, prec)
+             and (uniform or tile == _per_channel_tile(dtype, engine))
              and not (plan and (not uniform or engine == 2))]
     names += [f"fused_channels_last<{t}, {i}>", f"fused_weight_rows<{t}, {i}>", f"fused_weight_tiles<{t}, {i}>",
               f"fused_sampling_plan<{t}, {i}, {ndim}>"]
@@ -392,15 +403,19 @@ def _per_channel_tile(dtype, engine: int) -> tuple:
     return next(tile for tile in _tiles(dtype) if tile[4] == (0 if engine in (2, 3) else engine))
 
 
+def _serving(geom, dtype, wgmma: bool, index64: bool, precision: int) -> list:
+    """The tiles of TILES that can compute a shape here: wgmma ones only where the device allows,
+    those built in the precision, and of the tiles whose threads would cross a group boundary
+    only the per-channel one of each engine."""
+    return [tile for tile in _tiles(dtype, index64) if (not is_wgmma(tile) or wgmma)
+            and tile_builds(dtype, geom.ndim, tile, precision) and tile_serves(geom, dtype, tile)]
+
+
 def _candidates(geom, dtype, wgmma: bool, index64: bool = False, precision: int = 0) -> list:
-    """The tiles worth trying for a shape: those of TILES no taller than C_out/groups rounded up
-    to 64 (else the shortest), wgmma ones only where the device allows, those that compute the
-    precision, and of the tiles whose threads would cross a group boundary only the per-channel
-    one of each engine."""
+    """The tiles worth trying for a shape: those of ``_serving`` no taller than C_out/groups
+    rounded up to 64 (else the shortest)."""
     Cog = geom.out_channels // geom.groups
-    tiles = [tile for tile in _tiles(dtype, index64) if (not is_wgmma(tile) or wgmma)
-             and tile_computes(tile, precision) and tile_serves(geom, dtype, tile)
-             and pipeline_depth(dtype, geom.ndim, tile, precision)]
+    tiles = _serving(geom, dtype, wgmma, index64, precision)
     limit = max(64, _round_up(Cog, 64))
     fitting = [tile for tile in tiles if tile[0] <= limit]
     return fitting or [min(tiles)]
@@ -413,8 +428,7 @@ def _tuned_candidates(geom, dtype, wgmma: bool, index64: bool = False, precision
     cuda/im2col's 0.453 and mma.sync 64x64x32's ~0.6, NOTES-gpu.md session 13)."""
     tiles = _candidates(geom, dtype, wgmma, index64, precision)
     if wgmma and not any(tile[4] == 3 for tile in tiles):
-        ws = [tile for tile in _tiles(dtype, index64) if tile[4] == 3 and tile_computes(tile, precision)
-              and tile_serves(geom, dtype, tile) and pipeline_depth(dtype, geom.ndim, tile, precision)]
+        ws = [tile for tile in _serving(geom, dtype, wgmma, index64, precision) if tile[4] == 3]
         if ws:
             tiles.append(min(ws, key=lambda tile: (tile[0], -tile[1])))
     return tiles
@@ -456,7 +470,7 @@ class LaunchConfig:
         self.Cg, self.Cog = C // G, Co // G
         self.K, self.Q, self.S = geom.kernel_volume, geom.output_size, geom.input_size
         vec = _VEC[dtype]
-        self.precision = 0 if dtype != np.float32 else (1 if allow_tf32 else 2)
+        self.precision = precision_of(dtype, allow_tf32)
         self.Cp = _round_up(C, vec)
         self.seg_len, self.segments = plan_segments(geom)
         if sampling_plan is None:

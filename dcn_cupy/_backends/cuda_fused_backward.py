@@ -305,7 +305,7 @@ class BackwardConfig:
         self.Cg, self.Cog = C // G, Co // G
         self.K, self.Q, self.S = geom.kernel_volume, geom.output_size, geom.input_size
         self.Go, self.Gm = max(geom.offset_groups, 1), max(geom.mask_groups, 1)
-        self.precision = 0 if dtype != np.float32 else (1 if allow_tf32 else 2)
+        self.precision = _fused.precision_of(dtype, allow_tf32)
         self.tile = tuple(tile) if tile is not None else _choose_tile(geom, dtype)
         bm, bn, bk, _ = self.tile
         self.Cp, self.Cop, self.Cpa = _fused._round_up(C, vec), _fused._round_up(Co, vec), _fused._round_up(C, 4)
