@@ -3,9 +3,9 @@
     python benchmarks/fused_tiles.py [--shapes '8,256,56;32,64,56;16,512,14'] [--dtypes float16,bfloat16,tf32,float32]
         [--tiles 'BM,BN,BK,MINB,ENGINE[,THREADS];...'] [--only-tiles] [--budget 190]
 
-Per shape (B, C_in = C_out, HxW, 3x3, padding 1, offsets and mask, DCNv2) and dtype: the float32
-reference through a ``cuda/im2col`` plan (strict float32) on the same (rounded) inputs; then
-per tile (those of TILES that ``_tuned_candidates`` keeps for the shape, then ``--tiles``, each
+Per shape (B, C_in = C_out, HxW, 3x3, padding 1, offsets and mask, DCNv2) and dtype: the float64
+reference through a ``cuda/im2col`` plan on the same (rounded) inputs; then
+per tile (those of TILES that ``_candidates`` keeps for the shape, then ``--tiles``, each
 instantiated on demand: a tile outside TILES gets a module of its own) and step order: the
 relative error in the norm against that reference (must be < 3e-3 fp16, 2.4e-2 bf16, 5e-3 tf32,
 1e-5 float32, which runs in 3xTF32), the
@@ -70,13 +70,13 @@ def main(argv=None):
             w = (rng.standard_normal((C, C, 3, 3), dtype=cupy.float32) / (C * 9) ** 0.5).astype(dtype)
             off = (rng.standard_normal((B, 18, H, H), dtype=cupy.float32) * 2).astype(dtype)
             msk = rng.random((B, 9, H, H), dtype=cupy.float32).astype(dtype)
-            f32 = [a.astype(cupy.float32) for a in (x, w, off, msk)]
-            ref = dcn_cupy.plan(*f32, padding=1, algorithm="cuda/im2col", allow_tf32=False).forward(*f32)
+            f64 = [a.astype(cupy.float64) for a in (x, w, off, msk)]
+            ref = dcn_cupy.plan(*f64, padding=1, algorithm="cuda/im2col").forward(*f64)
             geom, _ = _geometry.conv_geometry(x.shape, w.shape, off.shape, msk.shape, None, padding=1)
             flop = 2.0 * C * C * 9 * B * H * H
             tf32 = dname == "tf32"    # float32 through TF32; "float32": 3xTF32
             precision = fu.precision_of(dtype, tf32)
-            cands = [] if args.only_tiles else fu._tuned_candidates(geom, dtype, wgmma, False, precision)
+            cands = [] if args.only_tiles else fu._candidates(geom, dtype, wgmma, False, precision)
             limit = max(64, -(-C // 64) * 64)
             tiles = list(cands) + [t for t in extra if t not in cands and t[0] <= limit and (not fu.is_wgmma(t) or wgmma)
                                    and fu.tile_builds(dtype, 2, t, precision)]
@@ -95,7 +95,7 @@ def main(argv=None):
                         print(f"  {tile} taps {'in' if taps_inner else 'out'}: {type(error).__name__}: "
                               f"{str(error)[:300]}", flush=True)
                         continue
-                    d = out.astype(cupy.float32) - ref
+                    d = out.astype(cupy.float64) - ref
                     err = float(cupy.linalg.norm(d) / cupy.linalg.norm(ref))
                     ok = err < TOL[dname]
                     xcl, wr, plan_rows, plan_weights = fu._views(c, ws)

@@ -20,12 +20,12 @@
 //     (PREC 2: a = big + small, three products, float32 accuracy)); ENGINE 1, wgmma (sm_90a,
 //     two warpgroups, m64nBNk16 / k8 from shared-memory descriptors; fp16, bf16, TF32), which
 //     runs asynchronously while the threads sample the next step; ENGINE 3, wgmma with the warps
-//     specialised (sm_90a): two warpgroups only multiply, the other THREADS - 256 threads only
-//     sample, into a ring of DEPTH stages paced by named barriers, each stage's weight tile one
-//     bulk copy (cp.async.bulk on an mbarrier) of fused_weight_tiles' layout, so that sampling
-//     runs up to DEPTH steps ahead of the MMAs and neither waits on the other's latency; fp16,
-//     bf16, TF32 and 3xTF32 (each tile stored as big and small parts, fused::split_tf32, and
-//     multiplied as a_small*b_big + a_big*b_small + a_big*b_big).
+//     specialised (sm_90a): two warpgroups (one for a 64-row tile) only multiply, the other
+//     threads only sample, into a ring of DEPTH stages paced by named barriers, each stage's
+//     weight tile one bulk copy (cp.async.bulk on an mbarrier) of fused_weight_tiles' layout, so
+//     that sampling runs up to DEPTH steps ahead of the MMAs and neither waits on the other's
+//     latency; fp16, bf16, TF32 and 3xTF32 (each tile stored as big and small parts,
+//     fused::split_tf32, and multiplied as a_small*b_big + a_big*b_small + a_big*b_big).
 // The next step's weight copy and corner loads are issued before this step's MMAs complete
 // (two shared-memory buffers, one barrier per step). ENGINE 2 (benchmarks only, not in the
 // host's TILES: measured slower, NOTES-gpu.md) is ENGINE 0 with the corners copied by cp.async
@@ -48,9 +48,9 @@
 // per multiprocessor asked of the register allocator), UNIFORM (16-byte-vector sampler), ENGINE,
 // DEPTH (ENGINE 2's and ENGINE 3's rings), THREADS (per block: 256, or 512 for mma.sync tiles,
 // which halves each thread's accumulators and sampling for a tile as tall as 256 rows; ENGINE 3:
-// 256 MMA threads plus the samplers). Dynamic shared memory: 2 * (BM + BN) * (BK + PAD) elements
-// of T (PAD = 0 for wgmma); ENGINE 3: DEPTH * (BM + BN) * BK, twice that in 3xTF32; ENGINE 2:
-// cuda_fused.smem_bytes.
+// 256 MMA threads, 128 for a 64-row tile, plus the samplers). Dynamic shared memory:
+// 2 * (BM + BN) * (BK + PAD) elements of T (PAD = 0 for wgmma); ENGINE 3: DEPTH * (BM + BN) * BK,
+// twice that in 3xTF32; ENGINE 2: cuda_fused.smem_bytes.
 
 #include "fused_common.cuh"
 
@@ -291,8 +291,11 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     using namespace fused;
     constexpr int VEC = Tile<T>::VEC;
     constexpr bool WGMMA = ENGINE == 1 || ENGINE == 3;
-    // ENGINE 3: warps 0-7 (two warpgroups) only multiply, the others only sample
-    constexpr int MMA_THREADS = ENGINE == 3 ? 256 : 0;
+    // The warpgroups that multiply, each BM / MMA_WGS rows in m64 instructions: two (ENGINE 3:
+    // one for a 64-row tile). ENGINE 3: they only multiply (warps 0-7, or 0-3), the others only sample.
+    constexpr int MMA_WGS = ENGINE == 3 && BM == 64 ? 1 : 2;
+    constexpr int WG_ROWS = BM / MMA_WGS;
+    constexpr int MMA_THREADS = ENGINE == 3 ? 128 * MMA_WGS : 0;
     constexpr int SAMPLERS = THREADS - MMA_THREADS;   // threads that sample (engines 0-2: and copy the weights)
     constexpr int TPP = SAMPLERS / BN;           // sampling threads per position
     constexpr int LD = WGMMA ? BK : BK + Tile<T>::PAD;  // shared row length (A: per output channel, B: per position)
@@ -308,8 +311,8 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     static_assert(ENGINE != 2 || (UNIFORM && DEPTH >= 1), "corner pipeline: 16-byte sampler only");
     static_assert(THREADS == fused::THREADS || ENGINE == 0 || ENGINE == 3,
                   "blocks of other than 256 threads: mma.sync, or the warp-specialised wgmma");
-    static_assert(!WGMMA || (BM % 128 == 0 && (BN == 64 || BN == 128) && (PREC != 2 || ENGINE == 3)),
-                  "wgmma: 2 warpgroups of BM/2 rows (m64 instructions) x BN positions; 3xTF32 on ENGINE 3");
+    static_assert(!WGMMA || (WG_ROWS % 64 == 0 && (BN == 64 || BN == 128) && (PREC != 2 || ENGINE == 3)),
+                  "wgmma: MMA_WGS warpgroups of BM/MMA_WGS rows (m64 instructions) x BN positions; 3xTF32 on ENGINE 3");
     // (3 stages at least: the MMA warps free a stage one step late, keeping one step's MMAs in
     // flight, and the samplers fill a stage one step ahead)
     static_assert(ENGINE != 3 || (SAMPLERS >= 128 && DEPTH >= 3 && 2 * DEPTH <= 15),
@@ -731,11 +734,11 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             }
     } else {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-        // Warpgroup wg computes rows BM/2*wg.. of the tile (MI m64 instructions); the MMA of a
+        // Warpgroup wg computes rows WG_ROWS*wg.. of the tile (MI m64 instructions); the MMA of a
         // step runs asynchronously while the threads (ENGINE 3: the sampling warps) sample the
         // next step into another buffer.
         constexpr int KSTEP = PREC == 0 ? 16 : 8;          // wgmma K
-        constexpr int MI = BM / 2 / 64;
+        constexpr int MI = WG_ROWS / 64;
         constexpr int NACC = BN / 2;                        // accumulators per thread and instruction
         constexpr unsigned CORE = 128;                      // bytes of one 8x16-byte core matrix
         constexpr unsigned SBO = (BK / VEC) * CORE;
@@ -748,7 +751,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         // The MMAs of one step (buffer `buf`), committed as one wgmma group; 3xTF32: the small
         // products first, a_small*b_big + a_big*b_small + a_big*b_big.
         auto mma_issue = [&](int buf) {
-            const T* A = As0 + buf * A_BUF + wg * (BM / 2) * BK;
+            const T* A = As0 + buf * A_BUF + wg * WG_ROWS * BK;
             const T* B = Bs0 + buf * B_BUF;
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi)
@@ -795,8 +798,8 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             }
         } else {
             // ENGINE 3, warp-specialised: the samplers fill a ring of DEPTH stages (weight tile by a
-            // bulk copy, sampled tile by their own stores) as far ahead as it allows, while warps
-            // 0-7 multiply. Stage k has barrier 1 + k ("full": the samplers arrive once their
+            // bulk copy, sampled tile by their own stores) as far ahead as it allows, while the MMA
+            // warps multiply. Stage k has barrier 1 + k ("full": the samplers arrive once their
             // writes are visible to wgmma; the MMA warps wait) and 1 + DEPTH + k ("empty": the
             // MMA warps arrive once the wgmma reading it has completed; the samplers wait before
             // overwriting it). Every arrival is matched by a wait.
@@ -864,7 +867,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int o = m0 + wg * (BM / 2) + mi * 64 + (warp & 3) * 16 + gq + h * 8;
+                const int o = m0 + wg * WG_ROWS + mi * 64 + (warp & 3) * 16 + gq + h * 8;
                 if (o >= Cog) continue;
                 const int oc = grp * Cog + o;
                 const float bv = bias == nullptr ? 0.0f : Traits<T>::load(bias[oc]);

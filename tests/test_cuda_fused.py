@@ -118,7 +118,7 @@ def test_fused_source_defines_exactly_the_instantiated_kernels():
     for key in fused.all_module_keys():
         assert {name.split("<", 1)[0] for name in fused.name_expressions(*key)} == defined
         # ..., UNIFORM, ENGINE[, DEPTH[, THREADS[, PLAN]]]>
-        assert all(re.search(rf", (true|false), {key[3]}(, [1-9](, (256|512)(, true)?)?)?>$", name)
+        assert all(re.search(rf", (true|false), {key[3]}(, [1-9](, (256|384|512|640)(, true)?)?)?>$", name)
                    for name in fused.name_expressions(*key) if name.startswith("deform_fused_forward"))
 
 
@@ -231,7 +231,8 @@ def test_launch_config_choices():
     # 32-channel offset groups: not ENGINE 3 (each of its steps' 64-channel chunks in one group)
     g32 = _geom((8, 256, 56, 56), (256, 256, 3, 3), (8, 8 * 18, 56, 56), (8, 9, 56, 56), padding=1)
     assert fused.LaunchConfig(g32, np.float16, False, 132, wgmma=True).tile[4] == 1
-    assert not fused.tile_serves(g32, np.float16, fused.TILES["half"][-1])
+    assert not fused.tile_serves(g32, np.float16, (256, 64, 64, 1, 3, 512))
+    assert fused.tile_serves(g32, np.float16, (64, 128, 32, 1, 3, 384))   # 32-channel steps
     # 64 output channels per group: 64-channel tiles; 3 channels: per-channel sampler
     g = _geom((2, 64, 9, 9), (64, 32, 3, 3), groups=2)
     assert fused.LaunchConfig(g, np.float16, False, 132).tile[0] == 64
@@ -248,12 +249,20 @@ def test_launch_config_choices():
         fused.LaunchConfig(g, np.float16, False, 132, tile=fused.TILES["half"][1])
     with pytest.raises(ValueError, match="not 3xTF32"):
         fused.LaunchConfig(g, np.float32, False, 132, tile=fused.TILES["float"][3])
-    # 64 output channels: the tuner also times the shortest warp-specialised tile (128 rows)
+    # 64 output channels: 64-row tiles, the warp-specialised ones with one MMA warpgroup
     g64 = _geom((32, 64, 56, 56), (64, 64, 3, 3), (32, 18, 56, 56), (32, 9, 56, 56), padding=1)
     assert all(tile[0] == 64 for tile in fused._candidates(g64, np.float32, True, False, 2))
-    assert fused._tuned_candidates(g64, np.float32, True, False, 2)[-1] == (128, 128, 32, 1, 3, 512)
-    assert fused._tuned_candidates(g64, np.float16, True)[-1] == (128, 128, 64, 1, 3, 512)
-    assert all(tile[4] != 3 for tile in fused._tuned_candidates(g64, np.float16, False))
+    assert {tile for tile in fused._candidates(g64, np.float32, True, False, 2) if tile[4] == 3} == {
+        (64, 128, 32, 1, 3, 640), (64, 64, 32, 2, 3, 384)}
+    assert {tile for tile in fused._candidates(g64, np.float16, True) if tile[4] == 3} == {
+        (64, 64, 64, 2, 3, 384), (64, 128, 32, 1, 3, 384)}
+    assert all(tile[4] != 3 for tile in fused._candidates(g64, np.float16, False))
+    strict64 = fused.LaunchConfig(g64, np.float32, False, 132, wgmma=True)
+    assert strict64.tile == (64, 128, 32, 1, 3, 640) and strict64.depth == 4 and strict64.smem_bytes == 192 * 1024
+    assert fused.tile_mma_threads(strict64.tile) == 128 and fused.tile_samplers(strict64.tile) == 512
+    # a ring of a tile asking 2 blocks per multiprocessor fits half of one: 3 stages of 32 KiB in 3xTF32
+    assert fused.pipeline_depth(np.float32, 2, (64, 64, 32, 2, 3, 384), 2) == 3
+    assert fused.pipeline_depth(np.float32, 2, (64, 64, 32, 2, 3, 384), 1) == 4
 
 
 @pytest.mark.parametrize("tile, plan", [((256, 64, 64, 1, 3, 512), True), ((64, 64, 64, 1, 0), False)])

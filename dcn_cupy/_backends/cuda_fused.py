@@ -25,8 +25,8 @@ calls on C-contiguous arrays replay the launches recorded for their addresses
 Launch parameters per shape: a tile (output channels x positions x channels per step) and an
 MMA engine, ``mma.sync`` (any GPU of compute capability 8.0 or more) or ``wgmma`` (sm_90a, the
 MMA running asynchronously while the block samples the next step; fp16, bf16 and TF32), the
-latter also with specialised warps (ENGINE 3: two warpgroups multiply while the others sample
-up to ``RING_STAGES`` steps ahead). The
+latter also with specialised warps (ENGINE 3: two warpgroups multiply, one in a 64-row tile,
+while the others sample up to ``RING_STAGES`` steps ahead). The
 candidates of ``TILES`` no taller than C_out/groups are timed once per (device, geometry, dtype,
 precision) when a forward is first planned, on random data of one batch chunk, and the fastest
 is kept (``plan_config``); during a CUDA-graph capture, or with ``DCN_CUPY_FUSED_TUNE=0``, a
@@ -83,22 +83,26 @@ DTYPES = tuple(_VEC)
 #: over a step's chunk, so it serves only where each chunk lies in one offset and mask group, and
 #: has no per-channel sampler. H200, kernel alone, fp16: 0.141 ms against 0.234 for the 512-thread
 #: mma.sync tile at B=8 C256 56x56, 0.081 against 0.141 at B=16 C512 14x14 (NOTES-gpu.md, session 11).
+#: Its 64-row tiles have one MMA warpgroup (``tile_mma_threads``), for C_out/groups <= 64, where a
+#: 128-row tile left half its rows idle: H200, B=32 C64 56x56 whole forward, 3xTF32 64x128x32 (640
+#: threads) 0.295 ms against 128x128x32's 0.414, TF32 64x64x32 (2 blocks per SM) 0.214 against
+#: 0.288 (NOTES-gpu.md, session 14).
 TILES = {
     "half": ((64, 64, 64, 1, 0), (256, 64, 64, 1, 0), (128, 128, 64, 1, 0),
              (128, 64, 64, 1, 1), (256, 128, 32, 1, 1), (128, 128, 64, 1, 1),
              (64, 128, 32, 2, 0), (64, 64, 64, 2, 0), (128, 64, 64, 2, 0), (256, 64, 64, 1, 0, 512),
-             (256, 64, 64, 1, 3, 512), (128, 128, 64, 1, 3, 512)),
+             (256, 64, 64, 1, 3, 512), (128, 128, 64, 1, 3, 512), (64, 64, 64, 2, 3, 384),
+             (64, 128, 32, 1, 3, 384)),
     "float": ((64, 64, 32, 1, 0), (256, 64, 32, 1, 0), (128, 128, 16, 1, 0),
               (128, 64, 32, 1, 1), (256, 128, 16, 1, 1), (128, 128, 32, 1, 1),
-              (256, 64, 32, 1, 3, 512), (256, 64, 16, 1, 3, 512), (128, 128, 32, 1, 3, 512)),
+              (256, 64, 32, 1, 3, 512), (256, 64, 16, 1, 3, 512), (128, 128, 32, 1, 3, 512),
+              (64, 128, 32, 1, 3, 640), (64, 64, 32, 2, 3, 384)),
 }
 #: The engines that multiply with wgmma (sm_90a modules; fp16, bf16 and TF32; ENGINE 3 3xTF32 too).
 WGMMA_ENGINES = (1, 3)
 #: The most stages of an ENGINE 3 ring (two named barriers a stage); fewer where they do not fit
 #: ``PIPELINE_SMEM_BYTES`` (3xTF32 stages hold big and small parts: twice as long).
 RING_STAGES = 4
-#: ENGINE 3's threads that only multiply (two warpgroups; the kernel's MMA_THREADS).
-_MMA_THREADS = 256
 _INT32_SAFE = 2**30
 _MAX_GRID = 1 << 20
 _ALIGN = 256
@@ -129,9 +133,15 @@ def tile_threads(tile) -> int:
     return tile[5] if len(tile) > 5 else _THREADS
 
 
+def tile_mma_threads(tile) -> int:
+    """ENGINE 3's threads that only multiply (the kernel's MMA_THREADS): two warpgroups, one for a
+    64-row tile; 0 for the other engines, whose threads all sample."""
+    return 0 if tile[4] != 3 else (128 if tile[0] == 64 else 256)
+
+
 def tile_samplers(tile) -> int:
     """Threads per block that sample (all, but for ENGINE 3's MMA threads)."""
-    return tile_threads(tile) - (_MMA_THREADS if tile[4] == 3 else 0)
+    return tile_threads(tile) - tile_mma_threads(tile)
 
 
 def is_wgmma(tile) -> bool:
@@ -168,6 +178,11 @@ def _tiles(dtype, index64: bool = False) -> tuple:
 #: Shared memory an ENGINE 2 (corner pipeline) kernel may take; its ring depth is the largest
 #: (at most MAX_DEPTH) that fits. Hopper allows 227 KiB per block.
 PIPELINE_SMEM_BYTES = 220 * 1024
+#: Shared memory of a Hopper multiprocessor, and what each block on it reserves besides its own
+#: (the system's 1 KiB, and a margin for the kernel's static mbarriers): a ring of a tile asking
+#: MINB blocks per multiprocessor fits (SM_SMEM_BYTES / MINB - BLOCK_SMEM_RESERVE).
+SM_SMEM_BYTES = 228 * 1024
+BLOCK_SMEM_RESERVE = 2 * 1024
 MAX_DEPTH = 4
 
 
@@ -186,13 +201,14 @@ def smem_bytes(dtype, ndim: int, tile: tuple, depth: int = 0, precision: int = 0
 def pipeline_depth(dtype, ndim: int, tile: tuple, precision: int = 0) -> int:
     """The ring depth (the DEPTH template argument) of an engine 2 tile (corner stages, at most
     MAX_DEPTH) or an engine 3 tile (3 to RING_STAGES: with 2 its samplers and MMA warps would wait
-    on each other): the most stages that fit PIPELINE_SMEM_BYTES (0: too few fit); 1 for the
-    other engines."""
+    on each other): the most stages that fit PIPELINE_SMEM_BYTES, and MINB blocks a multiprocessor
+    (0: too few fit); 1 for the other engines."""
     if tile[4] not in (2, 3):
         return 1
     least, most = (3, RING_STAGES) if tile[4] == 3 else (1, MAX_DEPTH)
+    budget = min(PIPELINE_SMEM_BYTES, SM_SMEM_BYTES // tile[3] - BLOCK_SMEM_RESERVE)
     return max((d for d in range(least, most + 1)
-                if smem_bytes(dtype, ndim, tile, d, precision) <= PIPELINE_SMEM_BYTES), default=0)
+                if smem_bytes(dtype, ndim, tile, d, precision) <= budget), default=0)
 
 
 def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, uniform: bool, plan: bool = False) -> str:
@@ -421,28 +437,17 @@ def _candidates(geom, dtype, wgmma: bool, index64: bool = False, precision: int 
     return fitting or [min(tiles)]
 
 
-def _tuned_candidates(geom, dtype, wgmma: bool, index64: bool = False, precision: int = 0) -> list:
-    """The candidates the tuner times: ``_candidates``, and where none of them is warp-specialised
-    (C_out/groups <= 64: the wgmma tiles are 128 rows at least) the shortest ENGINE 3 tile that
-    serves, half its rows idle (H200, B=32 C64 56x56 3xTF32: 128x128x32 0.414 ms against
-    cuda/im2col's 0.453 and mma.sync 64x64x32's ~0.6, NOTES-gpu.md session 13)."""
-    tiles = _candidates(geom, dtype, wgmma, index64, precision)
-    if wgmma and not any(tile[4] == 3 for tile in tiles):
-        ws = [tile for tile in _serving(geom, dtype, wgmma, index64, precision) if tile[4] == 3]
-        if ws:
-            tiles.append(min(ws, key=lambda tile: (tile[0], -tile[1])))
-    return tiles
-
-
 def _choose_tile(geom, dtype, positions: int, multiprocessors: int, wgmma: bool, index64: bool = False,
                  precision: int = 0) -> tuple:
     """The tile of a shape without timing: among the candidates, wgmma ones first where allowed
-    (the warp-specialised ones first of all), then the tallest and widest, the first that gives
-    at least two blocks per multiprocessor; else the one with the most blocks."""
+    (the warp-specialised ones first of all, unless shorter than C_out/groups and 128 rows: each
+    of a shorter tile's blocks samples its positions again), then the tallest and widest, the
+    first that gives at least two blocks per multiprocessor; else the one with the most blocks."""
     groups = geom.groups
     Cog = geom.out_channels // groups
+    preferred = lambda tile: tile[4] == 3 and tile[0] >= min(Cog, 128)  # noqa: E731
     candidates = sorted(_candidates(geom, dtype, wgmma, index64, precision),
-                        key=lambda tile: (-(tile[4] == 3), -(tile[4] == 1), -tile[4], -tile[0], -tile[1]))
+                        key=lambda tile: (-preferred(tile), -(tile[4] == 1), -tile[4], -tile[0], -tile[1]))
     blocks = lambda tile: -(-positions // tile[1]) * -(-Cog // tile[0]) * groups  # noqa: E731
     for tile in candidates:
         if blocks(tile) >= 2 * multiprocessors:
@@ -551,7 +556,9 @@ class LaunchConfig:
             expr = kernel_name(self.dtype, self.index64, g.ndim, self.precision, self.tile, self.uniform,
                                self.sampling_plan)
             fn = _function(expr, self.dtype, g.ndim, self.index64, self.tile[4])
-            if self.smem_bytes > 48 * 1024:
+            # static shared memory (ENGINE 3's mbarriers) counts towards the 48 KiB allowed
+            # without the attribute: it is set for any dynamic size
+            if self.smem_bytes > 0:
                 _allow_shared_memory(fn, self.smem_bytes)
             return fn
         n = f", {g.ndim}" if name == "fused_sampling_plan" else ""
@@ -805,7 +812,7 @@ def _fastest_choice(geom, dtype, allow_tf32: bool, static, sms: int, wgmma: bool
     orders = (True, False) if g.kernel_volume > 1 and g.in_channels_per_group > 32 else (True,)
     plans = (False, True) if SAMPLING_PLAN is None else (SAMPLING_PLAN,)
     choices = [(tile, taps_inner, plan)
-               for tile in _tuned_candidates(geom, dtype, wgmma, static.index64, static.precision)
+               for tile in _candidates(geom, dtype, wgmma, static.index64, static.precision)
                for taps_inner in orders for plan in plans
                if not plan or (_uniform(geom, tile) and tile[4] != 2 and plan_segments(geom)[1] <= MAX_PLAN_SEGMENTS)]
     configs = [LaunchConfig(g, dtype, allow_tf32, sms, tile=tile, taps_inner=taps_inner, sampling_plan=plan)
