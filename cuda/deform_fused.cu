@@ -60,6 +60,11 @@
 #ifndef DCN_FUSED_WS_EXPERIMENT
 #define DCN_FUSED_WS_EXPERIMENT 0
 #endif
+// ENGINE 3 in 3xTF32: each step's products summed in registers of their own, then added to the
+// accumulators in float32 (1), or straight into the accumulators (0).
+#ifndef DCN_FUSED_PROMOTE
+#define DCN_FUSED_PROMOTE 1
+#endif
 
 namespace fused {
 
@@ -124,67 +129,73 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
 
 __device__ __forceinline__ void register_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
-// D(64xN, float) += A(64xK) * B(KxN), both from shared memory (descriptors), one warpgroup;
-// K = 16 (half types) or 8 (TF32), N = 64 or 128. sm_90a.
+// D(64xN, float) += A(64xK) * B(KxN) (D = A * B where `accumulate` is 0), both from shared
+// memory (descriptors), one warpgroup; K = 16 (half types) or 8 (TF32), N = 64 or 128. sm_90a.
 template <typename T, int N> struct Wgmma;
 template <> struct Wgmma<__half, 128> {
-    static __device__ __forceinline__ void run(float (&d)[64], unsigned long long da, unsigned long long db) {
+    static __device__ __forceinline__ void run(float (&d)[64], unsigned long long da, unsigned long long db,
+                                               int accumulate = 1) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-            : "l"(da), "l"(db), "r"(1));
+            : "l"(da), "l"(db), "r"(accumulate));
     }
 };
 template <> struct Wgmma<__nv_bfloat16, 128> {
-    static __device__ __forceinline__ void run(float (&d)[64], unsigned long long da, unsigned long long db) {
+    static __device__ __forceinline__ void run(float (&d)[64], unsigned long long da, unsigned long long db,
+                                               int accumulate = 1) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-            : "l"(da), "l"(db), "r"(1));
+            : "l"(da), "l"(db), "r"(accumulate));
     }
 };
 template <> struct Wgmma<float, 128> {
-    static __device__ __forceinline__ void run(float (&d)[64], unsigned long long da, unsigned long long db) {
+    static __device__ __forceinline__ void run(float (&d)[64], unsigned long long da, unsigned long long db,
+                                               int accumulate = 1) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-            : "l"(da), "l"(db), "r"(1));
+            : "l"(da), "l"(db), "r"(accumulate));
     }
 };
 template <> struct Wgmma<__half, 64> {
-    static __device__ __forceinline__ void run(float (&d)[32], unsigned long long da, unsigned long long db) {
+    static __device__ __forceinline__ void run(float (&d)[32], unsigned long long da, unsigned long long db,
+                                               int accumulate = 1) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-            : "l"(da), "l"(db), "r"(1));
+            : "l"(da), "l"(db), "r"(accumulate));
     }
 };
 template <> struct Wgmma<__nv_bfloat16, 64> {
-    static __device__ __forceinline__ void run(float (&d)[32], unsigned long long da, unsigned long long db) {
+    static __device__ __forceinline__ void run(float (&d)[32], unsigned long long da, unsigned long long db,
+                                               int accumulate = 1) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-            : "l"(da), "l"(db), "r"(1));
+            : "l"(da), "l"(db), "r"(accumulate));
     }
 };
 template <> struct Wgmma<float, 64> {
-    static __device__ __forceinline__ void run(float (&d)[32], unsigned long long da, unsigned long long db) {
+    static __device__ __forceinline__ void run(float (&d)[32], unsigned long long da, unsigned long long db,
+                                               int accumulate = 1) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-            : "l"(da), "l"(db), "r"(1));
+            : "l"(da), "l"(db), "r"(accumulate));
     }
 };
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
@@ -748,15 +759,21 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
             for (int i = 0; i < NACC; ++i) d[mi][i] = 0.0f;
-        // The MMAs of one step (buffer `buf`), committed as one wgmma group; 3xTF32: the small
-        // products first, a_small*b_big + a_big*b_small + a_big*b_big.
-        auto mma_issue = [&](int buf) {
+        // ENGINE 3 in 3xTF32: a step's products go to registers of their own (p), added to d in
+        // float32 once they complete: the tensor cores' accumulation truncates, so that summing a
+        // whole K of 3 products a k8 into d drifts with K (H200, B=16 C512 14x14: 2.9e-5 relative
+        // against 6.4e-7 for float32 FMAs; NOTES-gpu.md, session 14).
+        constexpr bool PROMOTE = ENGINE == 3 && SPLIT == 2 && DCN_FUSED_PROMOTE;
+        float p[MI][NACC];   // (unused, so allocated no registers, without PROMOTE)
+        // The MMAs of one step (buffer `buf`) into `acc` (d, or p overwritten: fresh), committed as one
+        // wgmma group; 3xTF32: the small products first, a_small*b_big + a_big*b_small + a_big*b_big.
+        auto mma_issue = [&](int buf, float (&acc)[MI][NACC], bool fresh) {
             const T* A = As0 + buf * A_BUF + wg * WG_ROWS * BK;
             const T* B = Bs0 + buf * B_BUF;
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-                for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
+                for (int i = 0; i < NACC; ++i) register_fence(acc[mi][i]);
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < BK / KSTEP; ++ks) {
@@ -764,24 +781,28 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi) {
                     const T* a = A + mi * 64 * BK + ks * 2 * 8 * VEC;
+                    // (the step's first product into p overwrites it)
+                    const int keep = fresh && ks == 0 ? 0 : 1;
                     if constexpr (SPLIT == 2) {
-                        Wgmma<T, BN>::run(d[mi], wgmma_descriptor(a + BM * LD, CORE, SBO), db);
-                        Wgmma<T, BN>::run(d[mi], wgmma_descriptor(a, CORE, SBO),
+                        Wgmma<T, BN>::run(acc[mi], wgmma_descriptor(a + BM * LD, CORE, SBO), db, keep);
+                        Wgmma<T, BN>::run(acc[mi], wgmma_descriptor(a, CORE, SBO),
                                           wgmma_descriptor(B + BN * LD + ks * 2 * 8 * VEC, CORE, SBO));
+                        Wgmma<T, BN>::run(acc[mi], wgmma_descriptor(a, CORE, SBO), db);
+                    } else {
+                        Wgmma<T, BN>::run(acc[mi], wgmma_descriptor(a, CORE, SBO), db, keep);
                     }
-                    Wgmma<T, BN>::run(d[mi], wgmma_descriptor(a, CORE, SBO), db);
                 }
             }
             wgmma_commit();
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-                for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
+                for (int i = 0; i < NACC; ++i) register_fence(acc[mi][i]);
         };
         if constexpr (ENGINE == 1) {
             for (int s = 0; s < steps; ++s) {
                 const int cur = s & 1;
-                mma_issue(cur);
+                mma_issue(cur, d, false);
                 if (s + 1 < steps) {
                     weight_copy(s + 1, cur ^ 1);
                     sample_load(s + 1);
@@ -846,7 +867,24 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 // the samplers' generic-proxy stores, ordered by the barrier, made visible to this
                 // thread's wgmma (async proxy)
                 proxy_fence();
-                if (DCN_FUSED_WS_EXPERIMENT != 1) mma_issue(s % DEPTH);
+                if constexpr (PROMOTE) {
+                    // the step's products complete (its stage freed at once), then join d
+                    if (DCN_FUSED_WS_EXPERIMENT != 1) mma_issue(s % DEPTH, p, true);
+                    wgmma_wait_all();
+#pragma unroll
+                    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                        for (int i = 0; i < NACC; ++i) register_fence(p[mi][i]);
+                    if (s + DEPTH < steps) barrier_arrive(1 + DEPTH + s % DEPTH, THREADS);
+                    if (DCN_FUSED_WS_EXPERIMENT != 1) {
+#pragma unroll
+                        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                            for (int i = 0; i < NACC; ++i) d[mi][i] += p[mi][i];
+                    }
+                    continue;
+                }
+                if (DCN_FUSED_WS_EXPERIMENT != 1) mma_issue(s % DEPTH, d, false);
                 wgmma_wait_pending<1>();   // step s - 1's MMAs have read their stage
 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi)

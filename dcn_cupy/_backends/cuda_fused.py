@@ -84,9 +84,9 @@ DTYPES = tuple(_VEC)
 #: has no per-channel sampler. H200, kernel alone, fp16: 0.141 ms against 0.234 for the 512-thread
 #: mma.sync tile at B=8 C256 56x56, 0.081 against 0.141 at B=16 C512 14x14 (NOTES-gpu.md, session 11).
 #: Its 64-row tiles have one MMA warpgroup (``tile_mma_threads``), for C_out/groups <= 64, where a
-#: 128-row tile left half its rows idle: H200, B=32 C64 56x56 whole forward, 3xTF32 64x128x32 (640
-#: threads) 0.295 ms against 128x128x32's 0.414, TF32 64x64x32 (2 blocks per SM) 0.214 against
-#: 0.288 (NOTES-gpu.md, session 14).
+#: 128-row tile left half its rows idle: H200, B=32 C64 56x56 whole forward, TF32 64x64x32 (2
+#: blocks per SM) 0.214 ms against 128x128x32's 0.288, 3xTF32 0.328 against 0.414; fp16
+#: 64x64x64 level with mma.sync's 64x64x64 (NOTES-gpu.md, session 14).
 TILES = {
     "half": ((64, 64, 64, 1, 0), (256, 64, 64, 1, 0), (128, 128, 64, 1, 0),
              (128, 64, 64, 1, 1), (256, 128, 32, 1, 1), (128, 128, 64, 1, 1),
@@ -96,7 +96,7 @@ TILES = {
     "float": ((64, 64, 32, 1, 0), (256, 64, 32, 1, 0), (128, 128, 16, 1, 0),
               (128, 64, 32, 1, 1), (256, 128, 16, 1, 1), (128, 128, 32, 1, 1),
               (256, 64, 32, 1, 3, 512), (256, 64, 16, 1, 3, 512), (128, 128, 32, 1, 3, 512),
-              (64, 128, 32, 1, 3, 640), (64, 64, 32, 2, 3, 384)),
+              (64, 64, 32, 2, 3, 384)),
 }
 #: The engines that multiply with wgmma (sm_90a modules; fp16, bf16 and TF32; ENGINE 3 3xTF32 too).
 WGMMA_ENGINES = (1, 3)
