@@ -510,6 +510,22 @@ def run_fused_tile(arrays, params, precision, tile, taps_inner=True, sampling_pl
 
 
 @pytest.mark.gpu
+def test_strict_float32_keeps_float32_accuracy_over_a_long_reduction():
+    """3xTF32 on the warp-specialised tiles over C_in*K = 4608: each step's products summed apart
+    and added in float32, so that the error stays that of float32 FMAs (~6e-7 here; the tensor
+    cores' truncating accumulation alone gave ~3e-5, growing with K)."""
+    rng = np.random.default_rng(14)
+    arrays, params = wide_case(rng, 2, groups=1, offset_groups=1, mask_groups=1, c_in=512, c_out=192, batch=2,
+                               stride=(1, 1), padding=(1, 1), dilation=(1, 1))
+    tiles = [tile for tile in _fused().TILES["float"] if tile[4] == 3 and tile_runs(tile, "float32")]
+    if not tiles:
+        pytest.skip("wgmma: compute capability 9.0")
+    for tile in tiles:
+        got, expected, _ = run_fused_tile(arrays, params, "float32", tile)
+        assert relative_error(got, expected) < 2e-6, tile
+
+
+@pytest.mark.gpu
 def test_large_output_channel_tiles_and_batch_spanning_tiles():
     # C_out/groups = 200: two 128-channel tiles, the second partial; 5 samples of 9x9 (81
     # positions): position tiles span samples
