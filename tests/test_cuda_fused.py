@@ -147,11 +147,22 @@ def test_float32_is_considered_on_compute_capability_9(monkeypatch):
     without a measurement) on compute capability 9.0 only (the wgmma tiles)."""
     fused = _fused()
     monkeypatch.setattr(fused, "fused_versus_im2col", lambda *a: None)
-    tf32 = _Spec(np.float32)
+    g = _geom((8, 256, 56, 56), (256, 256, 3, 3), (8, 18, 56, 56), (8, 9, 56, 56), padding=1)
+    tf32 = _Spec(np.float32, geom=g)
     tf32.allow_tf32 = True
     monkeypatch.setattr(fused, "_compute_capability", lambda device_id: 90)
     assert fused.BACKEND.recommends(tf32, "conv_forward") is None
-    assert fused.BACKEND.recommends(_Spec(np.float32), "conv_forward") is None
+    assert fused.BACKEND.recommends(_Spec(np.float32, geom=g), "conv_forward") is None
+    # strict float32 only where a warp-specialised tile (float32-accurate accumulation) serves:
+    # 16 offset groups of 4 channels need the per-channel sampler (mma.sync)
+    g4 = _geom((2, 64, 9, 9), (64, 64, 3, 3), (2, 16 * 18, 9, 9), padding=1)
+    assert "only on the warp-specialised tiles" in fused.BACKEND.recommends(_Spec(np.float32, geom=g4),
+                                                                            "conv_forward")
+    tf32_g4 = _Spec(np.float32, geom=g4)
+    tf32_g4.allow_tf32 = True
+    assert fused.BACKEND.recommends(tf32_g4, "conv_forward") is None
+    assert all(tile[4] == 3 for tile in fused._candidates(g, np.float32, True, False, 2))
+    assert all(tile[4] == 0 for tile in fused._candidates(g4, np.float32, True, False, 2))
     monkeypatch.setattr(fused, "_compute_capability", lambda device_id: 80)
     assert "TF32 measured slower than cuda/im2col below compute capability 9.0 (got 8.0" in \
         fused.BACKEND.recommends(tf32, "conv_forward")
@@ -670,8 +681,8 @@ def test_non_finite_input_reaches_exactly_the_dense_convolution_pattern(wide, pr
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_plans_choose_and_force_fused(dtype, monkeypatch):
-    """The plan layer: automatic choice (fused for the half types, and for float32 in TF32 and
-    3xTF32 on compute capability 9.0), forced selection through ``algorithm=`` and
+    """The plan layer: automatic choice (fused for the half types, and for float32 on compute
+    capability 9.0 in TF32, and in 3xTF32 where a warp-specialised tile serves), forced selection through ``algorithm=`` and
     ``use_algorithm``, and the transposed convolution's backward-to-input (a conv forward by
     duality) on the fused kernel."""
     cupy = _cupy()
@@ -688,7 +699,12 @@ def test_plans_choose_and_force_fused(dtype, monkeypatch):
         arrays = conv.arrays(lambda a: cupy.asarray(a.astype(dtype)))
         rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in conv.arrays_.items()}
         auto = dcn_cupy.plan(**arrays, **conv.params, allow_tf32=False)
-        expected_auto = "cuda/fused" if dtype == np.float16 or cuda_fused.wgmma_available() else "cuda/im2col"
+        geom = _geometry.conv_geometry(*(None if conv.arrays_.get(k) is None else conv.arrays_[k].shape
+                                         for k in ("input", "weight", "offset", "mask", "bias")), **conv.params)[0]
+        # strict float32: where a warp-specialised tile serves (float32-accurate accumulation)
+        accurate = cuda_fused.LaunchConfig(geom, dtype, False, wgmma=True).tile[4] == 3
+        expected_auto = ("cuda/fused" if dtype == np.float16 or (cuda_fused.wgmma_available() and accurate)
+                         else "cuda/im2col")
         assert f"forward: {expected_auto}" in auto.algorithm, auto.algorithm
         if dtype == np.float32:   # TF32: the fused forward where the wgmma tile runs
             tf32 = dcn_cupy.plan(**arrays, **conv.params, allow_tf32=True)

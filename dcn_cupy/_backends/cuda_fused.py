@@ -422,9 +422,14 @@ def _per_channel_tile(dtype, engine: int) -> tuple:
 def _serving(geom, dtype, wgmma: bool, index64: bool, precision: int) -> list:
     """The tiles of TILES that can compute a shape here: wgmma ones only where the device allows,
     those built in the precision, and of the tiles whose threads would cross a group boundary
-    only the per-channel one of each engine."""
-    return [tile for tile in _tiles(dtype, index64) if (not is_wgmma(tile) or wgmma)
-            and tile_builds(dtype, geom.ndim, tile, precision) and tile_serves(geom, dtype, tile)]
+    only the per-channel one of each engine. In 3xTF32, only ENGINE 3's where one serves: they
+    alone add each step's products to the accumulators in float32 (mma.sync's 3xTF32 drifts with
+    C_in*K: 2.9e-5 relative at 4608 against 6e-7, NOTES-gpu.md session 14)."""
+    tiles = [tile for tile in _tiles(dtype, index64) if (not is_wgmma(tile) or wgmma)
+             and tile_builds(dtype, geom.ndim, tile, precision) and tile_serves(geom, dtype, tile)]
+    if precision == 2:
+        tiles = [tile for tile in tiles if tile[4] == 3] or tiles
+    return tiles
 
 
 def _candidates(geom, dtype, wgmma: bool, index64: bool = False, precision: int = 0) -> list:
@@ -911,6 +916,10 @@ def _not_preferred(spec):
     if capability != 90:
         return (f"float32 through {how} measured slower than cuda/im2col below compute capability 9.0 (got "
                 f"{capability / 10}; force algorithm='cuda/fused' to use it)")
+    if not spec.allow_tf32 and LaunchConfig(spec.geom, dtype, False, wgmma=True).tile[4] != 3:
+        return ("strict float32 keeps float32 accuracy only on the warp-specialised tiles, and none serves this "
+                "configuration (its channel groups, or 64-bit sizes); force algorithm='cuda/fused' for mma.sync's "
+                "3xTF32, whose error grows with C_in * kernel size")
     return None
 
 
