@@ -2,8 +2,10 @@
 
 No columns buffer: ``cuda/deform_fused.cu`` samples each (tap, chunk of input channels) of a
 block's positions straight into shared memory and multiplies it there with the weight tile on
-tensor cores (fp16/bf16 in their format, float32 as TF32 when TF32 is allowed, else 3xTF32,
-which keeps float32 accuracy; float32 accumulation). Per call, and part of the timed forward:
+tensor cores (fp16/bf16 in their format, float32 as TF32 when TF32 is allowed, else 3xTF32;
+float32 accumulation, which the warp-specialised tiles take in float32 FMAs step by step in
+3xTF32, keeping float32 accuracy at any C_in * kernel size). Per call, and part of the timed
+forward:
 
 * the input is copied channels-last, ``(Bc, *S, Cp)`` with ``Cp`` = C_in rounded up to one
   16-byte vector, one batch chunk at a time (chunks bound that workspace by
@@ -13,7 +15,7 @@ which keeps float32 accuracy; float32 accumulation). Per call, and part of the t
 
 Serves ``conv_forward`` for float16, bfloat16 and float32 on CUDA (``FusedBackend.serves``);
 the automatic choice considers it for the half types, and for float32 (TF32, or 3xTF32 where
-TF32 is not allowed) on compute capability 9.0 (the warp-specialised wgmma tiles), and takes it
+TF32 is not allowed and a warp-specialised tile serves) on compute capability 9.0, and takes it
 per configuration unless ``cuda/im2col``'s forward measured clearly faster (both timed once on
 one batch chunk when the plan is built, as plans run them: ``fused_versus_im2col``; e.g. at
 B=16 C512 14x14 fp16 im2col is faster). Below compute capability 9.0 float32 (mma.sync, tested)
@@ -840,7 +842,8 @@ def fused_conv_forward(x, weight, offset, mask, bias, geom, out, *, allow_tf32: 
         bias (cupy.ndarray or None): ``(C_out,)``.
         geom (ConvGeometry): the convolution's geometry.
         out (cupy.ndarray): ``geom.y_shape``, same dtype, C-contiguous; overwritten.
-        allow_tf32 (bool): float32 through TF32 (else 3xTF32, float32 accuracy).
+        allow_tf32 (bool): float32 through TF32 (else 3xTF32: float32 accuracy on the
+            warp-specialised tiles; mma.sync's error grows with C_in * kernel size).
         workspace (cupy.ndarray, optional): at least ``LaunchConfig(...).workspace_bytes`` bytes.
     """
     if geom.batch == 0:
