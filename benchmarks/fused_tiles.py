@@ -4,9 +4,9 @@
         [--tiles 'BM,BN,BK,MINB,ENGINE[,THREADS];...'] [--only-tiles] [--budget 190]
 
 Per shape (B, C_in = C_out, HxW, 3x3, padding 1, offsets and mask, DCNv2) and dtype: the float64
-reference through a ``cuda/im2col`` plan on the same (rounded) inputs; then
-per tile (those of TILES that ``_candidates`` keeps for the shape, then ``--tiles``, each
-instantiated on demand: a tile outside TILES gets a module of its own) and step order: the
+reference through a ``cuda/im2col`` plan on the same (rounded) inputs; then per tile (those of
+TILES that ``_candidates`` keeps for the shape, then ``--tiles``, each instantiated on demand: a
+tile outside TILES gets a module of its own) and step order: the
 relative error in the norm against that reference (must be < 3e-3 fp16, 2.4e-2 bf16, 5e-3 tf32,
 1e-5 float32, which runs in 3xTF32), the
 kernel alone (CuPy events, median of 5 x 10 launches, all candidates timed in two interleaved

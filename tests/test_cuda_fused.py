@@ -682,9 +682,9 @@ def test_non_finite_input_reaches_exactly_the_dense_convolution_pattern(wide, pr
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_plans_choose_and_force_fused(dtype, monkeypatch):
     """The plan layer: automatic choice (fused for the half types, and for float32 on compute
-    capability 9.0 in TF32, and in 3xTF32 where a warp-specialised tile serves), forced selection through ``algorithm=`` and
-    ``use_algorithm``, and the transposed convolution's backward-to-input (a conv forward by
-    duality) on the fused kernel."""
+    capability 9.0 in TF32, and in 3xTF32 where a warp-specialised tile serves), forced
+    selection through ``algorithm=`` and ``use_algorithm``, and the transposed convolution's
+    backward-to-input (a conv forward by duality) on the fused kernel."""
     cupy = _cupy()
     from dcn_cupy._backends import cuda_direct
     monkeypatch.setattr(cuda_direct, "MAX_MACS", 0)   # the choice among the other CUDA algorithms
