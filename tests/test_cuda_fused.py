@@ -201,6 +201,13 @@ def _geom(x_shape, w_shape, off_shape=None, m_shape=None, b_shape=None, **params
     return _geometry.conv_geometry(x_shape, w_shape, off_shape, m_shape, b_shape, **params)[0]
 
 
+def _case_geom(arrays: dict, params: dict, **extra):
+    """The geometry of a case's ``arrays`` (input, weight, offset, mask, bias; absent or None: not
+    given) and ``params``."""
+    return _geom(*(None if arrays.get(k) is None else arrays[k].shape
+                   for k in ("input", "weight", "offset", "mask", "bias")), **params, **extra)
+
+
 def test_sampling_plan_rule():
     """The plan serves the 16-byte sampler of engines 0 and 1 with at most MAX_PLAN_SEGMENTS
     segments, only when asked (the tuner times both); its rows and weights are in the workspace."""
@@ -380,9 +387,7 @@ def run_fused(arrays: dict, params: dict, precision: str, ndim: int, engine=None
     with np.errstate(over="ignore"):
         rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
         dev = {k: None if a is None else cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
-    shape = lambda k: None if arrays[k] is None else arrays[k].shape  # noqa: E731
-    geom = _geometry.conv_geometry(shape("input"), shape("weight"), shape("offset"), shape("mask"), shape("bias"),
-                                   ndim=ndim, **params)[0]
+    geom = _case_geom(arrays, params, ndim=ndim)
     out = cupy.full(geom.y_shape, np.nan, dtype=dtype)   # poisoned: every element must be written
     if tile is None:
         fused.fused_conv_forward(dev["input"], dev["weight"], dev["offset"], dev["mask"], dev["bias"], geom, out,
@@ -500,8 +505,7 @@ def test_sampling_plan_gives_the_corners_each_thread_computes(ndim):
 
 def serves(arrays, params, precision, tile) -> bool:
     """Whether ``tile`` can compute this case (ENGINE 3 needs each step's chunk in one group)."""
-    geom = _geometry.conv_geometry(*(None if arrays[k] is None else arrays[k].shape
-                                     for k in ("input", "weight", "offset", "mask", "bias")), **params)[0]
+    geom = _case_geom(arrays, params)
     return _fused().tile_serves(geom, DTYPE[precision], tile)
 
 
@@ -511,8 +515,7 @@ def run_fused_tile(arrays, params, precision, tile, taps_inner=True, sampling_pl
     dtype = DTYPE[precision]
     dev = {k: None if a is None else cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
     rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
-    geom = _geometry.conv_geometry(*(None if arrays[k] is None else arrays[k].shape
-                                     for k in ("input", "weight", "offset", "mask", "bias")), **params)[0]
+    geom = _case_geom(arrays, params)
     config = fused.LaunchConfig(geom, dtype, precision == "tf32", tile=tile, taps_inner=taps_inner,
                                 sampling_plan=sampling_plan)
     out = cupy.full(geom.y_shape, np.nan, dtype=dtype)
@@ -563,8 +566,7 @@ def test_every_half_tile_in_every_dimension(ndim):
     fused = _fused()
     rng = np.random.default_rng(40 + ndim)
     arrays, params = wide_case(rng, ndim, groups=1, offset_groups=2, mask_groups=1, c_in=128, c_out=160, batch=2)
-    geom = _geometry.conv_geometry(*(None if arrays[k] is None else arrays[k].shape
-                                     for k in ("input", "weight", "offset", "mask", "bias")), **params)[0]
+    geom = _case_geom(arrays, params)
     for precision in ("float16", "bfloat16"):
         dtype = DTYPE[precision]
         dev = {k: cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
@@ -589,8 +591,7 @@ def test_matches_cpu_backend():
     rng = np.random.default_rng(8)
     for ndim in (1, 2, 3):
         arrays, params = wide_case(rng, ndim)
-        geom = _geometry.conv_geometry(*(None if arrays[k] is None else arrays[k].shape
-                                         for k in ("input", "weight", "offset", "mask", "bias")), **params)[0]
+        geom = _case_geom(arrays, params)
         host = {k: a.astype(np.float32) for k, a in arrays.items()}
         expected = cpu.conv_forward(host["input"], host["weight"], host["offset"], host["mask"], host["bias"], geom)
         out = cupy.empty(geom.y_shape, dtype=np.float32)
@@ -699,8 +700,7 @@ def test_plans_choose_and_force_fused(dtype, monkeypatch):
         arrays = conv.arrays(lambda a: cupy.asarray(a.astype(dtype)))
         rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in conv.arrays_.items()}
         auto = dcn_cupy.plan(**arrays, **conv.params, allow_tf32=False)
-        geom = _geometry.conv_geometry(*(None if conv.arrays_.get(k) is None else conv.arrays_[k].shape
-                                         for k in ("input", "weight", "offset", "mask", "bias")), **conv.params)[0]
+        geom = _case_geom(conv.arrays_, conv.params)
         # strict float32: where a warp-specialised tile serves (float32-accurate accumulation)
         accurate = cuda_fused.LaunchConfig(geom, dtype, False, wgmma=True).tile[4] == 3
         expected_auto = ("cuda/fused" if dtype == np.float16 or (cuda_fused.wgmma_available() and accurate)
@@ -742,8 +742,7 @@ def test_broadcast_batch_chunks_and_64bit_indices(monkeypatch):
     rounded = {k: None if a is None else a.astype(np.float16).astype(np.float64) for k, a in arrays.items()}
     rounded["input"] = np.broadcast_to(rounded["input"][:1], rounded["input"].shape)
     expected = reference.deform_conv(**rounded, **params)
-    geom = _geometry.conv_geometry(*(None if arrays[k] is None else arrays[k].shape
-                                     for k in ("input", "weight", "offset", "mask", "bias")), **params)[0]
+    geom = _case_geom(arrays, params)
     monkeypatch.setattr(fused, "WORKSPACE_LIMIT_BYTES", 1)
     monkeypatch.setattr(fused, "_INT32_SAFE", 0)
     config = fused.LaunchConfig(geom, np.float16, False)
