@@ -324,8 +324,9 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                   "blocks of other than 256 threads: mma.sync, or the warp-specialised wgmma");
     static_assert(!WGMMA || (WG_ROWS % 64 == 0 && (BN == 64 || BN == 128) && (PREC != 2 || ENGINE == 3)),
                   "wgmma: MMA_WGS warpgroups of BM/MMA_WGS rows (m64 instructions) x BN positions; 3xTF32 on ENGINE 3");
-    // (3 stages at least: the MMA warps free a stage one step late, keeping one step's MMAs in
-    // flight, and the samplers fill a stage one step ahead)
+    // (3 stages at least: the samplers fill a stage one step ahead, and the MMA warps free a
+    // stage one step late, keeping one step's MMAs in flight; in 3xTF32 with DCN_FUSED_PROMOTE
+    // they free it at once, but keep the same ring)
     static_assert(ENGINE != 3 || (SAMPLERS >= 128 && DEPTH >= 3 && 2 * DEPTH <= 15),
                   "warp-specialised ring: a warpgroup or more of samplers, 3 to 7 stages, 2 named barriers a stage");
     static_assert(!PLAN || (UNIFORM && ENGINE != 2), "the sampling plan: 16-byte sampler, engines 0 and 1");
@@ -882,15 +883,15 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
 #pragma unroll
                             for (int i = 0; i < NACC; ++i) d[mi][i] += p[mi][i];
                     }
-                    continue;
+                } else {
+                    if (DCN_FUSED_WS_EXPERIMENT != 1) mma_issue(s % DEPTH, d, false);
+                    wgmma_wait_pending<1>();   // step s - 1's MMAs have read their stage
+#pragma unroll
+                    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                        for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
+                    if (s >= 1 && s - 1 + DEPTH < steps) barrier_arrive(1 + DEPTH + (s - 1) % DEPTH, THREADS);
                 }
-                if (DCN_FUSED_WS_EXPERIMENT != 1) mma_issue(s % DEPTH, d, false);
-                wgmma_wait_pending<1>();   // step s - 1's MMAs have read their stage
-#pragma unroll
-                for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                    for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
-                if (s >= 1 && s - 1 + DEPTH < steps) barrier_arrive(1 + DEPTH + (s - 1) % DEPTH, THREADS);
             }
             wgmma_wait_all();
 #pragma unroll

@@ -326,6 +326,12 @@ __device__ __forceinline__ void load_words(const X* src, X (&v)[COUNT]) {
     for (int i = 0; i < COUNT; ++i) from_words(w + i * PER, v[i]);
 }
 
+// 3xTF32 sums each k8's products apart from the accumulators (below); 0 is the old way, kept
+// for timing the difference (fused_variants.py --defines DCN_MMA_PROMOTE=0).
+#ifndef DCN_MMA_PROMOTE
+#define DCN_MMA_PROMOTE 1
+#endif
+
 // One warp's share of C += A * B^T for one step of a block tile, A (rows x BK) and B
 // (positions x BK) in shared memory with rows of LD elements (K contiguous), the warp's tile
 // WM x WN at (wm * WM, wn * WN): MT x NT m16n8 fragments in `acc` (float32). Half types: m16n8k16
@@ -398,11 +404,24 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, co
             for (int i = 0; i < MT; ++i)
 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
-                    if (PREC == 2) {
-                        mma_tf32(acc[i][j], as[i], bbx[j][0], bbx[j][1]);
-                        mma_tf32(acc[i][j], abx[i], bsm[j][0], bsm[j][1]);
+                    if (PREC == 2 && DCN_MMA_PROMOTE) {
+                        // The tensor cores add into their accumulator with truncation: summed
+                        // straight into acc over a long K, the error grows with K (2.9e-5 at
+                        // C_in * K = 4608). Each k8's three products go to p, which is added in
+                        // float32, so that the error is float32 FMAs'.
+                        float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                        mma_tf32(p, as[i], bbx[j][0], bbx[j][1]);
+                        mma_tf32(p, abx[i], bsm[j][0], bsm[j][1]);
+                        mma_tf32(p, ab[i], bb[j][0], bb[j][1]);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc[i][j][e] += p[e];
+                    } else {
+                        if (PREC == 2) {
+                            mma_tf32(acc[i][j], as[i], bbx[j][0], bbx[j][1]);
+                            mma_tf32(acc[i][j], abx[i], bsm[j][0], bsm[j][1]);
+                        }
+                        mma_tf32(acc[i][j], ab[i], bb[j][0], bb[j][1]);
                     }
-                    mma_tf32(acc[i][j], ab[i], bb[j][0], bb[j][1]);
                 }
         }
     }

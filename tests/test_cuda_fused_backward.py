@@ -292,6 +292,32 @@ def test_every_tile_matches_reference(ndim, precision):
         check(got, expected, precision, (tile, weight_tile))
 
 
+def long_reduction_errors(monkeypatch):
+    """The relative errors of every strict float32 (3xTF32) tile pair's gradients where the data
+    kernel reduces over C_out = 512 and the weight kernel over 2048 positions (one split)."""
+    fb = _backward_module()
+    monkeypatch.setattr(fb, "MAX_SPLITS", 1)
+    rng = np.random.default_rng(15)
+    arrays, params, gy = wide_case(rng, 2, groups=1, offset_groups=1, mask_groups=1, c_in=32, c_out=512, batch=2,
+                                   size=32, stride=(1, 1), padding=(1, 1), dilation=(1, 1))
+    errors = {}
+    for tile, weight_tile in zip(fb._tiles(np.float32), fb._weight_tiles(np.float32)):
+        got, expected, config = run_gradients(arrays, params, gy, "float32", tile, weight_tile=weight_tile)
+        assert config.fused_weight and config.splits == 1
+        errors[tile, weight_tile] = {name: relative_error(value, expected[name]) for name, value in got.items()}
+    return errors
+
+
+@pytest.mark.gpu
+def test_strict_float32_gradients_keep_float32_accuracy_over_long_reductions(monkeypatch):
+    """mma.sync's 3xTF32 sums each k8's three products apart and adds them in float32, so that
+    the error is float32 FMAs' (about 1e-6 here). Summed straight into the tensor cores'
+    truncating accumulators, it grew with the reduction's length (NOTES-gpu.md, session 15)."""
+    for tiles, errors in long_reduction_errors(monkeypatch).items():
+        for name, error in errors.items():
+            assert error < 2e-6, (tiles, name, error)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["float16", "bfloat16", "tf32", "float32"])
 @pytest.mark.parametrize("ndim", [1, 2, 3])
