@@ -65,6 +65,12 @@
 #ifndef DCN_FUSED_PROMOTE
 #define DCN_FUSED_PROMOTE 1
 #endif
+// ENGINE 3 in 3xTF32: the sampling warpgroups' registers per thread once the roles split (0: the
+// launch's, for all). The MMA warpgroups take what they give back: the promoted accumulators (d
+// and p) then fit without spills.
+#ifndef DCN_FUSED_SAMPLER_REGS
+#define DCN_FUSED_SAMPLER_REGS 96
+#endif
 
 namespace fused {
 
@@ -105,6 +111,14 @@ __device__ __forceinline__ void wgmma_wait_pending() { asm volatile("wgmma.wait_
 // that the MMA warps wait on, and the MMA warps on its "empty" one that the samplers wait on).
 __device__ __forceinline__ void barrier_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(count) : "memory"); }
 __device__ __forceinline__ void barrier_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(count) : "memory"); }
+// A warpgroup's registers per thread from here on (sm_90a; every warp of the warpgroup runs it):
+// .dec gives registers back to the block's pool, .inc waits until the pool holds enough.
+template <int REGS> __device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(REGS));
+}
+template <int REGS> __device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGS));
+}
 // An mbarrier in shared memory (ENGINE 3's weight stages): initialised for one arrival; the
 // sampler that issues a stage's bulk weight copy arrives expecting its bytes, the copy completes
 // them, and the MMA warps wait for the phase of that use of the stage.
@@ -837,7 +851,20 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 mbarrier_init_fence();
             }
             __syncthreads();
+            // Registers: the launch gives every thread LAUNCH_REGS (ptxas's cap for THREADS x MINB
+            // blocks an SM); in 3xTF32, where a sampler holds one 16-byte vector a corner (NV 1),
+            // the samplers drop to SAMPLER_REGS and the MMA warpgroups rise by what that frees
+            // (multiples of 8, at most 256). H200, 256x64x16: spills 84/128 bytes -> 0, whole
+            // forward 12% faster at B=8 C256 56x56, 15% at B=16 C512 14x14; with 4 vectors a corner
+            // (128x128x32) the samplers spill instead, 12% slower (NOTES-gpu.md, session 15).
+            constexpr int LAUNCH_REGS = (65536 / (MINB * THREADS) > 255 ? 255 : 65536 / (MINB * THREADS)) / 8 * 8;
+            constexpr int SAMPLER_REGS = DCN_FUSED_SAMPLER_REGS < LAUNCH_REGS ? DCN_FUSED_SAMPLER_REGS : LAUNCH_REGS;
+            constexpr int MMA_REGS_FREED = LAUNCH_REGS + (LAUNCH_REGS - SAMPLER_REGS) * SAMPLERS / MMA_THREADS;
+            constexpr int MMA_REGS = (MMA_REGS_FREED > 256 ? 256 : MMA_REGS_FREED) / 8 * 8;
+            constexpr bool RESPLIT = SPLIT == 2 && NV == 1 && DCN_FUSED_SAMPLER_REGS > 0 && SAMPLER_REGS >= 24 &&
+                                     SAMPLER_REGS < LAUNCH_REGS;
             if (tid >= MMA_THREADS) {
+                if constexpr (RESPLIT) setmaxnreg_dec<SAMPLER_REGS>();
                 constexpr bool SAMPLE = DCN_FUSED_WS_EXPERIMENT != 2;
                 constexpr unsigned WEIGHT_BYTES = SPLIT * BM * BK * sizeof(T);
                 const T* const w_tiles = wr + ((I)grp * m_tiles + m0 / BM) * K * chunks * (SPLIT * BM * BK);
@@ -862,6 +889,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 }
                 return;
             }
+            if constexpr (RESPLIT) setmaxnreg_inc<MMA_REGS>();
             for (int s = 0; s < steps; ++s) {
                 barrier_sync(1 + s % DEPTH, THREADS);
                 mbarrier_wait(&weight_full[s % DEPTH], (s / DEPTH) & 1);
