@@ -153,8 +153,8 @@ def test_float32_is_considered_on_compute_capability_9(monkeypatch):
     monkeypatch.setattr(fused, "_compute_capability", lambda device_id: 90)
     assert fused.BACKEND.recommends(tf32, "conv_forward") is None
     assert fused.BACKEND.recommends(_Spec(np.float32, geom=g), "conv_forward") is None
-    # strict float32 only where a warp-specialised tile (float32-accurate accumulation) serves:
-    # 16 offset groups of 4 channels need the per-channel sampler (mma.sync)
+    # strict float32 only where a warp-specialised tile serves (mma.sync's 3xTF32 is slower than
+    # cuda/im2col): 16 offset groups of 4 channels need the per-channel sampler (mma.sync)
     g4 = _geom((2, 64, 9, 9), (64, 64, 3, 3), (2, 16 * 18, 9, 9), padding=1)
     assert "only on the warp-specialised tiles" in fused.BACKEND.recommends(_Spec(np.float32, geom=g4),
                                                                             "conv_forward")

@@ -3,9 +3,9 @@
 No columns buffer: ``cuda/deform_fused.cu`` samples each (tap, chunk of input channels) of a
 block's positions straight into shared memory and multiplies it there with the weight tile on
 tensor cores (fp16/bf16 in their format, float32 as TF32 when TF32 is allowed, else 3xTF32;
-float32 accumulation, which the warp-specialised tiles take in float32 FMAs step by step in
-3xTF32, keeping float32 accuracy at any C_in * kernel size). Per call, and part of the timed
-forward:
+float32 accumulation; in 3xTF32 each step's products (warp-specialised tiles) or each k8's
+(mma.sync) are summed apart and added in float32 FMAs, keeping float32 accuracy at any
+C_in * kernel size). Per call, and part of the timed forward:
 
 * the input is copied channels-last, ``(Bc, *S, Cp)`` with ``Cp`` = C_in rounded up to one
   16-byte vector, one batch chunk at a time (chunks bound that workspace by
@@ -424,9 +424,10 @@ def _per_channel_tile(dtype, engine: int) -> tuple:
 def _serving(geom, dtype, wgmma: bool, index64: bool, precision: int) -> list:
     """The tiles of TILES that can compute a shape here: wgmma ones only where the device allows,
     those built in the precision, and of the tiles whose threads would cross a group boundary
-    only the per-channel one of each engine. In 3xTF32, only ENGINE 3's where one serves: they
-    alone add each step's products to the accumulators in float32 (mma.sync's 3xTF32 drifts with
-    C_in*K: 2.9e-5 relative at 4608 against 6e-7, NOTES-gpu.md session 14)."""
+    only the per-channel one of each engine. In 3xTF32, only ENGINE 3's where one serves:
+    mma.sync's 3xTF32 measured 2.4x slower than them, and slower than cuda/im2col (H200, whole
+    forward: B=8 C256 56x56 1.38 ms against 0.57 and im2col's 0.92; B=16 C512 14x14 0.90 against
+    0.36 and 0.45; NOTES-gpu.md, session 15)."""
     tiles = [tile for tile in _tiles(dtype, index64) if (not is_wgmma(tile) or wgmma)
              and tile_builds(dtype, geom.ndim, tile, precision) and tile_serves(geom, dtype, tile)]
     if precision == 2:
@@ -842,8 +843,7 @@ def fused_conv_forward(x, weight, offset, mask, bias, geom, out, *, allow_tf32: 
         bias (cupy.ndarray or None): ``(C_out,)``.
         geom (ConvGeometry): the convolution's geometry.
         out (cupy.ndarray): ``geom.y_shape``, same dtype, C-contiguous; overwritten.
-        allow_tf32 (bool): float32 through TF32 (else 3xTF32: float32 accuracy on the
-            warp-specialised tiles; mma.sync's error grows with C_in * kernel size).
+        allow_tf32 (bool): float32 through TF32 (else 3xTF32, float32-accurate).
         workspace (cupy.ndarray, optional): at least ``LaunchConfig(...).workspace_bytes`` bytes.
     """
     if geom.batch == 0:
@@ -920,9 +920,9 @@ def _not_preferred(spec):
         return (f"float32 through {how} measured slower than cuda/im2col below compute capability 9.0 (got "
                 f"{capability / 10}; force algorithm='cuda/fused' to use it)")
     if not spec.allow_tf32 and LaunchConfig(spec.geom, dtype, False, wgmma=True).tile[4] != 3:
-        return ("strict float32 keeps float32 accuracy only on the warp-specialised tiles, and none serves this "
-                "configuration (its channel groups, or 64-bit sizes); force algorithm='cuda/fused' for mma.sync's "
-                "3xTF32, whose error grows with C_in * kernel size")
+        return ("strict float32 runs fast only on the warp-specialised tiles, and none serves this configuration "
+                "(its channel groups, or 64-bit sizes): mma.sync's 3xTF32 measured slower than cuda/im2col; force "
+                "algorithm='cuda/fused' to use it")
     return None
 
 

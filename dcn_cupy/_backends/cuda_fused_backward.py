@@ -2,7 +2,9 @@
 GEMMs on tensor cores, with no columns or column-gradient buffer.
 
 ``cuda/deform_fused_backward.cu`` has two kernels (fp16/bf16 in their format, float32 as TF32
-when TF32 is allowed, else 3xTF32; float32 accumulation):
+when TF32 is allowed, else 3xTF32; float32 accumulation, in 3xTF32 each k8's three products
+summed apart and added in float32, so that strict float32 keeps float32 accuracy over any
+reduction):
 
 * ``deform_fused_backward_data``: per block a tile of the column gradients ``W^T . grad_output``
   for one tap (input channels x positions), consumed at once: the input gradient is scattered
