@@ -60,11 +60,6 @@
 #ifndef DCN_FUSED_WS_EXPERIMENT
 #define DCN_FUSED_WS_EXPERIMENT 0
 #endif
-// ENGINE 3 in 3xTF32: each step's products summed in registers of their own, then added to the
-// accumulators in float32 (1), or straight into the accumulators (0).
-#ifndef DCN_FUSED_PROMOTE
-#define DCN_FUSED_PROMOTE 1
-#endif
 // ENGINE 3 in 3xTF32: the sampling warpgroups' registers per thread once the roles split (0: the
 // launch's, for all). The MMA warpgroups take what they give back: the promoted accumulators (d
 // and p) then fit without spills.
@@ -339,7 +334,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     static_assert(!WGMMA || (WG_ROWS % 64 == 0 && (BN == 64 || BN == 128) && (PREC != 2 || ENGINE == 3)),
                   "wgmma: MMA_WGS warpgroups of BM/MMA_WGS rows (m64 instructions) x BN positions; 3xTF32 on ENGINE 3");
     // (3 stages at least: the samplers fill a stage one step ahead, and the MMA warps free a
-    // stage one step late, keeping one step's MMAs in flight; in 3xTF32 with DCN_FUSED_PROMOTE
+    // stage one step late, keeping one step's MMAs in flight; in 3xTF32 with DCN_PROMOTE_3XTF32
     // they free it at once, but keep the same ring)
     static_assert(ENGINE != 3 || (SAMPLERS >= 128 && DEPTH >= 3 && 2 * DEPTH <= 15),
                   "warp-specialised ring: a warpgroup or more of samplers, 3 to 7 stages, 2 named barriers a stage");
@@ -778,7 +773,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         // float32 once they complete: the tensor cores' accumulation truncates, so that summing a
         // whole K of 3 products a k8 into d drifts with K (H200, B=16 C512 14x14: 2.9e-5 relative
         // against 6.4e-7 for float32 FMAs; NOTES-gpu.md, session 14).
-        constexpr bool PROMOTE = ENGINE == 3 && SPLIT == 2 && DCN_FUSED_PROMOTE;
+        constexpr bool PROMOTE = ENGINE == 3 && SPLIT == 2 && DCN_PROMOTE_3XTF32;
         float p[MI][NACC];   // (unused, so allocated no registers, without PROMOTE)
         // The MMAs of one step (buffer `buf`) into `acc` (d, or p overwritten: fresh), committed as one
         // wgmma group; 3xTF32: the small products first, a_small*b_big + a_big*b_small + a_big*b_big.

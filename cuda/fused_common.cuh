@@ -326,10 +326,12 @@ __device__ __forceinline__ void load_words(const X* src, X (&v)[COUNT]) {
     for (int i = 0; i < COUNT; ++i) from_words(w + i * PER, v[i]);
 }
 
-// 3xTF32 sums each k8's products apart from the accumulators (below); 0 is the old way, kept
-// for timing the difference (fused_variants.py --defines DCN_MMA_PROMOTE=0).
-#ifndef DCN_MMA_PROMOTE
-#define DCN_MMA_PROMOTE 1
+// 3xTF32 sums each step's products (a k8's in warp_mma below, a ring stage's in ENGINE 3 of
+// deform_fused.cu) in registers of their own, then adds them to the accumulators in float32 (1),
+// or straight into the accumulators (0: the old way, kept for timing the difference; both
+// modules read it, fused_variants.py --defines DCN_PROMOTE_3XTF32=0 builds the forward's).
+#ifndef DCN_PROMOTE_3XTF32
+#define DCN_PROMOTE_3XTF32 1
 #endif
 
 // One warp's share of C += A * B^T for one step of a block tile, A (rows x BK) and B
@@ -404,7 +406,7 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, co
             for (int i = 0; i < MT; ++i)
 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
-                    if (PREC == 2 && DCN_MMA_PROMOTE) {
+                    if (PREC == 2 && DCN_PROMOTE_3XTF32) {
                         // The tensor cores add into their accumulator with truncation: summed
                         // straight into acc over a long K, the error grows with K (2.9e-5 at
                         // C_in * K = 4608). Each k8's three products go to p, which is added in
