@@ -229,25 +229,31 @@ def test_sampling_plan_rule():
     assert not fused.LaunchConfig(g16, np.float16, False, 132, sampling_plan=True).sampling_plan
 
 
-def test_sampling_plan_fits_within_the_channels_last_copy():
-    """The tuner times the plan only where its 8 bytes per corner (segments x taps x corners a
-    position) are no more than the channels-last copy's bytes per position."""
+def test_sampling_plan_chunks_keep_it_within_the_channels_last_copy():
+    """With the plan, a chunk holds at most as many samples as keep the plan (8 bytes per corner:
+    segments x taps x corners a position) within the whole batch's channels-last copy, in chunks
+    of balanced sizes; without it, or where it is smaller than a sample's copy, chunks are as
+    before."""
     fused = _fused()
-    c256 = _geom((8, 256, 56, 56), (256, 256, 3, 3), (8, 18, 56, 56), (8, 9, 56, 56), padding=1)
+    tile = fused._tiles(np.float16)[0]
+
+    def chunk(geom, dtype, plan):
+        c = fused.LaunchConfig(geom, dtype, False, 132, tile=tile, sampling_plan=plan)
+        assert c.sampling_plan == plan
+        plan_bytes = c.chunk * geom.output_size * c.segments * geom.kernel_volume * (1 << geom.ndim) * 8
+        assert not plan or c.chunk == 1 or plan_bytes <= geom.batch * geom.input_size * c.Cp * c.itemsize
+        return c.chunk
+
     c64 = _geom((32, 64, 56, 56), (64, 64, 3, 3), (32, 18, 56, 56), (32, 9, 56, 56), padding=1)
-    # 9 taps x 4 corners x 8 bytes = 288 bytes a position, against C x itemsize
-    assert fused.plan_fits(c256, np.float16) and fused.plan_fits(c256, np.float32)   # 512, 1024
-    assert not fused.plan_fits(c64, np.float16) and not fused.plan_fits(c64, np.float32)   # 128, 256
-    assert not fused.plan_fits(c64.with_batch(1), np.float32)        # per position: any batch
-    one_d = _geom((16, 256, 4096), (256, 256, 3), (16, 3, 4096), (16, 3, 4096), padding=1)
-    assert fused.plan_fits(one_d, np.float16)                        # 3 x 2 x 8 = 48 <= 512
-    three_d = _geom((2, 32, 32, 32, 32), (32, 32, 3, 3, 3), (2, 81, 32, 32, 32), (2, 27, 32, 32, 32), padding=1)
-    assert not fused.plan_fits(three_d, np.float32)                  # 27 x 8 x 8 = 1728 > 128
-    # stride 2: a quarter of the positions, so four times the copy per position (fp16: 512)
-    s2 = _geom((32, 64, 56, 56), (64, 64, 3, 3), (32, 18, 28, 28), (32, 9, 28, 28), padding=1, stride=2)
-    assert fused.plan_fits(s2, np.float16)
-    g16 = _geom((2, 256, 8, 8), (16, 256, 3, 3), (2, 16 * 18, 8, 8), (2, 9, 8, 8), padding=1)
-    assert not fused.plan_fits(g16, np.float32)                      # 16 segments > MAX_PLAN_SEGMENTS
+    # 9 taps x 4 corners x 8 bytes = 288 bytes a position, against C x itemsize = 128 (fp16), 256
+    assert chunk(c64, np.float16, False) == 32 and chunk(c64, np.float32, False) == 32
+    assert chunk(c64, np.float16, True) == 11      # at most 14: 11 + 11 + 10
+    assert chunk(c64, np.float32, True) == 16      # at most 28: 16 + 16
+    assert chunk(c64.with_batch(1), np.float16, True) == 1
+    c256 = _geom((8, 256, 56, 56), (256, 256, 3, 3), (8, 18, 56, 56), (8, 9, 56, 56), padding=1)
+    assert chunk(c256, np.float16, True) == chunk(c256, np.float16, False) == 8   # 288 <= 512
+    three_d = _geom((2, 32, 16, 16, 16), (32, 32, 3, 3, 3), (2, 81, 16, 16, 16), (2, 27, 16, 16, 16), padding=1)
+    assert chunk(three_d, np.float16, True) == 1   # 27 x 8 x 8 = 1728 bytes against 64
 
 
 def test_launch_config_choices():
@@ -701,33 +707,35 @@ def test_non_finite_input_reaches_exactly_the_dense_convolution_pattern(wide, pr
 
 
 @pytest.mark.gpu
-def test_tuner_times_the_sampling_plan_only_where_it_fits(monkeypatch):
-    """The tuner's candidates include the sampling plan where ``plan_fits`` (C_in = 256 in
-    float16: 512 bytes a position against the plan's 288), never where it does not (C_in = 64:
-    128 bytes), and every candidate where SAMPLING_PLAN forces it on."""
+def test_tuner_times_each_tile_with_and_without_the_sampling_plan(monkeypatch):
+    """The tuner's candidates: each tile with and without the plan where it serves (16-byte
+    sampler, at most MAX_PLAN_SEGMENTS segments), the plan in smaller chunks where it is larger
+    than a sample's copy (C_in = 64 in float16); only the plan where SAMPLING_PLAN forces it on."""
     _cupy()
     fused = _fused()
     timed = []
 
     def record(configs, args, out, rounds=2, repeats=2):
-        timed.append([config.sampling_plan for config in configs])
+        timed.append([(config.sampling_plan, config.chunk, config.uniform and config.tile[4] != 2)
+                      for config in configs])
         return [1.0 + i for i in range(len(configs))]   # the first candidate wins
 
     monkeypatch.setattr(fused, "_time_configs", record)
     monkeypatch.setattr(fused, "_tuned", {})
     monkeypatch.setattr(fused, "TUNE", True)
     monkeypatch.setattr(fused, "SAMPLING_PLAN", None)
-    wide = _geom((1, 256, 8, 8), (64, 256, 3, 3), (1, 18, 8, 8), (1, 9, 8, 8), padding=1)
-    narrow = _geom((2, 64, 8, 8), (64, 64, 3, 3), (2, 18, 8, 8), (2, 9, 8, 8), padding=1)
-    for geom in (wide, narrow):
-        config = fused.plan_config(geom, np.float16, False)
-        assert not config.sampling_plan   # the first candidate: no plan
-    assert any(timed[0]) and not all(timed[0])
-    assert timed[1] and not any(timed[1])
+    # a sample's fp16 copy 64 x 64 x 2 = 8 KiB, its plan 64 x 288 = 18 KiB: at most 3 samples
+    narrow = _geom((8, 64, 8, 8), (64, 64, 3, 3), (8, 18, 8, 8), (8, 9, 8, 8), padding=1)
+    config = fused.plan_config(narrow, np.float16, False)
+    assert not config.sampling_plan   # the first candidate: no plan
+    assert {plan for plan, _, _ in timed[0]} == {False, True}
+    assert {n for plan, n, _ in timed[0] if plan} == {3} and {n for plan, n, _ in timed[0] if not plan} == {8}
+    assert all(serves for plan, _, serves in timed[0] if plan)
     monkeypatch.setattr(fused, "SAMPLING_PLAN", True)
     monkeypatch.setattr(fused, "_tuned", {})
     fused.plan_config(narrow, np.float16, False)
-    assert any(timed[2])
+    assert any(plan for plan, _, _ in timed[1])
+    assert all(plan == serves for plan, _, serves in timed[1])   # no candidate without it where it serves
 
 
 @pytest.mark.gpu

@@ -37,7 +37,8 @@ set per thread and step) runs whenever no thread's channel slice crosses a conv 
 mask group boundary, else the sampler that reads one channel at a time (exact for any channel
 counts, slower). The uniform sampler either computes its position's corners itself or reads
 them from a sampling plan made per batch chunk (``fused_sampling_plan``: rows and weights per
-segment of channels, tap and position, in the workspace); the tuner times both with each tile.
+segment of channels, tap and position, in the workspace; its chunks keep it within the whole
+batch's channels-last copy); the tuner times both with each tile.
 
 The plain entry point is :func:`fused_conv_forward`; :class:`FusedBackend` wraps it in the
 backend contract (``serves`` / ``build`` -> an executable with ``run(args, out, workspace)``).
@@ -111,11 +112,12 @@ _ALIGN = 256
 #: The forward may read its corners from a sampling plan (``fused_sampling_plan``: the rows and
 #: weights of every segment, tap and position of a batch chunk, 8 bytes per corner) where its
 #: 16-byte sampler serves (engines 0, 1 and 3) and the channels form at most this many segments of
-#: one offset and mask group. The tuner times each tile with and without it where the plan is no
-#: larger than the chunk's channels-last copy (:func:`plan_fits`; H200: 3-6% faster with it at
-#: B=8 C256 and B=32 C64 56x56 fp16, 7-13% slower at 512@14x14 and 3D C32, where each thread
-#: computes its corners once per 8 channel chunks or the extra registers spill; NOTES-gpu.md,
-#: sessions 6 and 16); untuned, each sampling thread computes the corners of its position.
+#: one offset and mask group; its chunks are then small enough that the plan is no larger than the
+#: whole batch's channels-last copy. The tuner times each tile with and without it (H200: 3-6%
+#: faster with it at B=8 C256 56x56 fp16, 13% at B=32 C64, 7-13% slower at 512@14x14 and 3D C32,
+#: where each thread computes its corners once per 8 channel chunks or the extra registers spill;
+#: NOTES-gpu.md, sessions 6 and 16); untuned, each sampling thread computes the corners of its
+#: position.
 MAX_PLAN_SEGMENTS = 8
 #: None: as above; True / False: the plan forced on (where it can serve) / off (tests, benchmarks).
 SAMPLING_PLAN = None
@@ -401,17 +403,6 @@ def plan_segments(geom) -> tuple:
     return seg_len, C // seg_len
 
 
-def plan_fits(geom, dtype) -> bool:
-    """Whether the tuner may time the forward's sampling plan: at most MAX_PLAN_SEGMENTS segments,
-    and its 8 bytes per corner no more than the channels-last copy's bytes per position, so that
-    the plan at most doubles the chunk's workspace (at B=32 C64 56x56 it would take it past a
-    quarter of torchvision's forward memory: 77 MiB against 294 in float32)."""
-    seg_len, segments = plan_segments(geom)
-    plan_bytes = segments * geom.kernel_volume * (1 << geom.ndim) * 8 * geom.output_size
-    copy_bytes = geom.input_size * _round_up(geom.in_channels, _VEC[np.dtype(dtype)]) * np.dtype(dtype).itemsize
-    return segments <= MAX_PLAN_SEGMENTS and plan_bytes <= copy_bytes
-
-
 def _uniform(geom, tile) -> bool:
     """Whether ``tile``'s threads each sample a channel slice within one segment (16-byte vectors);
     ENGINE 3 interleaves its threads' vectors over the step's chunk: the whole chunk."""
@@ -505,8 +496,14 @@ class LaunchConfig:
         corners = 1 << geom.ndim
         wanted = bool(sampling_plan) and self.segments <= MAX_PLAN_SEGMENTS
         plan_entries = self.segments * self.K * corners if wanted else 0
-        sample_bytes = self.S * self.Cp * self.itemsize + self.Q * plan_entries * 8
-        self.chunk = max(1, min(geom.batch, int(WORKSPACE_LIMIT_BYTES) // max(sample_bytes, 1)))
+        copy_bytes, plan_bytes = self.S * self.Cp * self.itemsize, self.Q * plan_entries * 8   # a sample's
+        self.chunk = max(1, min(geom.batch, int(WORKSPACE_LIMIT_BYTES) // max(copy_bytes + plan_bytes, 1)))
+        if plan_bytes:
+            # the plan no larger than the whole batch's channels-last copy (or one sample's plan;
+            # B=32 C64 56x56: the plan is 2.25x a sample's fp16 copy, which took the forward past
+            # a quarter of torchvision's memory), in chunks of balanced sizes
+            self.chunk = min(self.chunk, max(1, geom.batch * copy_bytes // plan_bytes))
+            self.chunk = -(-geom.batch // -(-geom.batch // self.chunk))
         # 64-bit indices where any extent can pass 2^30 (bounds for every tile: BN <= 128,
         # BM >= 64, Cgp <= C/G + 63); those kernels exist for the first tile of each engine only
         n = self.chunk
@@ -825,18 +822,17 @@ def plan_config(geom, dtype, allow_tf32: bool) -> LaunchConfig:
 
 def _fastest_choice(geom, dtype, allow_tf32: bool, static, sms: int, wgmma: bool) -> tuple:
     """(tile, taps_inner, sampling_plan) of the candidate whose forward of one batch chunk is
-    fastest (with and without the sampling plan where it can serve and :func:`plan_fits`, unless
-    SAMPLING_PLAN forces it on or off)."""
+    fastest (with and without the sampling plan where it can serve, unless SAMPLING_PLAN forces it
+    on or off; with the plan, that chunk may take several of the plan's smaller chunks)."""
     g = geom.with_batch(static.chunk)
     args, out = _random_arguments(g, dtype)
     orders = (True, False) if g.kernel_volume > 1 and g.in_channels_per_group > 32 else (True,)
     forced = SAMPLING_PLAN is not None   # forced on: wherever the tile can serve it (LaunchConfig)
     plans = (bool(SAMPLING_PLAN),) if forced else (False, True)
-    fits = plan_fits(geom, dtype)
     choices = [(tile, taps_inner, plan)
                for tile in _candidates(geom, dtype, wgmma, static.index64, static.precision)
                for taps_inner in orders for plan in plans
-               if not plan or forced or (_uniform(geom, tile) and tile[4] != 2 and fits)]
+               if not plan or forced or (_uniform(geom, tile) and tile[4] != 2 and plan_segments(geom)[1] <= MAX_PLAN_SEGMENTS)]
     configs = [LaunchConfig(g, dtype, allow_tf32, sms, tile=tile, taps_inner=taps_inner, sampling_plan=plan)
                for tile, taps_inner, plan in choices]
     # 3 rounds of 3 (a pick of one run of gpu.py was 1.5x the best candidate with 2 of 2)
