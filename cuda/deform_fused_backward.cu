@@ -552,16 +552,32 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
 
 // gy (B, C_out, Q), sample stride gy_bstride -> gyr (C_out, Pp): each output channel's row over
 // the chunk's positions p = b*Q + q, zero from B*Q to Pp (a multiple of the 16-byte vector): the
-// A operand of the weight gradient.
+// A operand of the weight gradient. A thread copies VEC consecutive positions of one row: one
+// 16-byte vector each way where every sample's rows start on 16 bytes (Q and the sample stride
+// multiples of VEC, gy aligned; then no vector crosses a sample), else element by element.
 template <typename T, typename I>
 __global__ void fused_position_rows(const T* __restrict__ gy, T* __restrict__ gyr, const int batch,
                                     const int channels, const I Q, const I Pp, const I gy_bstride) {
-    const I total = (I)channels * Pp;
+    constexpr int VEC = 16 / sizeof(T);
+    const bool vector = Q % VEC == 0 && gy_bstride % VEC == 0 && (reinterpret_cast<size_t>(gy) & 15) == 0;
+    const I row_vectors = Pp / VEC;
+    const I total = (I)channels * row_vectors;
     const I BQ = (I)batch * Q;
     for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
-        const I p = idx % Pp;
-        const I o = idx / Pp;
-        gyr[idx] = p < BQ ? gy[(p / Q) * gy_bstride + o * Q + p % Q] : Traits<T>::store(0.0f);
+        const I o = idx / row_vectors;
+        const I p0 = (idx - o * row_vectors) * VEC;
+        T* dst = gyr + o * Pp + p0;
+        if (vector && p0 + VEC <= BQ) {
+            const I b = p0 / Q;
+            *reinterpret_cast<uint4*>(dst) =
+                __ldg(reinterpret_cast<const uint4*>(gy + b * gy_bstride + o * Q + (p0 - b * Q)));
+        } else {
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) {
+                const I p = p0 + k;
+                dst[k] = p < BQ ? gy[(p / Q) * gy_bstride + o * Q + p % Q] : Traits<T>::store(0.0f);
+            }
+        }
     }
 }
 

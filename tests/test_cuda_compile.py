@@ -76,6 +76,17 @@ def test_every_instantiation_compiles(toolchain, key):
     assert "warning" not in log.lower(), log
 
 
+def test_bias_gradient_kernel_compiles(toolchain):
+    """``channel_sum`` (the plans' bias gradient, a module of its own) for every dtype."""
+    nvrtc, _, cuda = toolchain
+    names = [f"channel_sum<{t}>" for t in ("__half", "__nv_bfloat16", "float", "double")]
+    options = tuple(cuda.compile_options()) + (f"-arch={ARCH}",)
+    lowered, binary, log = _compile(nvrtc, cuda.channel_sum_source(), names, options)
+    assert len(lowered) == len(names) and all(lowered.values())
+    assert len(binary) > 0
+    assert "warning" not in log.lower(), log
+
+
 def test_every_kernel_is_instantiated_and_launched(toolchain):
     """The source defines exactly the kernels the module instantiates, and the backend launches
     each of them (no dead kernel variants)."""

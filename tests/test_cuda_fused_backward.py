@@ -309,6 +309,34 @@ def long_reduction_errors(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["float16", "float32"])
+def test_weight_gradient_rows_from_vectors_or_elements(precision):
+    """``fused_position_rows`` (grad_output's rows over the chunk's positions) copies 16-byte
+    vectors where Q and the sample stride are multiples of a vector and grad_output is aligned,
+    else elements: the same weight gradient, bitwise, and the reference's."""
+    cupy = _cupy()
+    fb = _backward_module()
+    dtype = DTYPE[precision]
+    rng = np.random.default_rng(17)
+    arrays, params, gy = wide_case(rng, 2, groups=1, offset_groups=1, mask_groups=1, c_in=64, c_out=48, batch=3,
+                                   size=8, stride=(1, 1), padding=(1, 1), dilation=(1, 1))   # Q = 64
+    got, expected, config = run_gradients(arrays, params, gy, precision, wanted=("weight",))
+    assert config.fused_weight
+    assert relative_error(got["weight"], expected["weight"]) < TOL[precision]
+    # the same grad_output one element past a 16-byte boundary, with a sample stride of (C_out + 1) * Q
+    geom = config.geom
+    padded = cupy.zeros(gy.size + gy.size // 3 + 16, dtype=dtype)
+    view = padded[1:1 + 3 * 49 * 64].reshape((3, 49) + geom.output_shape)[:, :48]
+    view[...] = cupy.asarray(gy.astype(dtype))
+    assert view.data.ptr % 16 and view.strides[0] == 49 * 64 * view.itemsize
+    dev = {k: None if a is None else cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
+    out = {"weight": cupy.full(arrays["weight"].shape, np.nan, dtype=dtype)}
+    args = dict(grad_output=view, bias=None, wanted=frozenset(("weight",)), **dev)
+    fb.run_gradients(config, args, out, cupy.empty(config.workspace_bytes, dtype=np.uint8))
+    assert cupy.asnumpy(out["weight"]).astype(np.float64).tobytes() == got["weight"].tobytes()
+
+
+@pytest.mark.gpu
 def test_strict_float32_gradients_keep_float32_accuracy_over_long_reductions(monkeypatch):
     """mma.sync's 3xTF32 sums each k8's three products apart and adds them in float32, so that
     the error is float32 FMAs' (about 1e-6 here). Summed straight into the tensor cores'

@@ -772,18 +772,48 @@ def _replay(ops, handle, stream: int) -> None:
 
 _CHANNEL_SUM_SOURCE = r"""
 // dst[c] = sum over b, q of src[b * batch_stride + c * inner + q], accumulated in Traits<T>::acc in
-// a fixed order (one block per channel): the bias gradient, deterministic.
+// a fixed order (one block per channel): the bias gradient, deterministic. Each sample's row of
+// `inner` elements is cut into chunks of CHUNK = 16 bytes (the last one shorter); chunk i of the
+// flattened (sample, chunk) sequence belongs to thread i % blockDim.x, which adds its chunks in
+// order, each chunk's elements in order; the block then adds its threads' sums as a fixed tree.
+// A chunk is one 16-byte load where it is whole and aligned, else element loads: the same sums,
+// so the bits do not depend on the addresses. UNROLL chunks are loaded before they are added, so
+// that enough loads are in flight where a few channels each take one multiprocessor.
 template <typename T>
 __global__ void channel_sum(const T* __restrict__ src, T* __restrict__ dst, const long long batch,
                             const long long batch_stride, const long long channels, const long long inner) {
     typedef typename dcn::Traits<T>::acc A;
-    __shared__ A part[256];
+    constexpr int CHUNK = 16 / sizeof(T), UNROLL = 4;
+    __shared__ A part[1024];
     const long long c = blockIdx.x;
-    const long long total = batch * inner;
+    const long long row_chunks = (inner + CHUNK - 1) / CHUNK;
+    const long long total = batch * row_chunks;
     A s = 0;
-    for (long long i = threadIdx.x; i < total; i += blockDim.x) {
-        const long long b = i / inner;
-        s += dcn::Traits<T>::load(src[b * batch_stride + c * inner + (i - b * inner)]);
+    for (long long i0 = threadIdx.x; i0 < total; i0 += (long long)UNROLL * blockDim.x) {
+        T v[UNROLL][CHUNK];
+        int n[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const long long i = i0 + (long long)u * blockDim.x;
+            n[u] = 0;
+            if (i < total) {
+                const long long b = i / row_chunks, q = (i - b * row_chunks) * CHUNK;
+                const T* p = src + b * batch_stride + c * inner + q;
+                n[u] = (int)min((long long)CHUNK, inner - q);
+                if (n[u] == CHUNK && (reinterpret_cast<size_t>(p) & 15) == 0) {
+                    const uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
+                    memcpy(v[u], &r, sizeof(r));
+                } else {
+#pragma unroll
+                    for (int k = 0; k < CHUNK; ++k) if (k < n[u]) v[u][k] = p[k];
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+            for (int k = 0; k < CHUNK; ++k)
+                if (k < n[u]) s += dcn::Traits<T>::load(v[u][k]);
     }
     part[threadIdx.x] = s;
     __syncthreads();
@@ -794,7 +824,9 @@ __global__ void channel_sum(const T* __restrict__ src, T* __restrict__ dst, cons
     if (threadIdx.x == 0) dst[c] = dcn::Traits<T>::store(part[0]);
 }
 """
-_CHANNEL_SUM_BLOCK = 256
+#: Threads of a channel_sum block (a power of two, at most 1024): part of the summation order,
+#: so fixed for every launch.
+_CHANNEL_SUM_BLOCK = 512
 
 
 def channel_sum_source() -> str:

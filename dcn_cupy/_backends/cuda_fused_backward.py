@@ -533,7 +533,7 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
                         i32(slots))))
         if gw:
             pp = _fused._round_up(n * config.Q, _VEC[config.dtype])
-            ops.append(op(kernel("fused_position_rows"), grid(g.out_channels * pp), (_THREADS,), (
+            ops.append(op(kernel("fused_position_rows"), grid(g.out_channels * pp // _VEC[config.dtype]), (_THREADS,), (
                 gy_n, u64(view["gyr"]), i32(n), i32(g.out_channels), index(config.Q), index(pp), index(gy_bs))))
             plan_rows, plan_weights = (u64(view["plan_rows"]), u64(view["plan_weights"])) if config.sampling_plan \
                 else (None, None)
