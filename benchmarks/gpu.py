@@ -418,7 +418,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument("--json", default=None, help="write the results as JSON to this path (default: nowhere)")
     parser.add_argument("--only", choices=("1d", "2d", "3d"), default=None)
-    parser.add_argument("--shapes", default=None, help="comma-separated indices into SHAPES")
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated indices into SHAPES, then TRANSPOSED_SHAPES (5 and 6)")
     parser.add_argument("--shape", default=None,
                         help="one custom shape instead of SHAPES: B,C_in,C_out,S (S like 56x56; 3^N kernel)")
     parser.add_argument("--no-fused", action="store_true",
@@ -453,7 +454,7 @@ def main(argv=None) -> int:
     precisions = [p for p in args.precisions.split(",") if p]
     shapes = [s for s in SHAPES + TRANSPOSED_SHAPES if args.only is None or s["name"].lower().startswith(args.only)]
     if args.shapes:
-        shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
+        shapes = [(SHAPES + TRANSPOSED_SHAPES)[int(i)] for i in args.shapes.split(",")]
     if custom is not None:
         shapes = [custom]
     meta = {
