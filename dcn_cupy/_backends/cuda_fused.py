@@ -114,7 +114,8 @@ _ALIGN = 256
 #: 16-byte sampler serves (engines 0, 1 and 3) and the channels form at most this many segments of
 #: one offset and mask group; its chunks are then small enough that the plan is no larger than the
 #: whole batch's channels-last copy. The tuner times each tile with and without it (H200: 3-6%
-#: faster with it at B=8 C256 56x56 fp16, 13% at B=32 C64, 7-13% slower at 512@14x14 and 3D C32,
+#: faster with it at B=8 C256 56x56 fp16; at B=32 C64 13% faster in one chunk, but 23% slower in
+#: fp16's three bounded chunks and 8% faster in fp32's two; 7-13% slower at 512@14x14 and 3D C32,
 #: where each thread computes its corners once per 8 channel chunks or the extra registers spill;
 #: NOTES-gpu.md, sessions 6 and 16); untuned, each sampling thread computes the corners of its
 #: position.
