@@ -329,6 +329,42 @@ def test_bias_gradient_sum_is_exact_and_independent_of_addresses(dtype, batch, c
     assert np.all(err <= out_eps * np.abs(expected) + 4 * acc_eps * scale * math.log2(batch * inner + 2)), err
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])
+def test_replays_as_cuda_graphs_give_the_same_bits(transposed, monkeypatch):
+    """Recorded launch lists of kernels and memsets run as CUDA graphs from their second replay
+    (``cuda.GRAPHS``): a deterministic float16 plan's forward and every gradient, replayed five
+    times, give bitwise what launch-by-launch replays give, and the reference's values."""
+    cuda = cuda_backend()
+    original = cuda._Graphs.build
+    built = []
+
+    def build(self, ops):
+        graph = original(self, ops)
+        built.append(bool(graph))
+        return graph
+
+    monkeypatch.setattr(cuda._Graphs, "build", build)
+    rng = np.random.default_rng(5 + transposed)
+    case = random_case(rng, 2, transposed, batch=4, channels_scale=16)
+    dtype = np.dtype(np.float16)
+    arrays = case.arrays(to_gpu(dtype))
+    grad_output = cupy.asarray(rng.standard_normal(case.reference().shape).astype(dtype))
+    results = {}
+    for graphs in (True, False):
+        monkeypatch.setattr(cuda, "GRAPHS", graphs)
+        p = dcn_cupy.plan(**arrays, **case.params, transposed=transposed, deterministic=True)
+        for _ in range(5):   # the same addresses each time (CuPy's pool hands the blocks back)
+            y = p.forward(*(arrays[k] for k in ARGUMENTS))
+            grads = p.backward(grad_output, *(arrays[k] for k in ARGUMENTS))
+        results[graphs] = [host(y)] + [host(getattr(grads, name)) for name in ARGUMENTS
+                                      if getattr(grads, name) is not None]
+        if graphs:
+            assert built and all(built), (built, p.algorithm)
+    for with_graphs, without in zip(results[True], results[False]):
+        assert with_graphs.tobytes() == without.tobytes()
+    assert relative_error(results[True][0], case.reference(rounded(case, dtype))) < HALF_TOL[dtype]
+
+
 # ---------------------------------------------------------------------------------------------
 # torchvision
 
