@@ -431,6 +431,27 @@ def test_concurrent_first_use_on_the_gpu():
     assert relative_error(results[0], case.reference()) < 1e-5
 
 
+def test_cuda_graphs_step_aside_where_the_driver_has_none(monkeypatch):
+    """Recorded lists of at least GRAPH_MIN_LAUNCHES kernels (and memsets) are CUDA-graph
+    candidates, lists with a GEMM or fewer kernels are not, and a driver library without the
+    graph functions leaves every list replayed launch by launch."""
+    pytest.importorskip("cupy")
+    from dcn_cupy._backends import cuda
+
+    kernel = (0, 1, 1, 32, 0, 0, None, None)
+    assert cuda.Recordings().put((1,), [kernel] * 3).graph is None
+    assert cuda.Recordings().put((1,), [kernel] * 2).graph is False
+    assert cuda.Recordings().put((1,), [kernel] * 3 + [(1, None, None, None, None)]).graph is False
+    monkeypatch.setattr(cuda, "GRAPHS", False)
+    assert cuda.Recordings().put((1,), [kernel] * 3).graph is False
+    monkeypatch.setattr(cuda, "GRAPHS", True)
+    monkeypatch.setattr(cuda, "_launch_function", lambda: None)
+    monkeypatch.setattr(cuda, "_graph_library", object())   # no cuStreamBeginCapture_v2 & co
+    monkeypatch.setattr(cuda, "_graphs", None)
+    ops = cuda.Recordings().put((1,), [kernel] * 3)
+    assert cuda._replay_graph(ops, 0) is False and ops.graph is False and cuda._graphs is False
+
+
 def test_cuda_recordings_keep_the_last_few_address_sets():
     """The CUDA executables replay launches recorded per set of addresses: a caller alternating
     between buffer sets (XLA, a caching allocator) must hit, and the cache stays bounded."""

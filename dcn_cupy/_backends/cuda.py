@@ -820,7 +820,7 @@ class _Graphs:
         return _GraphExec(executable.value, self.destroy_exec)
 
 
-_graphs = None
+_graphs = None   # _Graphs once needed; False where the driver has no graph functions
 
 
 class Recordings:
@@ -867,10 +867,13 @@ def _replay_graph(ops, stream: int) -> bool:
     global _graphs
     if _graphs is None:
         _launch_function()
-        if _graph_library is None:
-            ops.graph = False
-            return False
-        _graphs = _Graphs(_graph_library)
+        try:
+            _graphs = _Graphs(_graph_library) if _graph_library is not None else False
+        except AttributeError:   # a driver without the graph functions: launches, as before
+            _graphs = False
+    if _graphs is False:
+        ops.graph = False
+        return False
     if _graphs.capturing(stream):
         return False
     graph = ops.graph
