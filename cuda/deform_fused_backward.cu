@@ -237,7 +237,8 @@ __global__ void fused_gradient_plan(const T* __restrict__ offset, const T* __res
     }
 }
 
-template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool PLAN, bool DET, int CPL>
+template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool PLAN, bool DET, int CPL,
+          int LANES>
 __global__ void __launch_bounds__(fused_bwd::THREADS, MINB)
 deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt, const T* __restrict__ xcl,
                            const T* __restrict__ offset, const T* __restrict__ mask,
@@ -262,11 +263,11 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     constexpr int B_VECS = BN * BK / VEC / THREADS;
     constexpr int GLD = BM + 4;                      // row of the staged column-gradient tile (floats)
     constexpr int NC = 1 << N;
-    constexpr int LANES = BM / CPL < 32 ? BM / CPL : 32; // lanes per position in the epilogue
-    constexpr int PPW = 32 / LANES;                  // positions per warp and pass
+    constexpr int PPW = 32 / LANES;                  // positions per warp and pass of the epilogue
     constexpr int V4 = CPL / 4;                      // a lane's channels, in fours
     static_assert(A_VECS >= 1 && B_VECS >= 1 && MT >= 1 && NT % 2 == 0 && BM % 64 == 0, "tile shape");
     static_assert((CPL == 4 || CPL == 8) && (!DET || CPL == 4), "channels per lane: 4, or 8 (not deterministic)");
+    static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0 && LANES * CPL <= BM, "epilogue lanes");
 
     extern __shared__ __align__(128) unsigned char fused_smem[];
     T* const As0 = reinterpret_cast<T*>(fused_smem);
@@ -360,9 +361,13 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     __syncthreads();
 
     // Epilogue: warp w takes positions w*PPW + pass*WARPS*PPW ..., LANES lanes per position, each
-    // lane CPL channels at a time (BM/CPL/LANES passes over the channels). A position's corners,
-    // weights and branches are the same for all its lanes: 8 channels per lane pay them once for
-    // twice the channels (all group sizes multiples of 8), in more registers.
+    // lane CPL channels at a time (BM/CPL/LANES passes over the tile's channels of the group). A
+    // position's corners, weights and branches are the same for all its lanes: 8 channels per
+    // lane pay them once for twice the channels (all group sizes multiples of 8), in more
+    // registers. LANES is min(32, BM/CPL), or half that where a group's channels fit half the
+    // tile (C_in/groups = 32 under BM = 64): no lane then idles, and a warp takes twice the
+    // positions; the passes stop at the group's last channel (the full tile's single pass is
+    // left as it was: a runtime bound there costs registers, NOTES-gpu.md session 17).
     const int sub = lane / LANES;             // which of the warp's PPW positions
     const int lane_c = (lane % LANES) * CPL;  // this lane's first channel within a pass
     // (DET) a pass's channels share their groups, and so its lanes their corners: every lane is
@@ -386,7 +391,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
             }
         }
 #pragma unroll 1
-        for (int cpass = 0; cpass < BM; cpass += LANES * CPL) {
+        for (int cpass = 0; cpass < BM && (LANES * CPL == BM || m0 + cpass < Cg); cpass += LANES * CPL) {
             const int c = m0 + cpass + lane_c;          // channel within the group
             const bool active = pvalid && c < Cg;
             const int cabs = grp * Cg + c;

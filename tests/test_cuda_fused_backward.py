@@ -112,6 +112,19 @@ def test_serving_rule_and_segments():
     for geom in (_geom(c_in=64), _geom(c_in=64, offset_groups=16, ndim=3)):
         with pytest.raises(ValueError, match="lane_channels=8"):
             fb.BackwardConfig(geom, np.float16, False, lane_channels=8)
+    # lanes per position: all of the tile's (at most 32), or half where the 64-channel tiles'
+    # half still covers C_in/groups in one pass
+    assert fb.epilogue_lanes(_geom(c_in=128), 64, 4) == 16
+    assert fb.epilogue_lanes(_geom(c_in=64, groups=2), 64, 4) == 8              # 32 channels a group
+    assert fb.epilogue_lanes(_geom(c_in=64, groups=4), 64, 4) == 8              # 16: half is the least
+    assert fb.epilogue_lanes(_geom(c_in=48), 64, 4) == 16                       # 48 > 8 lanes x 4
+    assert fb.epilogue_lanes(_geom(c_in=32, ndim=3), 64, 8) == 4
+    assert fb.epilogue_lanes(_geom(c_in=64, groups=2), 128, 4) == 32            # no narrow 128-row tile
+    assert fb.epilogue_lanes(_geom(c_in=512), 128, 4) == 32
+    narrow = fb.BackwardConfig(_geom(c_in=64, groups=2, c_out=64), np.float16, False)
+    assert narrow.lanes == 8 and "8 lanes a position" in narrow.description
+    assert narrow.seg == fb.segment_lanes(_geom(c_in=64, groups=2, c_out=64), 64)   # segments unchanged
+    assert fb.BackwardConfig(_geom(c_in=256), np.float16, False).lanes == 16
     # the fused weight gradient: a sampling thread's 16 (half) / 8 (float32) channels in one group
     assert fb.weight_unsupported(_geom(c_in=64, offset_groups=2), np.float16) is None
     assert "C_in/offset_groups = 8 is not a multiple of 16" in fb.weight_unsupported(
@@ -185,8 +198,10 @@ def test_deterministic_configuration():
     names = fb.name_expressions(np.float16, 2, False)
     assert "fused_channels_first<__half, int, true>" in names
     assert fb.kernel_name(np.float16, False, 2, 0, (64, 64, 64, 3), "data", False, True) in names
-    assert fb.kernel_name(np.float16, False, 2, 0, (64, 64, 64, 2), "data", True, True).endswith(", true, true, 4>")
+    assert fb.kernel_name(np.float16, False, 2, 0, (64, 64, 64, 2), "data", True, True).endswith(", true, true, 4, 16>")
     assert fb.kernel_name(np.float16, False, 2, 0, (64, 64, 64, 2), "data", True, False, 8) not in names
+    assert fb.kernel_name(np.float16, False, 2, 0, (64, 64, 64, 2), "data", True, False, 4, 8) in names
+    assert fb.kernel_name(np.float16, False, 2, 0, (128, 64, 64, 1), "data", True, False, 4, 16) not in names
     names3 = fb.name_expressions(np.float16, 3, False)
     assert fb.kernel_name(np.float16, False, 3, 0, (64, 64, 64, 2), "data", True, False, 8) in names3
     assert fb.kernel_name(np.float16, False, 3, 0, (64, 64, 64, 2), "data", True, True, 8) not in names3
@@ -428,6 +443,34 @@ def test_eight_channels_per_lane_equal_four(precision):
                 check(eight, expected, precision, label)
                 for name, value in eight.items():
                     assert relative_error(value, four[name]) < TOL[precision] / 10, (name, label)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["float16", "tf32", "float32"])
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_half_the_epilogue_lanes_equal_all_of_them(ndim, precision, monkeypatch):
+    """Where a conv group's channels fit half the 64-channel tile (C_in/groups 32, 16, 8), the
+    data kernel's epilogue with half the lanes per position gives the input, offset and mask
+    gradients of all the lanes (up to the order of the atomics), both against the reference;
+    offset groups != mask groups, with and without the gradients' plan."""
+    fb = _backward_module()
+    rng = np.random.default_rng(90 + ndim)
+    wanted = ("input", "offset", "mask")
+    for groups in (2, 4, 8):
+        arrays, params, gy = wide_case(rng, ndim, groups=groups, offset_groups=groups, mask_groups=groups // 2,
+                                       c_in=64, c_out=8 * groups)
+        for plan in (False, True):
+            label = (groups, plan)
+            half, expected, config = run_gradients(arrays, params, gy, precision, wanted=wanted, gradient_plan=plan)
+            assert config.lanes == fb.full_lanes(64, config.lane_channels) // 2, label
+            with monkeypatch.context() as m:
+                m.setattr(fb, "NARROW_TILE_ROWS", ())
+                full, _, config = run_gradients(arrays, params, gy, precision, wanted=wanted, gradient_plan=plan)
+                assert config.lanes == fb.full_lanes(64, config.lane_channels), label
+            check(half, expected, precision, label)
+            check(full, expected, precision, label)
+            for name, value in half.items():
+                assert relative_error(value, full[name]) < TOL[precision] / 10, (name, label)
 
 
 @pytest.mark.gpu

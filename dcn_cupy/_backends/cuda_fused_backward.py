@@ -90,6 +90,11 @@ DETERMINISTIC_MINB = 3
 #: 1.64 (8 corners a position); B=8 C256 56x56 fp16 0.60 -> 0.78, tf32 0.98 -> 1.05; B=16 C512
 #: 14x14 equal; 1D C256 L4096 fp16 0.55 -> 0.57 (NOTES-gpu.md, session 10). So 8 in 3D only.
 LANE_CHANNELS = (4, 8)
+#: Data tiles (BM) with a second epilogue instantiation at half the lanes per position, taken where
+#: a conv group's input channels fit half the tile (``epilogue_lanes``): C_in/groups = 32 under the
+#: 64-channel tiles, the 3D and transposed benchmark shapes', would otherwise leave half the lanes
+#: idle in every pass (NOTES-gpu.md, session 17).
+NARROW_TILE_ROWS = (64,)
 #: The weight gradient's tiles per dtype (BM output channels, BN input channels, BK positions per
 #: step, MINB), 256 / BK sampling threads per position: the tallest no taller than C_out/groups
 #: is taken (``_weight_tile``), since each output-channel tile samples the input again; a
@@ -164,15 +169,22 @@ def _bool(value: bool) -> str:
     return "true" if value else "false"
 
 
+def full_lanes(bm: int, lane_channels: int) -> int:
+    """Lanes per position of the data kernel's epilogue that cover the tile's BM channels in one
+    pass (at most a warp's 32)."""
+    return min(32, bm // lane_channels)
+
+
 def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, kernel: str = "data",
-                plan: bool = False, deterministic: bool = False, lane_channels: int = 4) -> str:
+                plan: bool = False, deterministic: bool = False, lane_channels: int = 4, lanes=None) -> str:
     """A data or (``kernel="weight"``) weight kernel, reading its plan (``plan``) or not; the
     data kernel ``deterministic`` (fixed-point scatter) or not, with ``lane_channels`` channels
-    per epilogue lane."""
+    per epilogue lane and ``lanes`` lanes per position (default ``full_lanes``)."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
     bm, bn, bk, minb = tile
-    det = f", {_bool(deterministic)}, {lane_channels}" if kernel == "data" else ""
+    lanes = full_lanes(bm, lane_channels) if lanes is None else lanes
+    det = f", {_bool(deterministic)}, {lane_channels}, {lanes}" if kernel == "data" else ""
     return f"deform_fused_backward_{kernel}<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}, {_bool(plan)}{det}>"
 
 
@@ -180,9 +192,10 @@ def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
     """Every kernel instantiation of one module (one dtype, one N, one index width)."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
-    names = [kernel_name(dtype, index64, ndim, prec, data_tile(tile, ndim, prec, det), "data", plan, det, cpl)
+    names = [kernel_name(dtype, index64, ndim, prec, data_tile(tile, ndim, prec, det), "data", plan, det, cpl, lanes)
              for prec in _fused._precisions(dtype) for tile in _tiles(dtype) for plan in (False, True)
-             for det in (False, True) for cpl in LANE_CHANNELS if cpl == 4 or (ndim == 3 and not det)]
+             for det in (False, True) for cpl in LANE_CHANNELS if cpl == 4 or (ndim == 3 and not det)
+             for lanes in _lane_choices(tile[0], cpl)]
     names += [kernel_name(dtype, index64, ndim, prec, tile, "weight", plan)
               for prec in _fused._precisions(dtype) for tile in _weight_tiles(dtype) for plan in (False, True)]
     names += [f"{kernel}<{t}, {i}>" for kernel in
@@ -272,6 +285,21 @@ def segment_lanes(geom, bm: int, lane_channels: int = 4) -> int:
     return seg
 
 
+def _lane_choices(bm: int, lane_channels: int) -> tuple:
+    full = full_lanes(bm, lane_channels)
+    return (full, full // 2) if bm in NARROW_TILE_ROWS and full > 1 else (full,)
+
+
+def epilogue_lanes(geom, bm: int, lane_channels: int) -> int:
+    """The rule for the data kernel's lanes per position: ``full_lanes``, or half as many where the
+    tile has that instantiation (``NARROW_TILE_ROWS``) and they still cover C_in/groups in one
+    pass (no lane idles; twice the positions a warp). Segments (``segment_lanes``) never exceed
+    C_in/groups channels, so they are the same either way, and so are the gradients' bits."""
+    choices = _lane_choices(bm, lane_channels)
+    cg = geom.in_channels // geom.groups
+    return choices[-1] if choices[-1] * lane_channels >= cg else choices[0]
+
+
 def epilogue_lane_channels(geom, deterministic: bool) -> int:
     """The rule for the data kernel's channels per epilogue lane: 8 in 3D (eight corners a
     position: measured faster, LANE_CHANNELS) where every conv, offset and mask group's channel
@@ -325,6 +353,7 @@ class BackwardConfig:
         if self.lane_channels not in LANE_CHANNELS or (self.lane_channels != rule and self.lane_channels == 8):
             raise ValueError(f"lane_channels={lane_channels} is not served here (the rule gives {rule})")
         self.seg = segment_lanes(geom, min(bm, 64) if self.deterministic else bm, self.lane_channels)
+        self.lanes = epilogue_lanes(geom, bm, self.lane_channels)
         _, per_go, per_gm = _per_group(geom)
         self.slots = (per_go // (4 * self.seg), per_gm // (4 * self.seg)) if self.deterministic else (1, 1)
         self.log2_count = int(max(self.Q * self.K if geom.has_offset else self.K, 1) - 1).bit_length()
@@ -406,7 +435,7 @@ class BackwardConfig:
         scatter = ("deterministic: fixed-point 64-bit channels-last scatter, offset and mask gradients summed in a "
                    "fixed order" if self.deterministic else "channels-last vector scatter")
         return (f"cuda/fused-backward: {prec} mma.sync, tile {bm}x{bn}x{bk}, {scatter}{data_plan} "
-                f"({self.lane_channels} channels a lane), "
+                f"({self.lane_channels} channels a lane, {self.lanes} lanes a position), "
                 f"{weight}, chunks of {self.chunk} samples, {'64' if self.index64 else '32'}-bit index")
 
     def blocks(self, n: int) -> int:
@@ -425,7 +454,8 @@ class BackwardConfig:
             if name == "data":
                 tile = data_tile(tile, g.ndim, self.precision, self.deterministic)
             fn = _function(kernel_name(self.dtype, self.index64, g.ndim, self.precision, tile, name, plan,
-                                       self.deterministic, self.lane_channels), self.dtype, g.ndim, self.index64)
+                                       self.deterministic, self.lane_channels, self.lanes),
+                           self.dtype, g.ndim, self.index64)
             if smem > 48 * 1024:
                 _fused._allow_shared_memory(fn, smem)
             return fn
