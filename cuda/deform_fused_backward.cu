@@ -557,13 +557,14 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
 
 // gy (B, C_out, Q), sample stride gy_bstride -> gyr (C_out, Pp): each output channel's row over
 // the chunk's positions p = b*Q + q, zero from B*Q to Pp (a multiple of the 16-byte vector): the
-// A operand of the weight gradient where it cannot read gy's own rows, i.e. where a 16-byte
-// vector of positions could cross a sample or start off 16 bytes (cuda_fused_backward.direct_rows):
-// so element by element, VEC consecutive positions of one row a thread.
+// A operand of the weight gradient. A thread copies VEC consecutive positions of one row: one
+// 16-byte vector each way where every sample's rows start on 16 bytes (Q and the sample stride
+// multiples of VEC, gy aligned; then no vector crosses a sample), else element by element.
 template <typename T, typename I>
 __global__ void fused_position_rows(const T* __restrict__ gy, T* __restrict__ gyr, const int batch,
                                     const int channels, const I Q, const I Pp, const I gy_bstride) {
     constexpr int VEC = 16 / sizeof(T);
+    const bool vector = Q % VEC == 0 && gy_bstride % VEC == 0 && (reinterpret_cast<size_t>(gy) & 15) == 0;
     const I row_vectors = Pp / VEC;
     const I total = (I)channels * row_vectors;
     const I BQ = (I)batch * Q;
@@ -571,10 +572,16 @@ __global__ void fused_position_rows(const T* __restrict__ gy, T* __restrict__ gy
         const I o = idx / row_vectors;
         const I p0 = (idx - o * row_vectors) * VEC;
         T* dst = gyr + o * Pp + p0;
+        if (vector && p0 + VEC <= BQ) {
+            const I b = p0 / Q;
+            *reinterpret_cast<uint4*>(dst) =
+                __ldg(reinterpret_cast<const uint4*>(gy + b * gy_bstride + o * Q + (p0 - b * Q)));
+        } else {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-            const I p = p0 + k;
-            dst[k] = p < BQ ? gy[(p / Q) * gy_bstride + o * Q + p % Q] : Traits<T>::store(0.0f);
+            for (int k = 0; k < VEC; ++k) {
+                const I p = p0 + k;
+                dst[k] = p < BQ ? gy[(p / Q) * gy_bstride + o * Q + p % Q] : Traits<T>::store(0.0f);
+            }
         }
     }
 }
@@ -582,8 +589,8 @@ __global__ void fused_position_rows(const T* __restrict__ gy, T* __restrict__ gy
 // The weight gradient, an implicit GEMM over the positions with the fused forward's sampler:
 //   part[split, o, t, c] (+)= sum_{p in the split's share of the chunk} gy[o, p] * m * sample(x[b, c], P(q, t))
 // Per block a tile of BM output channels x BN input channels of one conv group and ONE tap, for
-// one split of the chunk's positions, in steps of BK positions: the grad_output rows (A: rows o,
-// K = p contiguous; grad_output's own or fused_position_rows' copy) copied with cp.async, the sampled tile (B: rows c, K = p) built straight
+// one split of the chunk's positions, in steps of BK positions: the grad_output rows gyr (A: rows
+// o, K = p contiguous) copied with cp.async, the sampled tile (B: rows c, K = p) built straight
 // into shared memory by THREADS/BK threads per position (CPT consecutive channels each: one
 // 16-byte load per corner and vector, a corner not read loading the zero row with weight 0),
 // double-buffered, multiplied by fused::warp_mma (float32 accumulation). Each (split, o, t, c)
@@ -595,13 +602,12 @@ __global__ void fused_position_rows(const T* __restrict__ gy, T* __restrict__ gy
 // step ahead, instead of computed from the offsets and mask here.
 template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool PLAN>
 __global__ void __launch_bounds__(fused_bwd::THREADS, MINB)
-deform_fused_backward_weight(const T* __restrict__ gya, const T* __restrict__ xcl, const T* __restrict__ offset,
+deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xcl, const T* __restrict__ offset,
                              const T* __restrict__ mask, const I* __restrict__ plan_rows,
                              const float* __restrict__ plan_weights, float* __restrict__ part, const Geom<N> g,
                              const int batch, const int channels, const int Cp, const int out_channels,
                              const int groups, const int offset_groups, const int mask_groups, const int seg_len,
-                             const I a_sample, const I a_bstride, const I a_rstride, const I a_limit,
-                             const I offset_bstride, const I mask_bstride, const int splits,
+                             const I Pp, const I offset_bstride, const I mask_bstride, const int splits,
                              const int steps_per_split, const int accumulate) {
     using namespace fused;
     using fused_bwd::THREADS;
@@ -652,25 +658,18 @@ deform_fused_backward_weight(const T* __restrict__ gya, const T* __restrict__ xc
     const I left = total_steps - (I)split * steps_per_split;
     const int steps = left <= 0 ? 0 : (int)(left < steps_per_split ? left : steps_per_split);
 
-    // This thread's grad_output copies: rows r0 + j * R_STEP of the A tile, vector kv. Position p
-    // of row o lies at gya + (p / a_sample) * a_bstride + o * a_rstride + p % a_sample, valid below
-    // a_limit: in grad_output itself, (B, C_out, Q) with its sample stride, where Q and that stride
-    // are multiples of a vector (a_sample = a_rstride = Q, a_limit = B*Q: no vector crosses a
-    // sample), else in fused_position_rows' copy gyr (a_sample = a_rstride = a_limit = Pp,
-    // a_bstride = 0).
+    // This thread's weight... grad_output copies: rows r0 + j * R_STEP of the A tile, vector kv.
     constexpr int R_STEP = THREADS / (BK / VEC);
     const int r0 = tid / (BK / VEC);
     const int kv = (tid % (BK / VEC)) * VEC;
     auto copy_step = [&](int step, int buf) {
         const I p = first + (I)step * BK + kv;
-        const I b = p / a_sample;
-        const T* const src = gya + b * a_bstride + (p - b * a_sample);
 #pragma unroll
         for (int j = 0; j < A_VECS; ++j) {
             const int r = r0 + j * R_STEP;
-            const bool full = m0 + r < Cog && p < a_limit;
+            const bool full = m0 + r < Cog && p < Pp;
             copy16_async(As0 + buf * BM * LD + r * LD + kv,
-                         full ? src + (I)(grp * Cog + m0 + r) * a_rstride : gya, full);
+                         full ? gyr + (I)(grp * Cog + m0 + r) * Pp + p : gyr, full);
         }
         copy_commit();
     };

@@ -30,9 +30,8 @@ In 2D and 3D the data kernel likewise reads each position's corners, slopes and 
 of its own (``fused_gradient_plan``) where that plan fits (``SAMPLING_PLAN`` says when).
 
 Per call, one batch chunk at a time (the chunk bounds the workspace by
-``cuda_fused.WORKSPACE_LIMIT_BYTES``): grad_output copied channels-last, ``(Bc*Q, Cop)``, and, for
-the weight gradient where a 16-byte vector of its positions could cross a sample
-(:func:`direct_rows`), as rows over the positions, ``(C_out, Pp)``; the input channels-last, ``(Bc*S, Cp)``, when the
+``cuda_fused.WORKSPACE_LIMIT_BYTES``): grad_output copied channels-last, ``(Bc*Q, Cop)``, and as
+rows over the positions, ``(C_out, Pp)``; the input channels-last, ``(Bc*S, Cp)``, when the
 offset, mask or weight gradient is wanted (the corner values); the weight re-laid per conv
 group and tap as ``(G, K, C_in/G, Cogp)``; the accumulators cleared, the kernels run, the
 gradients written out in their dtype and layout (the input gradient plus the C_in-long
@@ -472,16 +471,6 @@ class BackwardConfig:
         return cupy.ndarray((count,), dtype=dtype, memptr=workspace.data + start)
 
 
-def direct_rows(config: BackwardConfig, grad_output: int, sample_stride: int) -> bool:
-    """Whether the weight kernel reads grad_output's rows over the positions straight from
-    grad_output (address ``grad_output``, ``sample_stride`` elements a sample): where Q and the
-    sample stride are multiples of a 16-byte vector and grad_output is 16-byte aligned, so that no
-    vector crosses a sample; else ``fused_position_rows`` copies them to the workspace first. The
-    same values reach the same tile either way: the same bits."""
-    vec = _VEC[config.dtype]
-    return config.Q % vec == 0 and sample_stride % vec == 0 and grad_output % 16 == 0
-
-
 def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> list:
     """The launches of one backward, recorded (``cuda._kernel_op``, memsets as ``(2, ptr,
     bytes)``) for ``cuda._replay``: ``inputs`` the addresses of (grad_output, x, w, offset, mask,
@@ -573,16 +562,9 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
                         u64(view[name]), u64(target + start * bs * it), i32(n), index(per_sample), index(bs),
                         i32(slots))))
         if gw:
-            # the weight kernel's A operand: grad_output's own rows where no 16-byte vector crosses
-            # a sample (direct_rows), else fused_position_rows' copy over the chunk's positions
-            if direct_rows(config, gy, gy_bs):
-                rows = (gy_n, index(config.Q), index(gy_bs), index(config.Q), index(n * config.Q))
-            else:
-                pp = _fused._round_up(n * config.Q, _VEC[config.dtype])
-                ops.append(op(kernel("fused_position_rows"), grid(g.out_channels * pp // _VEC[config.dtype]),
-                              (_THREADS,), (gy_n, u64(view["gyr"]), i32(n), i32(g.out_channels), index(config.Q),
-                                            index(pp), index(gy_bs))))
-                rows = (u64(view["gyr"]), index(pp), index(0), index(pp), index(pp))
+            pp = _fused._round_up(n * config.Q, _VEC[config.dtype])
+            ops.append(op(kernel("fused_position_rows"), grid(g.out_channels * pp // _VEC[config.dtype]), (_THREADS,), (
+                gy_n, u64(view["gyr"]), i32(n), i32(g.out_channels), index(config.Q), index(pp), index(gy_bs))))
             plan_rows, plan_weights = (u64(view["plan_rows"]), u64(view["plan_weights"])) if config.sampling_plan \
                 else (None, None)
             if config.sampling_plan:
@@ -591,9 +573,9 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
                                             i32(g.in_channels), i32(config.Go), i32(config.Gm), i32(config.seg_len),
                                             i32(config.segments), index(off_bs), index(msk_bs))))
             ops.append(op(kernel("weight"), (config.splits * config.weight_tiles,), (_THREADS,), (
-                rows[0], u64(view["xcl"]), off_n, msk_n, plan_rows, plan_weights, u64(view["part"]),
+                u64(view["gyr"]), u64(view["xcl"]), off_n, msk_n, plan_rows, plan_weights, u64(view["part"]),
                 config.struct, i32(n), i32(g.in_channels), i32(config.Cp), i32(g.out_channels), i32(g.groups),
-                i32(config.Go), i32(config.Gm), i32(config.seg_len), *rows[1:], index(off_bs), index(msk_bs),
+                i32(config.Go), i32(config.Gm), i32(config.seg_len), index(pp), index(off_bs), index(msk_bs),
                 i32(config.splits), i32(config.weight_steps(n)), i32(start > 0)), config.weight_smem_bytes))
     if gw:
         ops.append(op(kernel("fused_weight_sum"), grid(g.out_channels * config.Cg * config.K), (_THREADS,), (
