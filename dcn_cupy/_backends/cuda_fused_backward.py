@@ -286,6 +286,8 @@ def segment_lanes(geom, bm: int, lane_channels: int = 4) -> int:
 
 
 def _lane_choices(bm: int, lane_channels: int) -> tuple:
+    """The lanes per position instantiated for a BM-row data tile: all, and half on the
+    ``NARROW_TILE_ROWS`` tiles."""
     full = full_lanes(bm, lane_channels)
     return (full, full // 2) if bm in NARROW_TILE_ROWS and full > 1 else (full,)
 
