@@ -26,7 +26,9 @@ allocated during the call beyond what was allocated before it (inputs excluded, 
 workspace included), read off CuPy's pool (dcn_cupy, through a memory hook) or torch's
 allocator statistics.
 
-Usage: ``python benchmarks/gpu.py [--quick] [--json PATH] [--only 2d|3d]``; ``main(argv)`` is
+Usage: ``python benchmarks/gpu.py [--quick] [--json PATH] [--only 2d|3d] [--shapes 0,3,5]
+[--budget SECONDS]``; ``--budget`` starts no further (shape, precision) once that many seconds
+have passed, so that a run under a time limit still prints its table. ``main(argv)`` is
 what ``python -m dcn_cupy bench`` calls. Prints a table; writes JSON only where asked. Without a
 CUDA device (or CuPy) it says so and returns 0.
 """
@@ -428,6 +430,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--inner", type=int, default=10)
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds after which no further (shape, precision) starts; the table still prints")
     args = parser.parse_args(argv)
     if args.quick:
         args.warmup, args.repeats, args.inner = 2, 3, 4
@@ -464,9 +468,14 @@ def main(argv=None) -> int:
         "inner": args.inner,
     }
     results = []
+    started = time.monotonic()
+    skipped = [(shape, precision) for shape in shapes for precision in precisions]
     for shape in shapes:
         is2d = len(shape["S"]) == 2
         for precision in precisions:
+            if args.budget is not None and time.monotonic() - started > args.budget:
+                break
+            skipped.remove((shape, precision))
             benches = [("dcn_cupy", lambda s=shape, p=precision, t=not is2d: bench_dcn(
                 s, p, args, transposed_too=t, fused=not args.no_fused))]
             if shape.get("transposed"):
@@ -488,6 +497,8 @@ def main(argv=None) -> int:
                     results.append(row)
                     print(f"  {shape['name']:<28} {precision:<5} {row['impl']:<22} "
                           f"fwd {_fmt(row.get('fwd_ms', '-'))} ms {_fmt(row.get('fwd_tflops', '-'), '{:6.1f}')} TFLOP/s  fwd+bwd {_fmt(row.get('fwdbwd_ms', '-'))} ms"
+                          + (f"  peak MiB {_fmt(row.get('fwd_peak_mib', '-'), '{:.0f}')} / "
+                             f"{_fmt(row.get('fwdbwd_peak_mib', '-'), '{:.0f}')}" if "fwd_peak_mib" in row else "")
                           + (f"  {row['error']}" if "error" in row else "")
                           + (f"  [{row['algorithm']}]" if "algorithm" in row else ""), flush=True)
                 import gc
@@ -495,6 +506,9 @@ def main(argv=None) -> int:
                 cupy.get_default_memory_pool().free_all_blocks()
                 torch.cuda.empty_cache()
     _set_precision("fp32")
+    if skipped:
+        print(f"--budget {args.budget:g} s reached after {time.monotonic() - started:.0f} s; not run: "
+              + ", ".join(f"{shape['name']} {precision}" for shape, precision in skipped))
 
     # speedups of dcn_cupy against the others, per shape and precision
     by_key = {(r["shape"], r["precision"], r["impl"]): r for r in results}
