@@ -214,6 +214,22 @@ def test_real_cpu_benchmark_smoke(tmp_path, capsys):
     assert ("dcn_cupy", "forward") in modes and ("dcn_cupy", "forward+backward") in modes
 
 
+def test_scatter_locality_counts_a_hand_case(capsys):
+    """benchmarks/scatter_locality.py: 1D, 4 positions in one block, offsets 0 (sigma 0). Taps 0 /
+    1 / 2 put their corners at q - 1 + t and q + t: 7 / 7 / 5 on the grid (19), touching 4 / 4 / 3
+    pixels (11 over the three one-tap blocks) and 4 in all; the box (margin 1) is the whole
+    4-pixel input."""
+    module = _bench.load_script(REPO / "benchmarks" / "scatter_locality.py", "_test_scatter_locality")
+    r = module.count((4,), stride=1, tile=4, sigma=0.0, margin=1, blocks=1)
+    assert r == {"blocks": 1, "contributions": 19, "one_tap_pixels": 11, "all_taps_pixels": 4, "box_pixels": 4,
+                 "in_box": 1.0}
+    many = module.count((12, 12), tile=16, blocks=5)
+    assert many["all_taps_pixels"] <= many["one_tap_pixels"] <= many["contributions"]
+    assert 0.0 < many["in_box"] <= 1.0
+    assert module.main(["--size", "9,9", "--tile", "16", "--blocks", "3"]) == 0
+    assert "all 9 taps in one block" in capsys.readouterr().out
+
+
 def test_module_entry_point_runs_as_subprocess(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     command = [sys.executable, "-m", "dcn_cupy", "check", "--device", "cpu", "-k", "mask_sigmoid"]
