@@ -468,14 +468,13 @@ def main(argv=None) -> int:
         "inner": args.inner,
     }
     results = []
-    started = time.monotonic()
-    skipped = [(shape, precision) for shape in shapes for precision in precisions]
+    started, skipped = time.monotonic(), []
     for shape in shapes:
         is2d = len(shape["S"]) == 2
         for precision in precisions:
             if args.budget is not None and time.monotonic() - started > args.budget:
-                break
-            skipped.remove((shape, precision))
+                skipped.append((shape, precision))
+                continue
             benches = [("dcn_cupy", lambda s=shape, p=precision, t=not is2d: bench_dcn(
                 s, p, args, transposed_too=t, fused=not args.no_fused))]
             if shape.get("transposed"):

@@ -278,7 +278,7 @@ def segment_lanes(geom, bm: int, lane_channels: int = 4) -> int:
     """Lanes whose offset/mask partial sums are added by shuffles before one atomic: the largest
     power of two, at most the lanes of one position, whose segments (``lane_channels`` channels a
     lane) never cross a conv, offset or mask group boundary."""
-    lanes = min(32, bm // lane_channels)
+    lanes = full_lanes(bm, lane_channels)
     seg = 1
     while seg * 2 <= lanes and all(count % (2 * lane_channels * seg) == 0 for count in _per_group(geom)):
         seg *= 2
