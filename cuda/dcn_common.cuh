@@ -202,7 +202,6 @@ template <typename A, typename I, int N>
 struct Corners {
     static const int NC = 1 << N;
     bool valid;            // position inside the box [-1, S_a) on every axis
-    int base[N];           // corner 0's coordinates (the floor of the position; 0 where !valid)
     bool ok[NC];           // corner inside the grid
     I index[NC];           // flat spatial index of the corner (0 where !ok)
     A weight[NC];          // interpolation weight
@@ -212,8 +211,6 @@ struct Corners {
         int lo[N] = {};
         A frac[N] = {};  // stay 0 for a position that samples zero
         valid = locate<A, N>(pos, size, lo, frac);
-#pragma unroll
-        for (int a = 0; a < N; ++a) base[a] = lo[a];
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
             int coord[N];

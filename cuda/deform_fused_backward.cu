@@ -29,16 +29,8 @@
 // stored, not added, as one partial sum per segment of channels, slot (channel within its
 // group) / (4 * seg) of goff / gmsk, which fused_store adds in a fixed order), CPL (channels per
 // epilogue lane: 4, or 8 where every group's channels are a multiple of 8, not DET; the rule,
-// cuda_fused_backward.epilogue_lane_channels, takes 8 in 3D only), LANES (lanes per position of
-// the epilogue), WIN (DET, not PLAN: a block takes a patch of the output grid and a run of taps,
-// win.taps, instead of a row of positions and one tap, and adds each tap's fixed-point input
-// gradient into a window of the input in shared memory, fused_bwd::Window: 64-bit sums kept as
-// two 32-bit words, each contribution two native shared integer atomics, the low word's carry
-// into the high one; a corner outside the window goes straight to gxq. After its taps the block
-// adds the window to gxq, one 64-bit global atomic per touched element instead of one per
-// contribution: the integer sums are exact in any grouping, so the bits equal the one-tap
-// kernel's). 256 threads.
-// Dynamic shared memory: cuda_fused_backward.smem_bytes (+ the window's bytes where WIN).
+// cuda_fused_backward.epilogue_lane_channels, takes 8 in 3D only). 256 threads.
+// Dynamic shared memory: cuda_fused_backward.smem_bytes.
 
 #include "fused_common.cuh"
 #include "fixed_point.cuh"
@@ -100,19 +92,6 @@ __device__ __forceinline__ float sampling_position(const Geom<N>& g, const int (
     }
     return mask == nullptr ? 1.0f : Traits<T>::load(mask[b * mask_bstride + ((I)gm * K + t) * Q + q]);
 }
-
-// The input window of a WIN data kernel's block (cuda_fused_backward.window_geometry): its
-// positions are a patch of the output grid of one sample (patch[a] positions along axis a, at most
-// BN in all; tiles[a] patches along the axis), and it adds its taps' scatter into a fixed-point
-// copy of the input around them in shared memory (low words, then high words).
-template <int N> struct Window {
-    int patch[N];
-    int tiles[N];
-    int extent[N];
-    int margin;
-    int taps;       // taps per block: K / taps (rounded up) blocks share a patch and channel tile
-    int channels;   // floats per window pixel: min(BM, C_in/groups)
-};
 
 }  // namespace fused_bwd
 
@@ -259,7 +238,7 @@ __global__ void fused_gradient_plan(const T* __restrict__ offset, const T* __res
 }
 
 template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool PLAN, bool DET, int CPL,
-          int LANES, bool WIN>
+          int LANES>
 __global__ void __launch_bounds__(fused_bwd::THREADS, MINB)
 deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt, const T* __restrict__ xcl,
                            const T* __restrict__ offset, const T* __restrict__ mask,
@@ -271,8 +250,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                            const float* __restrict__ plan_slopes, const float* __restrict__ plan_masks,
                            const int seg_len, dcn_u64* __restrict__ gxq, unsigned* __restrict__ gx_flags,
                            const dcn_u64* __restrict__ weight_bound, const dcn_u64* __restrict__ gy_bounds,
-                           const dcn_u64* __restrict__ mask_bounds, const int log2_count,
-                           const fused_bwd::Window<N> win) {
+                           const dcn_u64* __restrict__ mask_bounds, const int log2_count) {
     using namespace fused;
     using fused_bwd::THREADS;
     constexpr int VEC = Tile<T>::VEC;
@@ -290,10 +268,6 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     static_assert(A_VECS >= 1 && B_VECS >= 1 && MT >= 1 && NT % 2 == 0 && BM % 64 == 0, "tile shape");
     static_assert((CPL == 4 || CPL == 8) && (!DET || CPL == 4), "channels per lane: 4, or 8 (not deterministic)");
     static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0 && LANES * CPL <= BM, "epilogue lanes");
-    static_assert(!WIN || (DET && !PLAN), "the window: fixed point, the corners' coordinates computed here");
-    // the operand tiles' buffers, reused by the staged tile; the window (WIN) after them
-    constexpr int MAIN_BYTES = (2 * (BM + BN) * LD * (int)sizeof(T) > BN * GLD * 4
-                                ? 2 * (BM + BN) * LD * (int)sizeof(T) : BN * GLD * 4);
 
     extern __shared__ __align__(128) unsigned char fused_smem[];
     T* const As0 = reinterpret_cast<T*>(fused_smem);
@@ -314,73 +288,15 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     const int per_gm = mask == nullptr ? channels : channels / mask_groups;
     const int m_tiles = (Cg + BM - 1) / BM;
     // block -> (position tile, tap, group, channel tile), channel tiles fastest: the blocks of one
-    // position tile run together and share its grad_output rows in L2 (WIN: (patch, run of taps,
-    // group, channel tile))
+    // position tile run together and share its grad_output rows in L2
     I bid = blockIdx.x;
     const int m0 = (int)(bid % m_tiles) * BM;
     bid /= m_tiles;
     const int grp = (int)(bid % groups);
     bid /= groups;
-    int t_first, taps = 1;
-    I p0 = 0;
-    if constexpr (WIN) {
-        const int runs = (K + win.taps - 1) / win.taps;
-        t_first = (int)(bid % runs) * win.taps;
-        taps = min(win.taps, K - t_first);
-        bid /= runs;
-    } else {
-        t_first = (int)(bid % K);
-        p0 = (bid / K) * BN;
-    }
+    const int t = (int)(bid % K);
+    const I p0 = (bid / K) * BN;
     const int steps = (Cog + BK - 1) / BK;
-
-    // (WIN) the patch's positions p = b*Q + q (-1 past the grid), its sample, and the window's
-    // origin on the input grid; the window cleared
-    __shared__ I tile_pos[WIN ? BN : 1];
-    [[maybe_unused]] I win_b = 0;
-    [[maybe_unused]] int win_org[N];
-    unsigned* const wlo = reinterpret_cast<unsigned*>(fused_smem + MAIN_BYTES);   // then the high words
-    [[maybe_unused]] int win_pixels = 1;
-    if constexpr (WIN) {
-        int per_sample = 1;
-#pragma unroll
-        for (int a = 0; a < N; ++a) {
-            per_sample *= win.tiles[a];
-            win_pixels *= win.extent[a];
-        }
-        win_b = bid / per_sample;
-        int rest = (int)(bid % per_sample);
-        int origin[N];
-#pragma unroll
-        for (int a = N - 1; a >= 0; --a) {
-            origin[a] = (rest % win.tiles[a]) * win.patch[a];
-            rest /= win.tiles[a];
-            win_org[a] = origin[a] * g.stride[a] - g.pad[a] - win.margin;
-        }
-        if (tid < BN) {   // position tid of the patch (last axis fastest)
-            int local = tid;
-            I q = 0, stride_q = 1;
-            bool inside = true;
-#pragma unroll
-            for (int a = N - 1; a >= 0; --a) {
-                const int qa = origin[a] + local % win.patch[a];
-                local /= win.patch[a];
-                inside = inside && qa < g.out_size[a];
-                q += (I)qa * stride_q;
-                stride_q *= (I)g.out_size[a];
-            }
-            tile_pos[tid] = inside && local == 0 ? win_b * Q + q : (I)-1;   // local != 0: past the patch
-        }
-        if (gxq != nullptr) {
-            for (int i = tid; i < win_pixels * win.channels / 2; i += THREADS)
-                reinterpret_cast<uint4*>(wlo)[i] = make_uint4(0u, 0u, 0u, 0u);
-        }
-        __syncthreads();
-    }
-
-#pragma unroll 1
-    for (int tt = 0; tt < (WIN ? taps : 1); ++tt) {
-    const int t = t_first + tt;
 
     // This thread's copies: A rows a_r0 + j * R_STEP, B rows likewise, vector kv of the step.
     constexpr int R_STEP = THREADS / (BK / VEC);
@@ -398,8 +314,8 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
 #pragma unroll
         for (int j = 0; j < B_VECS; ++j) {
             const int r = r0 + j * R_STEP;
-            const I p = WIN ? tile_pos[r] : p0 + r;
-            const bool full = (WIN ? p >= 0 : p < BQ) && o0 + kv < Cog;
+            const I p = p0 + r;
+            const bool full = p < BQ && o0 + kv < Cog;
             copy16_async(Bs0 + buf * BN * LD + r * LD + kv,
                          full ? gycl + p * Cop + grp * Cog + o0 + kv : gycl, full);
         }
@@ -461,8 +377,8 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     dcn::unravel<N, int>(t, g.ksize, tc);
     for (int n0 = warp * PPW; n0 < BN; n0 += WARPS * PPW) {
         const int n = n0 + sub;
-        const I p = WIN ? tile_pos[n] : p0 + n;
-        const bool pvalid = WIN ? p >= 0 : p < BQ;
+        const I p = p0 + n;
+        const bool pvalid = p < BQ;
         const I b = pvalid ? p / Q : 0;
         const I q = pvalid ? p % Q : 0;
         int qc[N];
@@ -533,30 +449,8 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                                 for (int k = 0; k < NC; ++k) {
                                     const float w = cr.weight[k];
                                     if (cr.ok[k] && w != 0.0f) {
-                                        const long long e = (long long)((row0 + cr.index[k]) * Cpa + channel);
-                                        if constexpr (WIN) {   // into the window where the corner lies in it
-                                            const double value = (double)w * v;
-                                            int wi = 0;
-                                            bool inside = isfinite(value);   // flags go to global memory
-#pragma unroll
-                                            for (int a = 0; a < N; ++a) {
-                                                const int r = cr.base[a] + ((k >> (N - 1 - a)) & 1) - win_org[a];
-                                                inside = inside && (unsigned)r < (unsigned)win.extent[a];
-                                                wi = wi * win.extent[a] + r;
-                                            }
-                                            if (inside) {
-                                                const long long fixed = __double2ll_rn(value * scale);
-                                                if (fixed != 0) {
-                                                    const int at = wi * win.channels + cc;
-                                                    const unsigned lo = (unsigned)fixed;
-                                                    const unsigned old = atomicAdd(wlo + at, lo);
-                                                    const unsigned hi = (unsigned)((unsigned long long)fixed >> 32) + (old + lo < old ? 1u : 0u);
-                                                    if (hi != 0u) atomicAdd(wlo + win_pixels * win.channels + at, hi);
-                                                }
-                                                continue;
-                                            }
-                                        }
-                                        dcn_det::accumulate_scaled(gxq, gx_flags, e, (double)w * v, scale);
+                                        dcn_det::accumulate_scaled(gxq, gx_flags, (long long)((row0 + cr.index[k]) * Cpa + channel),
+                                                                   (double)w * v, scale);
                                     }
                                 }
                             }
@@ -655,33 +549,6 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                             atomicAdd(dst, gmask_part);
                         }
                     }
-                }
-            }
-        }
-    }
-    if constexpr (WIN) __syncthreads();   // the next tap's copies overwrite the staged tile
-    }   // taps
-
-    if constexpr (WIN) {
-        // the window added to gxq: one 64-bit atomic per element on the grid with a non-zero sum
-        if (gxq != nullptr) {
-            const int live = min(win.channels, Cg - m0);
-            for (int i = tid; i < win_pixels * win.channels; i += THREADS) {
-                const int pix = i / win.channels, c = i - pix * win.channels;
-                if (c >= live) continue;
-                int rest = pix;
-                int coord[N];
-                bool on = true;
-#pragma unroll
-                for (int a = N - 1; a >= 0; --a) {
-                    coord[a] = win_org[a] + rest % win.extent[a];
-                    rest /= win.extent[a];
-                    on = on && coord[a] >= 0 && coord[a] < g.in_size[a];
-                }
-                const dcn_u64 sum = ((dcn_u64)wlo[win_pixels * win.channels + i] << 32) | wlo[i];
-                if (on && sum != 0ull) {
-                    const I flat = dcn::flat_index<N, I>(coord, g.in_size);
-                    atomicAdd(gxq + (win_b * S + flat) * Cpa + grp * Cg + m0 + c, sum);
                 }
             }
         }

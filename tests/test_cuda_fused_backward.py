@@ -254,7 +254,7 @@ def wide_case(rng, ndim, *, groups=2, offset_groups=2, mask_groups=1, c_in=64, c
 
 
 def run_gradients(arrays, params, grad_output, precision, tile=None, wanted=NAMES, broadcast=False, weight_tile=None,
-                  sampling_plan=None, gradient_plan=None, lane_channels=None, window=None):
+                  sampling_plan=None, gradient_plan=None, lane_channels=None):
     """The fused data gradients of float64 NumPy arrays cast to ``precision``'s dtype (outputs
     poisoned with NaN) and the float64 reference gradients of the rounded inputs."""
     cupy = _cupy()
@@ -273,8 +273,7 @@ def run_gradients(arrays, params, grad_output, precision, tile=None, wanted=NAME
     shapes = [None if arrays[k] is None else arrays[k].shape for k in ("input", "weight", "offset", "mask")]
     geom = _geometry.conv_geometry(*shapes, None, **params)[0]
     config = fb.BackwardConfig(geom, dtype, precision == "tf32", tile, weight_tile=weight_tile,
-                               sampling_plan=sampling_plan, gradient_plan=gradient_plan, lane_channels=lane_channels,
-                               window=window)
+                               sampling_plan=sampling_plan, gradient_plan=gradient_plan, lane_channels=lane_channels)
     out = {name: cupy.full(arrays[name].shape, np.nan, dtype=dtype) for name in wanted if arrays[name] is not None}
     gy_dev = cupy.asarray(gy) if not broadcast else cupy.broadcast_to(cupy.asarray(gy[:1]), gy.shape)
     args = dict(grad_output=gy_dev, bias=None, wanted=frozenset(wanted), **dev)
@@ -472,41 +471,6 @@ def test_half_the_epilogue_lanes_equal_all_of_them(ndim, precision, monkeypatch)
             check(full, expected, precision, label)
             for name, value in half.items():
                 assert relative_error(value, full[name]) < TOL[precision] / 10, (name, label)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["float16", "bfloat16", "tf32", "float32"])
-@pytest.mark.parametrize("ndim", [1, 2, 3])
-def test_window_scatter_equals_the_tile_scatter(ndim, precision, monkeypatch):
-    """The data kernel merging each block's scatter in a shared window of the input (patches of
-    the output grid, runs of taps) gives the input, offset and mask gradients of the one-tap
-    blocks (up to the order of the atomics), both against the reference: offset groups != mask
-    groups, the offset or the mask absent, non-finite and huge offsets, conv groups with 32
-    channels (the half-lane epilogue), random strides and dilations; margins 0 to 2 (corners
-    outside the window go straight to global memory) and runs of 1, 2 and all taps."""
-    fb = _backward_module()
-    rng = np.random.default_rng(120 + ndim)
-    cases = list(poisoned_group_cases(rng, ndim, groups=1, c_in=160))
-    arrays, params, gy = wide_case(rng, ndim, groups=2, offset_groups=2, mask_groups=1, c_in=64, c_out=32,
-                                   stride=(2,) * ndim, dilation=(1,) * ndim)
-    cases.append(("groups of 32, stride 2", arrays, params, gy))
-    wanted = ("input", "offset", "mask")
-    for case, arrays, params, gy in cases:
-        tiles, expected, config = run_gradients(arrays, params, gy, precision, wanted=wanted, window=False)
-        assert config.window is None and "window" not in config.description
-        check(tiles, expected, precision, case)
-        for margin, taps in ((0, 1), (1, None), (2, 2)):
-            with monkeypatch.context() as m:
-                m.setattr(fb, "WINDOW_MARGIN", margin)
-                m.setattr(fb, "WINDOW_TAPS", taps)
-                windowed, _, config = run_gradients(arrays, params, gy, precision, wanted=wanted, window=True)
-            label = (case, margin, taps)
-            assert config.window["margin"] == margin and "through a shared window" in config.description, label
-            if taps is not None:
-                assert config.window["taps"] == min(taps, math.prod(config.geom.kernel_size)), label
-            check(windowed, expected, precision, label)
-            for name, value in windowed.items():
-                assert relative_error(value, tiles[name]) < TOL[precision] / 10, (name, label)
 
 
 @pytest.mark.gpu

@@ -55,7 +55,6 @@ computes the backward.
 from __future__ import annotations
 
 import functools
-import math
 import threading
 
 import numpy as np
@@ -96,23 +95,6 @@ LANE_CHANNELS = (4, 8)
 #: 64-channel tiles, the 3D and transposed benchmark shapes', would otherwise leave half the lanes
 #: idle in every pass (NOTES-gpu.md, session 17).
 NARROW_TILE_ROWS = (64,)
-#: Data tiles (BM) with an instantiation that merges a block's scatter in shared memory (``WIN``):
-#: the block takes a patch of the output grid (``window_patch``) and a run of taps, and adds each
-#: tap's input gradient into a float32 window of the input around the patch before one global
-#: vector reduction per touched pixel and channel quad (NOTES-gpu.md "The next lever": 5-16x fewer
-#: global reductions at the benchmark shapes). Not deterministic, not from the gradient plan.
-WINDOW_TILE_ROWS = (64,)
-#: The window: None, the rule (``window_geometry``); True / False forced (tests, benchmarks).
-WINDOW = None
-#: Pixels of the window beyond its taps' span on each side (the offsets' reach it holds; a corner
-#: outside the window goes straight to global memory).
-WINDOW_MARGIN = 1
-#: Shared memory of a window block at most (tile buffers and window): two blocks an SM on sm_90.
-WINDOW_MAX_SMEM = 113 * 1024
-#: Taps per window block: None, the rule (all of them unless that leaves fewer blocks than
-#: WINDOW_BLOCKS_PER_SM a multiprocessor); an int forces it.
-WINDOW_TAPS = None
-WINDOW_BLOCKS_PER_SM = 6
 #: The weight gradient's tiles per dtype (BM output channels, BN input channels, BK positions per
 #: step, MINB), 256 / BK sampling threads per position: the tallest no taller than C_out/groups
 #: is taken (``_weight_tile``), since each output-channel tile samples the input again; a
@@ -148,7 +130,6 @@ MAX_SPLITS = 64
 _INT32_SAFE = 2**30
 _MAX_GRID = 1 << 20
 _ALIGN = 256
-_MAX_SMEM = 227 * 1024   # dynamic shared memory of one block on sm_90
 
 
 def module_source() -> str:
@@ -195,17 +176,15 @@ def full_lanes(bm: int, lane_channels: int) -> int:
 
 
 def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, kernel: str = "data",
-                plan: bool = False, deterministic: bool = False, lane_channels: int = 4, lanes=None,
-                window: bool = False) -> str:
+                plan: bool = False, deterministic: bool = False, lane_channels: int = 4, lanes=None) -> str:
     """A data or (``kernel="weight"``) weight kernel, reading its plan (``plan``) or not; the
     data kernel ``deterministic`` (fixed-point scatter) or not, with ``lane_channels`` channels
-    per epilogue lane, ``lanes`` lanes per position (default ``full_lanes``), through a shared
-    window (``window``) or not."""
+    per epilogue lane and ``lanes`` lanes per position (default ``full_lanes``)."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
     bm, bn, bk, minb = tile
     lanes = full_lanes(bm, lane_channels) if lanes is None else lanes
-    det = (f", {_bool(deterministic)}, {lane_channels}, {lanes}, {_bool(window)}" if kernel == "data" else "")
+    det = f", {_bool(deterministic)}, {lane_channels}, {lanes}" if kernel == "data" else ""
     return f"deform_fused_backward_{kernel}<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}, {_bool(plan)}{det}>"
 
 
@@ -213,12 +192,10 @@ def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
     """Every kernel instantiation of one module (one dtype, one N, one index width)."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
-    names = [kernel_name(dtype, index64, ndim, prec, data_tile(tile, ndim, prec, det), "data", plan, det, cpl, lanes,
-                         window)
+    names = [kernel_name(dtype, index64, ndim, prec, data_tile(tile, ndim, prec, det), "data", plan, det, cpl, lanes)
              for prec in _fused._precisions(dtype) for tile in _tiles(dtype) for plan in (False, True)
              for det in (False, True) for cpl in LANE_CHANNELS if cpl == 4 or (ndim == 3 and not det)
-             for lanes in _lane_choices(tile[0], cpl)
-             for window in ((False, True) if tile[0] in WINDOW_TILE_ROWS and not plan and det else (False,))]
+             for lanes in _lane_choices(tile[0], cpl)]
     names += [kernel_name(dtype, index64, ndim, prec, tile, "weight", plan)
               for prec in _fused._precisions(dtype) for tile in _weight_tiles(dtype) for plan in (False, True)]
     names += [f"{kernel}<{t}, {i}>" for kernel in
@@ -339,69 +316,6 @@ def epilogue_lane_channels(geom, deterministic: bool) -> int:
 plan_segments = _fused.plan_segments
 
 
-def window_patch(geom, bn: int, channels: int, room: int, margin: int):
-    """``(patch, margin)`` of a window block: an output patch of at most ``bn`` positions and a
-    margin of at most ``margin`` whose window of ``channels`` float32 channels fits ``room`` bytes;
-    the fewest patches over the output grid (each costs a full tile of positions), then the largest
-    margin, then the smallest window. None where no window fits."""
-    out, best = geom.output_shape, None
-
-    def walk(prefix, left):
-        nonlocal best
-        if len(prefix) == len(out):
-            tiles = math.prod(-(-o // p) for o, p in zip(out, prefix))
-            for m in range(margin, -1, -1):
-                pixels = math.prod(window_extent(geom, prefix, m))
-                if pixels * channels * 8 <= room:
-                    key = (tiles, -m, pixels, prefix)
-                    best = key if best is None or key < best else best
-                    return
-            return
-        for p in range(1, min(out[len(prefix)], left) + 1):
-            walk(prefix + (p,), left // p)
-
-    walk((), bn)
-    return None if best is None else (best[3], -best[1])
-
-
-def window_extent(geom, patch, margin: int) -> tuple:
-    """Input pixels a window spans per axis: the patch's sampling positions for every tap, their
-    upper corners, and ``margin`` pixels each side for the offsets."""
-    return tuple((p - 1) * s + (k - 1) * d + 2 + 2 * margin
-                 for p, s, k, d in zip(patch, geom.stride, geom.kernel_size, geom.dilation))
-
-
-def window_geometry(geom, dtype, tile: tuple, margin: int, taps, multiprocessors: int, batch: int,
-                    max_smem: int):
-    """The window of a data tile (``fused_bwd::Window``'s fields, its bytes) for chunks of ``batch``
-    samples, or None where none fits ``max_smem`` bytes of shared memory with the tile."""
-    bm, bn, _, _ = tile
-    channels = min(bm, geom.in_channels // geom.groups)
-    found = window_patch(geom, bn, channels, max_smem - smem_bytes(dtype, tile), margin)
-    if found is None:
-        return None
-    patch, margin = found
-    extent = window_extent(geom, patch, margin)
-    tiles = tuple(-(-o // p) for o, p in zip(geom.output_shape, patch))
-    K = geom.kernel_volume
-    base = batch * math.prod(tiles) * geom.groups * -(-(geom.in_channels // geom.groups) // bm)
-    if taps is None:   # all the taps, or runs of them where that leaves too few blocks
-        runs = min(K, max(1, -(-WINDOW_BLOCKS_PER_SM * multiprocessors // base)))
-        taps = -(-K // runs)
-    taps = max(1, min(int(taps), K))
-    return {"patch": patch, "tiles": tiles, "extent": extent, "margin": margin, "taps": taps,
-            "channels": channels, "bytes": math.prod(extent) * channels * 8}
-
-
-def _window_struct(ndim: int, window) -> np.ndarray:
-    """``fused_bwd::Window<N>`` by value (3N + 3 int32; zeros where there is no window)."""
-    values = ((0,) * (3 * ndim + 3) if window is None else
-              window["patch"] + window["tiles"] + window["extent"] + (window["margin"], window["taps"],
-                                                                     window["channels"]))
-    struct = np.dtype([("v", np.int32, (len(values),))])
-    return np.array(values, dtype=np.int32).view(struct)
-
-
 def _choose_tile(geom, dtype) -> tuple:
     """The rule: the first tile of the dtype (measured fastest at every benchmark shape)."""
     return _tiles(dtype)[0]
@@ -412,7 +326,7 @@ class BackwardConfig:
 
     def __init__(self, geom, dtype, allow_tf32: bool, tile=None, multiprocessors: int = 132, fused_weight=None,
                  weight_tile=None, sampling_plan=None, gradient_plan=None, deterministic: bool = False,
-                 lane_channels=None, window=None):
+                 lane_channels=None):
         dtype = np.dtype(dtype)
         reason = unsupported(geom, dtype)
         if reason is not None:
@@ -470,30 +384,13 @@ class BackwardConfig:
         if gradient_plan is None:
             gradient_plan = SAMPLING_PLAN
         self.m_tiles = -(-self.Cg // bm)
-        # the data kernel's shared window (the rule: where the tile has one, not deterministic, and
-        # it fits WINDOW_MAX_SMEM); its corners are then computed in place, never from a plan
-        if window is None:
-            window = WINDOW
-        geometry = None
-        if window is None and gradient_plan:   # a plan forced: the corners from it, no window
-            window = False
-        if bm in WINDOW_TILE_ROWS and self.deterministic and window is not False:
-            geometry = window_geometry(geom, dtype, self.tile, WINDOW_MARGIN, WINDOW_TAPS, multiprocessors, 1,
-                                       WINDOW_MAX_SMEM if window is None else _MAX_SMEM)
-        if window and geometry is None:
-            raise ValueError("window=True needs a tile of WINDOW_TILE_ROWS rows, deterministic=True and a "
-                             "window that fits shared memory")
-        self.window = geometry
         entry_bytes = corners * (8 + 4 + 4 * geom.ndim) + 4       # rows, weights, slopes, mask
         rule = (geom.ndim >= 2 and self.segments <= MAX_PLAN_SEGMENTS
                 and self.segments * self.K * self.Q * entry_bytes <= buffers)
-        self.gradient_plan = (rule if gradient_plan is None else bool(gradient_plan)) and geometry is None
+        self.gradient_plan = rule if gradient_plan is None else bool(gradient_plan)
         gradient_entries = self.segments * self.K if self.gradient_plan else 0      # per position
         per_sample = buffers + plan_entries * self.Q * 8 + gradient_entries * self.Q * entry_bytes
         self.chunk = n = max(1, min(geom.batch, int(_fused.WORKSPACE_LIMIT_BYTES) // max(per_sample, 1)))
-        if geometry is not None:   # its runs of taps for the chunk's blocks
-            self.window = window_geometry(geom, dtype, self.tile, WINDOW_MARGIN, WINDOW_TAPS, multiprocessors, n,
-                                          WINDOW_MAX_SMEM if window is None else _MAX_SMEM)
         self.Pp = _fused._round_up(n * self.Q, vec)
         self.weight_tiles = self.K * G * -(-self.Cog // wbm) * -(-self.Cg // wbn)
         self.splits = max(1, min(MAX_SPLITS, -(-WAVES * multiprocessors // self.weight_tiles), -(-n * self.Q // wbk)))
@@ -525,8 +422,7 @@ class BackwardConfig:
             self.offsets[name] = (total, count, np.dtype(dt))
             total = _fused._round_up(total + count * np.dtype(dt).itemsize, _ALIGN)
         self.workspace_bytes = total
-        self.smem_bytes = smem_bytes(dtype, self.tile) + (self.window["bytes"] if self.window else 0)
-        self.window_struct = _window_struct(geom.ndim, self.window)
+        self.smem_bytes = smem_bytes(dtype, self.tile)
         self.weight_smem_bytes = smem_bytes(dtype, self.weight_tile)
         self.struct = _cuda._geom_struct(geom)
 
@@ -538,10 +434,6 @@ class BackwardConfig:
         weight = (f"weight gradient fused ({self.splits} position splits, fixed-order sum{plan})" if self.fused_weight
                   else "weight gradient through cuda/im2col")
         data_plan = " from a plan per chunk" if self.gradient_plan else ""
-        if self.window:
-            w = self.window
-            data_plan = (f" through a shared window ({'x'.join(map(str, w['patch']))} patches, "
-                         f"{w['taps']} of {self.K} taps a block, {w['bytes'] // 1024} KiB)")
         scatter = ("deterministic: fixed-point 64-bit channels-last scatter, offset and mask gradients summed in a "
                    "fixed order" if self.deterministic else "channels-last vector scatter")
         return (f"cuda/fused-backward: {prec} mma.sync, tile {bm}x{bn}x{bk}, {scatter}{data_plan} "
@@ -549,9 +441,6 @@ class BackwardConfig:
                 f"{weight}, chunks of {self.chunk} samples, {'64' if self.index64 else '32'}-bit index")
 
     def blocks(self, n: int) -> int:
-        if self.window:
-            w = self.window
-            return n * math.prod(w["tiles"]) * -(-self.K // w["taps"]) * self.geom.groups * self.m_tiles
         return -(-n * self.Q // self.tile[1]) * self.K * self.geom.groups * self.m_tiles
 
     def weight_steps(self, n: int) -> int:
@@ -567,7 +456,7 @@ class BackwardConfig:
             if name == "data":
                 tile = data_tile(tile, g.ndim, self.precision, self.deterministic)
             fn = _function(kernel_name(self.dtype, self.index64, g.ndim, self.precision, tile, name, plan,
-                                       self.deterministic, self.lane_channels, self.lanes, bool(self.window)),
+                                       self.deterministic, self.lane_channels, self.lanes),
                            self.dtype, g.ndim, self.index64)
             if smem > 48 * 1024:
                 _fused._allow_shared_memory(fn, smem)
@@ -660,7 +549,7 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
                 i32(g.in_channels), i32(config.Cp), i32(config.Cpa), i32(g.out_channels), i32(config.Cop),
                 i32(g.groups), i32(config.Go), i32(config.Gm), i32(config.Cogp), index(off_bs), index(msk_bs),
                 i32(config.seg), *(u64(view[name]) if config.gradient_plan else None for name in plan),
-                i32(config.seg_len), *fixed, i32(config.log2_count), config.window_struct), config.smem_bytes))
+                i32(config.seg_len), *fixed, i32(config.log2_count)), config.smem_bytes))
             if gx:
                 ops.append(op(kernel("fused_channels_first"), _fused.layout_grid(n, g.in_channels, config.S),
                               (_THREADS,), (
