@@ -97,19 +97,39 @@ __device__ __forceinline__ float sampling_position(const Geom<N>& g, const int (
 
 // w (C_out, C/G, K) -> wt (G, K, C/G, Cogp): per conv group and tap, rows along the group's input
 // channels, each row the group's output channels (zero past C_out/G): the A operand of the
-// column gradients. One thread per element of wt.
+// column gradients. Per block iteration a 32x32 tile of a group's (C_out/G) x (C/G * K) matrix
+// through shared memory (256 threads as 32 x 8): read along (c, t), contiguous in w, and written
+// along the output channels, contiguous in wt (one thread per element of wt read w at a stride of
+// C/G * K: 17.7 us for C512 3x3 fp16 on an H200, 5% of that shape's forward+backward).
 template <typename T, typename I>
 __global__ void fused_weight_columns(const T* __restrict__ w, T* __restrict__ wt, const int groups,
                                      const int Cog, const int Cg, const int Cogp, const int K) {
-    const I total = (I)groups * K * Cg * Cogp;
-    for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
-        const int o = (int)(idx % Cogp);
-        I rest = idx / Cogp;
-        const int c = (int)(rest % Cg);
-        rest /= Cg;
-        const int t = (int)(rest % K);
-        const int grp = (int)(rest / K);
-        wt[idx] = o < Cog ? w[((I)(grp * Cog + o) * Cg + c) * K + t] : Traits<T>::store(0.0f);
+    constexpr int TILE = 32;
+    __shared__ T tile[TILE][TILE + 1];
+    const int J = Cg * K;   // a row of w: (c, t), t fastest
+    const int j_tiles = (J + TILE - 1) / TILE, o_tiles = (Cogp + TILE - 1) / TILE;
+    const I blocks = (I)groups * o_tiles * j_tiles;
+    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+    for (I blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
+        const int j0 = (int)(blk % j_tiles) * TILE;
+        const I rest = blk / j_tiles;
+        const int o0 = (int)(rest % o_tiles) * TILE;
+        const int grp = (int)(rest / o_tiles);
+#pragma unroll
+        for (int r = ty; r < TILE; r += 8) {
+            const int o = o0 + r, j = j0 + tx;
+            tile[r][tx] = o < Cog && j < J ? w[(I)(grp * Cog + o) * J + j] : Traits<T>::store(0.0f);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = ty; r < TILE; r += 8) {
+            const int j = j0 + r, o = o0 + tx;
+            if (j < J && o < Cogp) {
+                const int c = j / K, t = j - c * K;
+                wt[(((I)grp * K + t) * Cg + c) * Cogp + o] = tile[tx][r];
+            }
+        }
+        __syncthreads();
     }
 }
 

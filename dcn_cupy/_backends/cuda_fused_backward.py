@@ -494,7 +494,8 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
     grid = lambda count: (min(-(-count // _THREADS), _MAX_GRID),)  # noqa: E731
     ops = []
     if data:
-        ops.append(op(kernel("fused_weight_columns"), grid(config.offsets["wt"][1]), (_THREADS,), (
+        tiles = g.groups * -(-config.Cogp // 32) * -(-config.Cg * config.K // 32)   # its 32x32 tiles
+        ops.append(op(kernel("fused_weight_columns"), (min(tiles, _MAX_GRID),), (_THREADS,), (
             u64(w), u64(view["wt"]), i32(g.groups), i32(config.Cog), i32(config.Cg), i32(config.Cogp),
             i32(config.K))))
     det = config.deterministic and bool(gx)
