@@ -17,7 +17,10 @@ counts per channel:
   kernel's extent, ``--margin`` pixels each side), its volume (the shared-memory window such a
   block would hold, per channel) and the share of the contributions that fall in it.
 
-NOTES-gpu.md ("Session 17", "The next lever") has the numbers for the benchmark shapes.
+NOTES-gpu.md ("Session 17", "The next lever") has the numbers for the benchmark shapes. Session
+18 built such blocks (a float32 window, and a fixed-point one in the deterministic kernel): both
+slower, since shared-memory atomics cost the multiprocessor more than the global reductions they
+save (NOTES-gpu.md "Session 18").
 """
 
 from __future__ import annotations

@@ -230,6 +230,39 @@ def test_scatter_locality_counts_a_hand_case(capsys):
     assert "all 9 taps in one block" in capsys.readouterr().out
 
 
+def test_sass_counts_opcodes_and_names_what_is_missing(tmp_path, capsys):
+    """benchmarks/sass.py: the opcode histogram of a hand-written nvdisasm listing (predicated
+    instructions and modifiers counted by opcode; labels, directives and comments not), an
+    unknown source named; with a libnvrtc and nvdisasm installed (the CUDA wheels), a real
+    kernel's count."""
+    module = _bench.load_script(REPO / "benchmarks" / "sass.py", "_test_sass")
+    listing = "\n".join([
+        "\t.text.k:",
+        ".L_x_0:",
+        "        /*0000*/                   LDC R1, c[0x0][0x28] ;",
+        "        /*0010*/                   IMAD.MOV.U32 R0, RZ, RZ, R1 ;",
+        "        /*0020*/              @!P0 BRA `(.L_x_0) ;",
+        "        /*0030*/               @P1 IMAD.WIDE R2, R0, 0x4, R2 ;",
+        "        /*0040*/                   RED.E.ADD.F32x4.FTZ.RN.STRONG.GPU [R2.64], R4 ;  /* comment */",
+        "        // a comment line",
+    ])
+    assert module.opcode_counts(listing) == {"LDC": 1, "IMAD": 2, "BRA": 1, "RED": 1}
+    with pytest.raises(SystemExit):
+        module.main(["fused_weight_columns<float, int>", "--nvdisasm", "/bin/true",
+                     "--nvrtc", str(tmp_path / "none.so")])
+    assert "--nvrtc: no libnvrtc" in capsys.readouterr().err
+    with pytest.raises(SystemExit):   # (any existing file passes the --nvrtc check; the source is checked first)
+        module.main(["fused_weight_columns<float, int>", "--source", "nope.cu", "--nvdisasm", "/bin/true",
+                     "--nvrtc", module.__file__])
+    assert "--source: no cuda/nope.cu" in capsys.readouterr().err
+    nvrtc, nvdisasm = module._in_site_packages("lib", "libnvrtc.so.13"), module._default_nvdisasm()
+    if nvrtc is None or nvdisasm is None:
+        pytest.skip("no libnvrtc / nvdisasm wheels here: the real compilation is not run")
+    assert module.main(["fused_weight_columns<float, int>", "--listing", str(tmp_path / "sass.txt")]) == 0
+    out = capsys.readouterr().out
+    assert "fused_weight_columns<float, int> (sm_90):" in out and "LDG" in (tmp_path / "sass.txt").read_text()
+
+
 def test_module_entry_point_runs_as_subprocess(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     command = [sys.executable, "-m", "dcn_cupy", "check", "--device", "cpu", "-k", "mask_sigmoid"]
