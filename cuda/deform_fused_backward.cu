@@ -93,28 +93,6 @@ __device__ __forceinline__ float sampling_position(const Geom<N>& g, const int (
     return mask == nullptr ? 1.0f : Traits<T>::load(mask[b * mask_bstride + ((I)gm * K + t) * Q + q]);
 }
 
-// n / d for 0 <= n < 2^B (B the index type's bits) by a multiply-high and two shifts (Granlund
-// and Montgomery, "Division by invariant integers using multiplication", figure 4.1), with
-// magic = floor(2^B (2^l - d) / d) + 1, sh1 = min(l, 1), sh2 = max(l - 1, 0), l = ceil(log2 d),
-// computed on the host (cuda_fused_backward.divisor_magic): a division by a runtime d is ~28
-// instructions (NOTES-gpu.md session 18).
-struct Divisor {
-    unsigned long long magic;
-    int sh1, sh2;
-};
-// The data kernel's divisors: the positions per sample Q, and those of its block index.
-struct Divisors {
-    Divisor q, m_tiles, groups, taps;
-};
-__device__ __forceinline__ int divide(int n, const Divisor& d) {
-    const unsigned t = __umulhi((unsigned)n, (unsigned)d.magic);
-    return (int)((t + (((unsigned)n - t) >> d.sh1)) >> d.sh2);
-}
-__device__ __forceinline__ long long divide(long long n, const Divisor& d) {
-    const unsigned long long t = __umul64hi((unsigned long long)n, d.magic);
-    return (long long)((t + (((unsigned long long)n - t) >> d.sh1)) >> d.sh2);
-}
-
 }  // namespace fused_bwd
 
 // w (C_out, C/G, K) -> wt (G, K, C/G, Cogp): per conv group and tap, rows along the group's input
@@ -292,8 +270,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                            const float* __restrict__ plan_slopes, const float* __restrict__ plan_masks,
                            const int seg_len, dcn_u64* __restrict__ gxq, unsigned* __restrict__ gx_flags,
                            const dcn_u64* __restrict__ weight_bound, const dcn_u64* __restrict__ gy_bounds,
-                           const dcn_u64* __restrict__ mask_bounds, const int log2_count,
-                           const fused_bwd::Divisors div) {
+                           const dcn_u64* __restrict__ mask_bounds, const int log2_count) {
     using namespace fused;
     using fused_bwd::THREADS;
     constexpr int VEC = Tile<T>::VEC;
@@ -332,14 +309,13 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     const int m_tiles = (Cg + BM - 1) / BM;
     // block -> (position tile, tap, group, channel tile), channel tiles fastest: the blocks of one
     // position tile run together and share its grad_output rows in L2
-    const I bid = blockIdx.x;
-    const I per_m = fused_bwd::divide(bid, div.m_tiles);
-    const int m0 = (int)(bid - per_m * m_tiles) * BM;
-    const I per_group = fused_bwd::divide(per_m, div.groups);
-    const int grp = (int)(per_m - per_group * groups);
-    const I per_tap = fused_bwd::divide(per_group, div.taps);
-    const int t = (int)(per_group - per_tap * K);
-    const I p0 = per_tap * BN;
+    I bid = blockIdx.x;
+    const int m0 = (int)(bid % m_tiles) * BM;
+    bid /= m_tiles;
+    const int grp = (int)(bid % groups);
+    bid /= groups;
+    const int t = (int)(bid % K);
+    const I p0 = (bid / K) * BN;
     const int steps = (Cog + BK - 1) / BK;
 
     // This thread's copies: A rows a_r0 + j * R_STEP, B rows likewise, vector kv of the step.
@@ -423,8 +399,8 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
         const int n = n0 + sub;
         const I p = p0 + n;
         const bool pvalid = p < BQ;
-        const I b = pvalid ? fused_bwd::divide(p, div.q) : 0;   // p / Q
-        const I q = pvalid ? p - b * Q : 0;
+        const I b = pvalid ? p / Q : 0;
+        const I q = pvalid ? p % Q : 0;
         int qc[N];
         dcn::unravel<N, I>(q, g.out_size, qc);
         [[maybe_unused]] double scale = 0.0;   // (DET) 2^E of the sample

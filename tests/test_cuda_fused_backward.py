@@ -161,31 +161,6 @@ def test_serving_rule_and_segments():
         fb.BackwardConfig(_geom(c_in=36, groups=2), np.float16, False)
 
 
-def test_divisor_magic_divides_like_integer_division():
-    """The data kernel's p / Q (``fused_bwd::MagicDivide``, emulated here with the device's
-    wrap-around arithmetic) equals integer division for 32- and 64-bit indices: divisors 1 to 300,
-    powers of two and their neighbours, large ones; dividends at 0, around multiples of d and at
-    the top of the range."""
-    fb = _backward_module()
-    rng = np.random.default_rng(5)
-    for bits in (32, 64):
-        top, mask = 2 ** (bits - 1) - 1, 2 ** bits - 1   # the index types are signed: n < 2^(bits - 1)
-        divisors = set(range(1, 301)) | {2 ** k + e for k in range(1, bits - 1) for e in (-1, 0, 1)}
-        divisors |= {int(v) for v in rng.integers(1, top, size=200, dtype=np.int64)} | {top}
-        for d in sorted(divisors):
-            magic, sh1, sh2 = fb.divisor_magic(d, bits)
-            assert 0 <= magic <= mask and sh1 in (0, 1) and 0 <= sh2 < bits
-            numbers = {0, 1, d - 1, d, d + 1, 2 * d - 1, top, top - 1}
-            numbers |= {int(v) for v in rng.integers(0, top, size=20, dtype=np.int64)}
-            for n in numbers:
-                if 0 <= n <= top:
-                    t = (n * magic) >> bits                               # mulhi
-                    q = ((t + (((n - t) & mask) >> sh1)) & mask) >> sh2
-                    assert q == n // d, (bits, d, n)
-    with pytest.raises(ValueError, match="divisor 0"):
-        fb.divisor_magic(0, 32)
-
-
 def test_deterministic_configuration():
     """Deterministic: a 64-bit fixed-point accumulator with its flags and bounds in place of the
     float32 one, one partial sum per segment of channels (of at most 16 lanes, whatever the

@@ -316,26 +316,6 @@ def epilogue_lane_channels(geom, deterministic: bool) -> int:
 plan_segments = _fused.plan_segments
 
 
-def divisor_magic(d: int, bits: int) -> tuple:
-    """``(magic, sh1, sh2)`` with which the data kernel divides 0 <= n < 2**bits by ``d``
-    (``fused_bwd::MagicDivide``: t = mulhi(n, magic), n / d = (t + ((n - t) >> sh1)) >> sh2;
-    Granlund and Montgomery's figure 4.1)."""
-    if not 1 <= d < 2**bits:
-        raise ValueError(f"divisor {d} is not in [1, 2**{bits})")
-    log = (d - 1).bit_length()   # ceil(log2 d)
-    return ((1 << bits) * ((1 << log) - d)) // d + 1, min(log, 1), max(log - 1, 0)
-
-
-def _divisors_struct(bits: int, *divisors) -> np.ndarray:
-    """``fused_bwd::Divisors`` by value: per divisor its magic (uint64), then sh1 and sh2 (int32)."""
-    words = []
-    for d in divisors:
-        magic, sh1, sh2 = divisor_magic(d, bits)
-        words += [magic, sh1 | (sh2 << 32)]
-    struct = np.dtype([("v", np.uint64, (len(words),))])
-    return np.array(words, dtype=np.uint64).view(struct)
-
-
 def _choose_tile(geom, dtype) -> tuple:
     """The rule: the first tile of the dtype (measured fastest at every benchmark shape)."""
     return _tiles(dtype)[0]
@@ -445,8 +425,6 @@ class BackwardConfig:
         self.smem_bytes = smem_bytes(dtype, self.tile)
         self.weight_smem_bytes = smem_bytes(dtype, self.weight_tile)
         self.struct = _cuda._geom_struct(geom)
-        # the data kernel's divisions by Q and of its block index, as multiplications
-        self.divisors = _divisors_struct(64 if self.index64 else 32, self.Q, self.m_tiles, G, self.K)
 
     @property
     def description(self) -> str:
@@ -572,7 +550,7 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
                 i32(g.in_channels), i32(config.Cp), i32(config.Cpa), i32(g.out_channels), i32(config.Cop),
                 i32(g.groups), i32(config.Go), i32(config.Gm), i32(config.Cogp), index(off_bs), index(msk_bs),
                 i32(config.seg), *(u64(view[name]) if config.gradient_plan else None for name in plan),
-                i32(config.seg_len), *fixed, i32(config.log2_count), config.divisors), config.smem_bytes))
+                i32(config.seg_len), *fixed, i32(config.log2_count)), config.smem_bytes))
             if gx:
                 ops.append(op(kernel("fused_channels_first"), _fused.layout_grid(n, g.in_channels, config.S),
                               (_THREADS,), (
