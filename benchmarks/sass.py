@@ -6,9 +6,9 @@
 NAME is a name expression of the module built from ``cuda/SOURCE`` (its local headers inlined, as
 the backends build it), e.g. ``"deform_fused_backward_data<__half, int, 2, 0, 64, 64, 64, 2, true,
 false, 4, 16>"``. Prints the instruction count and the most frequent opcodes, and with
-``--listing`` writes nvdisasm's listing. The data kernels are bound by their issued instructions
-(NOTES-gpu.md, sessions 5 and 18), so a static count is a first measure of a change before device
-time is spent on it.
+``--listing`` writes nvdisasm's listing: a first, cheap look at what a change does to a kernel
+before device time is spent on it (not a prediction of its time: 72 fewer instructions in the
+data kernel measured level, NOTES-gpu.md session 18).
 
 NVRTC is called through ctypes (``--nvrtc``: by default the ``nvidia-cuda-nvrtc`` wheel's
 libnvrtc, the one CuPy compiles with here), nvdisasm found on PATH or in the
