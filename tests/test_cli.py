@@ -252,7 +252,7 @@ def test_sass_counts_opcodes_and_names_what_is_missing(tmp_path, capsys):
         module.main(["fused_weight_columns<float, int>", "--nvdisasm", "/bin/true",
                      "--nvrtc", str(tmp_path / "none.so")])
     assert "--nvrtc: no libnvrtc" in capsys.readouterr().err
-    with pytest.raises(SystemExit):   # (any existing file passes the --nvrtc check; the source is checked first)
+    with pytest.raises(SystemExit):   # (any existing file passes the --nvrtc check; the source comes next)
         module.main(["fused_weight_columns<float, int>", "--source", "nope.cu", "--nvdisasm", "/bin/true",
                      "--nvrtc", module.__file__])
     assert "--source: no cuda/nope.cu" in capsys.readouterr().err
