@@ -105,7 +105,7 @@ def _default_nvdisasm():
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("name", help="a name expression, e.g. 'fused_weight_columns<__half, int>'")
+    parser.add_argument("name", help="a name expression, e.g. 'fused_channels_last<__half, int>'")
     parser.add_argument("--source", default="deform_fused_backward.cu", help="a file of cuda/")
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--nvrtc", default=None, help="path of the libnvrtc to compile with (default: the "

@@ -5,8 +5,8 @@
 // input channel of the group). Per block a tile of them for ONE tap t: BM input channels of one
 // conv group x BN positions of the flattened batch, reduced over the group's output channels in
 // steps of BK on tensor cores (fused::warp_mma, float32 accumulation) from two tiles copied with
-// cp.async (double-buffered): the weight columns wt[g, t, c, o] (A: rows c, K = o contiguous)
-// and the channels-last grad_output gycl[p, o] (B: rows p). The tile then goes to shared memory
+// cp.async (double-buffered): the weight columns wt[g, c, t, o] (A: rows c, a step of K * Cogp
+// apart, K = o contiguous; fused_channels_last of the weight) and the channels-last grad_output gycl[p, o] (B: rows p). The tile then goes to shared memory
 // (float32) and, in the epilogue, one warp per position (lanes along the channels, CPL per lane):
 //   * grad_input: G * mask * w_corner is added to the CHANNELS-LAST float32 accumulator
 //     gxcl[b, s, c] with 4-channel vector reductions (REDG.ADD.F32x4 on sm_90), CPL/4 per corner
@@ -94,44 +94,6 @@ __device__ __forceinline__ float sampling_position(const Geom<N>& g, const int (
 }
 
 }  // namespace fused_bwd
-
-// w (C_out, C/G, K) -> wt (G, K, C/G, Cogp): per conv group and tap, rows along the group's input
-// channels, each row the group's output channels (zero past C_out/G): the A operand of the
-// column gradients. Per block iteration a 32x32 tile of a group's (C_out/G) x (C/G * K) matrix
-// through shared memory (256 threads as 32 x 8): read along (c, t), contiguous in w, and written
-// along the output channels, contiguous in wt (one thread per element of wt read w at a stride of
-// C/G * K: 17.7 us for C512 3x3 fp16 on an H200, 5% of that shape's forward+backward).
-template <typename T, typename I>
-__global__ void fused_weight_columns(const T* __restrict__ w, T* __restrict__ wt, const int groups,
-                                     const int Cog, const int Cg, const int Cogp, const int K) {
-    constexpr int TILE = 32;
-    __shared__ T tile[TILE][TILE + 1];
-    const int J = Cg * K;   // a row of w: (c, t), t fastest
-    const int j_tiles = (J + TILE - 1) / TILE, o_tiles = (Cogp + TILE - 1) / TILE;
-    const I blocks = (I)groups * o_tiles * j_tiles;
-    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
-    for (I blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
-        const int j0 = (int)(blk % j_tiles) * TILE;
-        const I rest = blk / j_tiles;
-        const int o0 = (int)(rest % o_tiles) * TILE;
-        const int grp = (int)(rest / o_tiles);
-#pragma unroll
-        for (int r = ty; r < TILE; r += 8) {
-            const int o = o0 + r, j = j0 + tx;
-            tile[r][tx] = o < Cog && j < J ? w[(I)(grp * Cog + o) * J + j] : Traits<T>::store(0.0f);
-        }
-        __syncthreads();
-#pragma unroll
-        for (int r = ty; r < TILE; r += 8) {
-            const int j = j0 + r, o = o0 + tx;
-            if (j < J && o < Cogp) {
-                const int c = j / K, t = j - c * K;
-                wt[(((I)grp * K + t) * Cg + c) * Cogp + o] = tile[tx][r];
-            }
-        }
-        __syncthreads();
-    }
-}
 
 // The staged value of fused_channels_first: float32, or (FIXED) the fixed-point sum's double.
 template <bool FIXED> struct StagedValue { typedef float type; };
@@ -322,14 +284,15 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     constexpr int R_STEP = THREADS / (BK / VEC);
     const int r0 = tid / (BK / VEC);
     const int kv = (tid % (BK / VEC)) * VEC;
-    const T* const a_row0 = wt + (((I)grp * K + t) * Cg + m0 + r0) * Cogp + kv;
+    const I a_step = (I)K * Cogp;   // wt[g, c, t, o]: one input channel's row per K * Cogp
+    const T* const a_row0 = wt + (((I)grp * Cg + m0 + r0) * K + t) * Cogp + kv;
     auto copy_step = [&](int step, int buf) {
         const int o0 = step * BK;
 #pragma unroll
         for (int j = 0; j < A_VECS; ++j) {
             const int r = r0 + j * R_STEP;
             const bool full = m0 + r < Cg;
-            copy16_async(As0 + buf * BM * LD + r * LD + kv, full ? a_row0 + (I)j * R_STEP * Cogp + o0 : wt, full);
+            copy16_async(As0 + buf * BM * LD + r * LD + kv, full ? a_row0 + j * R_STEP * a_step + o0 : wt, full);
         }
 #pragma unroll
         for (int j = 0; j < B_VECS; ++j) {

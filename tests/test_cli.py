@@ -249,19 +249,19 @@ def test_sass_counts_opcodes_and_names_what_is_missing(tmp_path, capsys):
     assert module.opcode_counts(listing) == {"LDC": 1, "IMAD": 2, "BRA": 1, "RED": 1}
     pytest.importorskip("cupy")   # the module text and the compile options come from the CUDA backend
     with pytest.raises(SystemExit):
-        module.main(["fused_weight_columns<float, int>", "--nvdisasm", "/bin/true",
+        module.main(["fused_channels_last<float, int>", "--nvdisasm", "/bin/true",
                      "--nvrtc", str(tmp_path / "none.so")])
     assert "--nvrtc: no libnvrtc" in capsys.readouterr().err
     with pytest.raises(SystemExit):   # (any existing file passes the --nvrtc check; the source comes next)
-        module.main(["fused_weight_columns<float, int>", "--source", "nope.cu", "--nvdisasm", "/bin/true",
+        module.main(["fused_channels_last<float, int>", "--source", "nope.cu", "--nvdisasm", "/bin/true",
                      "--nvrtc", module.__file__])
     assert "--source: no cuda/nope.cu" in capsys.readouterr().err
     nvrtc, nvdisasm = module._in_site_packages("lib", "libnvrtc.so.13"), module._default_nvdisasm()
     if nvrtc is None or nvdisasm is None:
         pytest.skip("no libnvrtc / nvdisasm wheels here: the real compilation is not run")
-    assert module.main(["fused_weight_columns<float, int>", "--listing", str(tmp_path / "sass.txt")]) == 0
+    assert module.main(["fused_channels_last<float, int>", "--listing", str(tmp_path / "sass.txt")]) == 0
     out = capsys.readouterr().out
-    assert "fused_weight_columns<float, int> (sm_90):" in out and "LDG" in (tmp_path / "sass.txt").read_text()
+    assert "fused_channels_last<float, int> (sm_90):" in out and "LDG" in (tmp_path / "sass.txt").read_text()
 
 
 def test_module_entry_point_runs_as_subprocess(tmp_path):

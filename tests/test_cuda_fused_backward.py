@@ -324,35 +324,6 @@ def long_reduction_errors(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16, np.float32], ids=["float16", "bfloat16", "float32"])
-def test_weight_columns_are_the_weight_transposed_per_group_and_tap(dtype):
-    """``fused_weight_columns`` (32x32 tiles through shared memory): wt[g, t, c, o] = w[g*C_out/G
-    + o, c, t], zero for o past C_out/G up to the padded row; partial tiles on both axes, one to
-    three groups, 1D to 3D kernels (the kernel sees only K = their volume; it is launched from the
-    2D module), a grid smaller than the tiles, every element written (the destination poisoned)."""
-    cupy = _cupy()
-    fb = _backward_module()
-    rng = np.random.default_rng(29)
-    for c_out, c_in, kernel, groups in ((48, 64, (3, 3), 2), (512, 40, (3,), 1), (48, 24, (3, 3, 3), 3),
-                                        (8, 4, (1, 1), 1), (96, 108, (2, 5), 3)):
-        K, cog, cg = math.prod(kernel), c_out // groups, c_in // groups
-        w = rng.standard_normal((c_out, cg) + kernel).astype(dtype)
-        geom = _geometry.conv_geometry((2, c_in) + (9,) * len(kernel), w.shape, None, None, None, groups=groups,
-                                       padding=tuple(k // 2 for k in kernel))[0]
-        config = fb.BackwardConfig(geom, dtype, False)
-        assert (config.Cog, config.Cg, config.K) == (cog, cg, K)
-        wt = cupy.full(groups * K * cg * config.Cogp, np.nan, dtype=dtype)
-        columns = fb._function(f"fused_weight_columns<{fb._cuda._CTYPES[np.dtype(dtype)]}, int>", dtype, 2, False)
-        # 7 blocks: each walks several tiles
-        columns((7,), (256,), (cupy.asarray(w), wt, np.int32(groups), np.int32(cog), np.int32(cg),
-                               np.int32(config.Cogp), np.int32(K)))
-        expected = np.zeros((groups, K, cg, config.Cogp), dtype=dtype)
-        expected[..., :cog] = w.reshape(groups, cog, cg, K).transpose(0, 3, 2, 1)
-        np.testing.assert_array_equal(cupy.asnumpy(wt).reshape(expected.shape), expected,
-                                      err_msg=str((c_out, c_in, kernel, groups)))
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["float16", "float32"])
 def test_weight_gradient_rows_from_vectors_or_elements(precision):
     """``fused_position_rows`` (grad_output's rows over the chunk's positions) copies 16-byte

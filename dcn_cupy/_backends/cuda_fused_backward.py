@@ -199,8 +199,7 @@ def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
     names += [kernel_name(dtype, index64, ndim, prec, tile, "weight", plan)
               for prec in _fused._precisions(dtype) for tile in _weight_tiles(dtype) for plan in (False, True)]
     names += [f"{kernel}<{t}, {i}>" for kernel in
-              ("fused_channels_last", "fused_weight_columns", "fused_store", "fused_position_rows",
-               "fused_weight_sum")]
+              ("fused_channels_last", "fused_store", "fused_position_rows", "fused_weight_sum")]
     names += [f"fused_channels_first<{t}, {i}, {_bool(fixed)}>" for fixed in (False, True)]
     names += [f"fused_sampling_plan<{t}, {i}, {ndim}>", f"fused_gradient_plan<{t}, {i}, {ndim}>"]
     return tuple(names)
@@ -404,7 +403,7 @@ class BackwardConfig:
             "bounds": (2 * n if det else 0, np.uint64),        # per sample: grad_output's, then the mask's
             "goff": (n * self.off_ch * self.Q * self.slots[0], np.float32),
             "gmsk": (n * self.m_ch * self.Q * self.slots[1], np.float32),
-            "wt": (G * self.K * self.Cg * self.Cogp, dtype),
+            "wt": ((G * self.Cg * self.K + 1) * self.Cogp, dtype),
             "gyr": (Co * self.Pp if self.fused_weight else 0, dtype),
             "part": (self.splits * Co * self.K * self.Cg if self.fused_weight else 0, np.float32),
             "plan_weights": (n * self.Q * plan_entries, np.float32),
@@ -493,20 +492,21 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
     view = {name: workspace + start for name, (start, _, _) in config.offsets.items()}
     grid = lambda count: (min(-(-count // _THREADS), _MAX_GRID),)  # noqa: E731
     ops = []
+    layout = kernel("fused_channels_last")
+    cols = config.Cg * config.K   # a row of the weight (C_out, C/G, K)
     if data:
-        tiles = g.groups * -(-config.Cogp // 32) * -(-config.Cg * config.K // 32)   # its 32x32 tiles
-        ops.append(op(kernel("fused_weight_columns"), (min(tiles, _MAX_GRID),), (_THREADS,), (
-            u64(w), u64(view["wt"]), i32(g.groups), i32(config.Cog), i32(config.Cg), i32(config.Cogp),
-            i32(config.K))))
+        # wt[g, c, t, o]: the weight seen as G samples of C_out/G channels over C/G * K positions,
+        # laid out channels-last (zero past C_out/G, then a zero row): the data kernel's A rows
+        ops.append(op(layout, _fused.layout_grid(g.groups, config.Cogp, cols), (_THREADS,), (
+            u64(w), u64(view["wt"]), i32(g.groups), i32(config.Cog), i32(config.Cogp), index(cols),
+            index(config.Cog * cols))))
     det = config.deterministic and bool(gx)
     if det:   # the weight's bound of the fixed-point exponents (fixed_point.cuh)
         ops.append((2, view["weight_bound"], 8))
-        cols = config.Cg * config.K
         ops.append(op(kernel("weight_bound"), grid(g.groups * cols), (_THREADS,), (
             u64(w), i32(g.groups), i32(config.Cog), index(cols), u64(view["weight_bound"]))))
         gy_bounds = view["bounds"]
         mask_bounds = gy_bounds + 8 * config.chunk if mask else 0
-    layout = kernel("fused_channels_last")
     for start in range(0, g.batch, config.chunk):
         n = min(config.chunk, g.batch - start)
         off_n, msk_n = at(offset, start * off_bs * it), at(mask, start * msk_bs * it)
@@ -786,7 +786,7 @@ class FusedBackwardBackend:
                                     fused_weight=fused_weight_choice(spec.geom, spec.dtype, spec.allow_tf32,
                                                                      getattr(spec, "transposed", False)),
                                     deterministic=spec.deterministic)
-            names = ["fused_weight_columns", "fused_channels_last", "fused_channels_first", "fused_store",
+            names = ["fused_channels_last", "fused_channels_first", "fused_store",
                      "fused_position_rows", "fused_weight_sum", "fused_sampling_plan", "fused_gradient_plan",
                      "data", "weight"]
             if config.deterministic:
