@@ -83,6 +83,13 @@ TILES = {
 #: (3D and 3xTF32 spill at 3). H200, fp16 B=8 C256 56x56 deterministic backward 1.54 -> 1.32 ms
 #: (input gradient alone 0.89 -> 0.77; the default 0.93 either way).
 DETERMINISTIC_MINB = 3
+#: Blocks per multiprocessor asked of the default data kernel's MINB 2 tiles in 1D and 2D: 64
+#: registers (ptxas, sm_90: 0-36 bytes of spill, 3xTF32 28-116), 4 blocks per SM instead of 3 at
+#: 80 (3xTF32: 2 at 128). The kernel is latency-bound (ncu, B=8 C256 56x56 fp16: 6 warps per
+#: scheduler, 9.6 cycles between issues, long-scoreboard and fixed-latency waits first), so the
+#: fourth block pays: H200, f+b 0.86-0.99x at the 2D, 1D and 2D transposed benchmark shapes in
+#: fp16, TF32 and fp32 (NOTES-gpu.md, session 19). 3D spills 220-400 bytes there and keeps 2.
+DATA_MINB = 4
 #: Channels per lane of the data kernel's epilogue (``epilogue_lane_channels`` chooses): 8 pays each
 #: position's corners, weights and branches once for twice the channels of 4, at the cost of
 #: registers (2D fp16 64x64x64: 101 against 80, 2 blocks per SM instead of 3). H200, data
@@ -142,11 +149,14 @@ def _tiles(dtype) -> tuple:
 
 
 def data_tile(tile: tuple, ndim: int, prec: int, deterministic: bool) -> tuple:
-    """The data kernel's instantiation of ``tile``: DETERMINISTIC_MINB blocks per SM where it
-    applies (deterministic, a MINB 2 tile, N <= 2, the half types' own MMA or TF32)."""
-    if deterministic and tile[3] == 2 and ndim <= 2 and prec <= 1:
-        return tile[:3] + (DETERMINISTIC_MINB,)
-    return tile
+    """The data kernel's instantiation of ``tile``: a MINB 2 tile in 1D and 2D asks for
+    DATA_MINB blocks per SM, or DETERMINISTIC_MINB when deterministic (there only in the half
+    types' own MMA and TF32; 3xTF32 keeps 2)."""
+    if tile[3] != 2 or ndim > 2:
+        return tile
+    if deterministic:
+        return tile[:3] + (DETERMINISTIC_MINB,) if prec <= 1 else tile
+    return tile[:3] + (DATA_MINB,)
 
 
 def _weight_tiles(dtype) -> tuple:
