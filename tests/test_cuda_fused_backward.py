@@ -188,20 +188,15 @@ def test_deterministic_configuration():
     assert fb.BackwardConfig(wide3, np.float16, False, fb._tiles(np.float16)[1], lane_channels=4).seg == 32
     no_offset = fb.BackwardConfig(_geom(offset_groups=0), np.float32, False, deterministic=True)
     assert no_offset.log2_count == (no_offset.K - 1).bit_length()
-    # MINB 2 tiles: 3 blocks per SM when deterministic where that does not spill, 4 by default
-    # in 1D and 2D
-    assert fb.data_tile((64, 64, 64, 2), 2, 0, True) == (64, 64, 64, 3)
-    assert fb.data_tile((64, 64, 32, 2), 1, 1, True) == (64, 64, 32, 3)                # TF32
-    assert fb.data_tile((64, 64, 64, 2), 3, 0, True) == (64, 64, 64, 2)                # 3D
-    assert fb.data_tile((64, 64, 32, 2), 2, 2, True) == (64, 64, 32, 2)                # 3xTF32
-    assert fb.data_tile((64, 64, 64, 2), 2, 0, False) == (64, 64, 64, 4)               # default
-    assert fb.data_tile((64, 64, 32, 2), 1, 2, False) == (64, 64, 32, 4)               # 3xTF32
-    assert fb.data_tile((64, 64, 64, 2), 3, 0, False) == (64, 64, 64, 2)               # 3D
-    assert fb.data_tile((128, 64, 64, 1), 2, 0, False) == (128, 64, 64, 1)
-    assert fb.data_tile((128, 64, 64, 1), 2, 0, True) == (128, 64, 64, 1)
+    # MINB 2 tiles: 4 blocks per SM in 1D and 2D (default and deterministic), 2 in 3D
+    assert fb.data_tile((64, 64, 64, 2), 2) == (64, 64, 64, 4)
+    assert fb.data_tile((64, 64, 32, 2), 1) == (64, 64, 32, 4)
+    assert fb.data_tile((64, 64, 64, 2), 3) == (64, 64, 64, 2)
+    assert fb.data_tile((128, 64, 64, 1), 2) == (128, 64, 64, 1)
     names = fb.name_expressions(np.float16, 2, False)
     assert "fused_channels_first<__half, int, true>" in names
-    assert fb.kernel_name(np.float16, False, 2, 0, (64, 64, 64, 3), "data", False, True) in names
+    assert fb.kernel_name(np.float16, False, 2, 0, (64, 64, 64, 4), "data", False, True) in names
+    assert fb.kernel_name(np.float16, False, 2, 0, (64, 64, 64, 3), "data", False, True) not in names
     assert fb.kernel_name(np.float16, False, 2, 0, (64, 64, 64, 2), "data", True, True).endswith(", true, true, 4, 16>")
     assert fb.kernel_name(np.float16, False, 2, 0, (64, 64, 64, 2), "data", True, False, 8) not in names
     assert fb.kernel_name(np.float16, False, 2, 0, (64, 64, 64, 4), "data", True, False, 4, 8) in names

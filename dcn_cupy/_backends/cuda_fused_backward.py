@@ -77,18 +77,15 @@ TILES = {
     "half": ((64, 64, 64, 2), (128, 64, 64, 1)),
     "float": ((64, 64, 32, 2), (128, 64, 32, 1)),
 }
-#: Blocks per multiprocessor asked of the deterministic data kernel's MINB 2 tiles in 1D and 2D in
-#: the half types and TF32: 74-80 registers there with no spill (ptxas, sm_90), where the DET
-#: epilogue's 88-94 registers at MINB 2 leave 2 blocks per SM instead of the default kernel's 3
-#: (3D and 3xTF32 spill at 3). H200, fp16 B=8 C256 56x56 deterministic backward 1.54 -> 1.32 ms
-#: (input gradient alone 0.89 -> 0.77; the default 0.93 either way).
-DETERMINISTIC_MINB = 3
-#: Blocks per multiprocessor asked of the default data kernel's MINB 2 tiles in 1D and 2D: 64
-#: registers (ptxas, sm_90: 0-36 bytes of spill, 3xTF32 28-116), 4 blocks per SM instead of 3 at
-#: 80 (3xTF32: 2 at 128). The kernel is latency-bound (ncu, B=8 C256 56x56 fp16: 6 warps per
-#: scheduler, 9.6 cycles between issues, long-scoreboard and fixed-latency waits first), so the
-#: fourth block pays: H200, f+b 0.86-0.99x at the 2D, 1D and 2D transposed benchmark shapes in
-#: fp16, TF32 and fp32 (NOTES-gpu.md, session 19). 3D spills 220-400 bytes there and keeps 2.
+#: Blocks per multiprocessor asked of the data kernel's MINB 2 tiles in 1D and 2D, default and
+#: deterministic: 63-64 registers (ptxas, sm_90: 0-36 bytes of spill, 3xTF32 28-116), 4 blocks per
+#: SM where MINB 2 gave 3 at 80 registers (the deterministic epilogue 2 at 88-94, hence MINB 3
+#: there since session 8; 3xTF32 2 at 128). The kernel is latency-bound (ncu, B=8 C256 56x56 fp16:
+#: 6 warps per scheduler, 9.6 cycles between issues, long-scoreboard and fixed-latency waits
+#: first), so the fourth block pays. H200, one process each (NOTES-gpu.md, session 19): default
+#: f+b 0.86-0.99x at the 2D, 1D and 2D transposed benchmark shapes in fp16, TF32 and fp32;
+#: deterministic backward 0.87-0.98x against MINB 3 (3xTF32: 2), bitwise equal. 3D spills 220-400
+#: bytes at 64 registers and keeps 2.
 DATA_MINB = 4
 #: Channels per lane of the data kernel's epilogue (``epilogue_lane_channels`` chooses): 8 pays each
 #: position's corners, weights and branches once for twice the channels of 4, at the cost of
@@ -148,14 +145,11 @@ def _tiles(dtype) -> tuple:
     return TILES["float" if np.dtype(dtype) == np.float32 else "half"]
 
 
-def data_tile(tile: tuple, ndim: int, prec: int, deterministic: bool) -> tuple:
+def data_tile(tile: tuple, ndim: int) -> tuple:
     """The data kernel's instantiation of ``tile``: a MINB 2 tile in 1D and 2D asks for
-    DATA_MINB blocks per SM, or DETERMINISTIC_MINB when deterministic (there only in the half
-    types' own MMA and TF32; 3xTF32 keeps 2)."""
+    DATA_MINB blocks per SM."""
     if tile[3] != 2 or ndim > 2:
         return tile
-    if deterministic:
-        return tile[:3] + (DETERMINISTIC_MINB,) if prec <= 1 else tile
     return tile[:3] + (DATA_MINB,)
 
 
@@ -202,7 +196,7 @@ def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
     """Every kernel instantiation of one module (one dtype, one N, one index width)."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
-    names = [kernel_name(dtype, index64, ndim, prec, data_tile(tile, ndim, prec, det), "data", plan, det, cpl, lanes)
+    names = [kernel_name(dtype, index64, ndim, prec, data_tile(tile, ndim), "data", plan, det, cpl, lanes)
              for prec in _fused._precisions(dtype) for tile in _tiles(dtype) for plan in (False, True)
              for det in (False, True) for cpl in LANE_CHANNELS if cpl == 4 or (ndim == 3 and not det)
              for lanes in _lane_choices(tile[0], cpl)]
@@ -463,7 +457,7 @@ class BackwardConfig:
             tile, smem = (self.tile, self.smem_bytes) if name == "data" else (self.weight_tile, self.weight_smem_bytes)
             plan = self.gradient_plan if name == "data" else self.sampling_plan
             if name == "data":
-                tile = data_tile(tile, g.ndim, self.precision, self.deterministic)
+                tile = data_tile(tile, g.ndim)
             fn = _function(kernel_name(self.dtype, self.index64, g.ndim, self.precision, tile, name, plan,
                                        self.deterministic, self.lane_channels, self.lanes),
                            self.dtype, g.ndim, self.index64)
