@@ -6,8 +6,9 @@
 // conv group x BN positions of the flattened batch, reduced over the group's output channels in
 // steps of BK on tensor cores (fused::warp_mma, float32 accumulation) from two tiles copied with
 // cp.async (double-buffered): the weight columns wt[g, c, t, o] (A: rows c, a step of K * Cogp
-// apart, K = o contiguous; fused_channels_last of the weight) and the channels-last grad_output gycl[p, o] (B: rows p). The tile then goes to shared memory
-// (float32) and, in the epilogue, one warp per position (lanes along the channels, CPL per lane):
+// apart, K = o contiguous; fused_channels_last of the weight) and the channels-last grad_output
+// gycl[p, o] (B: rows p). The tile then goes to shared memory (float32) and, in the epilogue,
+// one warp per position (lanes along the channels, CPL per lane):
 //   * grad_input: G * mask * w_corner is added to the CHANNELS-LAST float32 accumulator
 //     gxcl[b, s, c] with 4-channel vector reductions (REDG.ADD.F32x4 on sm_90), CPL/4 per corner
 //     and lane, where col2im needs a scalar atomic per channel;
