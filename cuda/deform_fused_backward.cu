@@ -642,7 +642,7 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
     const I left = total_steps - (I)split * steps_per_split;
     const int steps = left <= 0 ? 0 : (int)(left < steps_per_split ? left : steps_per_split);
 
-    // This thread's weight... grad_output copies: rows r0 + j * R_STEP of the A tile, vector kv.
+    // This thread's grad_output copies: rows r0 + j * R_STEP of the A tile, vector kv.
     constexpr int R_STEP = THREADS / (BK / VEC);
     const int r0 = tid / (BK / VEC);
     const int kv = (tid % (BK / VEC)) * VEC;

@@ -32,10 +32,10 @@ of its own (``fused_gradient_plan``) where that plan fits (``SAMPLING_PLAN`` say
 Per call, one batch chunk at a time (the chunk bounds the workspace by
 ``cuda_fused.WORKSPACE_LIMIT_BYTES``): grad_output copied channels-last, ``(Bc*Q, Cop)``, and as
 rows over the positions, ``(C_out, Pp)``; the input channels-last, ``(Bc*S, Cp)``, when the
-offset, mask or weight gradient is wanted (the corner values); the weight re-laid per conv
-group and tap as ``(G, K, C_in/G, Cogp)``; the accumulators cleared, the kernels run, the
-gradients written out in their dtype and layout (the input gradient plus the C_in-long
-``bias`` of the transposed forward). The launches are recorded once per set of addresses and
+offset, mask or weight gradient is wanted (the corner values); the weight re-laid channels-last
+per conv group as ``(G, C_in/G, K, Cogp)`` (``fused_channels_last``); the accumulators cleared,
+the kernels run, the gradients written out in their dtype and layout (the input gradient plus
+the C_in-long ``bias`` of the transposed forward). The launches are recorded once per set of addresses and
 replayed (``FusedBackward.run_pointers``, the plan's raw-address path), as cuda/im2col's are.
 
 Where the fused weight gradient cannot serve (:func:`weight_unsupported`) or measured slower,
