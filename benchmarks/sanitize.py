@@ -274,17 +274,18 @@ def fused_backward_cases(quick: bool = False) -> int:
         with np.errstate(over="ignore"):
             gpu = {k: None if a is None else cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
             rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
-        saved = fb.TILES, fb.WEIGHT_TILES, fb.SAMPLING_PLAN
+        saved = fb.TILES, fb.WEIGHT_TILES, fb.WEIGHT_TILES_1D, fb.SAMPLING_PLAN
         key = "float" if dtype == np.float32 else "half"
         try:
             if tile is not None:   # the plan's rule takes the first tile of each list
                 fb.TILES = dict(saved[0], **{key: (tile,)})
                 fb.WEIGHT_TILES = dict(saved[1], **{key: (weight_tile,)})
+                fb.WEIGHT_TILES_1D = dict(saved[2], **{key: (weight_tile,)})
             fb.SAMPLING_PLAN = sampling_plan
             p = dcn_cupy.plan(*(gpu[k] for k in ARGUMENTS), **case.params, transposed=case.transposed,
                               algorithm="cuda/fused-backward", allow_tf32=allow_tf32, deterministic=deterministic)
         finally:
-            fb.TILES, fb.WEIGHT_TILES, fb.SAMPLING_PLAN = saved
+            fb.TILES, fb.WEIGHT_TILES, fb.WEIGHT_TILES_1D, fb.SAMPLING_PLAN = saved
         assert "backward: cuda/fused-backward" in p.algorithm or case.transposed, p.algorithm
         y = p.forward(*(gpu[k] for k in ARGUMENTS))
         gy = cupy.ones(y.shape, dtype=dtype)
@@ -327,6 +328,11 @@ def fused_backward_cases(quick: bool = False) -> int:
         for tile, weight_tile in itertools.zip_longest(fb.TILES[key], fb.WEIGHT_TILES[key]):
             run(case, dtype, False, tile or fb.TILES[key][0], weight_tile or fb.WEIGHT_TILES[key][0])
             count += 1
+    # 1D's own weight tiles (the taller one; the shorter is 2D's too)
+    case = random_case(np.random.default_rng(1998), 1, False, batch=2, channels_scale=16)
+    for dtype, key in ((np.float16, "half"), (np.float32, "float")):
+        run(case, dtype, False, fb.TILES[key][0], fb.WEIGHT_TILES_1D[key][-1])
+        count += 1
     if quick:
         return count
     limit, safe = fb._fused.WORKSPACE_LIMIT_BYTES, fb._INT32_SAFE

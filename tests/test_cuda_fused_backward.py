@@ -133,6 +133,13 @@ def test_serving_rule_and_segments():
     # the tallest weight tile no taller than C_out/groups: fewer re-samplings of the input
     assert fb._weight_tile(_geom(c_out=48), np.float16)[0] == 64
     assert fb._weight_tile(_geom(c_in=256, c_out=512, groups=2), np.float16)[0] == 256
+    # in 1D (two corners a sample) at most 128 rows, at 2 blocks per SM
+    assert fb._weight_tile(_geom(c_in=256, c_out=256, ndim=1), np.float16) == (128, 64, 64, 2)
+    assert fb._weight_tile(_geom(c_in=256, c_out=256, ndim=1), np.float32) == (128, 64, 32, 2)
+    assert fb._weight_tile(_geom(c_in=256, c_out=64, ndim=1), np.float16)[0] == 64
+    assert all(any(f"deform_fused_backward_weight<{t}, int, 1, {p}, 128, 64, {bk}, 2, true>" in name
+                   for name in fb.name_expressions(dtype, 1, False))
+               for dtype, t, p, bk in ((np.float16, "__half", 0, 64), (np.float32, "float", 2, 32)))
     assert "multiple of 8" in fb.weight_unsupported(_geom(c_in=64, offset_groups=16), np.float16, (256, 64, 32, 1))
     # where the tallest tile's 32 channels per sampling thread cross a group, the next one serves
     tall, short = fb._weight_tiles(np.float16)[1], fb._weight_tiles(np.float16)[0]
@@ -299,7 +306,7 @@ def test_every_tile_matches_reference(ndim, precision):
     fb = _backward_module()
     rng = np.random.default_rng(40 + ndim)
     arrays, params, gy = wide_case(rng, ndim)
-    data_tiles, weight_tiles = fb._tiles(DTYPE[precision]), fb._weight_tiles(DTYPE[precision])
+    data_tiles, weight_tiles = fb._tiles(DTYPE[precision]), fb._weight_tiles(DTYPE[precision], ndim)
     for i in range(max(len(data_tiles), len(weight_tiles))):
         tile, weight_tile = data_tiles[i % len(data_tiles)], weight_tiles[i % len(weight_tiles)]
         got, expected, config = run_gradients(arrays, params, gy, precision, tile, weight_tile=weight_tile)

@@ -108,6 +108,14 @@ NARROW_TILE_ROWS = (64,)
 #: 0.45; the fused calls re-recorded their launches each time there). B=32 C64 56x56: 64x64x64
 #: 0.30 (im2col 0.43).
 WEIGHT_TILES = {"half": ((64, 64, 64, 2), (256, 64, 128, 1)), "float": ((64, 64, 32, 2), (256, 64, 64, 1))}
+#: The weight gradient's tiles in 1D, where a sample is two corners: re-sampling each position
+#: once more per 128 output channels costs less than the 256-row tile's one block per SM (255
+#: registers, 174 KB of shared memory; 128x64x64 fp16: 128 registers, no spill, 2 blocks).
+#: NVIDIA H100, one process, B=16 C256 L4096 f+b, 256 -> 128 rows: fp16 1.024 -> 0.990 ms (weight
+#: gradient alone 0.342 -> 0.314), TF32 1.663 -> 1.600 (0.656 -> 0.588). In 2D the same tiles
+#: lose: B=8 C256 56x56 weight gradient fp16 0.297 -> 0.472 ms, TF32 0.559 -> 0.888 (NOTES-gpu.md,
+#: session 20).
+WEIGHT_TILES_1D = {"half": ((64, 64, 64, 2), (128, 64, 64, 2)), "float": ((64, 64, 32, 2), (128, 64, 32, 2))}
 #: The weight gradient reads its corners from a sampling plan (``fused_sampling_plan``: rows and
 #: weights per segment, tap and position, computed once per batch chunk) where more than one of
 #: its blocks samples each position and tap (several input- or output-channel tiles: each block
@@ -153,8 +161,8 @@ def data_tile(tile: tuple, ndim: int) -> tuple:
     return tile[:3] + (DATA_MINB,)
 
 
-def _weight_tiles(dtype) -> tuple:
-    return WEIGHT_TILES["float" if np.dtype(dtype) == np.float32 else "half"]
+def _weight_tiles(dtype, ndim: int = 2) -> tuple:
+    return (WEIGHT_TILES_1D if ndim == 1 else WEIGHT_TILES)["float" if np.dtype(dtype) == np.float32 else "half"]
 
 
 def _weight_tile(geom, dtype) -> tuple:
@@ -163,7 +171,7 @@ def _weight_tile(geom, dtype) -> tuple:
     geometry the tallest tile cannot serve still gets a fused weight gradient; where none can,
     the tallest (and ``weight_unsupported`` says why)."""
     cog = geom.out_channels // geom.groups
-    tiles = _weight_tiles(dtype)
+    tiles = _weight_tiles(dtype, geom.ndim)
     fitting = [tile for tile in tiles if tile[0] <= cog] or [tiles[0]]
     served = [tile for tile in fitting if weight_unsupported(geom, dtype, tile) is None]
     return max(served or fitting, key=lambda tile: tile[0])
@@ -201,7 +209,7 @@ def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
              for det in (False, True) for cpl in LANE_CHANNELS if cpl == 4 or (ndim == 3 and not det)
              for lanes in _lane_choices(tile[0], cpl)]
     names += [kernel_name(dtype, index64, ndim, prec, tile, "weight", plan)
-              for prec in _fused._precisions(dtype) for tile in _weight_tiles(dtype) for plan in (False, True)]
+              for prec in _fused._precisions(dtype) for tile in _weight_tiles(dtype, ndim) for plan in (False, True)]
     names += [f"{kernel}<{t}, {i}>" for kernel in
               ("fused_channels_last", "fused_store", "fused_position_rows", "fused_weight_sum")]
     names += [f"fused_channels_first<{t}, {i}, {_bool(fixed)}>" for fixed in (False, True)]
