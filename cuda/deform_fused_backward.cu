@@ -463,25 +463,42 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                             for (int u = 0; u < V4; ++u)
                                 xv[k][u] = cr.ok[k] ? fused_bwd::Load4<T>::run(src + 4 * u) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                         }
-                        // channel by channel, as dcn::accumulate_position_gradients
+                        // Per corner first: dot[k] = sum over the lane's channels of cg * x[k], then
+                        // the mask term sum_k w_k dot[k] and the offset terms m sum_k slope_ka dot[k],
+                        // a corner of zero weight (slope) skipped as channel by channel. The same sums
+                        // in another order, in about half the instructions: the per-channel form
+                        // tested each corner's weight and slopes again for every channel (ALU-bound
+                        // at 64 registers). The same result only for finite cg and m: an infinite cg
+                        // times a zero x inside dot[k] would give NaN where the per-channel sum
+                        // w * 0 + w' * x' is finite; so a non-finite one takes the per-channel form.
+                        // H200, data kernel, 2D fp16 B=8 C256 56x56 453 -> 418 us, 3D transposed
+                        // 223 -> 206 us (NOTES-gpu.md, session 20).
+                        float probe = m;
 #pragma unroll
-                        for (int jj = 0; jj < CPL; ++jj) {
-                            const int u = jj / 4, j = jj % 4;
-                            const float cg = fused_bwd::component(gc[u], j);
+                        for (int u = 0; u < V4; ++u) probe += (gc[u].x + gc[u].y) + (gc[u].z + gc[u].w);
+                        if (isfinite(probe)) {
+                            float dot[NC];
+#pragma unroll
+                            for (int k = 0; k < NC; ++k) {
+                                dot[k] = 0.0f;
+#pragma unroll
+                                for (int jj = 0; jj < CPL; ++jj)
+                                    dot[k] = fmaf(fused_bwd::component(gc[jj / 4], jj % 4),
+                                                  fused_bwd::component(xv[k][jj / 4], jj % 4), dot[k]);
+                            }
                             if (gmsk != nullptr) {
                                 float sv = 0.0f;
                                 bool used = false;
 #pragma unroll
                                 for (int k = 0; k < NC; ++k) {
                                     if (cr.weight[k] != 0.0f) {
-                                        sv += cr.weight[k] * fused_bwd::component(xv[k][u], j);
+                                        sv += cr.weight[k] * dot[k];
                                         used = true;
                                     }
                                 }
-                                if (used) gmask_part += cg * sv;
+                                if (used) gmask_part += sv;
                             }
                             if (goff != nullptr) {
-                                const float scale = cg * m;
 #pragma unroll
                                 for (int a = 0; a < N; ++a) {
                                     float d = 0.0f;
@@ -489,11 +506,47 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
 #pragma unroll
                                     for (int k = 0; k < NC; ++k) {
                                         if (cr.dweight[k][a] != 0.0f) {
-                                            d += cr.dweight[k][a] * fused_bwd::component(xv[k][u], j);
+                                            d += cr.dweight[k][a] * dot[k];
                                             used = true;
                                         }
                                     }
-                                    if (used) goff_part[a] += scale * d;
+                                    if (used) goff_part[a] += m * d;
+                                }
+                            }
+                        } else {
+                            // a non-finite column gradient or mask: channel by channel, as
+                            // dcn::accumulate_position_gradients
+#pragma unroll
+                            for (int jj = 0; jj < CPL; ++jj) {
+                                const int u = jj / 4, j = jj % 4;
+                                const float cg = fused_bwd::component(gc[u], j);
+                                if (gmsk != nullptr) {
+                                    float sv = 0.0f;
+                                    bool used = false;
+#pragma unroll
+                                    for (int k = 0; k < NC; ++k) {
+                                        if (cr.weight[k] != 0.0f) {
+                                            sv += cr.weight[k] * fused_bwd::component(xv[k][u], j);
+                                            used = true;
+                                        }
+                                    }
+                                    if (used) gmask_part += cg * sv;
+                                }
+                                if (goff != nullptr) {
+                                    const float scale = cg * m;
+#pragma unroll
+                                    for (int a = 0; a < N; ++a) {
+                                        float d = 0.0f;
+                                        bool used = false;
+#pragma unroll
+                                        for (int k = 0; k < NC; ++k) {
+                                            if (cr.dweight[k][a] != 0.0f) {
+                                                d += cr.dweight[k][a] * fused_bwd::component(xv[k][u], j);
+                                                used = true;
+                                            }
+                                        }
+                                        if (used) goff_part[a] += scale * d;
+                                    }
                                 }
                             }
                         }

@@ -555,6 +555,35 @@ def test_non_finite_and_huge_offsets(ndim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_non_finite_column_gradients(ndim):
+    """Infinite grad_output elements make column gradients infinite. The offset and mask
+    gradients then have the reference's pattern of NaN, inf and -inf (per-corner sums would turn
+    inf * 0, at an input of exactly 0, into NaN where the reference's per-channel sum is
+    finite), and its values elsewhere; with the data kernel's plan and without."""
+    rng = np.random.default_rng(70 + ndim)
+    arrays, params, gy = wide_case(rng, ndim, groups=1, offset_groups=2, mask_groups=4)
+    # one sign for the weights and the input, so that an infinite grad_output element gives column
+    # gradients of one sign and mask gradients of +-inf (NaN where every used corner is 0);
+    # many corners exactly 0
+    arrays["weight"] = np.abs(arrays["weight"])
+    x = arrays["input"] = np.abs(arrays["input"])
+    x[x < 0.15] = 0.0
+    gy.reshape(-1)[rng.choice(gy.size, size=3, replace=False)] = [np.inf, -np.inf, np.inf]
+    for precision in ("float32", "float16"):
+        for gradient_plan in (False, True):
+            got, expected, _ = run_gradients(arrays, params, gy, precision, wanted=("offset", "mask"),
+                                             gradient_plan=gradient_plan)
+            assert np.isinf(expected["mask"]).any() and np.isnan(expected["offset"]).any()
+            for name in ("offset", "mask"):
+                e, g = expected[name], got[name]
+                for test in (np.isnan, np.isposinf, np.isneginf):
+                    assert np.array_equal(test(g), test(e)), (name, precision, gradient_plan, test.__name__)
+                finite = np.isfinite(e)
+                assert relative_error(g[finite], e[finite]) < TOL[precision], (name, precision, gradient_plan)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16, np.float32], ids=["float16", "bfloat16", "float32"])
 def test_plans_choose_and_force_the_fused_backward(dtype, monkeypatch):
     """Forced (every gradient, the weight's through cuda/im2col), chosen automatically where
