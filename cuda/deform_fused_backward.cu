@@ -13,9 +13,11 @@
 //     gxcl[b, s, c] with 4-channel vector reductions (REDG.ADD.F32x4 on sm_90), CPL/4 per corner
 //     and lane, where col2im needs a scalar atomic per channel;
 //   * grad_offset / grad_mask: each lane sums, over its channels, G * mask * d sample / d P_a
-//     and G * sample (corner values read channels-last from xcl), the lanes of one offset / mask
-//     group add theirs by shuffles (`seg` lanes: a power of two, no segment crossing a group),
-//     and one lane adds the sum to the float32 accumulators goff / gmsk.
+//     and G * sample (corner values read channels-last from xcl): per corner k first, G . x[k]
+//     over its channels, then weighted by the corner's weight and slopes (a non-finite G or
+//     mask: channel by channel); the lanes of one offset / mask group add theirs by shuffles
+//     (`seg` lanes: a power of two, no segment crossing a group), and one lane adds the sum to
+//     the float32 accumulators goff / gmsk.
 // Corners, weights and slopes are computed per (position, tap, lane) with the rules of
 // dcn::Corners (DESIGN.md section 1), so that every case is exact as in the im2col path: a
 // position outside [-1, S_a) or non-finite samples 0 and gets no gradient; corners of weight

@@ -9,11 +9,12 @@ reduction):
 * ``deform_fused_backward_data``: per block a tile of the column gradients ``W^T . grad_output``
   for one tap (input channels x positions), consumed at once: the input gradient is scattered
   with 4-channel vector reductions into a channels-last float32 accumulator, and the offset and
-  mask gradients are summed over each group's channels (shuffles, then one float32 atomic per
-  group, position and tap);
+  mask gradients are summed over each group's channels (per corner, then weighted by the
+  corner's weight and slopes; shuffles, then one float32 atomic per group, position and tap);
 * ``deform_fused_backward_weight``: ``grad_output . sampled^T`` over the positions, the sampled
   tile built in shared memory by the fused forward's sampler; the positions are split over
   blocks and the splits' float32 partial sums added in a fixed order (bitwise repeatable).
+  Its tiles: ``WEIGHT_TILES``, in 1D ``WEIGHT_TILES_1D``.
   Where several of its blocks sample each position (channel tiles), the corners come from a
   sampling plan computed once per batch chunk (``fused_sampling_plan``: rows and weights per
   segment of channels, tap and position) instead of from the offsets and mask in every block.
@@ -111,9 +112,11 @@ WEIGHT_TILES = {"half": ((64, 64, 64, 2), (256, 64, 128, 1)), "float": ((64, 64,
 #: The weight gradient's tiles in 1D, where a sample is two corners: re-sampling each position
 #: once more per 128 output channels costs less than the 256-row tile's one block per SM (255
 #: registers, 174 KB of shared memory; 128x64x64 fp16: 128 registers, no spill, 2 blocks).
-#: NVIDIA H100, one process, B=16 C256 L4096 f+b, 256 -> 128 rows: fp16 1.024 -> 0.990 ms (weight
-#: gradient alone 0.342 -> 0.314), TF32 1.663 -> 1.600 (0.656 -> 0.588). In 2D the same tiles
-#: lose: B=8 C256 56x56 weight gradient fp16 0.297 -> 0.472 ms, TF32 0.559 -> 0.888 (NOTES-gpu.md,
+#: One process each, B=16 C256 L4096 f+b, 256 -> 128 rows: NVIDIA H200 fp16 0.966 -> 0.948 ms,
+#: fp32 (3xTF32: 144-160 bytes of spill) 3.416 -> 3.161, TF32 1.600 -> 1.549 (where cuda/im2col's
+#: weight gradient in the fused backward measured 1.501: the plan times both, takes the faster);
+#: NVIDIA H100 fp16 1.024 -> 0.990, TF32 1.663 -> 1.600. In 2D the same tiles lose (H100, B=8
+#: C256 56x56, weight gradient alone: fp16 0.297 -> 0.472 ms, TF32 0.559 -> 0.888; NOTES-gpu.md,
 #: session 20).
 WEIGHT_TILES_1D = {"half": ((64, 64, 64, 2), (128, 64, 64, 2)), "float": ((64, 64, 32, 2), (128, 64, 32, 2))}
 #: The weight gradient reads its corners from a sampling plan (``fused_sampling_plan``: rows and
