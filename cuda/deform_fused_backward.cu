@@ -15,9 +15,12 @@
 //   * grad_offset / grad_mask: each lane sums, over its channels, G * mask * d sample / d P_a
 //     and G * sample (corner values read channels-last from xcl): per corner k first, G . x[k]
 //     over its channels, then weighted by the corner's weight and slopes (a non-finite G or
-//     mask: channel by channel); the lanes of one offset / mask group add theirs by shuffles
-//     (`seg` lanes: a power of two, no segment crossing a group), and one lane adds the sum to
-//     the float32 accumulators goff / gmsk.
+//     mask: channel by channel); the sums of the `seg` lanes of one offset / mask group (a power
+//     of two, no segment crossing a group) are added, and the segment's sum goes to the float32
+//     accumulators goff / gmsk with one atomic: at 8 lanes a position or more (not DET) each
+//     lane leaves its sums in shared memory, and after the block's passes one thread a
+//     (position, segment) adds them up (SMEM_SUMS); otherwise shuffles, then the segment's
+//     first lane.
 // Corners, weights and slopes are computed per (position, tap, lane) with the rules of
 // dcn::Corners (DESIGN.md section 1), so that every case is exact as in the im2col path: a
 // position outside [-1, S_a) or non-finite samples 0 and gets no gradient; corners of weight
@@ -258,6 +261,15 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     T* const As0 = reinterpret_cast<T*>(fused_smem);
     T* const Bs0 = As0 + 2 * BM * LD;
     float* const Gs = reinterpret_cast<float*>(fused_smem);   // after the main loop: G[BN][GLD]
+    // (not DET) after G: each lane's offset and mask partial sums, Ps[a][n][slot] (a < N: offset
+    // dimension a, a = N: mask; slot: the lane's channel quad (octet) within the tile), summed per
+    // segment after the passes
+    // (four lanes a position or fewer keep the shuffles: two levels cost less than the sums' pass,
+    // H200 3D transposed fp16 206 -> 212 us, NOTES-gpu.md session 21)
+    constexpr bool SMEM_SUMS = !DET && LANES >= 8;
+    constexpr int SLOTS = BM / CPL;
+    constexpr int PLD = SLOTS + 1;                   // odd: the sums' reads by position are conflict-free
+    float* const Ps = Gs + BN * GLD;
 
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
@@ -282,6 +294,10 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     const int t = (int)(bid % K);
     const I p0 = (bid / K) * BN;
     const int steps = (Cog + BK - 1) / BK;
+    // the tile's first position as (sample, position within it): a position's own (b, q) then
+    // follows without a division per position where the tile lies within one or two samples
+    const I b0 = p0 / Q;
+    const I q0 = p0 - b0 * Q;
 
     // This thread's copies: A rows a_r0 + j * R_STEP, B rows likewise, vector kv of the step.
     constexpr int R_STEP = THREADS / (BK / VEC);
@@ -365,8 +381,16 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
         const int n = n0 + sub;
         const I p = p0 + n;
         const bool pvalid = p < BQ;
-        const I b = pvalid ? p / Q : 0;
-        const I q = pvalid ? p % Q : 0;
+        I b = 0, q = 0;
+        if (pvalid) {
+            b = b0;
+            q = q0 + n;
+            if (q >= Q) {   // a later sample: one division, only where the tile crosses samples
+                const I d = q / Q;
+                b += d;
+                q -= d * Q;
+            }
+        }
         int qc[N];
         dcn::unravel<N, I>(q, g.out_size, qc);
         [[maybe_unused]] double scale = 0.0;   // (DET) 2^E of the sample
@@ -391,6 +415,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                 gm = per_gm >= channels ? 0 : cabs / per_gm;
                 float m;
                 dcn::Corners<float, I, N> cr;
+                I crow[NC];   // the corners' rows b * S + index of xcl, gxcl and gxq
                 if constexpr (PLAN) {
                     // the plan's corners (fused_gradient_plan): rows b*S + index, -1 where not on
                     // the grid or where the position samples 0 (then every weight and slope is 0)
@@ -405,7 +430,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
 #pragma unroll
                     for (int k = 0; k < NC; ++k) {
                         cr.ok[k] = row[k] >= 0;
-                        cr.index[k] = row[k] - (I)b * S;
+                        crow[k] = row[k];
 #pragma unroll
                         for (int a = 0; a < N; ++a) cr.dweight[k][a] = slope[k * N + a];
                     }
@@ -414,6 +439,8 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                     m = fused_bwd::sampling_position(g, qc, tc, offset, mask, b, q, Q, K, t, go, gm, offset_bstride,
                                                      mask_bstride, pos);
                     cr.compute(pos, g.in_size);
+#pragma unroll
+                    for (int k = 0; k < NC; ++k) crow[k] = (I)b * S + cr.index[k];
                 }
                 if (cr.valid) {
                     float4 gc[V4];
@@ -425,7 +452,6 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                             // lane i adds channels i, i + LANES, ...: each reduction instruction then
                             // covers consecutive 8-byte words (a lane's 4 consecutive channels would
                             // touch twice the sectors: H200, 2x slower alone)
-                            const I row0 = (I)b * S;
 #pragma unroll
                             for (int j = 0; j < 4; ++j) {
                                 const int cc = uniform ? cpass + lane % LANES + LANES * j : cpass + lane_c + j;
@@ -435,7 +461,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                                 for (int k = 0; k < NC; ++k) {
                                     const float w = cr.weight[k];
                                     if (cr.ok[k] && w != 0.0f) {
-                                        dcn_det::accumulate_scaled(gxq, gx_flags, (long long)((row0 + cr.index[k]) * Cpa + channel),
+                                        dcn_det::accumulate_scaled(gxq, gx_flags, (long long)(crow[k] * Cpa + channel),
                                                                    (double)w * v, scale);
                                     }
                                 }
@@ -449,7 +475,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                         for (int k = 0; k < NC; ++k) {
                             const float w = cr.weight[k];
                             if (cr.ok[k] && w != 0.0f) {
-                                float* const dst = gxcl + ((I)b * S + cr.index[k]) * Cpa + cabs;
+                                float* const dst = gxcl + crow[k] * Cpa + cabs;
 #pragma unroll
                                 for (int u = 0; u < V4; ++u)
                                     fused_bwd::add4(dst + 4 * u, make_float4(w * v[u].x, w * v[u].y, w * v[u].z, w * v[u].w));
@@ -460,7 +486,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                         float4 xv[NC][V4];
 #pragma unroll
                         for (int k = 0; k < NC; ++k) {
-                            const T* const src = xcl + ((I)b * S + cr.index[k]) * Cp + cabs;
+                            const T* const src = xcl + crow[k] * Cp + cabs;
 #pragma unroll
                             for (int u = 0; u < V4; ++u)
                                 xv[k][u] = cr.ok[k] ? fused_bwd::Load4<T>::run(src + 4 * u) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -555,11 +581,24 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                     }
                 }
             }
-            if (goff != nullptr || gmsk != nullptr) {
-                // the lanes of one segment share the position, the offset group and the mask group
-                // (seg, a power of two, is the same for the whole warp: an unrolled loop of
-                // predicated shuffles, and a mask for the segment's first lane, where a loop over a
-                // runtime bound and a remainder cost ~40 instructions per position, NOTES-gpu.md)
+            if (goff == nullptr && gmsk == nullptr) continue;
+            if constexpr (SMEM_SUMS) {
+                // the lane's sums wait in shared memory for the segment's (after the passes): a
+                // few stores here, where shuffles and one lane's atomics cost ~85 instructions a
+                // pass at 16 lanes (NOTES-gpu.md, session 21)
+                if (active) {
+                    float* const ps = Ps + n * PLD + (cpass + lane_c) / CPL;
+#pragma unroll
+                    for (int a = 0; a < N; ++a) ps[a * BN * PLD] = goff_part[a];
+                    ps[N * BN * PLD] = gmask_part;
+                }
+            } else {
+                // the lanes of one segment share the position, the offset group and the mask
+                // group (seg, a power of two, is the same for the whole warp: an unrolled loop of
+                // predicated shuffles, and a mask for the segment's first lane, where a loop over
+                // a runtime bound and a remainder cost ~40 instructions per position,
+                // NOTES-gpu.md); (DET) the tree's order is the same for every tile and lane
+                // count, and so are the bits
 #pragma unroll
                 for (int d = 1; d < LANES; d <<= 1) {
                     if (d < seg) {
@@ -589,6 +628,47 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                         }
                     }
                 }
+            }
+        }
+    }
+    if constexpr (SMEM_SUMS) {
+        if (goff == nullptr && gmsk == nullptr) return;
+        // Each (position, segment): the sum of its seg lanes' partial sums, in slot order, added
+        // to goff / gmsk. Positions fastest across the threads (PLD odd: no bank conflicts).
+        __syncthreads();
+        const int segs = SLOTS / seg;
+        for (int it = tid; it < BN * segs; it += THREADS) {
+            const int n = it % BN, s0 = (it / BN) * seg;
+            const I p = p0 + n;
+            const int c = m0 + s0 * CPL;   // the segment's first channel within the group
+            if (p >= BQ || c >= Cg) continue;
+            I b = b0, q = q0 + n;
+            if (q >= Q) {
+                const I d = q / Q;
+                b += d;
+                q -= d * Q;
+            }
+            const int cabs = grp * Cg + c;
+            const float* const ps = Ps + n * PLD + s0;
+            if (goff != nullptr) {
+                const int go = per_go >= channels ? 0 : cabs / per_go;
+                float* const dst = goff + ((I)b * offset_groups + go) * K * N * Q + (I)t * N * Q + q;
+#pragma unroll
+                for (int a = 0; a < N; ++a) {
+                    float sum = 0.0f;
+#pragma unroll
+                    for (int j = 0; j < SLOTS; ++j)   // seg <= SLOTS
+                        if (j < seg) sum += ps[a * BN * PLD + j];
+                    atomicAdd(dst + (I)a * Q, sum);
+                }
+            }
+            if (gmsk != nullptr) {
+                const int gm = per_gm >= channels ? 0 : cabs / per_gm;
+                float sum = 0.0f;
+#pragma unroll
+                for (int j = 0; j < SLOTS; ++j)   // seg <= SLOTS
+                    if (j < seg) sum += ps[N * BN * PLD + j];
+                atomicAdd(gmsk + (((I)b * mask_groups + gm) * K + t) * Q + q, sum);
             }
         }
     }

@@ -10,7 +10,8 @@ reduction):
   for one tap (input channels x positions), consumed at once: the input gradient is scattered
   with 4-channel vector reductions into a channels-last float32 accumulator, and the offset and
   mask gradients are summed over each group's channels (per corner, then weighted by the
-  corner's weight and slopes; shuffles, then one float32 atomic per group, position and tap);
+  corner's weight and slopes; added per group in shared memory or by shuffles, then one float32
+  atomic per group, position and tap);
 * ``deform_fused_backward_weight``: ``grad_output . sampled^T`` over the positions, the sampled
   tile built in shared memory by the fused forward's sampler; the positions are split over
   blocks and the splits' float32 partial sums added in a fixed order (bitwise repeatable).
@@ -256,6 +257,24 @@ def smem_bytes(dtype, tile: tuple) -> int:
     return max(2 * (bm + bn) * (bk + vec) * item, bn * (bm + 4) * 4)
 
 
+def lane_sums_in_smem(lanes: int, deterministic: bool) -> bool:
+    """Whether the data kernel's epilogue lanes leave their offset and mask partial sums in shared
+    memory, summed per segment after the passes (the kernel's ``SMEM_SUMS``), instead of adding
+    them by shuffles: not deterministic, at 8 lanes a position or more."""
+    return not deterministic and lanes >= 8
+
+
+def data_smem_bytes(dtype, tile: tuple, ndim: int, lane_channels: int, lanes: int, deterministic: bool) -> int:
+    """Dynamic shared memory of the data kernel: :func:`smem_bytes`, where the epilogue's column
+    gradients are followed (:func:`lane_sums_in_smem`) by every lane's N + 1 offset and mask
+    partial sums (a row of BM / lane_channels + 1 floats per position and value)."""
+    bm, bn = tile[:2]
+    epilogue = bn * (bm + 4) * 4
+    if lane_sums_in_smem(lanes, deterministic):
+        epilogue += (ndim + 1) * bn * (bm // lane_channels + 1) * 4
+    return max(smem_bytes(dtype, tile), epilogue)
+
+
 def _per_group(geom):
     """Input channels per conv, offset and mask group (C_in where the argument is absent)."""
     C = geom.in_channels
@@ -436,7 +455,8 @@ class BackwardConfig:
             self.offsets[name] = (total, count, np.dtype(dt))
             total = _fused._round_up(total + count * np.dtype(dt).itemsize, _ALIGN)
         self.workspace_bytes = total
-        self.smem_bytes = smem_bytes(dtype, self.tile)
+        self.smem_bytes = data_smem_bytes(dtype, self.tile, geom.ndim, self.lane_channels, self.lanes,
+                                          self.deterministic)
         self.weight_smem_bytes = smem_bytes(dtype, self.weight_tile)
         self.struct = _cuda._geom_struct(geom)
 
