@@ -265,8 +265,9 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     // dimension a, a = N: mask; slot: the lane's channel quad (octet) within the tile), summed per
     // segment after the passes
     // (four lanes a position or fewer keep the shuffles: two levels cost less than the sums' pass,
-    // H200 3D transposed fp16 206 -> 212 us, NOTES-gpu.md session 21)
-    constexpr bool SMEM_SUMS = !DET && LANES >= 8;
+    // H200 3D transposed fp16 206 -> 212 us, NOTES-gpu.md session 21; DET always sums here, so
+    // that every tile and lane count adds a segment's partial sums in the same order)
+    constexpr bool SMEM_SUMS = DET || LANES >= 8;
     constexpr int SLOTS = BM / CPL;
     constexpr int PLD = SLOTS + 1;                   // odd: the sums' reads by position are conflict-free
     float* const Ps = Gs + BN * GLD;
@@ -597,8 +598,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                 // group (seg, a power of two, is the same for the whole warp: an unrolled loop of
                 // predicated shuffles, and a mask for the segment's first lane, where a loop over
                 // a runtime bound and a remainder cost ~40 instructions per position,
-                // NOTES-gpu.md); (DET) the tree's order is the same for every tile and lane
-                // count, and so are the bits
+                // NOTES-gpu.md)
 #pragma unroll
                 for (int d = 1; d < LANES; d <<= 1) {
                     if (d < seg) {
@@ -609,24 +609,11 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                 }
                 if (active && (lane & (seg - 1)) == 0) {
                     if (goff != nullptr) {
-                        float* dst = goff + ((I)b * offset_groups + go) * K * N * Q + (I)t * N * Q + q;
-                        if constexpr (DET) {   // this segment's slot: one writer per element
-                            dst += (I)((cabs % per_go) / (4 * seg)) * ((I)batch * offset_groups * K * N * Q);
+                        float* const dst = goff + ((I)b * offset_groups + go) * K * N * Q + (I)t * N * Q + q;
 #pragma unroll
-                            for (int a = 0; a < N; ++a) dst[(I)a * Q] = goff_part[a];
-                        } else {
-#pragma unroll
-                            for (int a = 0; a < N; ++a) atomicAdd(dst + (I)a * Q, goff_part[a]);
-                        }
+                        for (int a = 0; a < N; ++a) atomicAdd(dst + (I)a * Q, goff_part[a]);
                     }
-                    if (gmsk != nullptr) {
-                        float* dst = gmsk + (((I)b * mask_groups + gm) * K + t) * Q + q;
-                        if constexpr (DET) {
-                            dst[(I)((cabs % per_gm) / (4 * seg)) * ((I)batch * mask_groups * K * Q)] = gmask_part;
-                        } else {
-                            atomicAdd(dst, gmask_part);
-                        }
-                    }
+                    if (gmsk != nullptr) atomicAdd(gmsk + (((I)b * mask_groups + gm) * K + t) * Q + q, gmask_part);
                 }
             }
         }
@@ -634,7 +621,9 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     if constexpr (SMEM_SUMS) {
         if (goff == nullptr && gmsk == nullptr) return;
         // Each (position, segment): the sum of its seg lanes' partial sums, in slot order, added
-        // to goff / gmsk. Positions fastest across the threads (PLD odd: no bank conflicts).
+        // to goff / gmsk (DET: stored in the segment's slot, one writer per element, which
+        // fused_store adds in a fixed order). Positions fastest across the threads (PLD odd: no
+        // bank conflicts).
         __syncthreads();
         const int segs = SLOTS / seg;
         for (int it = tid; it < BN * segs; it += THREADS) {
@@ -652,23 +641,34 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
             const float* const ps = Ps + n * PLD + s0;
             if (goff != nullptr) {
                 const int go = per_go >= channels ? 0 : cabs / per_go;
-                float* const dst = goff + ((I)b * offset_groups + go) * K * N * Q + (I)t * N * Q + q;
+                float* dst = goff + ((I)b * offset_groups + go) * K * N * Q + (I)t * N * Q + q;
+                if constexpr (DET) dst += (I)((cabs % per_go) / (CPL * seg)) * ((I)batch * offset_groups * K * N * Q);
 #pragma unroll
                 for (int a = 0; a < N; ++a) {
                     float sum = 0.0f;
 #pragma unroll
                     for (int j = 0; j < SLOTS; ++j)   // seg <= SLOTS
                         if (j < seg) sum += ps[a * BN * PLD + j];
-                    atomicAdd(dst + (I)a * Q, sum);
+                    if constexpr (DET) {
+                        dst[(I)a * Q] = sum;
+                    } else {
+                        atomicAdd(dst + (I)a * Q, sum);
+                    }
                 }
             }
             if (gmsk != nullptr) {
                 const int gm = per_gm >= channels ? 0 : cabs / per_gm;
+                float* dst = gmsk + (((I)b * mask_groups + gm) * K + t) * Q + q;
+                if constexpr (DET) dst += (I)((cabs % per_gm) / (CPL * seg)) * ((I)batch * mask_groups * K * Q);
                 float sum = 0.0f;
 #pragma unroll
                 for (int j = 0; j < SLOTS; ++j)   // seg <= SLOTS
                     if (j < seg) sum += ps[N * BN * PLD + j];
-                atomicAdd(gmsk + (((I)b * mask_groups + gm) * K + t) * Q + q, sum);
+                if constexpr (DET) {
+                    *dst = sum;
+                } else {
+                    atomicAdd(dst, sum);
+                }
             }
         }
     }

@@ -260,8 +260,9 @@ def smem_bytes(dtype, tile: tuple) -> int:
 def lane_sums_in_smem(lanes: int, deterministic: bool) -> bool:
     """Whether the data kernel's epilogue lanes leave their offset and mask partial sums in shared
     memory, summed per segment after the passes (the kernel's ``SMEM_SUMS``), instead of adding
-    them by shuffles: not deterministic, at 8 lanes a position or more."""
-    return not deterministic and lanes >= 8
+    them by shuffles: at 8 lanes a position or more, and always when deterministic (one order of
+    the sums for every tile and lane count)."""
+    return deterministic or lanes >= 8
 
 
 def data_smem_bytes(dtype, tile: tuple, ndim: int, lane_channels: int, lanes: int, deterministic: bool) -> int:
