@@ -367,9 +367,45 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, co
     } else {
         const float* Af = reinterpret_cast<const float*>(A);
         const float* Bf = reinterpret_cast<const float*>(B);
-        const int gq = lane >> 2, tq = lane & 3;
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 8) {
+            // The fragments' float32 values. TF32: by ldmatrix as for the half types (a 16-byte
+            // row of an 8x8 b16 matrix is 4 floats, and lane l receives word l % 4 of row l / 4:
+            // the m16n8k8 TF32 layout, A rows g, g + 8 at columns t, t + 4, B row n = g of the
+            // K-contiguous tile at k = t, t + 4), one instruction for four scalar loads (1D TF32
+            // data and weight kernels 6-8% faster). 3xTF32 keeps the scalar loads: there ldmatrix
+            // made the data kernel 1-2% slower.
+            unsigned af[MT][4], bf[NT][2];
+            if constexpr (PREC == 1 && NT % 2 == 0) {
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
+                    const int r = wm * WM + i * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                    ldmatrix_x4(af[i], Af + r * LD + kk + (lane >> 4) * 4);
+                }
+#pragma unroll
+                for (int j = 0; j < NT; j += 2) {
+                    unsigned r4[4];
+                    const int n = wn * WN + j * 8 + (lane & 7) + (lane >> 4) * 8;
+                    ldmatrix_x4(r4, Bf + n * LD + kk + ((lane >> 3) & 1) * 4);
+                    bf[j][0] = r4[0]; bf[j][1] = r4[1]; bf[j + 1][0] = r4[2]; bf[j + 1][1] = r4[3];
+                }
+            } else {
+                const int gq = lane >> 2, tq = lane & 3;
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
+                    const int r = wm * WM + i * 16 + gq;
+                    af[i][0] = __float_as_uint(Af[r * LD + kk + tq]);
+                    af[i][1] = __float_as_uint(Af[(r + 8) * LD + kk + tq]);
+                    af[i][2] = __float_as_uint(Af[r * LD + kk + tq + 4]);
+                    af[i][3] = __float_as_uint(Af[(r + 8) * LD + kk + tq + 4]);
+                }
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    const int n = wn * WN + j * 8 + gq;
+                    bf[j][0] = __float_as_uint(Bf[n * LD + kk + tq]);
+                    bf[j][1] = __float_as_uint(Bf[n * LD + kk + tq + 4]);
+                }
+            }
             // 3xTF32: a*b ~ a_small*b_big + a_big*b_small + a_big*b_big. The cross terms
             // take the big parts only where they are finite (else 0): 0 * inf would make
             // NaN where the exact product is infinite; a_big*b_big carries inf / NaN.
@@ -377,9 +413,8 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, co
             unsigned as[MT][4], bsm[NT][2], abx[MT][4], bbx[NT][2];
 #pragma unroll
             for (int i = 0; i < MT; ++i) {
-                const int r = wm * WM + i * 16 + gq;
-                const float a[4] = {Af[r * LD + kk + tq], Af[(r + 8) * LD + kk + tq],
-                                    Af[r * LD + kk + tq + 4], Af[(r + 8) * LD + kk + tq + 4]};
+                const float a[4] = {__uint_as_float(af[i][0]), __uint_as_float(af[i][1]), __uint_as_float(af[i][2]),
+                                    __uint_as_float(af[i][3])};
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     ab[i][e] = to_tf32(a[e]);
@@ -391,8 +426,7 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, co
             }
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
-                const int n = wn * WN + j * 8 + gq;
-                const float bv[2] = {Bf[n * LD + kk + tq], Bf[n * LD + kk + tq + 4]};
+                const float bv[2] = {__uint_as_float(bf[j][0]), __uint_as_float(bf[j][1])};
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     bb[j][e] = PREC == 1 && B_ROUNDED ? __float_as_uint(bv[e]) : to_tf32(bv[e]);

@@ -156,12 +156,16 @@ def test_serving_rule_and_segments():
     assert fb._weight_tile(_geom(c_in=48, c_out=256), np.float16) == short
     assert fb.weight_unsupported(_geom(c_in=48, c_out=256), np.float16) is None
     # the sampling plan: segments of channels sharing their offset and mask group; used where
-    # several blocks sample each position (channel tiles) and there are at most MAX_PLAN_SEGMENTS
+    # there are at most MAX_PLAN_SEGMENTS and several blocks sample each position (channel tiles)
+    # or the problem is 1D or 2D
     assert fb.plan_segments(_geom(c_in=64)) == (64, 1)
     assert fb.plan_segments(_geom(c_in=64, offset_groups=2, mask_groups=4)) == (16, 4)
     assert fb.plan_segments(_geom(c_in=48, offset_groups=0, mask_groups=3)) == (16, 3)
     assert fb.BackwardConfig(_geom(c_in=256, offset_groups=8), np.float32, False).sampling_plan
-    assert not fb.BackwardConfig(_geom(c_in=64), np.float32, False).sampling_plan   # one block per position
+    assert fb.BackwardConfig(_geom(c_in=64), np.float32, False).sampling_plan   # one block per position, 2D
+    assert fb.BackwardConfig(_geom(c_in=64, ndim=1), np.float16, False).sampling_plan
+    assert not fb.BackwardConfig(_geom(c_in=32, c_out=32, ndim=3), np.float16, False).sampling_plan   # 3D
+    assert fb.BackwardConfig(_geom(c_in=256, c_out=256, ndim=3), np.float16, False).sampling_plan   # 2 tiles
     many = fb.BackwardConfig(_geom(c_in=256, offset_groups=16), np.float32, False)
     assert many.fused_weight and many.segments == 16 and not many.sampling_plan
     assert not fb.BackwardConfig(_geom(c_in=256), np.float16, False, fused_weight=False).sampling_plan

@@ -16,9 +16,10 @@ reduction):
   tile built in shared memory by the fused forward's sampler; the positions are split over
   blocks and the splits' float32 partial sums added in a fixed order (bitwise repeatable).
   Its tiles: ``WEIGHT_TILES``, in 1D ``WEIGHT_TILES_1D``.
-  Where several of its blocks sample each position (channel tiles), the corners come from a
-  sampling plan computed once per batch chunk (``fused_sampling_plan``: rows and weights per
-  segment of channels, tap and position) instead of from the offsets and mask in every block.
+  In 1D and 2D, and in 3D where several of its blocks sample each position (channel tiles), the
+  corners come from a sampling plan computed once per batch chunk (``fused_sampling_plan``: rows
+  and weights per segment of channels, tap and position) instead of from the offsets and mask by
+  every sampling thread of every block.
 
 Deterministic plans (``deterministic=True``) run the data kernel's ``DET`` instantiation: the input
 gradient is added in 64-bit fixed point (``cuda/fixed_point.cuh``, the exponents from bounds
@@ -121,14 +122,18 @@ WEIGHT_TILES = {"half": ((64, 64, 64, 2), (256, 64, 128, 1)), "float": ((64, 64,
 #: session 20).
 WEIGHT_TILES_1D = {"half": ((64, 64, 64, 2), (128, 64, 64, 2)), "float": ((64, 64, 32, 2), (128, 64, 32, 2))}
 #: The weight gradient reads its corners from a sampling plan (``fused_sampling_plan``: rows and
-#: weights per segment, tap and position, computed once per batch chunk) where more than one of
-#: its blocks samples each position and tap (several input- or output-channel tiles: each block
-#: would compute the same corners again) and the channels form at most this many segments of one
-#: offset and mask group (beyond, the plan's 8 bytes per corner, segment, tap and position
-#: outgrow the chunk's other buffers). H200, weight gradient alone, fp16: B=8 C256 56x56 0.384 ->
-#: 0.324 ms, B=16 C512 14x14 0.221 -> 0.193, 1D C256 L4096 0.432 -> 0.390; with one block per
-#: position (B=32 C64: 0.254 -> 0.250; 3D C32: 0.450 -> 0.462, the plan halving the chunk) the
-#: corners stay computed in place (NOTES-gpu.md, session 6).
+#: weights per segment, tap and position, computed once per batch chunk) where the channels form
+#: at most this many segments of one offset and mask group (beyond, the plan's 8 bytes per
+#: corner, segment, tap and position outgrow the chunk's other buffers), and either more than one
+#: of its blocks samples each position and tap (several input- or output-channel tiles: each
+#: block would compute the same corners again) or the problem is 1D or 2D. H200, weight gradient
+#: alone, fp16: B=8 C256 56x56 0.384 -> 0.324 ms, B=16 C512 14x14 0.221 -> 0.193, 1D C256 L4096
+#: 0.432 -> 0.390 (session 6). With one block per position the block's THREADS / BK sampling
+#: threads of a position each computed its corners (8 of them at BK = 32): weight kernel per
+#: B=32 C64 56x56 f+b, H200, in place -> plan (+ the plan's kernel, 19 us in float32): TF32 404 ->
+#: 336 us, 3xTF32 603 -> 554, fp16 200 -> 170 (+ 17); f+b 1.145 -> 1.086 ms, 1.60 -> 1.57, 0.85
+#: -> 0.84 (session 22). In 3D the plan of 27 taps halved the chunk (C32: 0.450 -> 0.462 ms,
+#: session 6), so there the rule keeps the first condition alone.
 MAX_PLAN_SEGMENTS = 8
 #: The data kernel reads each (position, tap)'s corners, their slopes and the mask from a plan of
 #: its own (``fused_gradient_plan``, per batch chunk: 68 bytes per tap and position in 2D) instead of
@@ -398,15 +403,15 @@ class BackwardConfig:
         # (unless fused_weight is False: cuda/im2col's then, FusedBackward.run)
         self.weight_tile = tuple(weight_tile) if weight_tile is not None else _weight_tile(geom, dtype)
         self.fused_weight = (weight_unsupported(geom, dtype, self.weight_tile) is None) and fused_weight is not False
-        # its corners from a sampling plan computed once per chunk (the rule: where several blocks
-        # sample each position and tap, and the channels form at most MAX_PLAN_SEGMENTS segments),
-        # else in every block that samples a position
+        # its corners from a sampling plan computed once per chunk (the rule: at most
+        # MAX_PLAN_SEGMENTS segments of channels, and several blocks sampling each position and tap
+        # or N <= 2), else in every block that samples a position
         wbm, wbn, wbk, _ = self.weight_tile
         self.seg_len, self.segments = plan_segments(geom)
         self.sampled_by = -(-self.Cg // wbn) * -(-self.Cog // wbm)
         if sampling_plan is None:
             sampling_plan = SAMPLING_PLAN
-        rule = self.sampled_by > 1 and self.segments <= MAX_PLAN_SEGMENTS
+        rule = (self.sampled_by > 1 or geom.ndim <= 2) and self.segments <= MAX_PLAN_SEGMENTS
         self.sampling_plan = self.fused_weight and (rule if sampling_plan is None else bool(sampling_plan))
         corners = 1 << geom.ndim
         plan_entries = self.segments * self.K * corners if self.sampling_plan else 0   # per position
