@@ -334,6 +334,30 @@ __device__ __forceinline__ void load_words(const X* src, X (&v)[COUNT]) {
 #define DCN_PROMOTE_3XTF32 1
 #endif
 
+// The A fragments (MT m16 tiles, rows wm * WM + 16 i) and B fragments (NT n8 tiles, rows wn * WN
+// + 8 j) of the k step at kk, by ldmatrix.x4 from shared tiles with rows of LD elements of E,
+// K contiguous. A 16-byte row of an 8x8 b16 matrix is 8 half values or 4 floats, and lane l
+// receives word l % 4 of row l / 4: the m16n8k16 half layout, and for float the m16n8k8 TF32
+// layout (A rows g, g + 8 at columns t, t + 4; B row n = g at k = t, t + 4).
+template <typename E, int MT, int NT, int LD, int WM, int WN>
+__device__ __forceinline__ void ldmatrix_fragments(unsigned (&af)[MT][4], unsigned (&bf)[NT][2], const E* A, const E* B,
+                                                   int kk, int wm, int wn, int lane) {
+    constexpr int V = 16 / sizeof(E);   // elements per 16 bytes
+    static_assert(NT % 2 == 0, "B fragments in pairs of n8 tiles");
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+        const int r = wm * WM + i * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        ldmatrix_x4(af[i], A + r * LD + kk + (lane >> 4) * V);
+    }
+#pragma unroll
+    for (int j = 0; j < NT; j += 2) {
+        unsigned r4[4];
+        const int n = wn * WN + j * 8 + (lane & 7) + (lane >> 4) * 8;
+        ldmatrix_x4(r4, B + n * LD + kk + ((lane >> 3) & 1) * V);
+        bf[j][0] = r4[0]; bf[j][1] = r4[1]; bf[j + 1][0] = r4[2]; bf[j + 1][1] = r4[3];
+    }
+}
+
 // One warp's share of C += A * B^T for one step of a block tile, A (rows x BK) and B
 // (positions x BK) in shared memory with rows of LD elements (K contiguous), the warp's tile
 // WM x WN at (wm * WM, wn * WN): MT x NT m16n8 fragments in `acc` (float32). Half types: m16n8k16
@@ -347,18 +371,7 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, co
         for (int kk = 0; kk < BK; kk += 16) {
             unsigned af[MT][4];
             unsigned bf[NT][2];
-#pragma unroll
-            for (int i = 0; i < MT; ++i) {
-                const int r = wm * WM + i * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-                ldmatrix_x4(af[i], A + r * LD + kk + (lane >> 4) * 8);
-            }
-#pragma unroll
-            for (int j = 0; j < NT; j += 2) {
-                unsigned r4[4];
-                const int n = wn * WN + j * 8 + (lane & 7) + (lane >> 4) * 8;
-                ldmatrix_x4(r4, B + n * LD + kk + ((lane >> 3) & 1) * 8);
-                bf[j][0] = r4[0]; bf[j][1] = r4[1]; bf[j + 1][0] = r4[2]; bf[j + 1][1] = r4[3];
-            }
+            ldmatrix_fragments<T, MT, NT, LD, WM, WN>(af, bf, A, B, kk, wm, wn, lane);
 #pragma unroll
             for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -369,26 +382,12 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, co
         const float* Bf = reinterpret_cast<const float*>(B);
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 8) {
-            // The fragments' float32 values. TF32: by ldmatrix as for the half types (a 16-byte
-            // row of an 8x8 b16 matrix is 4 floats, and lane l receives word l % 4 of row l / 4:
-            // the m16n8k8 TF32 layout, A rows g, g + 8 at columns t, t + 4, B row n = g of the
-            // K-contiguous tile at k = t, t + 4), one instruction for four scalar loads (1D TF32
-            // data and weight kernels 6-8% faster). 3xTF32 keeps the scalar loads: there ldmatrix
-            // made the data kernel 1-2% slower.
+            // The fragments' float32 values: TF32 by ldmatrix, one instruction for four scalar
+            // shared loads (1D TF32 data and weight kernels 6-8% faster); 3xTF32 keeps the scalar
+            // loads, with which its data kernel was 1-2% faster.
             unsigned af[MT][4], bf[NT][2];
             if constexpr (PREC == 1 && NT % 2 == 0) {
-#pragma unroll
-                for (int i = 0; i < MT; ++i) {
-                    const int r = wm * WM + i * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-                    ldmatrix_x4(af[i], Af + r * LD + kk + (lane >> 4) * 4);
-                }
-#pragma unroll
-                for (int j = 0; j < NT; j += 2) {
-                    unsigned r4[4];
-                    const int n = wn * WN + j * 8 + (lane & 7) + (lane >> 4) * 8;
-                    ldmatrix_x4(r4, Bf + n * LD + kk + ((lane >> 3) & 1) * 4);
-                    bf[j][0] = r4[0]; bf[j][1] = r4[1]; bf[j + 1][0] = r4[2]; bf[j + 1][1] = r4[3];
-                }
+                ldmatrix_fragments<float, MT, NT, LD, WM, WN>(af, bf, Af, Bf, kk, wm, wn, lane);
             } else {
                 const int gq = lane >> 2, tq = lane & 3;
 #pragma unroll
