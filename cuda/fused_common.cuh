@@ -361,8 +361,9 @@ __device__ __forceinline__ void ldmatrix_fragments(unsigned (&af)[MT][4], unsign
 // One warp's share of C += A * B^T for one step of a block tile, A (rows x BK) and B
 // (positions x BK) in shared memory with rows of LD elements (K contiguous), the warp's tile
 // WM x WN at (wm * WM, wn * WN): MT x NT m16n8 fragments in `acc` (float32). Half types: m16n8k16
-// with ldmatrix; float32: m16n8k8 TF32 (PREC 1; B_ROUNDED: B holds TF32-rounded values already)
-// or 3xTF32 (PREC 2: a = big + small, three products, float32 accuracy).
+// with ldmatrix; float32: m16n8k8 TF32 with ldmatrix (PREC 1; B_ROUNDED: B holds TF32-rounded
+// values already) or 3xTF32 with scalar loads (PREC 2: a = big + small, three products, float32
+// accuracy).
 template <typename T, int PREC, bool B_ROUNDED, int MT, int NT, int LD, int BK, int WM, int WN>
 __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, const T* B, int wm, int wn,
                                          int lane) {

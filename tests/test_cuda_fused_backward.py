@@ -165,7 +165,7 @@ def test_serving_rule_and_segments():
     assert fb.BackwardConfig(_geom(c_in=64), np.float32, False).sampling_plan   # one block per position, 2D
     assert fb.BackwardConfig(_geom(c_in=64, ndim=1), np.float16, False).sampling_plan
     assert not fb.BackwardConfig(_geom(c_in=32, c_out=32, ndim=3), np.float16, False).sampling_plan   # 3D
-    assert fb.BackwardConfig(_geom(c_in=256, c_out=256, ndim=3), np.float16, False).sampling_plan   # 2 tiles
+    assert fb.BackwardConfig(_geom(c_in=256, c_out=256, ndim=3), np.float16, False).sampling_plan   # 4 tiles
     many = fb.BackwardConfig(_geom(c_in=256, offset_groups=16), np.float32, False)
     assert many.fused_weight and many.segments == 16 and not many.sampling_plan
     assert not fb.BackwardConfig(_geom(c_in=256), np.float16, False, fused_weight=False).sampling_plan
