@@ -293,6 +293,25 @@ __device__ __forceinline__ void next_tap(int (&tc)[N], const int (&ksize)[N]) {
     }
 }
 
+// The sum over the corners k with coef(k) != 0 of coef(k) * value(k), into `sum`; whether any
+// corner was: a corner of weight (or slope) exactly 0 is skipped, never multiplied, so that a
+// non-finite value there never reaches the sum (DESIGN.md section 1).
+template <int NC, typename A, typename Coef, typename Value>
+__device__ __forceinline__ bool nonzero_corner_sum(Coef coef, Value value, A& sum) {
+    A s = A(0);
+    bool used = false;
+#pragma unroll
+    for (int k = 0; k < NC; ++k) {
+        const A c = coef(k);
+        if (c != A(0)) {
+            s += c * value(k);
+            used = true;
+        }
+    }
+    sum = s;
+    return used;
+}
+
 // One channel's share of the offset and mask gradients at a valid position `cr` of `plane`:
 // gmask += cg * sample, goff[a] += cg * m * d sample / d P_a. Corners of zero weight (slope) are
 // skipped, not multiplied (no 0 * inf); a sum with no such corner adds nothing at all, whatever
@@ -306,33 +325,15 @@ __device__ __forceinline__ void accumulate_position_gradients(const Corners<A, I
     for (int k = 0; k < (1 << N); ++k) {
         v[k] = cr.ok[k] ? Traits<T>::load(plane[cr.index[k]]) : A(0);
     }
-    if (WANT_MASK) {
-        A s = A(0);
-        bool used = false;
-#pragma unroll
-        for (int k = 0; k < (1 << N); ++k) {
-            if (cr.weight[k] != A(0)) {
-                s += cr.weight[k] * v[k];
-                used = true;
-            }
-        }
-        if (used) gmask += cg * s;
-    }
+    const auto corner_value = [&](int k) { return v[k]; };
+    A s, d;
+    if (WANT_MASK && nonzero_corner_sum<1 << N>([&](int k) { return cr.weight[k]; }, corner_value, s)) gmask += cg * s;
     if (WANT_OFFSET) {
         const A scale = cg * m;
 #pragma unroll
-        for (int a = 0; a < N; ++a) {
-            A d = A(0);
-            bool used = false;
-#pragma unroll
-            for (int k = 0; k < (1 << N); ++k) {
-                if (cr.dweight[k][a] != A(0)) {
-                    d += cr.dweight[k][a] * v[k];
-                    used = true;
-                }
-            }
-            if (used) goff[a] += scale * d;
-        }
+        for (int a = 0; a < N; ++a)
+            if (nonzero_corner_sum<1 << N>([&](int k) { return cr.dweight[k][a]; }, corner_value, d))
+                goff[a] += scale * d;
     }
 }
 

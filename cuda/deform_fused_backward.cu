@@ -515,32 +515,17 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                                     dot[k] = fmaf(fused_bwd::component(gc[jj / 4], jj % 4),
                                                   fused_bwd::component(xv[k][jj / 4], jj % 4), dot[k]);
                             }
-                            if (gmsk != nullptr) {
-                                float sv = 0.0f;
-                                bool used = false;
-#pragma unroll
-                                for (int k = 0; k < NC; ++k) {
-                                    if (cr.weight[k] != 0.0f) {
-                                        sv += cr.weight[k] * dot[k];
-                                        used = true;
-                                    }
-                                }
-                                if (used) gmask_part += sv;
-                            }
+                            const auto corner_dot = [&](int k) { return dot[k]; };
+                            float sv, d;
+                            if (gmsk != nullptr &&
+                                dcn::nonzero_corner_sum<NC>([&](int k) { return cr.weight[k]; }, corner_dot, sv))
+                                gmask_part += sv;
                             if (goff != nullptr) {
 #pragma unroll
-                                for (int a = 0; a < N; ++a) {
-                                    float d = 0.0f;
-                                    bool used = false;
-#pragma unroll
-                                    for (int k = 0; k < NC; ++k) {
-                                        if (cr.dweight[k][a] != 0.0f) {
-                                            d += cr.dweight[k][a] * dot[k];
-                                            used = true;
-                                        }
-                                    }
-                                    if (used) goff_part[a] += m * d;
-                                }
+                                for (int a = 0; a < N; ++a)
+                                    if (dcn::nonzero_corner_sum<NC>([&](int k) { return cr.dweight[k][a]; },
+                                                                    corner_dot, d))
+                                        goff_part[a] += m * d;
                             }
                         } else {
                             // a non-finite column gradient or mask: channel by channel, as
@@ -549,33 +534,18 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                             for (int jj = 0; jj < CPL; ++jj) {
                                 const int u = jj / 4, j = jj % 4;
                                 const float cg = fused_bwd::component(gc[u], j);
-                                if (gmsk != nullptr) {
-                                    float sv = 0.0f;
-                                    bool used = false;
-#pragma unroll
-                                    for (int k = 0; k < NC; ++k) {
-                                        if (cr.weight[k] != 0.0f) {
-                                            sv += cr.weight[k] * fused_bwd::component(xv[k][u], j);
-                                            used = true;
-                                        }
-                                    }
-                                    if (used) gmask_part += cg * sv;
-                                }
+                                const auto corner_value = [&](int k) { return fused_bwd::component(xv[k][u], j); };
+                                float sv, d;
+                                if (gmsk != nullptr &&
+                                    dcn::nonzero_corner_sum<NC>([&](int k) { return cr.weight[k]; }, corner_value, sv))
+                                    gmask_part += cg * sv;
                                 if (goff != nullptr) {
                                     const float scale = cg * m;
 #pragma unroll
-                                    for (int a = 0; a < N; ++a) {
-                                        float d = 0.0f;
-                                        bool used = false;
-#pragma unroll
-                                        for (int k = 0; k < NC; ++k) {
-                                            if (cr.dweight[k][a] != 0.0f) {
-                                                d += cr.dweight[k][a] * fused_bwd::component(xv[k][u], j);
-                                                used = true;
-                                            }
-                                        }
-                                        if (used) goff_part[a] += scale * d;
-                                    }
+                                    for (int a = 0; a < N; ++a)
+                                        if (dcn::nonzero_corner_sum<NC>(
+                                                [&](int k) { return cr.dweight[k][a]; }, corner_value, d))
+                                            goff_part[a] += scale * d;
                                 }
                             }
                         }
