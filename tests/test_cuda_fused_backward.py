@@ -83,8 +83,8 @@ def _geom(c_in=64, c_out=48, groups=1, offset_groups=1, mask_groups=1, ndim=2, b
 
 def test_weight_splits_fill_whole_waves():
     fb = _backward_module()
-    # B=32 C64 56x56 TF32, a chunk of 16 samples: 9 tiles, 1568 steps, 2 blocks x 132 SMs. 59
-    # splits (531 blocks) took a third wave of 3 blocks; 29 fill one wave of 261
+    # B=32 C64 56x56 fp16 (one chunk): 9 tiles, 1568 steps, 2 blocks x 132 SMs. 59 splits (531
+    # blocks) took a third wave of 3 blocks; 29 fill one wave of 261
     assert fb.weight_splits(9, 1568, 264) == 29
     cost = lambda splits: -(-9 * splits // 264) * (-(-1568 // splits) + 1)
     assert cost(29) < cost(59) and all(cost(29) <= cost(s) for s in range(1, fb.MAX_SPLITS + 1))
