@@ -81,6 +81,23 @@ def _geom(c_in=64, c_out=48, groups=1, offset_groups=1, mask_groups=1, ndim=2, b
     return _geometry.conv_geometry(*shapes, stride=1, padding=1, dilation=1, groups=groups)[0]
 
 
+def test_weight_splits_fill_whole_waves():
+    fb = _backward_module()
+    # B=32 C64 56x56 fp16 (one chunk): 9 tiles, 1568 steps, 2 blocks x 132 SMs. 59 splits (531
+    # blocks) took a third wave of 3 blocks; 29 fill one wave of 261
+    assert fb.weight_splits(9, 1568, 264) == 29
+    cost = lambda splits: -(-9 * splits // 264) * (-(-1568 // splits) + 1)
+    assert cost(29) < cost(59) and all(cost(29) <= cost(s) for s in range(1, fb.MAX_SPLITS + 1))
+    # never more splits than steps or MAX_SPLITS; ties to fewer splits
+    assert fb.weight_splits(9, 3, 264) == 3 and fb.weight_splits(9, 1, 264) == 1
+    assert fb.weight_splits(1, 10**6, 10**4) == fb.MAX_SPLITS
+    assert fb.weight_splits(600, 8, 132) == 1
+    # the config takes the tile's MINB blocks an SM as a wave
+    config = fb.BackwardConfig(_geom(c_in=64, c_out=64, batch=4), np.float32, True, multiprocessors=132)
+    steps = -(-4 * config.Q // config.weight_tile[2])
+    assert config.splits == fb.weight_splits(config.weight_tiles, steps, config.weight_tile[3] * 132)
+
+
 def test_serving_rule_and_segments():
     fb = _backward_module()
     assert fb.unsupported(_geom(), np.float16) is None

@@ -144,9 +144,8 @@ MAX_PLAN_SEGMENTS = 8
 #: 0.526 -> 0.554, where two corners are cheaper to compute than to load (NOTES-gpu.md, session 6).
 #: None: the rules above decide; True / False: both plans forced on / off (tests, benchmarks).
 SAMPLING_PLAN = None
-#: Position splits of the weight gradient (partial sums added in a fixed order): enough blocks for
-#: about WAVES waves of the device, at most MAX_SPLITS.
-WAVES = 4
+#: Position splits of the weight gradient (partial sums added in a fixed order), at most this
+#: many: ``weight_splits`` picks the count.
 MAX_SPLITS = 64
 _INT32_SAFE = 2**30
 _MAX_GRID = 1 << 20
@@ -313,6 +312,22 @@ def weight_unsupported(geom, dtype, tile=None):
     return None
 
 
+def weight_splits(tiles: int, steps: int, slots: int, max_splits: int = MAX_SPLITS) -> int:
+    """The position splits of the weight gradient: the count that minimises waves x (steps per
+    split + 1), where the launch has ``tiles`` blocks per split, a split ``ceil(steps / splits)``
+    steps of BK positions (+ 1 for its pipeline's first step and its epilogue), and a wave
+    ``slots`` resident blocks (the tile's MINB a multiprocessor times the multiprocessors); ties
+    go to fewer splits (fewer partial sums to store and add). Every block does the same steps, so
+    blocks past a whole number of waves add a wave of their own: 531 blocks on 264 slots (B=32
+    C64, 59 splits of 9 tiles, the count before) run three waves, the third of 3 blocks."""
+    best_cost, best = None, 1
+    for splits in range(1, max(1, min(max_splits, steps)) + 1):
+        cost = -(-tiles * splits // slots) * (-(-steps // splits) + 1)
+        if best_cost is None or cost < best_cost:
+            best_cost, best = cost, splits
+    return best
+
+
 def segment_lanes(geom, bm: int, lane_channels: int = 4) -> int:
     """Lanes whose offset/mask partial sums are added by shuffles before one atomic: the largest
     power of two, at most the lanes of one position, whose segments (``lane_channels`` channels a
@@ -432,7 +447,7 @@ class BackwardConfig:
         self.chunk = n = max(1, min(geom.batch, int(_fused.WORKSPACE_LIMIT_BYTES) // max(per_sample, 1)))
         self.Pp = _fused._round_up(n * self.Q, vec)
         self.weight_tiles = self.K * G * -(-self.Cog // wbm) * -(-self.Cg // wbn)
-        self.splits = max(1, min(MAX_SPLITS, -(-WAVES * multiprocessors // self.weight_tiles), -(-n * self.Q // wbk)))
+        self.splits = weight_splits(self.weight_tiles, -(-n * self.Q // wbk), self.weight_tile[3] * multiprocessors)
         det = self.deterministic
         sizes = {
             "xcl": ((n * self.S + 1) * self.Cp, dtype), "gycl": ((n * self.Q + 1) * self.Cop, dtype),
