@@ -81,7 +81,7 @@ def _geom(c_in=64, c_out=48, groups=1, offset_groups=1, mask_groups=1, ndim=2, b
     return _geometry.conv_geometry(*shapes, stride=1, padding=1, dilation=1, groups=groups)[0]
 
 
-def test_weight_splits_fill_whole_waves():
+def test_weight_splits_fill_whole_waves(monkeypatch):
     fb = _backward_module()
     # B=32 C64 56x56 fp16 (one chunk): 9 tiles, 1568 steps, 2 blocks x 132 SMs. 59 splits (531
     # blocks) took a third wave of 3 blocks; 29 fill one wave of 261
@@ -92,6 +92,10 @@ def test_weight_splits_fill_whole_waves():
     assert fb.weight_splits(9, 3, 264) == 3 and fb.weight_splits(9, 1, 264) == 1
     assert fb.weight_splits(1, 10**6, 10**4) == fb.MAX_SPLITS
     assert fb.weight_splits(600, 8, 132) == 1
+    # MAX_SPLITS is read at call time (the long-reduction tests set it to 1)
+    monkeypatch.setattr(fb, "MAX_SPLITS", 1)
+    assert fb.weight_splits(1, 10**6, 10**4) == 1
+    monkeypatch.undo()
     # the config takes the tile's MINB blocks an SM as a wave
     config = fb.BackwardConfig(_geom(c_in=64, c_out=64, batch=4), np.float32, True, multiprocessors=132)
     steps = -(-4 * config.Q // config.weight_tile[2])

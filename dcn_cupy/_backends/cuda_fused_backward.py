@@ -312,7 +312,7 @@ def weight_unsupported(geom, dtype, tile=None):
     return None
 
 
-def weight_splits(tiles: int, steps: int, slots: int, max_splits: int = MAX_SPLITS) -> int:
+def weight_splits(tiles: int, steps: int, slots: int, max_splits=None) -> int:
     """The position splits of the weight gradient: the count that minimises waves x (steps per
     split + 1), where the launch has ``tiles`` blocks per split, a split ``ceil(steps / splits)``
     steps of BK positions (+ 1 for its pipeline's first step and its epilogue), and a wave
@@ -320,6 +320,7 @@ def weight_splits(tiles: int, steps: int, slots: int, max_splits: int = MAX_SPLI
     go to fewer splits (fewer partial sums to store and add). Every block does the same steps, so
     blocks past a whole number of waves add a wave of their own: 531 blocks on 264 slots (B=32
     C64, 59 splits of 9 tiles, the count before) run three waves, the third of 3 blocks."""
+    max_splits = MAX_SPLITS if max_splits is None else max_splits     # read at call time: tests patch it
     best_cost, best = None, 1
     for splits in range(1, max(1, min(max_splits, steps)) + 1):
         cost = -(-tiles * splits // slots) * (-(-steps // splits) + 1)
