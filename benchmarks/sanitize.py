@@ -274,18 +274,18 @@ def fused_backward_cases(quick: bool = False) -> int:
         with np.errstate(over="ignore"):
             gpu = {k: None if a is None else cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
             rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
-        saved = fb.TILES, fb.WEIGHT_TILES, fb.WEIGHT_TILES_1D, fb.SAMPLING_PLAN
+        saved = fb.TILES, fb.WEIGHT_TILES, fb.SAMPLING_PLAN
         key = "float" if dtype == np.float32 else "half"
+        weight_key = fb.weight_tile_key(dtype, fb._fused.precision_of(dtype, allow_tf32))
         try:
             if tile is not None:   # the plan's rule takes the first tile of each list
                 fb.TILES = dict(saved[0], **{key: (tile,)})
-                fb.WEIGHT_TILES = dict(saved[1], **{key: (weight_tile,)})
-                fb.WEIGHT_TILES_1D = dict(saved[2], **{key: (weight_tile,)})
+                fb.WEIGHT_TILES = {n: dict(tables, **{weight_key: (weight_tile,)}) for n, tables in saved[1].items()}
             fb.SAMPLING_PLAN = sampling_plan
             p = dcn_cupy.plan(*(gpu[k] for k in ARGUMENTS), **case.params, transposed=case.transposed,
                               algorithm="cuda/fused-backward", allow_tf32=allow_tf32, deterministic=deterministic)
         finally:
-            fb.TILES, fb.WEIGHT_TILES, fb.WEIGHT_TILES_1D, fb.SAMPLING_PLAN = saved
+            fb.TILES, fb.WEIGHT_TILES, fb.SAMPLING_PLAN = saved
         assert "backward: cuda/fused-backward" in p.algorithm or case.transposed, p.algorithm
         y = p.forward(*(gpu[k] for k in ARGUMENTS))
         gy = cupy.ones(y.shape, dtype=dtype)
@@ -324,14 +324,16 @@ def fused_backward_cases(quick: bool = False) -> int:
                 count += 1
     rng = np.random.default_rng(1999)
     case = random_case(rng, 2, False, batch=2, channels_scale=16)
-    for dtype, key in ((np.float16, "half"), (np.float32, "float")):
-        for tile, weight_tile in itertools.zip_longest(fb.TILES[key], fb.WEIGHT_TILES[key]):
-            run(case, dtype, False, tile or fb.TILES[key][0], weight_tile or fb.WEIGHT_TILES[key][0])
+    precisions = ((np.float16, "half", False), (np.float32, "float", False), (np.float32, "float", True))
+    for dtype, key, tf32 in precisions:
+        weight_tiles = fb._weight_tiles(dtype, 2, fb._fused.precision_of(dtype, tf32))
+        for tile, weight_tile in itertools.zip_longest(fb.TILES[key], weight_tiles):
+            run(case, dtype, tf32, tile or fb.TILES[key][0], weight_tile or weight_tiles[0])
             count += 1
     # 1D's own weight tiles (the taller one; the shorter is 2D's too)
     case = random_case(np.random.default_rng(1998), 1, False, batch=2, channels_scale=16)
-    for dtype, key in ((np.float16, "half"), (np.float32, "float")):
-        run(case, dtype, False, fb.TILES[key][0], fb.WEIGHT_TILES_1D[key][-1])
+    for dtype, key, tf32 in precisions:
+        run(case, dtype, tf32, fb.TILES[key][0], fb._weight_tiles(dtype, 1, fb._fused.precision_of(dtype, tf32))[-1])
         count += 1
     if quick:
         return count

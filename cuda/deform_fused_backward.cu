@@ -688,12 +688,16 @@ __global__ void fused_position_rows(const T* __restrict__ gy, T* __restrict__ gy
 // gradient is bitwise repeatable. Served where no thread's channels cross a group boundary
 // (cuda_fused_backward.weight_unsupported). PLAN: the corners are read from the chunk's sampling
 // plan (fused_sampling_plan: plan_rows / plan_weights, segments of seg_len channels), fetched a
-// step ahead, instead of computed from the offsets and mask here.
+// step ahead, instead of computed from the offsets and mask here; or, where plan_masks is not
+// null, from the data kernel's plan (fused_gradient_plan: the same entries, but a row for every
+// corner on the grid, weights without the mask, and the mask apart), read as the sampling plan
+// (a corner of weight 0 not read, the others' weights times the mask: Sampler's values, bitwise).
 template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool PLAN>
 __global__ void __launch_bounds__(fused_bwd::THREADS, MINB)
 deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xcl, const T* __restrict__ offset,
                              const T* __restrict__ mask, const I* __restrict__ plan_rows,
-                             const float* __restrict__ plan_weights, float* __restrict__ part, const Geom<N> g,
+                             const float* __restrict__ plan_weights, const float* __restrict__ plan_masks,
+                             float* __restrict__ part, const Geom<N> g,
                              const int batch, const int channels, const int Cp, const int out_channels,
                              const int groups, const int offset_groups, const int mask_groups, const int seg_len,
                              const I Pp, const I offset_bstride, const I mask_bstride, const int splits,
@@ -779,6 +783,7 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
     [[maybe_unused]] const I plan_first = PLAN ? ((I)(cabs / seg_len) * K + t) * BQ : (I)0;
     [[maybe_unused]] I plan_row[PLAN ? NC : 1];
     [[maybe_unused]] float plan_weight[PLAN ? NC : 1];
+    [[maybe_unused]] float plan_mask = 1.0f;   // (the data kernel's plan) the position's mask
     // The offsets and mask of this thread's position in the next step (PLAN: its corners),
     // fetched a step ahead so that their latency hides behind a step's MMA (handed to the
     // sampler as its prefetch).
@@ -788,6 +793,7 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
             if (step < steps && p < BQ && channels_valid) {
                 fused::load_words(plan_rows + (plan_first + p) * NC, plan_row);
                 fused::load_words(plan_weights + (plan_first + p) * NC, plan_weight);
+                if (plan_masks != nullptr) plan_mask = __ldg(plan_masks + plan_first + p);
             } else {
 #pragma unroll
                 for (int c = 0; c < NC; ++c) { plan_row[c] = zero_row; plan_weight[c] = 0.0f; }
@@ -806,8 +812,17 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
     };
     auto sample_load = [&](int step) {
         if constexpr (PLAN) {
+            if (plan_masks != nullptr) {   // the data kernel's plan, read as Sampler would compute it
 #pragma unroll
-            for (int c = 0; c < NC; ++c) { smp.row[c] = plan_row[c]; smp.weight[c] = plan_weight[c]; }
+                for (int c = 0; c < NC; ++c) {
+                    const bool read = plan_row[c] >= 0 && plan_weight[c] != 0.0f;
+                    smp.row[c] = read ? plan_row[c] : zero_row;
+                    smp.weight[c] = read ? plan_weight[c] * plan_mask : 0.0f;
+                }
+            } else {
+#pragma unroll
+                for (int c = 0; c < NC; ++c) { smp.row[c] = plan_row[c]; smp.weight[c] = plan_weight[c]; }
+            }
         } else {
             const I p = first + (I)step * BK + sn;
             if (!(p < BQ && channels_valid)) {

@@ -170,6 +170,18 @@ def test_serving_rule_and_segments():
     assert all(any(f"deform_fused_backward_weight<{t}, int, 1, {p}, 128, 64, {bk}, 2, true>" in name
                    for name in fb.name_expressions(dtype, 1, False))
                for dtype, t, p, bk in ((np.float16, "__half", 0, 64), (np.float32, "float", 2, 32)))
+    # TF32 has its own tiles: steps of 64 positions in 2D, 32 in 1D and 3D (and in 3xTF32); its
+    # 32-deep 2D tile serves where a group's channels are a multiple of 8, not of 16
+    assert fb._weight_tile(_geom(c_in=64, c_out=64), np.float32, 1) == (64, 64, 64, 2)
+    assert fb._weight_tile(_geom(c_in=64, c_out=64), np.float32, 2) == (64, 64, 32, 2)
+    assert fb._weight_tile(_geom(c_in=64, c_out=64, ndim=3), np.float32, 1) == (64, 64, 32, 2)
+    assert fb._weight_tile(_geom(c_in=64, c_out=64, offset_groups=8), np.float32, 1) == (64, 64, 32, 2)
+    assert fb.weight_unsupported(_geom(c_in=64, offset_groups=8), np.float32, precision=1) is None
+    assert fb.BackwardConfig(_geom(c_in=64, c_out=64), np.float32, True).weight_tile == (64, 64, 64, 2)
+    assert fb.BackwardConfig(_geom(c_in=64, c_out=64), np.float32, False).weight_tile == (64, 64, 32, 2)
+    names = fb.name_expressions(np.float32, 2, False)
+    assert "deform_fused_backward_weight<float, int, 2, 1, 64, 64, 64, 2, true>" in names
+    assert not any("deform_fused_backward_weight<float, int, 2, 2, 64, 64, 64," in name for name in names)
     assert "multiple of 8" in fb.weight_unsupported(_geom(c_in=64, offset_groups=16), np.float16, (256, 64, 32, 1))
     # where the tallest tile's 32 channels per sampling thread cross a group, the next one serves
     tall, short = fb._weight_tiles(np.float16)[1], fb._weight_tiles(np.float16)[0]
@@ -340,7 +352,8 @@ def test_every_tile_matches_reference(ndim, precision):
     fb = _backward_module()
     rng = np.random.default_rng(40 + ndim)
     arrays, params, gy = wide_case(rng, ndim)
-    data_tiles, weight_tiles = fb._tiles(DTYPE[precision]), fb._weight_tiles(DTYPE[precision], ndim)
+    data_tiles = fb._tiles(DTYPE[precision])
+    weight_tiles = fb._weight_tiles(DTYPE[precision], ndim, 1 if precision == "tf32" else None)
     for i in range(max(len(data_tiles), len(weight_tiles))):
         tile, weight_tile = data_tiles[i % len(data_tiles)], weight_tiles[i % len(weight_tiles)]
         got, expected, config = run_gradients(arrays, params, gy, precision, tile, weight_tile=weight_tile)
@@ -406,19 +419,30 @@ def test_strict_float32_gradients_keep_float32_accuracy_over_long_reductions(mon
 @pytest.mark.parametrize("precision", ["float16", "bfloat16", "tf32", "float32"])
 @pytest.mark.parametrize("ndim", [1, 2, 3])
 def test_weight_gradient_from_the_sampling_plan_equals_corners_computed_in_place(ndim, precision):
-    """The sampling plan holds exactly the corners the weight kernel computes without it: the
-    weight gradients are bitwise equal (both are summed in a fixed order), and match the
-    reference; offset groups != mask groups, with and without offsets / mask."""
+    """The sampling plan, and the data kernel's plan read in its place, hold exactly the corners
+    the weight kernel computes without them: the weight gradients are bitwise equal (all summed
+    in a fixed order), and match the reference; offset groups != mask groups, with and without
+    offsets / mask, the weight gradient alone (the data kernel's plan then made for it) or with
+    the others (made for the data kernel first)."""
     rng = np.random.default_rng(80 + ndim)
     for offset_groups, mask_groups, offset, mask in ((2, 4, True, True), (1, 1, False, True), (4, 1, True, False)):
         arrays, params, gy = wide_case(rng, ndim, groups=1, offset_groups=offset_groups, mask_groups=mask_groups,
                                        c_in=64, c_out=32, offset=offset, mask=mask, batch=3)
-        planned, expected, config = run_gradients(arrays, params, gy, precision, wanted=("weight",), sampling_plan=True)
-        assert config.sampling_plan and "sampling plan" in config.description
+        label = (offset_groups, mask_groups, offset, mask)
+        planned, expected, config = run_gradients(arrays, params, gy, precision, wanted=("weight",), sampling_plan=True,
+                                                  gradient_plan=False)
+        assert config.sampling_plan and not config.plan_shared and "sampling plan" in config.description
         in_place, _, config = run_gradients(arrays, params, gy, precision, wanted=("weight",), sampling_plan=False)
         assert not config.sampling_plan
-        assert np.array_equal(planned["weight"], in_place["weight"]), (offset_groups, mask_groups)
-        check(planned, expected, precision, (offset_groups, mask_groups, offset, mask))
+        assert np.array_equal(planned["weight"], in_place["weight"]), label
+        check(planned, expected, precision, label)
+        for wanted in (("weight",), NAMES):
+            shared, expected_all, config = run_gradients(arrays, params, gy, precision, wanted=wanted,
+                                                         sampling_plan=True, gradient_plan=True)
+            assert config.plan_shared and "the data gradients' plan" in config.description
+            assert config.offsets["plan_rows"][1] == 0          # no sampling plan of its own
+            assert np.array_equal(shared["weight"], in_place["weight"]), (label, wanted)
+            check(shared, expected_all, precision, (label, wanted))
 
 
 def poisoned_group_cases(rng, ndim, *, groups, c_in):

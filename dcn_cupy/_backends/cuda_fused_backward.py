@@ -15,7 +15,7 @@ reduction):
 * ``deform_fused_backward_weight``: ``grad_output . sampled^T`` over the positions, the sampled
   tile built in shared memory by the fused forward's sampler; the positions are split over
   blocks and the splits' float32 partial sums added in a fixed order (bitwise repeatable).
-  Its tiles: ``WEIGHT_TILES``, in 1D ``WEIGHT_TILES_1D``.
+  Its tiles: ``WEIGHT_TILES``, per N and precision.
   In 1D and 2D, and in 3D where several of its blocks sample each position (channel tiles), the
   corners come from a sampling plan computed once per batch chunk (``fused_sampling_plan``: rows
   and weights per segment of channels, tap and position) instead of from the offsets and mask by
@@ -102,25 +102,37 @@ LANE_CHANNELS = (4, 8)
 #: 64-channel tiles, the 3D and transposed benchmark shapes', would otherwise leave half the lanes
 #: idle in every pass (NOTES-gpu.md, session 17).
 NARROW_TILE_ROWS = (64,)
-#: The weight gradient's tiles per dtype (BM output channels, BN input channels, BK positions per
-#: step, MINB), 256 / BK sampling threads per position: the tallest no taller than C_out/groups
-#: is taken (``_weight_tile``), since each output-channel tile samples the input again; a
-#: deeper step gives each sampling thread more channels per corner computation. H200, fp16,
-#: B=8 C256 56x56 (NOTES-gpu.md "fused backward"): 64x64x64 1.24 ms, 256x64x32 0.75, 256x64x64
-#: 0.52 (cuda/im2col's 0.48); in a later run 256x64x64 0.58 against 256x64x128 0.53 (im2col
-#: 0.45; the fused calls re-recorded their launches each time there). B=32 C64 56x56: 64x64x64
-#: 0.30 (im2col 0.43).
-WEIGHT_TILES = {"half": ((64, 64, 64, 2), (256, 64, 128, 1)), "float": ((64, 64, 32, 2), (256, 64, 64, 1))}
-#: The weight gradient's tiles in 1D, where a sample is two corners: re-sampling each position
-#: once more per 128 output channels costs less than the 256-row tile's one block per SM (255
-#: registers, 174 KB of shared memory; 128x64x64 fp16: 128 registers, no spill, 2 blocks).
-#: One process each, B=16 C256 L4096 f+b, 256 -> 128 rows: NVIDIA H200 fp16 0.966 -> 0.948 ms,
-#: fp32 (3xTF32: 144-160 bytes of spill) 3.416 -> 3.161, TF32 1.600 -> 1.549 (where cuda/im2col's
-#: weight gradient in the fused backward measured 1.501: the plan times both, takes the faster);
-#: NVIDIA H100 fp16 1.024 -> 0.990, TF32 1.663 -> 1.600. In 2D the same tiles lose (H100, B=8
-#: C256 56x56, weight gradient alone: fp16 0.297 -> 0.472 ms, TF32 0.559 -> 0.888; NOTES-gpu.md,
-#: session 20).
-WEIGHT_TILES_1D = {"half": ((64, 64, 64, 2), (128, 64, 64, 2)), "float": ((64, 64, 32, 2), (128, 64, 32, 2))}
+#: The weight gradient's tiles per N and precision ("half": fp16 / bf16, "tf32", "3xtf32": strict
+#: float32) as (BM output channels, BN input channels, BK positions per step, MINB), 256 / BK
+#: sampling threads per position: the tallest no taller than C_out/groups is taken
+#: (``_weight_tile``; of two as tall, the first), since each output-channel tile samples the
+#: input again; a deeper step gives each sampling thread more channels per corner computation.
+#: 2D, H200, fp16, B=8 C256 56x56 (NOTES-gpu.md "fused backward"): 64x64x64 1.24 ms, 256x64x32
+#: 0.75, 256x64x64 0.52 (cuda/im2col's 0.48); in a later run 256x64x64 0.58 against 256x64x128
+#: 0.53 (im2col 0.45; the fused calls re-recorded their launches each time there). B=32 C64
+#: 56x56: 64x64x64 0.30 (im2col 0.43).
+#: 2D TF32 steps of 64 positions (128 registers, no spill with the sampling plan): B=32 C64 56x56
+#: f+b 1.082 -> 1.067 ms, weight gradient alone 0.394 -> 0.377 (H200, session 23; 1.6-2.3% in
+#: session 22). 3xTF32 keeps 32 (64 spills 48-124 bytes, and lost 4%), and so does 3D, where 8
+#: corners of 16 float32 channels a thread spill 460-790 bytes; TF32's 64x64x32 stays as the
+#: fallback where a group's channels are a multiple of 8, not 16 (:func:`weight_unsupported`).
+#: 1D, where a sample is two corners: re-sampling each position once more per 128 output channels
+#: costs less than the 256-row tile's one block per SM (255 registers, 174 KB of shared memory;
+#: 128x64x64 fp16: 128 registers, no spill, 2 blocks). One process each, B=16 C256 L4096 f+b, 256
+#: -> 128 rows: NVIDIA H200 fp16 0.966 -> 0.948 ms, fp32 (3xTF32: 144-160 bytes of spill) 3.416 ->
+#: 3.161, TF32 1.600 -> 1.549 (where cuda/im2col's weight gradient in the fused backward measured
+#: 1.501: the plan times both, takes the faster); NVIDIA H100 fp16 1.024 -> 0.990, TF32 1.663 ->
+#: 1.600. In 2D the same tiles lose (H100, B=8 C256 56x56, weight gradient alone: fp16 0.297 ->
+#: 0.472 ms, TF32 0.559 -> 0.888; NOTES-gpu.md, session 20). 1D TF32 steps of 64 lost: f+b 1.430
+#: (128x64x32) against 1.439 (128x64x64) and 1.648 (64x64x64) ms (H200, session 23).
+WEIGHT_TILES = {
+    1: {"half": ((64, 64, 64, 2), (128, 64, 64, 2)), "tf32": ((64, 64, 32, 2), (128, 64, 32, 2)),
+        "3xtf32": ((64, 64, 32, 2), (128, 64, 32, 2))},
+    2: {"half": ((64, 64, 64, 2), (256, 64, 128, 1)), "tf32": ((64, 64, 64, 2), (256, 64, 64, 1), (64, 64, 32, 2)),
+        "3xtf32": ((64, 64, 32, 2), (256, 64, 64, 1))},
+    3: {"half": ((64, 64, 64, 2), (256, 64, 128, 1)), "tf32": ((64, 64, 32, 2), (256, 64, 64, 1)),
+        "3xtf32": ((64, 64, 32, 2), (256, 64, 64, 1))},
+}
 #: The weight gradient reads its corners from a sampling plan (``fused_sampling_plan``: rows and
 #: weights per segment, tap and position, computed once per batch chunk) where the channels form
 #: at most this many segments of one offset and mask group (beyond, the plan's 8 bytes per
@@ -169,18 +181,27 @@ def data_tile(tile: tuple, ndim: int) -> tuple:
     return tile[:3] + (DATA_MINB,)
 
 
-def _weight_tiles(dtype, ndim: int = 2) -> tuple:
-    return (WEIGHT_TILES_1D if ndim == 1 else WEIGHT_TILES)["float" if np.dtype(dtype) == np.float32 else "half"]
+def weight_tile_key(dtype, precision=None) -> str:
+    """The key of ``WEIGHT_TILES[N]`` for a dtype and precision (0 half, 1 TF32, 2 3xTF32;
+    None: the dtype's own, 3xTF32 for float32)."""
+    if np.dtype(dtype) != np.float32:
+        return "half"
+    return "tf32" if precision == 1 else "3xtf32"
 
 
-def _weight_tile(geom, dtype) -> tuple:
-    """The tallest weight tile no taller than C_out/groups (the first where none is) among those
-    whose sampling threads' channels lie in one group (:func:`weight_unsupported`), so that a
-    geometry the tallest tile cannot serve still gets a fused weight gradient; where none can,
-    the tallest (and ``weight_unsupported`` says why)."""
+def _weight_tiles(dtype, ndim: int = 2, precision=None) -> tuple:
+    return WEIGHT_TILES[ndim][weight_tile_key(dtype, precision)]
+
+
+def _weight_tile(geom, dtype, precision=None) -> tuple:
+    """The tallest weight tile no taller than C_out/groups (the shortest where none is; of two as
+    tall, the first listed) among those whose sampling threads' channels lie in one group
+    (:func:`weight_unsupported`), so that a geometry the tallest tile cannot serve still gets a
+    fused weight gradient; where none can, the tallest (and ``weight_unsupported`` says why)."""
     cog = geom.out_channels // geom.groups
-    tiles = _weight_tiles(dtype, geom.ndim)
-    fitting = [tile for tile in tiles if tile[0] <= cog] or [tiles[0]]
+    tiles = _weight_tiles(dtype, geom.ndim, precision)
+    shortest = min(tile[0] for tile in tiles)
+    fitting = [tile for tile in tiles if tile[0] <= max(cog, shortest)]
     served = [tile for tile in fitting if weight_unsupported(geom, dtype, tile) is None]
     return max(served or fitting, key=lambda tile: tile[0])
 
@@ -217,7 +238,8 @@ def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
              for det in (False, True) for cpl in LANE_CHANNELS if cpl == 4 or (ndim == 3 and not det)
              for lanes in _lane_choices(tile[0], cpl)]
     names += [kernel_name(dtype, index64, ndim, prec, tile, "weight", plan)
-              for prec in _fused._precisions(dtype) for tile in _weight_tiles(dtype, ndim) for plan in (False, True)]
+              for prec in _fused._precisions(dtype) for tile in _weight_tiles(dtype, ndim, prec)
+              for plan in (False, True)]
     names += [f"{kernel}<{t}, {i}>" for kernel in
               ("fused_channels_last", "fused_store", "fused_position_rows", "fused_weight_sum")]
     names += [f"fused_channels_first<{t}, {i}, {_bool(fixed)}>" for fixed in (False, True)]
@@ -300,11 +322,11 @@ def unsupported(geom, dtype):
     return None
 
 
-def weight_unsupported(geom, dtype, tile=None):
+def weight_unsupported(geom, dtype, tile=None, precision=None):
     """Why the fused weight gradient cannot serve ``geom`` (None when it can): each sampling
-    thread's channels (BN / (256 / BK) of its tile, by default ``_weight_tile``'s) must lie in
-    one conv, offset and mask group."""
-    bm, bn, bk, _ = tile if tile is not None else _weight_tile(geom, dtype)
+    thread's channels (BN / (256 / BK) of its tile, by default ``_weight_tile``'s in
+    ``precision``) must lie in one conv, offset and mask group."""
+    bm, bn, bk, _ = tile if tile is not None else _weight_tile(geom, dtype, precision)
     per_thread = bn // (_THREADS // bk)
     for count, what in zip(_per_group(geom), ("C_in/groups", "C_in/offset_groups", "C_in/mask_groups")):
         if count % per_thread:
@@ -417,7 +439,8 @@ class BackwardConfig:
         gx_bytes = self.S * self.Cpa * (8 + 0.25 if self.deterministic else 4)
         # the weight gradient: fused where each sampling thread's channels share their groups
         # (unless fused_weight is False: cuda/im2col's then, FusedBackward.run)
-        self.weight_tile = tuple(weight_tile) if weight_tile is not None else _weight_tile(geom, dtype)
+        self.weight_tile = (tuple(weight_tile) if weight_tile is not None
+                            else _weight_tile(geom, dtype, self.precision))
         self.fused_weight = (weight_unsupported(geom, dtype, self.weight_tile) is None) and fused_weight is not False
         # its corners from a sampling plan computed once per chunk (the rule: at most
         # MAX_PLAN_SEGMENTS segments of channels, and several blocks sampling each position and tap
@@ -430,22 +453,29 @@ class BackwardConfig:
         rule = (self.sampled_by > 1 or geom.ndim <= 2) and self.segments <= MAX_PLAN_SEGMENTS
         self.sampling_plan = self.fused_weight and (rule if sampling_plan is None else bool(sampling_plan))
         corners = 1 << geom.ndim
-        plan_entries = self.segments * self.K * corners if self.sampling_plan else 0   # per position
+        sampling_bytes = self.segments * self.K * corners * 8 * self.Q if self.sampling_plan else 0  # a sample's
         buffers = int(self.S * self.Cp * it + self.Q * self.Cop * it + gx_bytes
                       + (self.off_ch * self.slots[0] + self.m_ch * self.slots[1]) * self.Q * 4
                       + (self.Q * Co * it if self.fused_weight else 0))
         # the data kernel's corners, slopes and mask from a plan per chunk (the rule: in 2D and 3D,
-        # at most MAX_PLAN_SEGMENTS segments, the plan no larger than a sample's other buffers)
+        # at most MAX_PLAN_SEGMENTS segments, the plan no larger than a sample's other buffers and
+        # the sampling plan it replaces)
         if gradient_plan is None:
             gradient_plan = SAMPLING_PLAN
         self.m_tiles = -(-self.Cg // bm)
         entry_bytes = corners * (8 + 4 + 4 * geom.ndim) + 4       # rows, weights, slopes, mask
         rule = (geom.ndim >= 2 and self.segments <= MAX_PLAN_SEGMENTS
-                and self.segments * self.K * self.Q * entry_bytes <= buffers)
+                and self.segments * self.K * self.Q * entry_bytes <= buffers + sampling_bytes)
         self.gradient_plan = rule if gradient_plan is None else bool(gradient_plan)
+        # where both plans are made, the weight kernel reads the data kernel's (the same entries:
+        # rows and weights, the mask apart) and the sampling plan is not made
+        self.plan_shared = self.sampling_plan and self.gradient_plan
+        plan_entries = self.segments * self.K * corners if self.sampling_plan and not self.plan_shared else 0
         gradient_entries = self.segments * self.K if self.gradient_plan else 0      # per position
         per_sample = buffers + plan_entries * self.Q * 8 + gradient_entries * self.Q * entry_bytes
-        self.chunk = n = max(1, min(geom.batch, int(_fused.WORKSPACE_LIMIT_BYTES) // max(per_sample, 1)))
+        # the batch in equal chunks (the last no smaller than needed), each within the workspace bound
+        most = max(1, min(geom.batch, int(_fused.WORKSPACE_LIMIT_BYTES) // max(per_sample, 1)))
+        self.chunk = n = -(-geom.batch // -(-geom.batch // most))
         self.Pp = _fused._round_up(n * self.Q, vec)
         self.weight_tiles = self.K * G * -(-self.Cog // wbm) * -(-self.Cg // wbn)
         self.splits = weight_splits(self.weight_tiles, -(-n * self.Q // wbk), self.weight_tile[3] * multiprocessors)
@@ -486,7 +516,8 @@ class BackwardConfig:
     def description(self) -> str:
         prec = {0: str(self.dtype), 1: "tf32", 2: "3xtf32"}[self.precision]
         bm, bn, bk, _ = self.tile
-        plan = ", a sampling plan per chunk" if self.sampling_plan else ""
+        plan = (", the data gradients' plan" if self.plan_shared else
+                ", a sampling plan per chunk" if self.sampling_plan else "")
         weight = (f"weight gradient fused ({self.splits} position splits, fixed-order sum{plan})" if self.fused_weight
                   else "weight gradient through cuda/im2col")
         data_plan = " from a plan per chunk" if self.gradient_plan else ""
@@ -529,6 +560,10 @@ class BackwardConfig:
         return cupy.ndarray((count,), dtype=dtype, memptr=workspace.data + start)
 
 
+#: The workspace buffers of the data gradients' plan (``fused_gradient_plan``'s outputs).
+GRADIENT_PLAN = ("gradient_rows", "gradient_weights", "gradient_slopes", "gradient_masks")
+
+
 def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> list:
     """The launches of one backward, recorded (``cuda._kernel_op``, memsets as ``(2, ptr,
     bytes)``) for ``cuda._replay``: ``inputs`` the addresses of (grad_output, x, w, offset, mask,
@@ -551,6 +586,12 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
     ops = []
     layout = kernel("fused_channels_last")
     cols = config.Cg * config.K   # a row of the weight (C_out, C/G, K)
+
+    def gradient_plan_op(n, off_n, msk_n):   # the data gradients' plan of a chunk of n samples
+        return op(kernel("fused_gradient_plan"), grid(n * config.Q * config.K * config.segments), (_THREADS,), (
+            off_n, msk_n, *(u64(view[name]) for name in GRADIENT_PLAN), config.struct, i32(n), i32(g.in_channels),
+            i32(config.Go), i32(config.Gm), i32(config.seg_len), i32(config.segments), index(off_bs), index(msk_bs)))
+
     if data:
         # wt[g, c, t, o]: the weight seen as G samples of C_out/G channels over C/G * K positions,
         # laid out channels-last (zero past C_out/G, then a zero row): the data kernel's A rows
@@ -594,19 +635,14 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
             fixed = (u64(view["gxq"]), u64(view["gx_flags"]), u64(view["weight_bound"]), u64(gy_bounds),
                      at(mask_bounds, 0)) if det else (None,) * 5
             accumulators = (("gxcl", 0 if config.deterministic else gx), ("goff", g_off), ("gmsk", g_m))
-            plan = ("gradient_rows", "gradient_weights", "gradient_slopes", "gradient_masks")
             if config.gradient_plan:
-                ops.append(op(kernel("fused_gradient_plan"), grid(n * config.Q * config.K * config.segments),
-                              (_THREADS,), (off_n, msk_n, *(u64(view[name]) for name in plan), config.struct,
-                                            i32(n), i32(g.in_channels), i32(config.Go), i32(config.Gm),
-                                            i32(config.seg_len), i32(config.segments), index(off_bs),
-                                            index(msk_bs))))
+                ops.append(gradient_plan_op(n, off_n, msk_n))
             ops.append(op(kernel("data"), (config.blocks(n),), (_THREADS,), (
                 u64(view["gycl"]), u64(view["wt"]), u64(view["xcl"]), off_n, msk_n,
                 *(u64(view[name]) if target else None for name, target in accumulators), config.struct, i32(n),
                 i32(g.in_channels), i32(config.Cp), i32(config.Cpa), i32(g.out_channels), i32(config.Cop),
                 i32(g.groups), i32(config.Go), i32(config.Gm), i32(config.Cogp), index(off_bs), index(msk_bs),
-                i32(config.seg), *(u64(view[name]) if config.gradient_plan else None for name in plan),
+                i32(config.seg), *(u64(view[name]) if config.gradient_plan else None for name in GRADIENT_PLAN),
                 i32(config.seg_len), *fixed, i32(config.log2_count)), config.smem_bytes))
             if gx:
                 ops.append(op(kernel("fused_channels_first"), _fused.layout_grid(n, g.in_channels, config.S),
@@ -625,15 +661,22 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
             pp = _fused._round_up(n * config.Q, _VEC[config.dtype])
             ops.append(op(kernel("fused_position_rows"), grid(g.out_channels * pp // _VEC[config.dtype]), (_THREADS,), (
                 gy_n, u64(view["gyr"]), i32(n), i32(g.out_channels), index(config.Q), index(pp), index(gy_bs))))
-            plan_rows, plan_weights = (u64(view["plan_rows"]), u64(view["plan_weights"])) if config.sampling_plan \
-                else (None, None)
-            if config.sampling_plan:
+            if config.plan_shared:   # the data kernel's plan (made here where no data gradient is wanted)
+                plan_rows, plan_weights, plan_masks = (u64(view[name]) for name in (
+                    "gradient_rows", "gradient_weights", "gradient_masks"))
+                if not data:
+                    ops.append(gradient_plan_op(n, off_n, msk_n))
+            elif config.sampling_plan:
+                plan_rows, plan_weights, plan_masks = u64(view["plan_rows"]), u64(view["plan_weights"]), None
+            else:
+                plan_rows = plan_weights = plan_masks = None
+            if config.sampling_plan and not config.plan_shared:
                 ops.append(op(kernel("fused_sampling_plan"), grid(n * config.Q * config.K * config.segments),
                               (_THREADS,), (off_n, msk_n, plan_rows, plan_weights, config.struct, i32(n),
                                             i32(g.in_channels), i32(config.Go), i32(config.Gm), i32(config.seg_len),
                                             i32(config.segments), index(off_bs), index(msk_bs))))
             ops.append(op(kernel("weight"), (config.splits * config.weight_tiles,), (_THREADS,), (
-                u64(view["gyr"]), u64(view["xcl"]), off_n, msk_n, plan_rows, plan_weights, u64(view["part"]),
+                u64(view["gyr"]), u64(view["xcl"]), off_n, msk_n, plan_rows, plan_weights, plan_masks, u64(view["part"]),
                 config.struct, i32(n), i32(g.in_channels), i32(config.Cp), i32(g.out_channels), i32(g.groups),
                 i32(config.Go), i32(config.Gm), i32(config.seg_len), index(pp), index(off_bs), index(msk_bs),
                 i32(config.splits), i32(config.weight_steps(n)), i32(start > 0)), config.weight_smem_bytes))
