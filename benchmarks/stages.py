@@ -380,8 +380,15 @@ def fused_backward_stages(x, w, off, msk, gy, geom, name, t, deterministic=False
               f"{flop / ms / 1e9:7.1f} TFLOP/s ({own.blocks(n)} blocks, {fb._fused.num_registers(data)} regs)")
         if own.fused_weight:
             off_bs, msk_bs = index(fb._fused._batch_stride(off)), index(fb._fused._batch_stride(msk))
-            plan_rows, plan_weights = (view("plan_rows"), view("plan_weights")) if own.sampling_plan else (None, None)
-            if own.sampling_plan:
+            # the weight kernel's corners: the data gradients' plan (filled above), a sampling plan of
+            # its own, or none
+            if own.plan_shared:
+                plan_rows, plan_weights, plan_masks = gradient_plan[0], gradient_plan[1], gradient_plan[3]
+            elif own.sampling_plan:
+                plan_rows, plan_weights, plan_masks = view("plan_rows"), view("plan_weights"), None
+            else:
+                plan_rows = plan_weights = plan_masks = None
+            if own.sampling_plan and not own.plan_shared:
                 sampling_plan = own.kernel("fused_sampling_plan")
                 entries = n * own.Q * own.K * own.segments
                 ms = t(lambda: sampling_plan((-(-entries // 256),), (256,), (
@@ -390,8 +397,8 @@ def fused_backward_stages(x, w, off, msk, gy, geom, name, t, deterministic=False
                 print(f"  {'sampling plan of the weight gradient':<44} {ms:8.3f} ms  ({entries} entries)")
             weight = own.kernel("weight")
             ms = t(lambda: weight((own.splits * own.weight_tiles,), (256,), (
-                view("gyr"), view("xcl"), off, msk, plan_rows, plan_weights, view("part"), own.struct, i32(n),
-                i32(geom.in_channels), i32(own.Cp), i32(geom.out_channels), i32(geom.groups), i32(own.Go),
+                view("gyr"), view("xcl"), off, msk, plan_rows, plan_weights, plan_masks, view("part"), own.struct,
+                i32(n), i32(geom.in_channels), i32(own.Cp), i32(geom.out_channels), i32(geom.groups), i32(own.Go),
                 i32(own.Gm), i32(own.seg_len), index(own.Pp), off_bs, msk_bs, i32(own.splits),
                 i32(own.weight_steps(n)), i32(0)), shared_mem=own.weight_smem_bytes), 4)
             print(f"  {'weight-gradient kernel alone, tile %dx%dx%d' % own.weight_tile[:3]:<44} {ms:8.3f} ms  "

@@ -341,7 +341,10 @@ def weight_splits(tiles: int, steps: int, slots: int, max_splits=None) -> int:
     ``slots`` resident blocks (the tile's MINB a multiprocessor times the multiprocessors); ties
     go to fewer splits (fewer partial sums to store and add). Every block does the same steps, so
     blocks past a whole number of waves add a wave of their own: 531 blocks on 264 slots (B=32
-    C64, 59 splits of 9 tiles, the count before) run three waves, the third of 3 blocks."""
+    C64, 59 splits of 9 tiles, the count before: ``ceil(4 waves x SMs / tiles)``) run three
+    waves, the third of 3 blocks. The model predicted a third off the weight kernel there; H200,
+    per f+b (NOTES-gpu.md, session 23): C64 TF32 335.7 -> 330.8 us, fp16 level, 1D fp16 238 ->
+    221, and ``fused_weight_sum`` 7.8 -> 4.0 (fewer partial sums)."""
     max_splits = MAX_SPLITS if max_splits is None else max_splits     # read at call time: tests patch it
     best_cost, best = None, 1
     for splits in range(1, max(1, min(max_splits, steps)) + 1):
@@ -676,10 +679,11 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
                                             i32(g.in_channels), i32(config.Go), i32(config.Gm), i32(config.seg_len),
                                             i32(config.segments), index(off_bs), index(msk_bs))))
             ops.append(op(kernel("weight"), (config.splits * config.weight_tiles,), (_THREADS,), (
-                u64(view["gyr"]), u64(view["xcl"]), off_n, msk_n, plan_rows, plan_weights, plan_masks, u64(view["part"]),
-                config.struct, i32(n), i32(g.in_channels), i32(config.Cp), i32(g.out_channels), i32(g.groups),
-                i32(config.Go), i32(config.Gm), i32(config.seg_len), index(pp), index(off_bs), index(msk_bs),
-                i32(config.splits), i32(config.weight_steps(n)), i32(start > 0)), config.weight_smem_bytes))
+                u64(view["gyr"]), u64(view["xcl"]), off_n, msk_n, plan_rows, plan_weights, plan_masks,
+                u64(view["part"]), config.struct, i32(n), i32(g.in_channels), i32(config.Cp), i32(g.out_channels),
+                i32(g.groups), i32(config.Go), i32(config.Gm), i32(config.seg_len), index(pp), index(off_bs),
+                index(msk_bs), i32(config.splits), i32(config.weight_steps(n)), i32(start > 0)),
+                config.weight_smem_bytes))
     if gw:
         ops.append(op(kernel("fused_weight_sum"), grid(g.out_channels * config.Cg * config.K), (_THREADS,), (
             u64(view["part"]), u64(gw), i32(config.splits), i32(g.out_channels), i32(config.Cg), i32(config.K))))
