@@ -81,6 +81,38 @@ def _geom(c_in=64, c_out=48, groups=1, offset_groups=1, mask_groups=1, ndim=2, b
     return _geometry.conv_geometry(*shapes, stride=1, padding=1, dilation=1, groups=groups)[0]
 
 
+def test_one_plan_for_both_kernels_and_equal_chunks():
+    """Where the data kernel has its plan and the weight kernel would have a sampling plan, the
+    weight kernel reads the data kernel's (no sampling plan in the workspace); the data kernel's
+    rule counts the sampling plan it replaces; the batch is cut into equal chunks."""
+    fb = _backward_module()
+
+    def config(dtype, tf32, batch=32, channels=64, size=56, ndim=2, **forced):
+        S, k = (size,) * ndim, (3,) * ndim
+        K = math.prod(k)
+        geom = _geometry.conv_geometry((batch, channels) + S, (channels, channels) + k, (batch, K * ndim) + S,
+                                       (batch, K) + S, None, stride=1, padding=1, dilation=1, groups=1)[0]
+        return fb.BackwardConfig(geom, dtype, tf32, multiprocessors=132, **forced)
+
+    # B=32 C64 56x56 fp16: the data kernel's plan (2.37 MB a sample) is larger than the other
+    # buffers (2.34 MB) but not than them and the sampling plan (0.90 MB) together
+    c = config(np.float16, False)
+    assert c.gradient_plan and c.sampling_plan and c.plan_shared
+    assert c.offsets["plan_rows"][1] == c.offsets["plan_weights"][1] == 0
+    assert c.chunk == 16        # at most 28 samples within the bound: 16 + 16, not 28 + 4
+    assert "the data gradients' plan" in c.description
+    assert config(np.float32, True).chunk == 16 and config(np.float32, True).plan_shared    # not 19 + 13
+    # forced apart: the sampling plan of its own, in the workspace
+    c = config(np.float16, False, gradient_plan=False)
+    assert c.sampling_plan and not c.plan_shared and c.offsets["plan_rows"][1] > 0
+    assert "a sampling plan per chunk" in c.description
+    # 1D: no data kernel plan, so the weight kernel keeps its own
+    c = config(np.float16, False, batch=16, channels=256, size=4096, ndim=1)
+    assert c.sampling_plan and not c.gradient_plan and not c.plan_shared
+    chunks = -(-16 // c.chunk)
+    assert chunks > 1 and c.chunk == -(-16 // chunks)                  # equal chunks (but the last)
+
+
 def test_weight_splits_fill_whole_waves(monkeypatch):
     fb = _backward_module()
     # B=32 C64 56x56 fp16 (one chunk): 9 tiles, 1568 steps, 2 blocks x 132 SMs. 59 splits (531

@@ -30,7 +30,9 @@ splits are summed in a fixed order as always: every gradient is bitwise the same
 run, whatever the order of the atomics.
 
 In 2D and 3D the data kernel likewise reads each position's corners, slopes and mask from a plan
-of its own (``fused_gradient_plan``) where that plan fits (``SAMPLING_PLAN`` says when).
+of its own (``fused_gradient_plan``) where that plan fits (``SAMPLING_PLAN`` says when). Where
+both plans would be made, the weight kernel reads the data kernel's instead (the same corners,
+the mask kept apart; ``BackwardConfig.plan_shared``), and no sampling plan is made.
 
 Per call, one batch chunk at a time (the chunk bounds the workspace by
 ``cuda_fused.WORKSPACE_LIMIT_BYTES``): grad_output copied channels-last, ``(Bc*Q, Cop)``, and as
@@ -150,10 +152,13 @@ MAX_PLAN_SEGMENTS = 8
 #: The data kernel reads each (position, tap)'s corners, their slopes and the mask from a plan of
 #: its own (``fused_gradient_plan``, per batch chunk: 68 bytes per tap and position in 2D) instead of
 #: computing them in each of its C_in/64 channel-tile blocks, in 2D and 3D where that plan is no
-#: larger than a sample's other buffers. H200, data gradients alone, fp16: B=8 C256 56x56 0.655 ->
-#: 0.576 ms, B=8 C128 0.314 -> 0.281, 512@14x14 0.230 -> 0.219, B=32 C64 0.594 -> 0.571 (plan
-#: larger than the buffers: not taken), 3D C32 2.06 -> 1.76 (idem: ~150 MB per sample); 1D C256
-#: 0.526 -> 0.554, where two corners are cheaper to compute than to load (NOTES-gpu.md, session 6).
+#: larger than a sample's other buffers and the weight kernel's sampling plan, which it then
+#: replaces. H200, data gradients alone, fp16: B=8 C256 56x56 0.655 -> 0.576 ms, B=8 C128 0.314
+#: -> 0.281, 512@14x14 0.230 -> 0.219, B=32 C64 0.594 -> 0.571, 3D C32 2.06 -> 1.76 (larger than
+#: the buffers: not taken, ~150 MB per sample); 1D C256 0.526 -> 0.554, where two corners are
+#: cheaper to compute than to load (NOTES-gpu.md, session 6). B=32 C64 fp16 was not taken either
+#: until the rule counted the sampling plan it replaces: data kernel 388 -> 328 us per f+b, f+b
+#: 0.836 -> 0.807 ms with the equal chunks (session 23).
 #: None: the rules above decide; True / False: both plans forced on / off (tests, benchmarks).
 SAMPLING_PLAN = None
 #: Position splits of the weight gradient (partial sums added in a fixed order), at most this
@@ -476,7 +481,7 @@ class BackwardConfig:
         plan_entries = self.segments * self.K * corners if self.sampling_plan and not self.plan_shared else 0
         gradient_entries = self.segments * self.K if self.gradient_plan else 0      # per position
         per_sample = buffers + plan_entries * self.Q * 8 + gradient_entries * self.Q * entry_bytes
-        # the batch in equal chunks (the last no smaller than needed), each within the workspace bound
+        # as few chunks as the workspace bound allows, of equal size (but the last): 16 + 16, not 19 + 13
         most = max(1, min(geom.batch, int(_fused.WORKSPACE_LIMIT_BYTES) // max(per_sample, 1)))
         self.chunk = n = -(-geom.batch // -(-geom.batch // most))
         self.Pp = _fused._round_up(n * self.Q, vec)
