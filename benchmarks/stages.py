@@ -357,8 +357,7 @@ def fused_backward_stages(x, w, off, msk, gy, geom, name, t, deterministic=False
         view = lambda name: own.view(ws, name)  # noqa: E731
         n = geom.batch
         data = own.kernel("data")
-        gradient_plan = [view(name) if own.gradient_plan else None
-                         for name in ("gradient_rows", "gradient_weights", "gradient_slopes", "gradient_masks")]
+        gradient_plan = [view(name) if own.gradient_plan else None for name in fb.GRADIENT_PLAN]
         if own.gradient_plan:
             plan_kernel = own.kernel("fused_gradient_plan")
             entries = n * own.Q * own.K * own.segments
@@ -382,12 +381,7 @@ def fused_backward_stages(x, w, off, msk, gy, geom, name, t, deterministic=False
             off_bs, msk_bs = index(fb._fused._batch_stride(off)), index(fb._fused._batch_stride(msk))
             # the weight kernel's corners: the data gradients' plan (filled above), a sampling plan of
             # its own, or none
-            if own.plan_shared:
-                plan_rows, plan_weights, plan_masks = gradient_plan[0], gradient_plan[1], gradient_plan[3]
-            elif own.sampling_plan:
-                plan_rows, plan_weights, plan_masks = view("plan_rows"), view("plan_weights"), None
-            else:
-                plan_rows = plan_weights = plan_masks = None
+            plan_rows, plan_weights, plan_masks = (view(name) if name else None for name in own.weight_plan)
             if own.sampling_plan and not own.plan_shared:
                 sampling_plan = own.kernel("fused_sampling_plan")
                 entries = n * own.Q * own.K * own.segments

@@ -99,12 +99,14 @@ def test_one_plan_for_both_kernels_and_equal_chunks():
     c = config(np.float16, False)
     assert c.gradient_plan and c.sampling_plan and c.plan_shared
     assert c.offsets["plan_rows"][1] == c.offsets["plan_weights"][1] == 0
+    assert c.weight_plan == ("gradient_rows", "gradient_weights", "gradient_masks")
     assert c.chunk == 16        # at most 28 samples within the bound: 16 + 16, not 28 + 4
     assert "the data gradients' plan" in c.description
     assert config(np.float32, True).chunk == 16 and config(np.float32, True).plan_shared    # not 19 + 13
     # forced apart: the sampling plan of its own, in the workspace
     c = config(np.float16, False, gradient_plan=False)
     assert c.sampling_plan and not c.plan_shared and c.offsets["plan_rows"][1] > 0
+    assert c.weight_plan == ("plan_rows", "plan_weights", None)
     assert "a sampling plan per chunk" in c.description
     # 1D: no data kernel plan, so the weight kernel keeps its own
     c = config(np.float16, False, batch=16, channels=256, size=4096, ndim=1)

@@ -461,7 +461,7 @@ class BackwardConfig:
         rule = (self.sampled_by > 1 or geom.ndim <= 2) and self.segments <= MAX_PLAN_SEGMENTS
         self.sampling_plan = self.fused_weight and (rule if sampling_plan is None else bool(sampling_plan))
         corners = 1 << geom.ndim
-        sampling_bytes = self.segments * self.K * corners * 8 * self.Q if self.sampling_plan else 0  # a sample's
+        plan_entries = self.segments * self.K * corners if self.sampling_plan else 0   # per position
         buffers = int(self.S * self.Cp * it + self.Q * self.Cop * it + gx_bytes
                       + (self.off_ch * self.slots[0] + self.m_ch * self.slots[1]) * self.Q * 4
                       + (self.Q * Co * it if self.fused_weight else 0))
@@ -473,12 +473,16 @@ class BackwardConfig:
         self.m_tiles = -(-self.Cg // bm)
         entry_bytes = corners * (8 + 4 + 4 * geom.ndim) + 4       # rows, weights, slopes, mask
         rule = (geom.ndim >= 2 and self.segments <= MAX_PLAN_SEGMENTS
-                and self.segments * self.K * self.Q * entry_bytes <= buffers + sampling_bytes)
+                and self.segments * self.K * self.Q * entry_bytes <= buffers + plan_entries * self.Q * 8)
         self.gradient_plan = rule if gradient_plan is None else bool(gradient_plan)
         # where both plans are made, the weight kernel reads the data kernel's (the same entries:
         # rows and weights, the mask apart) and the sampling plan is not made
         self.plan_shared = self.sampling_plan and self.gradient_plan
-        plan_entries = self.segments * self.K * corners if self.sampling_plan and not self.plan_shared else 0
+        if self.plan_shared:
+            plan_entries = 0
+        # the workspace buffers the weight kernel reads its corners from: (rows, weights, masks)
+        self.weight_plan = (("gradient_rows", "gradient_weights", "gradient_masks") if self.plan_shared else
+                            ("plan_rows", "plan_weights", None) if self.sampling_plan else (None, None, None))
         gradient_entries = self.segments * self.K if self.gradient_plan else 0      # per position
         per_sample = buffers + plan_entries * self.Q * 8 + gradient_entries * self.Q * entry_bytes
         # as few chunks as the workspace bound allows, of equal size (but the last): 16 + 16, not 19 + 13
@@ -669,15 +673,9 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
             pp = _fused._round_up(n * config.Q, _VEC[config.dtype])
             ops.append(op(kernel("fused_position_rows"), grid(g.out_channels * pp // _VEC[config.dtype]), (_THREADS,), (
                 gy_n, u64(view["gyr"]), i32(n), i32(g.out_channels), index(config.Q), index(pp), index(gy_bs))))
-            if config.plan_shared:   # the data kernel's plan (made here where no data gradient is wanted)
-                plan_rows, plan_weights, plan_masks = (u64(view[name]) for name in (
-                    "gradient_rows", "gradient_weights", "gradient_masks"))
-                if not data:
-                    ops.append(gradient_plan_op(n, off_n, msk_n))
-            elif config.sampling_plan:
-                plan_rows, plan_weights, plan_masks = u64(view["plan_rows"]), u64(view["plan_weights"]), None
-            else:
-                plan_rows = plan_weights = plan_masks = None
+            plan_rows, plan_weights, plan_masks = (u64(view[name]) if name else None for name in config.weight_plan)
+            if config.plan_shared and not data:   # the data kernel's plan, made here for the weight kernel
+                ops.append(gradient_plan_op(n, off_n, msk_n))
             if config.sampling_plan and not config.plan_shared:
                 ops.append(op(kernel("fused_sampling_plan"), grid(n * config.Q * config.K * config.segments),
                               (_THREADS,), (off_n, msk_n, plan_rows, plan_weights, config.struct, i32(n),
