@@ -767,10 +767,24 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
         copy_commit();
     };
 
-    // This thread's sampling position (within the step) and channel slice: positions fastest
-    // along the threads (coalesced offset / mask reads, conflict-free transposed stores).
-    const int sn = tid % BK;
-    const int sh = (tid / BK) * CPT;
+    // This thread's sampling position (within the step) and channel vectors. Where the tile's BN
+    // channels lie within the conv group and in one offset group, one mask group and (PLAN) one
+    // plan segment, a position's TPP threads are adjacent lanes taking interleaved vectors
+    // (thread k: vectors k, k + TPP, ...): a warp's load then reads 8 positions' TPP * 16
+    // contiguous bytes, 8 L1 wavefronts where 32 positions' own vectors took 32 (the loads, not
+    // the MMAs, bound this kernel: TF32 twice the vectors of fp16, nearly twice the time); the
+    // transposed stores conflict 2-way (TF32; fp16 4-way) instead of none. Elsewhere positions
+    // run fastest along the threads and each takes CPT consecutive channels, so that no thread's
+    // channels cross a group.
+    const int tile0 = grp * Cg + n0;
+    const int tile1 = tile0 + BN - 1;
+    const bool interleave = n0 + BN <= Cg && (per_go >= channels || tile0 / per_go == tile1 / per_go) &&
+                            (per_gm >= channels || tile0 / per_gm == tile1 / per_gm) &&
+                            (!PLAN || tile0 / seg_len == tile1 / seg_len);
+    const int sk = interleave ? tid % TPP : tid / BK;   // which of its position's threads
+    const int sn = interleave ? tid / TPP : tid % BK;
+    const int sh = interleave ? sk * VEC : sk * CPT;    // its first channel within the tile
+    const int vstep = interleave ? TPP * VEC : VEC;     // channels from one of its vectors to the next
     const int cl = n0 + sh;                 // first channel within the group
     const bool channels_valid = cl < Cg;
     const int cabs = channels_valid ? grp * Cg + cl : 0;
@@ -839,15 +853,15 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
         }
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
-            const uint4* src = reinterpret_cast<const uint4*>(xcl + (smp.row[c] >= 0 ? smp.row[c] : zero_row) * Cp + cabs);
+            const T* src = xcl + (smp.row[c] >= 0 ? smp.row[c] : zero_row) * Cp + cabs;
 #pragma unroll
-            for (int v = 0; v < NV; ++v) raw[c][v] = __ldg(src + v);
+            for (int v = 0; v < NV; ++v) raw[c][v] = __ldg(reinterpret_cast<const uint4*>(src + v * vstep));
         }
         fetch_ahead(step + 1);
     };
     // Blend the corners and store the sample transposed: B[channel][position].
     auto sample_store = [&](int buf) {
-        T* const bt = Bs0 + buf * BN * LD;
+        T* const bt = Bs0 + buf * BN * LD + sh * LD + sn;   // this thread's first channel and position
         if constexpr (Packed<T>::value) {
             // half types: the corners blended in packed pairs (fused::Packed)
             unsigned w2[NC];
@@ -860,7 +874,7 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
                 for (int c = 0; c < NC; ++c) Packed<T>::fma(a, w2[c], raw[c][v]);
                 const T* e = reinterpret_cast<const T*>(&a);
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) bt[(sh + v * VEC + j) * LD + sn] = e[j];
+                for (int j = 0; j < VEC; ++j) bt[(v * vstep + j) * LD] = e[j];
             }
         } else {
             float acc[CPT];
@@ -872,11 +886,13 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
                 for (int v = 0; v < NV; ++v) Vec<T>::add(acc + v * VEC, smp.weight[c], raw[c][v]);
             }
 #pragma unroll
-            for (int j = 0; j < CPT; ++j) {
-                float v = acc[j];
-                if constexpr (PREC == 1) v = __uint_as_float(to_tf32(v));
-                bt[(sh + j) * LD + sn] = Traits<T>::store(v);
-            }
+            for (int v = 0; v < NV; ++v)
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    float a = acc[v * VEC + j];
+                    if constexpr (PREC == 1) a = __uint_as_float(to_tf32(a));
+                    bt[(v * vstep + j) * LD] = Traits<T>::store(a);
+                }
         }
     };
 
