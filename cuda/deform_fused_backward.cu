@@ -860,8 +860,14 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
         fetch_ahead(step + 1);
     };
     // Blend the corners and store the sample transposed: B[channel][position].
+    static_assert(BK / VEC % 4 == 0, "the sampled tile's swizzle (fused::b_swizzle)");
+    // Vector v's row (channel sh + v * vstep) and this position's column in it, swizzled.
+    auto sample_at = [&](T* bt, int v) {
+        const int row = sh + v * vstep;
+        return bt + row * LD + (sn ^ (b_swizzle<T>(row) * VEC));
+    };
     auto sample_store = [&](int buf) {
-        T* const bt = Bs0 + buf * BN * LD + sh * LD + sn;   // this thread's first channel and position
+        T* const bt = Bs0 + buf * BN * LD;
         if constexpr (Packed<T>::value) {
             // half types: the corners blended in packed pairs (fused::Packed)
             unsigned w2[NC];
@@ -873,8 +879,9 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
 #pragma unroll
                 for (int c = 0; c < NC; ++c) Packed<T>::fma(a, w2[c], raw[c][v]);
                 const T* e = reinterpret_cast<const T*>(&a);
+                T* const at = sample_at(bt, v);
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) bt[(v * vstep + j) * LD] = e[j];
+                for (int j = 0; j < VEC; ++j) at[j * LD] = e[j];
             }
         } else {
             float acc[CPT];
@@ -886,13 +893,15 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
                 for (int v = 0; v < NV; ++v) Vec<T>::add(acc + v * VEC, smp.weight[c], raw[c][v]);
             }
 #pragma unroll
-            for (int v = 0; v < NV; ++v)
+            for (int v = 0; v < NV; ++v) {
+                T* const at = sample_at(bt, v);
 #pragma unroll
                 for (int j = 0; j < VEC; ++j) {
                     float a = acc[v * VEC + j];
                     if constexpr (PREC == 1) a = __uint_as_float(to_tf32(a));
-                    bt[(v * vstep + j) * LD] = Traits<T>::store(a);
+                    at[j * LD] = Traits<T>::store(a);
                 }
+            }
         }
     };
 
@@ -918,7 +927,7 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
                 copy_step(s + 1, cur ^ 1);
                 sample_load(s + 1);
             }
-            warp_mma<T, PREC, true, MT, NT, LD, BK, WM, WN>(acc, As0 + cur * BM * LD, Bs0 + cur * BN * LD, wm, wn,
+            warp_mma<T, PREC, true, MT, NT, LD, BK, WM, WN, true>(acc, As0 + cur * BM * LD, Bs0 + cur * BN * LD, wm, wn,
                                                              lane);
             if (more) sample_store(cur ^ 1);
             copy_wait_all();

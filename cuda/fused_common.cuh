@@ -339,7 +339,19 @@ __device__ __forceinline__ void load_words(const X* src, X (&v)[COUNT]) {
 // K contiguous. A 16-byte row of an 8x8 b16 matrix is 8 half values or 4 floats, and lane l
 // receives word l % 4 of row l / 4: the m16n8k16 half layout, and for float the m16n8k8 TF32
 // layout (A rows g, g + 8 at columns t, t + 4; B row n = g at k = t, t + 4).
-template <typename E, int MT, int NT, int LD, int WM, int WN>
+// The fused weight gradient's sampled tile, B[channel n][position], is written by a position's
+// threads with interleaved channel vectors in one store instruction: rows VEC apart, and rows 8
+// apart start on the same bank (rows of BK + a 16-byte pad), so those stores would conflict 4-way
+// (half types) or 2-way (float). Its 16-byte chunk c of row n is stored at chunk c ^ b_swizzle(n)
+// instead, which spreads them over distinct banks; a ldmatrix matrix's 8 rows (aligned to 8) share
+// one XOR and stay conflict-free. Needs BK / (16 / sizeof(E)) to be a multiple of 4.
+template <typename E>
+__device__ __forceinline__ int b_swizzle(int n) {
+    return sizeof(E) == 2 ? (n >> 3) & 3 : ((n >> 3) & 1) << 1;
+}
+
+// SWIZZLE_B: B's chunks are stored swizzled (b_swizzle).
+template <typename E, int MT, int NT, int LD, int WM, int WN, bool SWIZZLE_B = false>
 __device__ __forceinline__ void ldmatrix_fragments(unsigned (&af)[MT][4], unsigned (&bf)[NT][2], const E* A, const E* B,
                                                    int kk, int wm, int wn, int lane) {
     constexpr int V = 16 / sizeof(E);   // elements per 16 bytes
@@ -353,7 +365,8 @@ __device__ __forceinline__ void ldmatrix_fragments(unsigned (&af)[MT][4], unsign
     for (int j = 0; j < NT; j += 2) {
         unsigned r4[4];
         const int n = wn * WN + j * 8 + (lane & 7) + (lane >> 4) * 8;
-        ldmatrix_x4(r4, B + n * LD + kk + ((lane >> 3) & 1) * V);
+        const int chunk = kk / V + ((lane >> 3) & 1);
+        ldmatrix_x4(r4, B + n * LD + (SWIZZLE_B ? chunk ^ b_swizzle<E>(n) : chunk) * V);
         bf[j][0] = r4[0]; bf[j][1] = r4[1]; bf[j + 1][0] = r4[2]; bf[j + 1][1] = r4[3];
     }
 }
@@ -364,7 +377,7 @@ __device__ __forceinline__ void ldmatrix_fragments(unsigned (&af)[MT][4], unsign
 // with ldmatrix; float32: m16n8k8 TF32 with ldmatrix (PREC 1; B_ROUNDED: B holds TF32-rounded
 // values already) or 3xTF32 with scalar loads (PREC 2: a = big + small, three products, float32
 // accuracy).
-template <typename T, int PREC, bool B_ROUNDED, int MT, int NT, int LD, int BK, int WM, int WN>
+template <typename T, int PREC, bool B_ROUNDED, int MT, int NT, int LD, int BK, int WM, int WN, bool SWIZZLE_B = false>
 __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, const T* B, int wm, int wn,
                                          int lane) {
     if constexpr (PREC == 0) {
@@ -372,7 +385,7 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, co
         for (int kk = 0; kk < BK; kk += 16) {
             unsigned af[MT][4];
             unsigned bf[NT][2];
-            ldmatrix_fragments<T, MT, NT, LD, WM, WN>(af, bf, A, B, kk, wm, wn, lane);
+            ldmatrix_fragments<T, MT, NT, LD, WM, WN, SWIZZLE_B>(af, bf, A, B, kk, wm, wn, lane);
 #pragma unroll
             for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -388,7 +401,7 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, co
             // loads, with which its data kernel was 1-2% faster.
             unsigned af[MT][4], bf[NT][2];
             if constexpr (PREC == 1 && NT % 2 == 0) {
-                ldmatrix_fragments<float, MT, NT, LD, WM, WN>(af, bf, Af, Bf, kk, wm, wn, lane);
+                ldmatrix_fragments<float, MT, NT, LD, WM, WN, SWIZZLE_B>(af, bf, Af, Bf, kk, wm, wn, lane);
             } else {
                 const int gq = lane >> 2, tq = lane & 3;
 #pragma unroll
@@ -402,8 +415,9 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, co
 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
                     const int n = wn * WN + j * 8 + gq;
-                    bf[j][0] = __float_as_uint(Bf[n * LD + kk + tq]);
-                    bf[j][1] = __float_as_uint(Bf[n * LD + kk + tq + 4]);
+                    const int x = SWIZZLE_B ? b_swizzle<float>(n) * 4 : 0;   // (chunks of 4 floats)
+                    bf[j][0] = __float_as_uint(Bf[n * LD + ((kk + tq) ^ x)]);
+                    bf[j][1] = __float_as_uint(Bf[n * LD + ((kk + tq + 4) ^ x)]);
                 }
             }
             // 3xTF32: a*b ~ a_small*b_big + a_big*b_small + a_big*b_big. The cross terms
