@@ -680,8 +680,9 @@ __global__ void fused_position_rows(const T* __restrict__ gy, T* __restrict__ gy
 // Per block a tile of BM output channels x BN input channels of one conv group and ONE tap, for
 // one split of the chunk's positions, in steps of BK positions: the grad_output rows gyr (A: rows
 // o, K = p contiguous) copied with cp.async, the sampled tile (B: rows c, K = p) built straight
-// into shared memory by THREADS/BK threads per position (CPT consecutive channels each: one
-// 16-byte load per corner and vector, a corner not read loading the zero row with weight 0),
+// into shared memory by THREADS/BK threads per position (CPT channels each: one 16-byte load per
+// corner and vector, a corner not read loading the zero row with weight 0; interleaved vectors
+// where the tile lies in one group, see below; its 16-byte chunks swizzled, fused::b_swizzle),
 // double-buffered, multiplied by fused::warp_mma (float32 accumulation). Each (split, o, t, c)
 // belongs to one block per launch: the partial sums are stored (first chunk) or added (later
 // chunks) without atomics, and fused_weight_sum adds the splits in a fixed order: the weight

@@ -15,7 +15,10 @@ reduction):
 * ``deform_fused_backward_weight``: ``grad_output . sampled^T`` over the positions, the sampled
   tile built in shared memory by the fused forward's sampler; the positions are split over
   blocks and the splits' float32 partial sums added in a fixed order (bitwise repeatable).
-  Its tiles: ``WEIGHT_TILES``, per N and precision.
+  Its tiles: ``WEIGHT_TILES``, per N and precision. Where a tile's channels lie in one group, a
+  position's sampling threads are adjacent lanes reading interleaved 16-byte vectors of its
+  corners (a warp's load touches 8 rows, not 32: the loads' L1 wavefronts bound the kernel), and
+  the sampled tile's chunks are swizzled so that their transposed stores do not conflict.
   In 1D and 2D, and in 3D where several of its blocks sample each position (channel tiles), the
   corners come from a sampling plan computed once per batch chunk (``fused_sampling_plan``: rows
   and weights per segment of channels, tap and position) instead of from the offsets and mask by
@@ -127,6 +130,9 @@ NARROW_TILE_ROWS = (64,)
 #: 1.600. In 2D the same tiles lose (H100, B=8 C256 56x56, weight gradient alone: fp16 0.297 ->
 #: 0.472 ms, TF32 0.559 -> 0.888; NOTES-gpu.md, session 20). 1D TF32 steps of 64 lost: f+b 1.430
 #: (128x64x32) against 1.439 (128x64x64) and 1.648 (64x64x64) ms (H200, session 23).
+#: With the interleaved sampler (session 24, measured before its swizzle) these stayed the fastest
+#: fused tiles, or within 0.3%, at B=32 C64, B=8 C256, B=16 C512 14x14 and 1D C256, in each of
+#: fp16, TF32 and 3xTF32 measured there (NOTES-gpu.md, session 24).
 WEIGHT_TILES = {
     1: {"half": ((64, 64, 64, 2), (128, 64, 64, 2)), "tf32": ((64, 64, 32, 2), (128, 64, 32, 2)),
         "3xtf32": ((64, 64, 32, 2), (128, 64, 32, 2))},
