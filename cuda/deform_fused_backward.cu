@@ -773,8 +773,9 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
     // plan segment, a position's TPP threads are adjacent lanes taking interleaved vectors
     // (thread k: vectors k, k + TPP, ...): a warp's load then reads 8 positions' TPP * 16
     // contiguous bytes, 8 L1 wavefronts where 32 positions' own vectors took 32 (the loads, not
-    // the MMAs, bound this kernel: TF32 twice the vectors of fp16, nearly twice the time); the
-    // transposed stores conflict 2-way (TF32; fp16 4-way) instead of none. Elsewhere positions
+    // the MMAs, bound this kernel: TF32 twice the vectors of fp16, nearly twice the time); their
+    // transposed stores would conflict 2-way (TF32; fp16 4-way) but for the tile's swizzle
+    // (sample_at). Elsewhere positions
     // run fastest along the threads and each takes CPT consecutive channels, so that no thread's
     // channels cross a group.
     const int tile0 = grp * Cg + n0;
@@ -928,8 +929,8 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
                 copy_step(s + 1, cur ^ 1);
                 sample_load(s + 1);
             }
-            warp_mma<T, PREC, true, MT, NT, LD, BK, WM, WN, true>(acc, As0 + cur * BM * LD, Bs0 + cur * BN * LD, wm, wn,
-                                                             lane);
+            warp_mma<T, PREC, true, MT, NT, LD, BK, WM, WN, true>(acc, As0 + cur * BM * LD, Bs0 + cur * BN * LD, wm,
+                                                                   wn, lane);
             if (more) sample_store(cur ^ 1);
             copy_wait_all();
             __syncthreads();
