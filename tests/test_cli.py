@@ -247,6 +247,12 @@ def test_sass_counts_opcodes_and_names_what_is_missing(tmp_path, capsys):
         "        // a comment line",
     ])
     assert module.opcode_counts(listing) == {"LDC": 1, "IMAD": 2, "BRA": 1, "RED": 1}
+    # two builds are compared by their instructions, addresses and comment lines aside
+    assert module.instructions(listing)[:2] == ["LDC R1, c[0x0][0x28] ;", "IMAD.MOV.U32 R0, RZ, RZ, R1 ;"]
+    assert len(module.instructions(listing)) == 5
+    moved = listing.replace("/*0010*/", "/*0110*/").replace("// a comment line", "")
+    assert module.instructions(moved) == module.instructions(listing)
+    assert module.instructions(listing.replace("R0, 0x4", "R0, 0x8")) != module.instructions(listing)
     pytest.importorskip("cupy")   # the module text and the compile options come from the CUDA backend
     with pytest.raises(SystemExit):
         module.main(["fused_channels_last<float, int>", "--nvdisasm", "/bin/true",
@@ -256,12 +262,19 @@ def test_sass_counts_opcodes_and_names_what_is_missing(tmp_path, capsys):
         module.main(["fused_channels_last<float, int>", "--source", "nope.cu", "--nvdisasm", "/bin/true",
                      "--nvrtc", module.__file__])
     assert "--source: no cuda/nope.cu" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        module.main(["fused_channels_last<float, int>", "--same-as", str(tmp_path), "--nvdisasm", "/bin/true",
+                     "--nvrtc", module.__file__])
+    assert f"--same-as: no {tmp_path / 'cuda' / 'deform_fused_backward.cu'}" in capsys.readouterr().err
     nvrtc, nvdisasm = module._in_site_packages("lib", "libnvrtc.so.13"), module._default_nvdisasm()
     if nvrtc is None or nvdisasm is None:
         pytest.skip("no libnvrtc / nvdisasm wheels here: the real compilation is not run")
     assert module.main(["fused_channels_last<float, int>", "--listing", str(tmp_path / "sass.txt")]) == 0
     out = capsys.readouterr().out
     assert "fused_channels_last<float, int> (sm_90):" in out and "LDG" in (tmp_path / "sass.txt").read_text()
+    # this tree against itself: every kernel the same
+    assert module.main(["fused_channels_last<float, int>", "fused_store<float, int>", "--same-as", str(REPO)]) == 0
+    assert f"2 of 2 the same as {REPO}'s" in capsys.readouterr().out
 
 
 def test_module_entry_point_runs_as_subprocess(tmp_path):
