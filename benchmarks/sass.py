@@ -146,7 +146,7 @@ def main(argv=None) -> int:
         folder = Path(args.same_as) / "cuda"
         if not (folder / args.source).is_file():
             parser.error(f"--same-as: no {folder / args.source}")
-        other = "\n".join(cuda._inline(folder, args.source, set())) + "\n"
+        other = cuda.source_text(args.source, folder)
     options = tuple(cuda.compile_options()) + (f"-arch={args.arch}",)
     listings, differ = [], 0
     for name in args.names:

@@ -167,15 +167,20 @@ def _inline(folder: Path, name: str, seen: set) -> list:
     return lines
 
 
+def source_text(name: str, folder=None) -> str:
+    """The CUDA source ``name`` of ``folder`` (default: the package's ``cuda/``) with its local
+    headers inlined (#line directives kept), as NVRTC compiles it; read each call."""
+    return "\n".join(_inline(cuda_source_dir() if folder is None else Path(folder), name, set())) + "\n"
+
+
 _module_texts = {}
 
 
 def module_text(name: str) -> str:
-    """The module text of the CUDA source ``name``: the file with its local headers inlined
-    (#line directives kept), read once."""
+    """The module text of the CUDA source ``name`` (:func:`source_text`), read once."""
     text = _module_texts.get(name)
     if text is None:
-        text = _module_texts[name] = "\n".join(_inline(cuda_source_dir(), name, set())) + "\n"
+        text = _module_texts[name] = source_text(name)
     return text
 
 
@@ -183,7 +188,7 @@ def module_source() -> str:
     """The full module text: ``deform_conv.cu`` with its local headers inlined."""
     global _source_text
     if _source_text is None:
-        _source_text = "\n".join(_inline(cuda_source_dir(), _MAIN_SOURCE, set())) + "\n"
+        _source_text = source_text(_MAIN_SOURCE)
     return _source_text
 
 
@@ -974,7 +979,7 @@ _CHANNEL_SUM_BLOCK = 512
 
 def channel_sum_source() -> str:
     """The bias-gradient module: the common header and ``channel_sum``."""
-    return "\n".join(_inline(cuda_source_dir(), "dcn_common.cuh", set())) + "\n" + _CHANNEL_SUM_SOURCE
+    return source_text("dcn_common.cuh") + _CHANNEL_SUM_SOURCE
 
 
 def channel_sum_kernel(dtype):
