@@ -277,6 +277,50 @@ def test_sass_counts_opcodes_and_names_what_is_missing(tmp_path, capsys):
     assert f"2 of 2 the same as {REPO}'s" in capsys.readouterr().out
 
 
+def test_ncu_source_sums_a_hand_written_export(tmp_path, capsys):
+    """benchmarks/ncu_source.py: a source-page export of three kernels, the first and third of the
+    same SASS (one kernel launched twice: added up), read per opcode, stall reason and instruction."""
+    module = _bench.load_script(REPO / "benchmarks" / "ncu_source.py", "_test_ncu_source")
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
+              "Instructions Executed", "stall_long_sb", "stall_wait", "stall_long_sb (Not Issued)"]
+    sass = [("0x10", "LDG.E.U16.CONSTANT R8, desc[UR12][R10.64]", "2", "4", "1,000", "0", "2", "9"),
+            ("0x20", "@P0 HADD2.F32 R8, -RZ, R8.H0_H0", "30", "25", "1,000", "28", "2", "9"),
+            ("0x30", "  IMAD.MOV.U32 R9, RZ, RZ, R8", "8", "1", "3,000", "1", "7", "9")]
+    rows = [["void kernel_a<float>(float *)"], header, *map(list, sass),
+            ["void kernel_b()"], header, ["0x10", "EXIT", "0", "0", "10", "0", "0", "0"],
+            ["void kernel_a<float>(float *)"], header, *map(list, sass)]
+    found = module.kernels(rows)
+    assert [k["title"] for k in found] == ["void kernel_a<float>(float *)", "void kernel_b()",
+                                          "void kernel_a<float>(float *)"]
+    assert [len(k["rows"]) for k in found] == [3, 1, 3]
+    groups = module.merged(found)
+    assert [numbers for numbers, _ in groups] == [[1, 3], [2]]
+    text = module.summary(groups[0][1], top=2)
+    lines = text.splitlines()
+    assert lines[0] == ("void kernel_a<float>(float *): 3 SASS instructions, 10,000 warp instructions "
+                        "executed, 80 stall samples")
+    # per opcode, the most sampled first: HADD2 60 of 80 samples, IMAD 16, LDG 4 left out by --top 2
+    assert lines[2].split() == ["HADD2", "2,000", "20.0", "60", "75.0"]
+    assert lines[3].split() == ["IMAD", "6,000", "60.0", "16", "20.0"]
+    assert lines[4] == "  stall reasons: long_sb 72.5%, wait 27.5%"   # the Not Issued column left out
+    assert lines[6].split()[:4] == ["1", "2,000", "60", "long_sb:56"] and lines[6].endswith("R8.H0_H0")
+    assert lines[7].split()[0] == "2" and len(lines) == 8
+    path = tmp_path / "source.csv"
+    path.write_text("\n".join(",".join(f'"{cell}"' for cell in row) for row in rows) + "\n")
+    assert module.main([str(path), "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("kernel 1 + 3, void kernel_a") == 1 and "kernel 2, void kernel_b(): 1 SASS" in out
+    assert "LDG.E.U16.CONSTANT" in out
+    (tmp_path / "empty.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(SystemExit):
+        module.main([str(tmp_path / "empty.csv")])
+    assert "has no source page" in capsys.readouterr().err
+    (tmp_path / "basic.csv").write_text('"Address","Source","Instructions Executed"\n"0x0","EXIT","1"\n')
+    with pytest.raises(SystemExit):
+        module.main([str(tmp_path / "basic.csv")])
+    assert "no column 'Warp Stall Sampling (All Samples)'" in capsys.readouterr().err
+
+
 def test_module_entry_point_runs_as_subprocess(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     command = [sys.executable, "-m", "dcn_cupy", "check", "--device", "cpu", "-k", "mask_sigmoid"]
