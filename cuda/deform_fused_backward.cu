@@ -775,9 +775,8 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
     // contiguous bytes, 8 L1 wavefronts where 32 positions' own vectors took 32 (the loads, not
     // the MMAs, bound this kernel: TF32 twice the vectors of fp16, nearly twice the time); their
     // transposed stores would conflict 2-way (TF32; fp16 4-way) but for the tile's swizzle
-    // (sample_at). Elsewhere positions
-    // run fastest along the threads and each takes CPT consecutive channels, so that no thread's
-    // channels cross a group.
+    // (sample_at). Elsewhere positions run fastest along the threads and each takes CPT
+    // consecutive channels, so that no thread's channels cross a group.
     const int tile0 = grp * Cg + n0;
     const int tile1 = tile0 + BN - 1;
     const bool interleave = n0 + BN <= Cg && (per_go >= channels || tile0 / per_go == tile1 / per_go) &&
