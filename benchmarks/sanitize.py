@@ -30,6 +30,7 @@ Without a CUDA device (or CuPy) it says so and exits with status 0.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import sys
 from pathlib import Path
@@ -185,7 +186,7 @@ def fused_cases(quick: bool = False) -> int:
     from dcn_cupy._backends import cuda_fused as fu
     count = 0
 
-    def run(case, dtype, allow_tf32, poison, tile=None, sampling_plan=None):
+    def run(case, dtype, allow_tf32, poison, tile=None, sampling_plan=None, warp_corners=False):
         arrays = _poisoned(case.arrays_) if poison else dict(case.arrays_)
         with np.errstate(over="ignore"):
             gpu = {k: None if a is None else cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
@@ -201,7 +202,10 @@ def fused_cases(quick: bool = False) -> int:
             if not fu.tile_serves(geom, dtype, tile):
                 return False
             out = cupy.empty(geom.y_shape, dtype=dtype)
-            config = fu.LaunchConfig(geom, dtype, allow_tf32, tile=tile, sampling_plan=sampling_plan)
+            config = fu.LaunchConfig(geom, dtype, allow_tf32, tile=tile, sampling_plan=sampling_plan,
+                                     warp_corners=warp_corners)
+            if warp_corners and not config.warp_corners:
+                return False
             fu.run_forward(config, *(gpu[k] for k in ARGUMENTS), out)
         cupy.cuda.Device().synchronize()
         got = cupy.asnumpy(out).astype(np.float64)
@@ -223,6 +227,9 @@ def fused_cases(quick: bool = False) -> int:
     # every tile (the wgmma ones where the device has wgmma), channel counts that suit them all
     rng = np.random.default_rng(999)
     case = random_case(rng, 2, False, batch=2, channels_scale=64)
+    taps = int(np.prod(case.arrays_["weight"].shape[2:]))
+    one_group = dataclasses.replace(case, label=case.label + " (one offset and mask group)", arrays_=dict(
+        case.arrays_, offset=case.arrays_["offset"][:, :2 * taps], mask=case.arrays_["mask"][:, :taps]))
     for dtype, tf32 in ((np.float16, False), (np.float32, True), (np.float32, False)):
         for tile in fu._tiles(dtype):
             if fu.is_wgmma(tile) and not fu.wgmma_available() or not fu.tile_builds(dtype, 2, tile,
@@ -232,6 +239,10 @@ def fused_cases(quick: bool = False) -> int:
             # a tile that cannot serve the case (ENGINE 3 where a chunk spans groups) is skipped
             for sampling_plan in (False, True) if tile[4] != 2 else (False,):
                 count += run(case, dtype, tf32, poison=True, tile=tile, sampling_plan=sampling_plan)
+            # the warps' corner batches (engines 0 and 3): the case with its first offset and mask
+            # group alone, the one grouping they serve
+            if tile[4] in (0, 3):
+                count += run(one_group, dtype, tf32, poison=True, tile=tile, warp_corners=True)
     if quick:
         return count
     # one-sample chunks of the channels-last copy (a sample is never split) and 64-bit indices

@@ -41,7 +41,12 @@
 // PLAN (16-byte sampler, engines 0 and 1): the corner rows and weights of each (tap, segment of
 // channels sharing an offset and a mask group) are read from the chunk's sampling plan
 // (fused_sampling_plan, fused_common.cuh: plan_rows / plan_weights, segments of seg_len
-// channels), computed once per position instead of by each thread of the position.
+// channels), computed once per position instead of by each thread of the position. PLAN 2
+// (engines 0 and 3, one offset and one mask group): each sampling warp computes its own
+// positions' corners for a batch of taps at once, every lane one (position, tap), into
+// warp-private shared memory, a batch ahead of its samplers, which read them from there: the
+// TPP threads of a position no longer each compute the same corners (PPW = 32 / TPP positions a
+// warp, TPP taps a batch; the offsets and mask of the next batch are prefetched).
 //
 // Template parameters: T storage type, I index type (int or long long), N spatial dims,
 // PREC (0: T's own tensor-core format; 1: TF32; 2: 3xTF32), the tile BM x BN x BK, MINB (blocks
@@ -299,7 +304,7 @@ __global__ void fused_weight_tiles(const T* __restrict__ w, T* __restrict__ wt, 
 }
 
 template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool UNIFORM, int ENGINE,
-          int DEPTH = 1, int THREADS = fused::THREADS, bool PLAN = false>
+          int DEPTH = 1, int THREADS = fused::THREADS, int PLAN = 0>
 __global__ void __launch_bounds__(THREADS, MINB)
 deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const T* __restrict__ offset,
                      const T* __restrict__ mask, const T* __restrict__ bias, T* __restrict__ y,
@@ -339,6 +344,10 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     static_assert(ENGINE != 3 || (SAMPLERS >= 128 && DEPTH >= 3 && 2 * DEPTH <= 15),
                   "warp-specialised ring: a warpgroup or more of samplers, 3 to 7 stages, 2 named barriers a stage");
     static_assert(!PLAN || (UNIFORM && ENGINE != 2), "the sampling plan: 16-byte sampler, engines 0 and 1");
+    constexpr bool WARP_CORNERS = PLAN == 2;
+    static_assert(!WARP_CORNERS || ((ENGINE == 0 || ENGINE == 3) && 32 % TPP == 0 && SAMPLERS % 32 == 0),
+                  "corner batches per warp: engines 0 and 3, a warp's lanes a whole number of positions");
+    constexpr int PPW = 32 / TPP;   // (PLAN 2) positions a sampling warp samples; taps a batch: TPP
 
     // Buffers of the weight tile (BM rows of LD; ENGINE 2: DEPTH + 1 of them) and two of the
     // sampled tile (BN rows of LD); ENGINE 2 then the ring of raw corner vectors (DEPTH stages
@@ -354,6 +363,11 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     T* const Bs0 = As0 + A_BUFS * A_BUF;
     uint4* const Raw0 = reinterpret_cast<uint4*>(Bs0 + B_BUFS * B_BUF);
     float* const Wts0 = reinterpret_cast<float*>(Raw0 + (ENGINE == 2 ? DEPTH * NC * NV * THREADS : 0));
+    // PLAN 2: after the tiles (ENGINE 3: its ring), per sampling warp two batches of 32 corner
+    // sets, [warp][batch][lane][corner]: the rows' offsets in xcl (row * Cp, the zero row's for a
+    // corner not read), then (after every warp's) the weights
+    I* const BatchRows0 = reinterpret_cast<I*>(Raw0);
+    float* const BatchWeights0 = reinterpret_cast<float*>(BatchRows0 + SAMPLERS / 32 * 2 * 32 * NC);
 
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
@@ -408,7 +422,9 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     const int ptid = tid - MMA_THREADS;
     const int sn = ptid / TPP;
     const int sh = (ptid % TPP) * (INTERLEAVED ? VEC : CPT);
-    const I sp = p0 + sn;
+    // the position whose offsets and mask this thread reads: its sampling position, or (PLAN 2)
+    // position lane % PPW of its warp's, whose corners it computes for tap lane / PPW of a batch
+    const I sp = p0 + (WARP_CORNERS ? (ptid >> 5) * PPW + (lane % PPW) : sn);
     const bool svalid = sp < BQ;
     int qc[N];
     const T* off_q = nullptr;
@@ -429,11 +445,11 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     // PLAN: the corners of (tap, segment) come from the chunk's sampling plan (fused_sampling_plan)
     // instead of the offsets and mask; the sampler's key is (tap, segment), its prefetch (a step
     // ahead) the plan entry itself. A uniform thread's channels lie in one segment.
-    [[maybe_unused]] I plan_row[PLAN ? NC : 1];
-    [[maybe_unused]] float plan_weight[PLAN ? NC : 1];
+    [[maybe_unused]] I plan_row[PLAN == 1 ? NC : 1];
+    [[maybe_unused]] float plan_weight[PLAN == 1 ? NC : 1];
     auto plan_segment = [&](int c) { return seg_len >= channels ? 0 : c / seg_len; };
     auto plan_fetch = [&](int t, int seg) {
-        if constexpr (PLAN) {
+        if constexpr (PLAN == 1) {
             const I e = (((I)seg * K + t) * BQ + sp) * NC;
             fused::load_words(plan_rows + e, plan_row);
             fused::load_words(plan_weights + e, plan_weight);
@@ -457,9 +473,57 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             return;
         }
         if (!(t == smp.pf_t && seg == smp.pf_go)) plan_fetch(t, seg);
-        if constexpr (PLAN) {
+        if constexpr (PLAN == 1) {
 #pragma unroll
             for (int k = 0; k < NC; ++k) { smp.row[k] = plan_row[k]; smp.weight[k] = plan_weight[k]; }
+        }
+    };
+
+    // PLAN 2: the warp's corner batches. Keys (the tap: one offset and one mask group) are counted
+    // in step order: taps outer, key k is tap k; taps inner, key k is step k, tap k % K. Batch b
+    // holds keys b * TPP ..., lane l the corners of key b * TPP + l / PPW at position l % PPW of
+    // the warp's, in slot b & 1. A sampler reaching the first key of batch b has the warp compute
+    // batch b + 1 (its offsets and mask prefetched when batch b was computed) into the other slot,
+    // whose last reads (batch b - 1) are behind it; __syncwarp orders the lanes' reads and writes.
+    [[maybe_unused]] fused::Sampler<I, N> batch_smp;
+    batch_smp.reset();
+    [[maybe_unused]] const int keys = taps_inner ? steps : K;
+    [[maybe_unused]] int batch_key = -1;   // the sampler's last key
+    auto key_tap = [&](int k) { return taps_inner ? k % K : k; };
+    auto corner_batch = [&](int b) {
+        if constexpr (WARP_CORNERS) {
+            __syncwarp();
+            const int k = b * TPP + lane / PPW;
+            if (k < keys) {
+                batch_smp.update(key_tap(k), 0, 0, svalid, g, qc, off_q, msk_q, K, Q, sample_row);
+                I at[NC];
+#pragma unroll
+                for (int c = 0; c < NC; ++c) at[c] = (batch_smp.row[c] >= 0 ? batch_smp.row[c] : zero_row) * Cp;
+                const int e = (((ptid >> 5) * 2 + (b & 1)) * 32 + lane) * NC;
+                fused::store_words(BatchRows0 + e, at);
+                fused::store_words(BatchWeights0 + e, batch_smp.weight);
+                if (k + TPP < keys) batch_smp.prefetch(key_tap(k + TPP), 0, 0, svalid, off_q, msk_q, K, Q);
+            }
+            __syncwarp();
+        }
+    };
+    // PLAN 2: this sampler's corners of `step` (row offsets into smp.row), and its warp's next
+    // batch where `step` starts one.
+    auto corner_read = [&](int step, bool past_group) {
+        if constexpr (WARP_CORNERS) {
+            const int k = taps_inner ? step : step_tap(step);
+            if (k != batch_key) {
+                batch_key = k;
+                if (k % TPP == 0 && k + TPP < keys) corner_batch(k / TPP + 1);
+            }
+            if (past_group) {   // channels past the group's: the zero row, weight 0
+#pragma unroll
+                for (int c = 0; c < NC; ++c) { smp.row[c] = zero_row * Cp; smp.weight[c] = 0.0f; }
+                return;
+            }
+            const int e = (((ptid >> 5) * 2 + ((k / TPP) & 1)) * 32 + (k % TPP) * PPW + lane / TPP) * NC;
+            fused::load_words<false>(BatchRows0 + e, smp.row);
+            fused::load_words<false>(BatchWeights0 + e, smp.weight);
         }
     };
 
@@ -557,7 +621,10 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             // channels past the group's (a partial last chunk): every corner the zero row, so
             // that the blend reads loaded registers (weight 0 times stale bits could be NaN)
             int cabs = 0;
-            if (cl >= Cg) {
+            if constexpr (WARP_CORNERS) {
+                cabs = cl >= Cg ? 0 : grp * Cg + cl;
+                corner_read(step, cl >= Cg);
+            } else if (cl >= Cg) {
                 smp.clear();
             } else {
                 cabs = grp * Cg + cl;
@@ -573,12 +640,12 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 // a corner not read loads the zero row instead (weight 0): no branch, no
                 // divergence (4-7% faster than skipping it, NOTES-gpu.md fused4)
                 const uint4* src = reinterpret_cast<const uint4*>(
-                    xcl + (smp.row[c] >= 0 ? smp.row[c] : zero_row) * Cp + cabs);
+                    xcl + (WARP_CORNERS ? smp.row[c] : (smp.row[c] >= 0 ? smp.row[c] : zero_row) * Cp) + cabs);
 #pragma unroll
                 for (int v = 0; v < NV; ++v) raw[c][v] = __ldg(src + v * VSTRIDE);
             }
-            // the offset and mask of the step after, if they change then
-            if (step + 1 < steps) {
+            // the offset and mask of the step after, if they change then (PLAN 2: the warp's batches)
+            if (!WARP_CORNERS && step + 1 < steps) {
                 const int t2 = step_tap(step + 1);
                 const int cl2 = step_chunk(step + 1) * BK + sh;
                 if (cl2 < Cg) {
@@ -693,7 +760,8 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         corner_blend(0);
         __syncthreads();
     } else if constexpr (ENGINE != 3) {
-        // Prologue: step 0 into buffer 0.
+        // Prologue: step 0 into buffer 0 (PLAN 2: the warp's first corner batch before).
+        corner_batch(0);
         weight_copy(0, 0);
         sample_load(0);
         sample_store(0);
@@ -871,6 +939,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                               &weight_full[stage]);
                 };
                 weight_bulk(0, 0);
+                corner_batch(0);
                 if (SAMPLE) sample_load(0);
                 for (int s = 0; s < steps; ++s) {
                     const bool more = s + 1 < steps;

@@ -330,18 +330,23 @@ __device__ __forceinline__ void store_words(X* dst, const X (&v)[COUNT]) {
     }
 }
 
-template <typename X, int COUNT>
+// (GLOBAL: through the read-only cache, src in global memory; else a plain load, e.g. shared)
+template <bool GLOBAL = true, typename X, int COUNT>
 __device__ __forceinline__ void load_words(const X* src, X (&v)[COUNT]) {
     constexpr int PER = sizeof(X) / 4, WORDS = COUNT * PER;
     static_assert(WORDS % 4 == 0 || WORDS == 2, "8- or 16-byte words");
     unsigned w[WORDS];
     if constexpr (WORDS == 2) {
-        const uint2 r = __ldg(reinterpret_cast<const uint2*>(src));
+        const uint2* p = reinterpret_cast<const uint2*>(src);
+        uint2 r;
+        if constexpr (GLOBAL) r = __ldg(p); else r = *p;
         w[0] = r.x; w[1] = r.y;
     } else {
 #pragma unroll
         for (int k = 0; k < WORDS / 4; ++k) {
-            const uint4 r = __ldg(reinterpret_cast<const uint4*>(src) + k);
+            const uint4* p = reinterpret_cast<const uint4*>(src) + k;
+            uint4 r;
+            if constexpr (GLOBAL) r = __ldg(p); else r = *p;
             w[4 * k] = r.x; w[4 * k + 1] = r.y; w[4 * k + 2] = r.z; w[4 * k + 3] = r.w;
         }
     }

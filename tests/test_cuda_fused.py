@@ -117,8 +117,8 @@ def test_fused_source_defines_exactly_the_instantiated_kernels():
     defined = set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(", source))
     for key in fused.all_module_keys():
         assert {name.split("<", 1)[0] for name in fused.name_expressions(*key)} == defined
-        # ..., UNIFORM, ENGINE[, DEPTH[, THREADS[, PLAN]]]>
-        assert all(re.search(rf", (true|false), {key[3]}(, [1-9](, (256|384|512|640)(, true)?)?)?>$", name)
+        # ..., UNIFORM, ENGINE[, DEPTH[, THREADS[, PLAN: 1 the sampling plan, 2 the warps' corner batches]]]>
+        assert all(re.search(rf", (true|false), {key[3]}(, [1-9](, (256|384|512|640)(, [12])?)?)?>$", name)
                    for name in fused.name_expressions(*key) if name.startswith("deform_fused_forward"))
 
 
@@ -219,7 +219,7 @@ def test_sampling_plan_rule():
     on = fused.LaunchConfig(g, np.float16, False, 132, tile=tile, sampling_plan=True)
     assert not off.sampling_plan and on.sampling_plan and "sampling plan" in on.description
     assert on.workspace_bytes >= off.workspace_bytes + 8 * 56 * 56 * 9 * 4 * 8   # 8 bytes per corner
-    assert fused.kernel_name(np.float16, False, 2, 0, tile, True, True).endswith(", 0, 1, 256, true>")
+    assert fused.kernel_name(np.float16, False, 2, 0, tile, True, True).endswith(", 0, 1, 256, 1>")
     # per-channel sampling (a thread's channels cross a group: C/G_o = 12) and too many segments: none
     g12 = _geom((2, 24, 8, 8), (16, 24, 3, 3), (2, 2 * 18, 8, 8), (2, 9, 8, 8), padding=1)
     c = fused.LaunchConfig(g12, np.float16, False, 132, sampling_plan=True)
@@ -530,13 +530,50 @@ def test_sampling_plan_gives_the_corners_each_thread_computes(ndim):
                     assert relative_error(planned, expected) < TOL[precision], label
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_warp_corner_batches_give_the_corners_each_thread_computes(ndim):
+    """The forward with its corners from its warps' batches equals (bitwise) the forward whose
+    threads compute their own, for every engine-0 and engine-3 tile, both step orders, every
+    precision, with and without offsets / mask: kernels of 3^N taps (batches of 2, 4 or 8 taps,
+    the last partial), 1 tap, and in 2D 1x2 (taps inner: the same tap again in a lane's next
+    batch); a partial last channel chunk (96 channels, 64 a step); and both match the reference."""
+    fused = _fused()
+    rng = np.random.default_rng(90 + ndim)
+    kernels = [(3,) * ndim, (1,) * ndim] + ([(1, 2)] if ndim == 2 else [])
+    served = 0
+    for kernel in kernels:
+        for c_in, offset, mask in ((128, True, True), (64, False, True), (96, True, False)):
+            arrays, params = wide_case(rng, ndim, groups=1, offset_groups=1, mask_groups=1, c_in=c_in, c_out=64,
+                                       batch=3, offset=offset, mask=mask, kernel=kernel)
+            for precision in PRECISIONS:
+                if precision == "float32" and c_in != 64:
+                    continue   # (3xTF32's tolerance is set for 64 channels)
+                for tile in fused._tiles(DTYPE[precision]):
+                    if tile[4] not in (0, 3) or not tile_runs(tile, precision) or not serves(arrays, params, precision, tile):
+                        continue
+                    for taps_inner in (True, False):
+                        batched, expected, config = run_fused_tile(arrays, params, precision, tile, taps_inner,
+                                                                   False, True)
+                        if not config.warp_corners:
+                            continue
+                        served += 1
+                        assert "corners a batch of taps ahead per warp" in config.description
+                        own, _, config = run_fused_tile(arrays, params, precision, tile, taps_inner, False, False)
+                        assert not config.warp_corners
+                        label = (precision, tile, taps_inner, kernel, c_in, offset, mask)
+                        assert np.array_equal(batched, own), label
+                        assert relative_error(batched, expected) < TOL[precision], label
+    assert served
+
+
 def serves(arrays, params, precision, tile) -> bool:
     """Whether ``tile`` can compute this case (ENGINE 3 needs each step's chunk in one group)."""
     geom = _case_geom(arrays, params)
     return _fused().tile_serves(geom, DTYPE[precision], tile)
 
 
-def run_fused_tile(arrays, params, precision, tile, taps_inner=True, sampling_plan=None):
+def run_fused_tile(arrays, params, precision, tile, taps_inner=True, sampling_plan=None, warp_corners=False):
     cupy = _cupy()
     fused = _fused()
     dtype = DTYPE[precision]
@@ -544,7 +581,7 @@ def run_fused_tile(arrays, params, precision, tile, taps_inner=True, sampling_pl
     rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
     geom = _case_geom(arrays, params)
     config = fused.LaunchConfig(geom, dtype, precision == "tf32", tile=tile, taps_inner=taps_inner,
-                                sampling_plan=sampling_plan)
+                                sampling_plan=sampling_plan, warp_corners=warp_corners)
     out = cupy.full(geom.y_shape, np.nan, dtype=dtype)
     fused.run_forward(config, dev["input"], dev["weight"], dev["offset"], dev["mask"], dev["bias"], out)
     return cupy.asnumpy(out).astype(np.float64), reference.deform_conv(**rounded, **params), config
@@ -713,11 +750,12 @@ def test_tuner_times_each_tile_with_and_without_the_sampling_plan(monkeypatch):
     than a sample's copy (C_in = 64 in float16); only the plan where SAMPLING_PLAN forces it on."""
     _cupy()
     fused = _fused()
-    timed = []
+    timed, warps = [], []
 
     def record(configs, args, out, rounds=2, repeats=2):
         timed.append([(config.sampling_plan, config.chunk, config.uniform and config.tile[4] != 2)
                       for config in configs])
+        warps.append([config.warp_corners for config in configs])
         return [1.0 + i for i in range(len(configs))]   # the first candidate wins
 
     monkeypatch.setattr(fused, "_time_configs", record)
@@ -731,6 +769,7 @@ def test_tuner_times_each_tile_with_and_without_the_sampling_plan(monkeypatch):
     assert {plan for plan, _, _ in timed[0]} == {False, True}
     assert {n for plan, n, _ in timed[0] if plan} == {3} and {n for plan, n, _ in timed[0] if not plan} == {8}
     assert all(serves for plan, _, serves in timed[0] if plan)
+    assert any(warps[0])   # the warps' corner batches too, where they serve (one offset and mask group)
     monkeypatch.setattr(fused, "SAMPLING_PLAN", True)
     monkeypatch.setattr(fused, "_tuned", {})
     fused.plan_config(narrow, np.float16, False)

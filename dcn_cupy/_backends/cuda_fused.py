@@ -192,15 +192,23 @@ BLOCK_SMEM_RESERVE = 2 * 1024
 MAX_DEPTH = 4
 
 
-def smem_bytes(dtype, ndim: int, tile: tuple, depth: int = 0, precision: int = 0) -> int:
+def warp_corner_bytes(ndim: int, tile: tuple, index64: bool) -> int:
+    """Shared memory of the sampling warps' corner batches (PLAN 2): per sampling warp two
+    batches of 32 corner sets (a lane's), 2^N corners each, a row offset (4 or 8 bytes) and a
+    float32 weight a corner."""
+    return tile_samplers(tile) // 32 * 2 * 32 * (1 << ndim) * ((8 if index64 else 4) + 4)
+
+
+def smem_bytes(dtype, ndim: int, tile: tuple, depth: int = 0, precision: int = 0, table: int = 0) -> int:
     """Dynamic shared memory of a tile (engine 2: with a ring of ``depth`` corner stages; engine 3: its
-    ring of ``depth`` stages of weight and sampled tiles, big and small parts of each in 3xTF32)."""
+    ring of ``depth`` stages of weight and sampled tiles, big and small parts of each in 3xTF32),
+    plus ``table`` bytes of the sampling warps' corner batches (engines 0 and 3)."""
     bm, bn, bk, _, engine = tile[:5]
     item, vec = np.dtype(dtype).itemsize, _VEC[np.dtype(dtype)]
     if engine == 3:
-        return depth * (2 if precision == 2 else 1) * (bm + bn) * bk * item
+        return depth * (2 if precision == 2 else 1) * (bm + bn) * bk * item + table
     if engine != 2:
-        return 2 * (bm + bn) * (bk + (vec if engine == 0 else 0)) * item
+        return 2 * (bm + bn) * (bk + (vec if engine == 0 else 0)) * item + table
     return ((depth + 1) * bm + 2 * bn) * (bk + vec) * item + depth * (1 << ndim) * (bn * bk * item + _THREADS * 4)
 
 
@@ -217,14 +225,16 @@ def pipeline_depth(dtype, ndim: int, tile: tuple, precision: int = 0) -> int:
                 if smem_bytes(dtype, ndim, tile, d, precision) <= budget), default=0)
 
 
-def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, uniform: bool, plan: bool = False) -> str:
+def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, uniform: bool, plan: int = 0) -> str:
+    """The forward kernel's name expression; ``plan`` its PLAN: 0 each sampling thread computes its
+    corners, 1 from the sampling plan in global memory, 2 from its warp's corner batches."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
     bm, bn, bk, minb, engine = tile[:5]
     threads = tile_threads(tile)
     depth = pipeline_depth(dtype, ndim, tile, prec)
     if plan:
-        rest = f", {depth}, {threads}, true"
+        rest = f", {depth}, {threads}, {int(plan)}"
     else:
         rest = f", {depth}" if engine in (2, 3) else (", 1" if threads != _THREADS else "")
         rest += f", {threads}" if threads != _THREADS else ""
@@ -240,10 +250,10 @@ def name_expressions(dtype, ndim: int, index64: bool, engine: int = 0) -> tuple:
     i = "long long" if index64 else "int"
     names = [kernel_name(dtype, index64, ndim, prec, tile, uniform, plan)
              for prec in _precisions(dtype) for tile in _tiles(dtype, index64) for uniform in (True, False)
-             for plan in (False, True)
+             for plan in (0, 1, 2)
              if tile[4] == engine and tile_builds(dtype, ndim, tile, prec)
              and (uniform or tile == _per_channel_tile(dtype, engine))
-             and not (plan and (not uniform or engine == 2))]
+             and not (plan and (not uniform or engine == 2)) and not (plan == 2 and engine not in (0, 3))]
     names += [f"fused_channels_last<{t}, {i}>", f"fused_weight_rows<{t}, {i}>", f"fused_weight_tiles<{t}, {i}>",
               f"fused_sampling_plan<{t}, {i}, {ndim}>"]
     names += [f"fused_columns<{t}, {i}, {ndim}, {vectors}>" for vectors in COLUMN_VECTORS]
@@ -404,6 +414,14 @@ def plan_segments(geom) -> tuple:
     return seg_len, C // seg_len
 
 
+def _warp_corners_serve(geom, tile) -> bool:
+    """Whether the sampling warps' corner batches (PLAN 2) can serve: engines 0 and 3, one offset
+    and one mask group (a position's corners depend on the tap alone), and a power-of-two count of
+    sampling threads a position that divides a warp."""
+    tpp = tile_samplers(tile) // tile[1]
+    return tile[4] in (0, 3) and plan_segments(geom)[1] == 1 and 1 <= tpp <= 32 and 32 % tpp == 0
+
+
 def _uniform(geom, tile) -> bool:
     """Whether ``tile``'s threads each sample a channel slice within one segment (16-byte vectors);
     ENGINE 3 interleaves its threads' vectors over the step's chunk: the whole chunk."""
@@ -477,7 +495,7 @@ class LaunchConfig:
     """
 
     def __init__(self, geom, dtype, allow_tf32: bool, multiprocessors: int = 132, tile=None, wgmma=False,
-                 taps_inner: bool = False, sampling_plan=None):
+                 taps_inner: bool = False, sampling_plan=None, warp_corners: bool = False):
         dtype = np.dtype(dtype)
         if dtype not in _VEC:
             raise ValueError(f"cuda/fused serves float16, bfloat16 and float32, got {dtype}")
@@ -531,12 +549,16 @@ class LaunchConfig:
             raise ValueError(f"tile {self.tile} has no per-channel sampler; this geometry needs one "
                              f"(the per-channel tile is {_per_channel_tile(dtype, engine)})")
         self.sampling_plan = wanted and self.uniform and engine != 2
+        # the sampling warps' corner batches instead, where asked and they serve
+        self.warp_corners = bool(warp_corners) and not self.sampling_plan and self.uniform and \
+            _warp_corners_serve(geom, self.tile)
         self.plan_elems = n * self.Q * plan_entries if self.sampling_plan else 0
         self.m_tiles = -(-self.Cog // bm)
         self.depth = pipeline_depth(dtype, geom.ndim, self.tile, self.precision)
         if not self.depth:
             raise ValueError(f"tile {self.tile} does not fit shared memory for {geom.ndim}-d sampling")
-        self.smem_bytes = smem_bytes(dtype, geom.ndim, self.tile, self.depth, self.precision)
+        table = warp_corner_bytes(geom.ndim, self.tile, self.index64) if self.warp_corners else 0
+        self.smem_bytes = smem_bytes(dtype, geom.ndim, self.tile, self.depth, self.precision, table)
         # the weights' re-layout: ENGINE 3 whole tiles of BM rows (one bulk copy each; in 3xTF32
         # each tile's big parts, then its small parts); else rows
         self.weight_kernel = "fused_weight_tiles" if engine == 3 else "fused_weight_rows"
@@ -559,7 +581,8 @@ class LaunchConfig:
                        f"warp-specialised wgmma, {self.depth}-stage ring")[engine]
         return (f"cuda/fused: {prec} {engine_name}, tile {bm}x{bn}x{bk} ({self.threads} threads), "
                 f"{'16-byte vector' if self.uniform else 'per-channel'} sampling"
-                f"{' from a sampling plan' if self.sampling_plan else ''}, "
+                f"{' from a sampling plan' if self.sampling_plan else ''}"
+                f"{', corners a batch of taps ahead per warp' if self.warp_corners else ''}, "
                 f"taps {'inner' if self.taps_inner else 'outer'}, "
                 f"chunks of {self.chunk} samples, {'64' if self.index64 else '32'}-bit index")
 
@@ -572,7 +595,7 @@ class LaunchConfig:
         i = "long long" if self.index64 else "int"
         if name == "forward":
             expr = kernel_name(self.dtype, self.index64, g.ndim, self.precision, self.tile, self.uniform,
-                               self.sampling_plan)
+                               2 if self.warp_corners else int(self.sampling_plan))
             fn = _function(expr, self.dtype, g.ndim, self.index64, self.tile[4])
             # static shared memory (ENGINE 3's mbarriers) counts towards the 48 KiB allowed
             # without the attribute: it is set for any dynamic size
@@ -788,7 +811,7 @@ def _time_versus(g, dtype, allow_tf32: bool, config) -> tuple:
     """(fused ms, im2col ms) of one batch chunk ``g`` (:func:`fused_versus_im2col`)."""
     args, out = _random_arguments(g, dtype)
     fused = LaunchConfig(g, dtype, allow_tf32, _multiprocessors(), tile=config.tile, taps_inner=config.taps_inner,
-                         sampling_plan=config.sampling_plan)
+                         sampling_plan=config.sampling_plan, warp_corners=config.warp_corners)
     fused_ws = cupy.empty(fused.workspace_bytes, dtype=np.uint8)
     im2col = _cuda._Forward(_cuda._spec(g, dtype, allow_tf32))
     im2col_ws = cupy.empty(im2col.workspace_bytes, dtype=np.uint8)
@@ -813,29 +836,34 @@ def plan_config(geom, dtype, allow_tf32: bool) -> LaunchConfig:
     choice = _tuned.get(key)
     if choice is not None:
         return LaunchConfig(geom, dtype, allow_tf32, sms, tile=choice[0], taps_inner=choice[1],
-                            sampling_plan=choice[2])
+                            sampling_plan=choice[2], warp_corners=choice[3])
     if not TUNE or _capturing():
         return static
     with private_pool():
         choice = _tuned[key] = _fastest_choice(geom, dtype, allow_tf32, static, sms, wgmma)
-    return LaunchConfig(geom, dtype, allow_tf32, sms, tile=choice[0], taps_inner=choice[1], sampling_plan=choice[2])
+    return LaunchConfig(geom, dtype, allow_tf32, sms, tile=choice[0], taps_inner=choice[1], sampling_plan=choice[2],
+                        warp_corners=choice[3])
 
 
 def _fastest_choice(geom, dtype, allow_tf32: bool, static, sms: int, wgmma: bool) -> tuple:
-    """(tile, taps_inner, sampling_plan) of the candidate whose forward of one batch chunk is
-    fastest (with and without the sampling plan where it can serve, unless SAMPLING_PLAN forces it
-    on or off; with the plan, that chunk may take several of the plan's smaller chunks)."""
+    """(tile, taps_inner, sampling_plan, warp_corners) of the candidate whose forward of one batch
+    chunk is fastest: each tile with its threads' own corners, from the sampling plan where it can
+    serve, and from its warps' corner batches where they serve (unless SAMPLING_PLAN forces the
+    plan on or off; with the plan, that chunk may take several of the plan's smaller chunks)."""
     g = geom.with_batch(static.chunk)
     args, out = _random_arguments(g, dtype)
     orders = (True, False) if g.kernel_volume > 1 and g.in_channels_per_group > 32 else (True,)
     forced = SAMPLING_PLAN is not None   # forced on: wherever the tile can serve it (LaunchConfig)
-    plans = (bool(SAMPLING_PLAN),) if forced else (False, True)
-    choices = [(tile, taps_inner, plan)
+    sources = ((bool(SAMPLING_PLAN), False),) if forced else ((False, False), (True, False), (False, True))
+    choices = [(tile, taps_inner, plan, warp)
                for tile in _candidates(geom, dtype, wgmma, static.index64, static.precision)
-               for taps_inner in orders for plan in plans
-               if not plan or forced or (_uniform(geom, tile) and tile[4] != 2 and plan_segments(geom)[1] <= MAX_PLAN_SEGMENTS)]
-    configs = [LaunchConfig(g, dtype, allow_tf32, sms, tile=tile, taps_inner=taps_inner, sampling_plan=plan)
-               for tile, taps_inner, plan in choices]
+               for taps_inner in orders for plan, warp in sources
+               if (not plan or forced or (_uniform(geom, tile) and tile[4] != 2
+                                          and plan_segments(geom)[1] <= MAX_PLAN_SEGMENTS))
+               and (not warp or (_uniform(geom, tile) and _warp_corners_serve(geom, tile)))]
+    configs = [LaunchConfig(g, dtype, allow_tf32, sms, tile=tile, taps_inner=taps_inner, sampling_plan=plan,
+                            warp_corners=warp)
+               for tile, taps_inner, plan, warp in choices]
     # 3 rounds of 3 (a pick of one run of gpu.py was 1.5x the best candidate with 2 of 2)
     times = _time_configs(configs, args, out, rounds=3, repeats=3)
     cupy.cuda.get_current_stream().synchronize()
