@@ -492,6 +492,9 @@ class LaunchConfig:
     ``uniform``: the 16-byte-vector sampler; ``precision``: 0 (fp16/bf16), 1 (TF32) or
     2 (3xTF32); ``chunk``: samples per channels-last copy; ``index64``: 64-bit indices.
     ``wgmma``: whether the device runs the sm_90a kernels (None: ask the current device).
+    ``sampling_plan``: the corners from the chunk's sampling plan (None: the rule,
+    ``SAMPLING_PLAN``); ``warp_corners``: from the sampling warps' corner batches (``PLAN`` 2),
+    where asked and they serve (engines 0 and 3, one offset and one mask group, no sampling plan).
     """
 
     def __init__(self, geom, dtype, allow_tf32: bool, multiprocessors: int = 132, tile=None, wgmma=False,
