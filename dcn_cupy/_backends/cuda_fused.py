@@ -837,15 +837,14 @@ def plan_config(geom, dtype, allow_tf32: bool) -> LaunchConfig:
     static = LaunchConfig(geom, dtype, allow_tf32, sms, wgmma=wgmma)
     key = (cupy.cuda.runtime.getDevice(), geom, dtype.str, static.precision)
     choice = _tuned.get(key)
-    if choice is not None:
-        return LaunchConfig(geom, dtype, allow_tf32, sms, tile=choice[0], taps_inner=choice[1],
-                            sampling_plan=choice[2], warp_corners=choice[3])
-    if not TUNE or _capturing():
-        return static
-    with private_pool():
-        choice = _tuned[key] = _fastest_choice(geom, dtype, allow_tf32, static, sms, wgmma)
-    return LaunchConfig(geom, dtype, allow_tf32, sms, tile=choice[0], taps_inner=choice[1], sampling_plan=choice[2],
-                        warp_corners=choice[3])
+    if choice is None:
+        if not TUNE or _capturing():
+            return static
+        with private_pool():
+            choice = _tuned[key] = _fastest_choice(geom, dtype, allow_tf32, static, sms, wgmma)
+    tile, taps_inner, sampling_plan, warp_corners = choice
+    return LaunchConfig(geom, dtype, allow_tf32, sms, tile=tile, taps_inner=taps_inner, sampling_plan=sampling_plan,
+                        warp_corners=warp_corners)
 
 
 def _fastest_choice(geom, dtype, allow_tf32: bool, static, sms: int, wgmma: bool) -> tuple:
