@@ -136,6 +136,38 @@ def test_weight_splits_fill_whole_waves(monkeypatch):
     assert config.splits == fb.weight_splits(config.weight_tiles, steps, config.weight_tile[3] * 132)
 
 
+def test_weight_gradient_through_im2col_only_where_clearly_faster(monkeypatch):
+    """The fused backward keeps its own weight gradient (no columns buffer) unless cuda/im2col's
+    measured faster than WEIGHT_COLUMNS_MARGIN of its time, per use (all gradients in one call, or
+    split as a transposed convolution uses them); the times it reports are those of its choice."""
+    import contextlib
+    fb = _backward_module()
+    geom = _geom(c_in=64, c_out=64, batch=4)
+    margin = fb.WEIGHT_COLUMNS_MARGIN
+    assert 0.5 < margin < 1.0
+    monkeypatch.setattr(fb, "_key", lambda g, d, t: ("device", g, np.dtype(d).str, t))
+    monkeypatch.setattr(fb._fused, "TUNE", True)
+    monkeypatch.setattr(fb._fused, "_capturing", lambda: False)
+    monkeypatch.setattr(fb._fused, "private_pool", contextlib.nullcontext)
+    cases = [   # (own, own split), (through, through split) -> chosen (all, split)
+        (((1.0, 2.0), (0.99 * margin, 2.0)), (False, True)),        # all: im2col's clearly faster
+        (((1.0, 2.0), (1.01 * margin, 1.5)), (True, False)),        # all: not clearly; split: clearly
+        (((1.0, 2.0), (1.2, 2.2)), (True, True)),
+        (((math.inf, math.inf), (1.0, 2.0)), (False, False)),        # no weight gradient of its own
+    ]
+    for (own, through), (mine, mine_split) in cases:
+        fb._versus.clear()
+        fb._fused_weight.clear()
+        monkeypatch.setattr(fb, "_time_one_chunk", lambda *a, own=own, through=through: (own, through, (3.0, 4.0)))
+        found = fb.fused_versus_im2col(geom, np.float16, False)
+        assert fb.fused_weight_choice(geom, np.float16, False) is mine
+        assert fb.fused_weight_choice(geom, np.float16, False, transposed=True) is mine_split
+        assert found == ((own if mine else through)[0], 3.0, (own if mine_split else through)[1], 4.0)
+        assert fb.fused_versus_im2col(geom, np.float16, False) is found   # measured once
+    fb._versus.clear()
+    fb._fused_weight.clear()
+
+
 def test_serving_rule_and_segments():
     fb = _backward_module()
     assert fb.unsupported(_geom(), np.float16) is None

@@ -771,6 +771,13 @@ SERVED_DTYPES = _fused.SERVED_DTYPES
 #: backward's weight gradient is its own (else cuda/im2col's): measured once per key.
 _versus = {}
 _fused_weight = {}
+#: The fused backward leaves the weight gradient to cuda/im2col only where that measured faster
+#: than this fraction of its own weight gradient's time: its own needs no columns buffer. At B=8
+#: C256 56x56 the two measured within 3% either way (H200, own / through: fp16 0.974 and 1.004,
+#: TF32 1.004 and 0.999 in two rounds of one process), and the choice flipped between runs, with
+#: the f+b peak between 131 and 275 MiB in fp16 (NOTES-gpu.md, sessions 26 and 27). B=16 C512
+#: 14x14 still takes cuda/im2col's (own 1.31x slower), B=32 C64 56x56 its own (0.73x).
+WEIGHT_COLUMNS_MARGIN = 0.95
 
 
 def _key(geom, dtype, allow_tf32: bool) -> tuple:
@@ -782,9 +789,10 @@ def fused_versus_im2col(geom, dtype, allow_tf32: bool):
     data, the fused backward against cuda/im2col's, timed alike (``cuda_fused._best_times``):
     every gradient in one call (a convolution's backward), and split as a transposed
     convolution uses the backward (the input gradient alone: its forward; then the weight,
-    offset and mask gradients). The fused one takes, per use, the faster of its own weight
-    gradient and cuda/im2col's (kept for the plan: ``fused_weight_choice``). None when tuning is
-    off or a CUDA graph is being captured. Cached per device, geometry, dtype and precision."""
+    offset and mask gradients). The fused one takes, per use, its own weight gradient unless
+    cuda/im2col's measured faster than ``WEIGHT_COLUMNS_MARGIN`` of its time (kept for the plan:
+    ``fused_weight_choice``). None when tuning is off or a CUDA graph is being captured. Cached
+    per device, geometry, dtype and precision."""
     dtype = np.dtype(dtype)
     key = _key(geom, dtype, allow_tf32)
     found = _versus.get(key)
@@ -795,10 +803,11 @@ def fused_versus_im2col(geom, dtype, allow_tf32: bool):
         times = _time_one_chunk(geom.with_batch(chunk), dtype, allow_tf32)
     (own, own_split), (through, through_split), (im2col, im2col_split) = times
     # the weight gradient's path per use: every gradient in one call (a convolution's backward),
-    # or split (a transposed convolution's)
-    _fused_weight[key + (False,)] = own < through
-    _fused_weight[key + (True,)] = own_split < through_split
-    found = _versus[key] = (min(own, through), im2col, min(own_split, through_split), im2col_split)
+    # or split (a transposed convolution's); its own unless cuda/im2col's is clearly faster
+    mine = _fused_weight[key + (False,)] = not through < WEIGHT_COLUMNS_MARGIN * own
+    mine_split = _fused_weight[key + (True,)] = not through_split < WEIGHT_COLUMNS_MARGIN * own_split
+    found = _versus[key] = (own if mine else through, im2col, own_split if mine_split else through_split,
+                            im2col_split)
     return found
 
 
