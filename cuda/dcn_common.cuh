@@ -79,6 +79,18 @@ __device__ __forceinline__ void unravel(I q, const int (&size)[N], int (&coord)[
     }
 }
 
+// unravel of an index known to lie in [0, prod(size)) (a tap, or a position within its
+// sample): the first coordinate is the quotient left, one division fewer (none in 1D).
+template <int N, typename I>
+__device__ __forceinline__ void unravel_in_range(I q, const int (&size)[N], int (&coord)[N]) {
+#pragma unroll
+    for (int a = N - 1; a >= 1; --a) {
+        coord[a] = (int)(q % (I)size[a]);
+        q /= (I)size[a];
+    }
+    coord[0] = (int)q;
+}
+
 // The box of input positions reached by the regular (offset-free) sampling positions of the
 // consecutive output positions [q_first, q_last], widened by `halo` on every side and clipped
 // to the grid. The tiled col2im accumulates one channel's box in shared memory; corners outside

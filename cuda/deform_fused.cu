@@ -378,15 +378,20 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     const int K = (int)dcn::prod_size<N, I>(g.ksize);
     const I BQ = (I)batch * Q;
     const I zero_row = (I)batch * S;   // the zero row after the chunk's rows (fused_channels_last)
-    const int Cg = channels / groups;
-    const int Cog = out_channels / groups;
-    const int per_go = offset == nullptr ? channels : channels / offset_groups;
-    const int per_gm = mask == nullptr ? channels : channels / mask_groups;
+    // (no division where a divisor is 1, the common case: each is ~20 instructions of every
+    // warp, and a C64 block does only 9 steps)
+    auto divide = [](int a, int b) { return b == 1 ? a : a / b; };
+    const int Cg = divide(channels, groups);
+    const int Cog = divide(out_channels, groups);
+    const int per_go = offset == nullptr ? channels : divide(channels, offset_groups);
+    const int per_gm = mask == nullptr ? channels : divide(channels, mask_groups);
     const int m_tiles = (Cog + BM - 1) / BM;
     const I bid = blockIdx.x;
-    const int grp = (int)((bid % ((I)m_tiles * groups)) / m_tiles);
-    const int m0 = (int)(bid % m_tiles) * BM;
-    const I p0 = (bid / ((I)m_tiles * groups)) * BN;
+    const int tiles_mg = m_tiles * groups;   // blocks of one position tile
+    const I pt = tiles_mg == 1 ? bid : bid / tiles_mg;
+    const int grp = divide((int)(bid - pt * tiles_mg), m_tiles);
+    const int m0 = ((int)(bid - pt * tiles_mg) - grp * m_tiles) * BM;
+    const I p0 = pt * BN;
     const int chunks = (Cg + BK - 1) / BK;
     const int steps = K * chunks;
     // Step order: taps inner (a chunk of channels for every tap, then the next chunk: the
@@ -394,8 +399,11 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     // or taps outer (every chunk of one tap, then the next tap: corner sets computed per tap).
     // Steps are located in non-decreasing order: a cursor advanced one step at a time replaces
     // the divisions by the runtime K and chunks (the kernel is bound by issued instructions).
+    // Every call advances it by one step at most, so the loop is not unrolled: unrolled by 4 it
+    // cost ~30 instructions and 4 branches a call for its remainder logic.
     int cur_step = 0, cur_tap = 0, cur_chunk = 0;
     auto locate = [&](int step) {
+#pragma unroll 1
         while (cur_step < step) {
             ++cur_step;
             if (taps_inner) {
@@ -433,7 +441,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     {
         const I b = svalid ? sp / Q : 0;
         const I q = svalid ? sp % Q : 0;
-        dcn::unravel<N, I>(q, g.out_size, qc);
+        dcn::unravel_in_range<N, I>(q, g.out_size, qc);
         if (offset != nullptr) off_q = offset + b * offset_bstride + q;
         if (mask != nullptr) msk_q = mask + b * mask_bstride + q;
         sample_row = b * S;
@@ -489,7 +497,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     batch_smp.reset();
     [[maybe_unused]] const int keys = taps_inner ? steps : K;
     [[maybe_unused]] int batch_key = -1;   // the sampler's last key
-    auto key_tap = [&](int k) { return taps_inner ? k % K : k; };
+    auto key_tap = [&](int k) { return taps_inner && k >= K ? k % K : k; };   // (one chunk: no division)
     auto corner_batch = [&](int b) {
         if constexpr (WARP_CORNERS) {
             __syncwarp();
@@ -799,13 +807,8 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         // Epilogue: accumulators (+ bias) -> y[b, grp*Cog + o, q], straight from the fragments.
         const int gq = lane >> 2, tq = lane & 3;
         I ybase[NT][2];
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const I p = p0 + wn * WN + j * 8 + 2 * tq + e;
-                ybase[j][e] = p < BQ ? (p / Q) * out_channels * Q + p % Q : (I)-1;
-            }
+        fused::output_offsets<I, NT>(ybase, p0 + wn * WN + 2 * tq, Q, BQ, out_channels);
+        const bool pairs = fused::pairs_aligned(y, ybase, Q);
 #pragma unroll
         for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -814,12 +817,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 if (o >= Cog) continue;
                 const int oc = grp * Cog + o;
                 const float bv = bias == nullptr ? 0.0f : Traits<T>::load(bias[oc]);
-#pragma unroll
-                for (int j = 0; j < NT; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        if (ybase[j][e] >= 0) y[ybase[j][e] + (I)oc * Q] = Traits<T>::store(acc[i][j][h * 2 + e] + bv);
-                    }
+                fused::store_row(y + (I)oc * Q, ybase, pairs, [&](int j, int e) { return acc[i][j][h * 2 + e] + bv; });
             }
     } else {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -992,8 +990,12 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
         }
         // Epilogue: d[mi][4j + e] is row 64*mi + 16*(warp%4) + lane/4 + 8*(e/2) of the
-        // warpgroup's rows, position 8j + 2*(lane%4) + e%2.
+        // warpgroup's rows, position 8j + 2*(lane%4) + e%2. The output offsets of the thread's
+        // positions first, with one division (one a stored value was 32 divisions a thread).
         const int gq = lane >> 2, tq = lane & 3;
+        I ybase[BN / 8][2];
+        fused::output_offsets<I, BN / 8>(ybase, p0 + 2 * tq, Q, BQ, out_channels);
+        const bool pairs = fused::pairs_aligned(y, ybase, Q);
 #pragma unroll
         for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -1002,16 +1004,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 if (o >= Cog) continue;
                 const int oc = grp * Cog + o;
                 const float bv = bias == nullptr ? 0.0f : Traits<T>::load(bias[oc]);
-#pragma unroll
-                for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const I p = p0 + j * 8 + 2 * tq + e;
-                        if (p < BQ) {
-                            y[(p / Q) * out_channels * Q + p % Q + (I)oc * Q] =
-                                Traits<T>::store(d[mi][4 * j + 2 * h + e] + bv);
-                        }
-                    }
+                fused::store_row(y + (I)oc * Q, ybase, pairs, [&](int j, int e) { return d[mi][4 * j + 2 * h + e] + bv; });
             }
 #else
         __trap();   // wgmma kernels are built for sm_90a only

@@ -280,7 +280,7 @@ struct Sampler {
         for (int a = 0; a < N; ++a) off[a] = from_bits<T>(off_bits[a]);
         const float m = from_bits<T>(m_bits);
         int tc[N];
-        dcn::unravel<N, int>(t, g.ksize, tc);
+        dcn::unravel_in_range<N, int>(t, g.ksize, tc);   // 0 <= t < K
         float pos[N];
 #pragma unroll
         for (int a = 0; a < N; ++a) pos[a] = (float)(qc[a] * g.stride[a] - g.pad[a] + tc[a] * g.dil[a]) + off[a];
@@ -298,6 +298,74 @@ struct Sampler {
         }
     }
 };
+
+// A thread's output offsets in an MMA epilogue: y[b, 0, q] of positions p = base + 8j + e
+// (j < NJ, e < 2) is offsets[j][e] = b * out_channels * Q + q, or -1 past the batch (BQ
+// positions). One division, for base; the others step from it: a tile's 8 NJ positions wrap into
+// the next sample at most once where Q >= 8 NJ, else (a small output) each divides.
+template <typename I, int NJ>
+__device__ __forceinline__ void output_offsets(I (&offsets)[NJ][2], I base, I Q, I BQ, int out_channels) {
+    const I b0 = base / Q, q0 = base - b0 * Q;
+    const I sample = (I)out_channels * Q;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int d = 8 * j + e;
+            I b = b0, q = q0 + d;
+            if (Q >= 8 * NJ) {
+                if (q >= Q) { q -= Q; ++b; }
+            } else {
+                b = (base + d) / Q;
+                q = (base + d) - b * Q;
+            }
+            offsets[j][e] = base + d < BQ ? b * sample + q : (I)-1;
+        }
+}
+
+// Two adjacent outputs as one 4- or 8-byte store (fused::output_offsets' pairs e = 0, 1).
+template <typename T> struct PairStore;
+template <> struct PairStore<__half> {
+    typedef __half2 type;
+    static __device__ __forceinline__ type pack(float a, float b) { return __floats2half2_rn(a, b); }
+};
+template <> struct PairStore<__nv_bfloat16> {
+    typedef __nv_bfloat162 type;
+    static __device__ __forceinline__ type pack(float a, float b) { return __floats2bfloat162_rn(a, b); }
+};
+template <> struct PairStore<float> {
+    typedef float2 type;
+    static __device__ __forceinline__ type pack(float a, float b) { return make_float2(a, b); }
+};
+
+// Whether every pair of a thread's output offsets (output_offsets) is two adjacent outputs of
+// one sample at an aligned address in every row (y + offset + o * Q for any o): then each pair is
+// one store (PairStore), else each output is stored alone.
+template <typename T, typename I, int NJ>
+__device__ __forceinline__ bool pairs_aligned(const T* y, const I (&offsets)[NJ][2], I Q) {
+    constexpr int P = sizeof(typename PairStore<T>::type) / sizeof(T);   // 2
+    bool ok = (reinterpret_cast<unsigned long long>(y) % sizeof(typename PairStore<T>::type)) == 0 && Q % P == 0;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) ok = ok && offsets[j][0] >= 0 && offsets[j][1] == offsets[j][0] + 1 && offsets[j][0] % P == 0;
+    return ok;
+}
+
+// One output row's values of a thread (value(j, e): position offsets[j][e]) into yrow (y at its
+// channel): a pair a store where pairs_aligned holds, else each valid output alone.
+template <typename T, typename I, int NJ, typename F>
+__device__ __forceinline__ void store_row(T* yrow, const I (&offsets)[NJ][2], bool pairs, F value) {
+    if (pairs) {
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+            *reinterpret_cast<typename PairStore<T>::type*>(yrow + offsets[j][0]) = PairStore<T>::pack(value(j, 0), value(j, 1));
+    } else {
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                if (offsets[j][e] >= 0) yrow[offsets[j][e]] = Traits<T>::store(value(j, e));
+    }
+}
 
 // The sampling plan's entry of one (segment, tap, position): the 2^N corner rows of the
 // channels-last input (the zero row for a corner not read) and their weights (mask included),

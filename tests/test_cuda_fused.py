@@ -621,6 +621,45 @@ def test_large_output_channel_tiles_and_batch_spanning_tiles():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("size", [10, 9], ids=["even-Q", "odd-Q"])
+def test_paired_and_single_output_stores_agree(size):
+    """The epilogues store two adjacent positions at a time where every pair of a thread lies in
+    one sample at an aligned address, else each output alone: an output misaligned by one element
+    takes the single stores and must get the same bits, with nothing written outside it. Q even
+    (10x10) and odd (9x9), position tiles spanning samples, every engine's first tile and the
+    64-row warp-specialised one, every precision."""
+    cupy = _cupy()
+    fused = _fused()
+    rng = np.random.default_rng(8)
+    arrays, params = wide_case(rng, 2, groups=1, offset_groups=1, mask_groups=1, c_in=64, c_out=72, batch=3,
+                               stride=(1, 1), padding=(1, 1), dilation=(1, 1))
+    arrays["input"] = rng.standard_normal((3, 64, size, size))
+    arrays["offset"] = fractional_offsets(rng, (3, 18, size, size))
+    arrays["mask"] = rng.uniform(0.1, 1.5, size=(3, 9, size, size))
+    geom = _case_geom(arrays, params)
+    for precision in PRECISIONS:
+        dtype = DTYPE[precision]
+        dev = {k: cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
+        expected = reference.deform_conv(**{k: a.astype(dtype).astype(np.float64) for k, a in arrays.items()},
+                                         **params)
+        tiles = {tile for tile in fused._tiles(dtype) if tile_runs(tile, precision)
+                 and (tile == next(t for t in fused._tiles(dtype) if t[4] == tile[4]) or tile[:3] == (64, 64, 64)
+                      or (tile[4] == 3 and tile[0] == 64))}
+        for tile in sorted(tiles):
+            config = fused.LaunchConfig(geom, dtype, precision == "tf32", tile=tile)
+            aligned = cupy.full(geom.y_shape, np.nan, dtype=dtype)
+            fused.run_forward(config, dev["input"], dev["weight"], dev["offset"], dev["mask"], dev["bias"], aligned)
+            n = math.prod(geom.y_shape)
+            buffer = cupy.full(n + 2, np.nan, dtype=dtype)
+            shifted = buffer[1:n + 1].reshape(geom.y_shape)   # one element past an aligned address
+            fused.run_forward(config, dev["input"], dev["weight"], dev["offset"], dev["mask"], dev["bias"], shifted)
+            got = cupy.asnumpy(aligned)
+            np.testing.assert_array_equal(cupy.asnumpy(shifted), got, err_msg=f"{precision} {tile}")
+            assert np.isnan(cupy.asnumpy(buffer[[0, n + 1]])).all(), (precision, tile)
+            assert relative_error(got.astype(np.float64), expected) < TOL[precision], (precision, tile)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("ndim", [1, 2, 3])
 def test_every_half_tile_in_every_dimension(ndim):
     """Every tile of the half types (MINB 1 and 2; wgmma where the device has it), float16 and
