@@ -329,3 +329,31 @@ def test_module_entry_point_runs_as_subprocess(tmp_path):
     assert "mask_sigmoid grad" in result.stdout and "passed" in result.stdout
     result = subprocess.run(command[:3], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "usage" in result.stderr
+
+
+def test_warm_modules_lists_every_backend_module_and_checks_its_arguments(capsys, monkeypatch):
+    """benchmarks/warm_modules.py: one task per module each backend can build (the fused sm_90a
+    engines first), its arguments checked; without a CUDA device it compiles nothing and exits 0
+    (with one, that path is left to the GPU machine: it compiles every module)."""
+    pytest.importorskip("cupy")
+    module = _bench.load_script(REPO / "benchmarks" / "warm_modules.py", "_test_warm_modules")
+    from dcn_cupy._backends import cuda, cuda_direct, cuda_fused, cuda_fused_backward
+    tasks = module.tasks(list(module.BACKENDS))
+    expected = {"fused": len(cuda_fused.all_module_keys()),
+                "fused-backward": len(cuda_fused_backward.all_module_keys()),
+                "im2col": len(cuda.all_module_keys()), "direct": len(cuda_direct.all_module_keys()),
+                "deterministic": len(cuda.all_module_keys())}
+    assert {name: sum(task[0] == name for task in tasks) for name in module.BACKENDS} == expected
+    assert len(set(tasks)) == len(tasks)
+    wgmma = [i for i, (name, key) in enumerate(tasks) if name == "fused" and key[3] in (1, 3)]
+    assert wgmma == list(range(len(wgmma))) and wgmma   # the slowest first
+    with pytest.raises(SystemExit):
+        module.main(["--backends", "fused,nope"])
+    assert "--backends: unknown nope" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        module.main(["--jobs", "0"])
+    assert "--jobs must be at least 1, got 0" in capsys.readouterr().err
+    import gpu
+    monkeypatch.setattr(gpu, "no_gpu_reason", lambda: "no CUDA device visible to CuPy")
+    assert module.main(["--backends", "im2col"]) == 0
+    assert "no CUDA device visible to CuPy: nothing to compile" in capsys.readouterr().out
