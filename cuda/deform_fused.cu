@@ -98,6 +98,14 @@ __device__ __forceinline__ unsigned long long wgmma_descriptor(const void* p, un
            ((unsigned long long)(sbo >> 4) << 32);
 }
 
+// The descriptor of the matrix `bytes` (a multiple of 16) further on in shared memory: its start
+// address field (bits 0-13, the address >> 4 of an address below 256 KiB) cannot carry into the
+// next field, so a 32-bit add on the low word, where a descriptor built from the address takes
+// its conversion, mask and shifts.
+__device__ __forceinline__ unsigned long long wgmma_descriptor_at(unsigned long long desc, unsigned bytes) {
+    return (desc & 0xFFFFFFFF00000000ull) | (unsigned)((unsigned)desc + (bytes >> 4));
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -516,7 +524,8 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         }
     };
     // PLAN 2: this sampler's corners of `step` (row offsets into smp.row), and its warp's next
-    // batch where `step` starts one.
+    // batch where `step` starts one. batch_slot0: its corner set of key 0 (the warp's slot 0).
+    [[maybe_unused]] const int batch_slot0 = ((ptid >> 5) * 2 * 32 + lane / TPP) * NC;
     auto corner_read = [&](int step, bool past_group) {
         if constexpr (WARP_CORNERS) {
             const int k = taps_inner ? step : step_tap(step);
@@ -529,7 +538,8 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 for (int c = 0; c < NC; ++c) { smp.row[c] = zero_row * Cp; smp.weight[c] = 0.0f; }
                 return;
             }
-            const int e = (((ptid >> 5) * 2 + ((k / TPP) & 1)) * 32 + (k % TPP) * PPW + lane / TPP) * NC;
+            const unsigned uk = k;   // (>= 0: shifts and masks for the power-of-two TPP)
+            const int e = batch_slot0 + (int)(((uk / TPP) & 1) * 32 + (uk % TPP) * PPW) * NC;
             fused::load_words<false>(BatchRows0 + e, smp.row);
             fused::load_words<false>(BatchWeights0 + e, smp.weight);
         }
@@ -647,8 +657,8 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             for (int c = 0; c < NC; ++c) {
                 // a corner not read loads the zero row instead (weight 0): no branch, no
                 // divergence (4-7% faster than skipping it, NOTES-gpu.md fused4)
-                const uint4* src = reinterpret_cast<const uint4*>(
-                    xcl + (WARP_CORNERS ? smp.row[c] : (smp.row[c] >= 0 ? smp.row[c] : zero_row) * Cp) + cabs);
+                const uint4* src = reinterpret_cast<const uint4*>(fused::offset_by(
+                    xcl, (WARP_CORNERS ? smp.row[c] : (smp.row[c] >= 0 ? smp.row[c] : zero_row) * Cp) + cabs));
 #pragma unroll
                 for (int v = 0; v < NV; ++v) raw[c][v] = __ldg(src + v * VSTRIDE);
             }
@@ -843,9 +853,13 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         float p[MI][NACC];   // (unused, so allocated no registers, without PROMOTE)
         // The MMAs of one step (buffer `buf`) into `acc` (d, or p overwritten: fresh), committed as one
         // wgmma group; 3xTF32: the small products first, a_small*b_big + a_big*b_small + a_big*b_big.
+        // Descriptors of buffer 0's tiles (A: this warpgroup's rows), computed once; a step's are
+        // these at byte offsets (wgmma_descriptor_at).
+        const unsigned long long a_desc0 = wgmma_descriptor(As0 + wg * WG_ROWS * BK, CORE, SBO);
+        const unsigned long long b_desc0 = wgmma_descriptor(Bs0, CORE, SBO);
+        constexpr unsigned K_BYTES = 2 * 8 * VEC * sizeof(T);   // one instruction's K: two core matrices
         auto mma_issue = [&](int buf, float (&acc)[MI][NACC], bool fresh) {
-            const T* A = As0 + buf * A_BUF + wg * WG_ROWS * BK;
-            const T* B = Bs0 + buf * B_BUF;
+            const unsigned a_buf = buf * (A_BUF * (unsigned)sizeof(T)), b_buf = buf * (B_BUF * (unsigned)sizeof(T));
 #pragma unroll
             for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -853,19 +867,20 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < BK / KSTEP; ++ks) {
-                const unsigned long long db = wgmma_descriptor(B + ks * 2 * 8 * VEC, CORE, SBO);
+                const unsigned long long db = wgmma_descriptor_at(b_desc0, b_buf + ks * K_BYTES);
 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi) {
-                    const T* a = A + mi * 64 * BK + ks * 2 * 8 * VEC;
+                    const unsigned long long da =
+                        wgmma_descriptor_at(a_desc0, a_buf + mi * (64 * BK * (unsigned)sizeof(T)) + ks * K_BYTES);
                     // (the step's first product into p overwrites it)
                     const int keep = fresh && ks == 0 ? 0 : 1;
                     if constexpr (SPLIT == 2) {
-                        Wgmma<T, BN>::run(acc[mi], wgmma_descriptor(a + BM * LD, CORE, SBO), db, keep);
-                        Wgmma<T, BN>::run(acc[mi], wgmma_descriptor(a, CORE, SBO),
-                                          wgmma_descriptor(B + BN * LD + ks * 2 * 8 * VEC, CORE, SBO));
-                        Wgmma<T, BN>::run(acc[mi], wgmma_descriptor(a, CORE, SBO), db);
+                        // the small parts: each buffer's second tile
+                        Wgmma<T, BN>::run(acc[mi], wgmma_descriptor_at(da, BM * LD * (unsigned)sizeof(T)), db, keep);
+                        Wgmma<T, BN>::run(acc[mi], da, wgmma_descriptor_at(db, BN * LD * (unsigned)sizeof(T)));
+                        Wgmma<T, BN>::run(acc[mi], da, db);
                     } else {
-                        Wgmma<T, BN>::run(acc[mi], wgmma_descriptor(a, CORE, SBO), db, keep);
+                        Wgmma<T, BN>::run(acc[mi], da, db, keep);
                     }
                 }
             }
@@ -901,11 +916,28 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             // MMA warps arrive once the wgmma reading it has completed; the samplers wait before
             // overwriting it). Every arrival is matched by a wait.
             // The weight tile of a stage is one contiguous block of wr (fused_weight_tiles), copied
-            // by the copy engine (cp.async.bulk, issued by the first sampler once the stage is
-            // empty) and waited for by the MMA warps on the stage's mbarrier: the samplers only
-            // sample. A sampler keeps one step in flight: step s + 1's corner loads are issued
+            // by the copy engine (cp.async.bulk) and waited for by the MMA warps on the stage's
+            // mbarrier. With one MMA warpgroup (64-row tiles), its first thread issues the copy for
+            // step s + DEPTH as soon as its MMAs of step s have read the stage (the first DEPTH at
+            // the start), so that the samplers, the block's bottleneck, only sample; with two, the
+            // first sampler issues it a step ahead, once the stage is empty (each warpgroup
+            // copying its own rows measured 5-10% slower at B=8 C256 TF32 and float32, NOTES-gpu.md
+            // session 28). A sampler keeps one step in flight: step s + 1's corner loads are issued
             // before step s's stage is stored (its blend waits on its loads).
+            constexpr bool MMA_WEIGHTS = MMA_WGS == 1;   // who issues the weight copies
             __shared__ __align__(8) unsigned long long weight_full[DEPTH];
+            // step's weight tile into its stage (free by then), by the thread named above (the
+            // MMA thread asks for DEPTH steps ahead, past the last step too)
+            auto weight_bulk = [&](int step) {
+                const T* const w_tiles = wr + ((I)grp * m_tiles + m0 / BM) * K * chunks * (SPLIT * BM * BK);
+                if (tid != (MMA_WEIGHTS ? 0 : MMA_THREADS)) return;
+                if (MMA_WEIGHTS && step >= steps) return;
+                constexpr unsigned WEIGHT_BYTES = SPLIT * BM * BK * sizeof(T);
+                const int stage = step % DEPTH, t = step_tap(step), ch = step_chunk(step);
+                mbarrier_expect(&weight_full[stage], WEIGHT_BYTES);
+                bulk_copy(As0 + stage * A_BUF, w_tiles + ((I)t * chunks + ch) * (SPLIT * BM * BK), WEIGHT_BYTES,
+                          &weight_full[stage]);
+            };
             if (tid == 0) {
 #pragma unroll
                 for (int k = 0; k < DEPTH; ++k) mbarrier_init(&weight_full[k]);
@@ -927,23 +959,14 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             if (tid >= MMA_THREADS) {
                 if constexpr (RESPLIT) setmaxnreg_dec<SAMPLER_REGS>();
                 constexpr bool SAMPLE = DCN_FUSED_WS_EXPERIMENT != 2;
-                constexpr unsigned WEIGHT_BYTES = SPLIT * BM * BK * sizeof(T);
-                const T* const w_tiles = wr + ((I)grp * m_tiles + m0 / BM) * K * chunks * (SPLIT * BM * BK);
-                auto weight_bulk = [&](int step, int stage) {
-                    if (tid != MMA_THREADS) return;
-                    const int t = step_tap(step), ch = step_chunk(step);
-                    mbarrier_expect(&weight_full[stage], WEIGHT_BYTES);
-                    bulk_copy(As0 + stage * A_BUF, w_tiles + ((I)t * chunks + ch) * (SPLIT * BM * BK), WEIGHT_BYTES,
-                              &weight_full[stage]);
-                };
-                weight_bulk(0, 0);
+                if constexpr (!MMA_WEIGHTS) weight_bulk(0);
                 corner_batch(0);
                 if (SAMPLE) sample_load(0);
                 for (int s = 0; s < steps; ++s) {
                     const bool more = s + 1 < steps;
                     if (more) {
                         if (s + 1 >= DEPTH) barrier_sync(1 + DEPTH + (s + 1) % DEPTH, THREADS);
-                        weight_bulk(s + 1, (s + 1) % DEPTH);
+                        if constexpr (!MMA_WEIGHTS) weight_bulk(s + 1);
                     }
                     if (SAMPLE) sample_store(s % DEPTH);
                     if (more && SAMPLE) sample_load(s + 1);
@@ -952,6 +975,10 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 return;
             }
             if constexpr (RESPLIT) setmaxnreg_inc<MMA_REGS>();
+            if constexpr (MMA_WEIGHTS) {
+#pragma unroll 1
+                for (int s = 0; s < DEPTH; ++s) weight_bulk(s);
+            }
             for (int s = 0; s < steps; ++s) {
                 barrier_sync(1 + s % DEPTH, THREADS);
                 mbarrier_wait(&weight_full[s % DEPTH], (s / DEPTH) & 1);
@@ -967,6 +994,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
 #pragma unroll
                         for (int i = 0; i < NACC; ++i) register_fence(p[mi][i]);
                     if (s + DEPTH < steps) barrier_arrive(1 + DEPTH + s % DEPTH, THREADS);
+                    if constexpr (MMA_WEIGHTS) weight_bulk(s + DEPTH);
                     if (DCN_FUSED_WS_EXPERIMENT != 1) {
 #pragma unroll
                         for (int mi = 0; mi < MI; ++mi)
@@ -981,6 +1009,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
 #pragma unroll
                         for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
                     if (s >= 1 && s - 1 + DEPTH < steps) barrier_arrive(1 + DEPTH + (s - 1) % DEPTH, THREADS);
+                    if (MMA_WEIGHTS && s >= 1) weight_bulk(s - 1 + DEPTH);
                 }
             }
             wgmma_wait_all();

@@ -299,6 +299,13 @@ struct Sampler {
     }
 };
 
+// p + off for an element offset known to be >= 0: zero-extended where it is an int (one
+// IMAD.WIDE.U32 an address, where a signed offset is sign-extended, scaled and added in four).
+template <typename T>
+__device__ __forceinline__ const T* offset_by(const T* p, int off) { return p + (unsigned)off; }
+template <typename T>
+__device__ __forceinline__ const T* offset_by(const T* p, long long off) { return p + off; }
+
 // A thread's output offsets in an MMA epilogue: y[b, 0, q] of positions p = base + 8j + e
 // (j < NJ, e < 2) is offsets[j][e] = b * out_channels * Q + q, or -1 past the batch (BQ
 // positions). One division, for base; the others step from it: a tile's 8 NJ positions wrap into
