@@ -1,7 +1,7 @@
 """Time fused-forward tiles of your choice (TILES and others) on a few shapes, each checked first.
 
     python benchmarks/fused_tiles.py [--shapes '8,256,56;32,64,56;16,512,14'] [--dtypes float16,bfloat16,tf32,float32]
-        [--tiles 'BM,BN,BK,MINB,ENGINE[,THREADS];...'] [--only-tiles] [--budget 190]
+        [--tiles 'BM,BN,BK,MINB,ENGINE[,THREADS];...'] [--only-tiles] [--warp-corners] [--budget 190]
 
 Per shape (B, C_in = C_out, HxW, 3x3, padding 1, offsets and mask, DCNv2) and dtype: the float64
 reference through a ``cuda/im2col`` plan on the same (rounded) inputs; then per tile (those of
@@ -11,8 +11,9 @@ relative error in the norm against that reference (must be < 3e-3 fp16, 2.4e-2 b
 1e-5 float32, which runs in 3xTF32), the
 kernel alone (CuPy events, median of 5 x 10 launches, all candidates timed in two interleaved
 rounds, best round kept) and the whole forward (``FusedForward.run``, recorded launches as
-plans run them: weight re-layout, channels-last copy, kernel). ``--budget`` seconds: no new
-shape is started past it.
+plans run them: weight re-layout, channels-last copy, kernel). ``--warp-corners``: the corners
+from the sampling warps' batches (``PLAN`` 2) wherever they serve, as the tuner may pick them.
+``--budget`` seconds: no new shape is started past it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def main(argv=None):
     parser.add_argument("--tiles", default=EXTRA)
     parser.add_argument("--budget", type=float, default=190.0)
     parser.add_argument("--only-tiles", action="store_true", help="time the --tiles only, not TILES' candidates")
+    parser.add_argument("--warp-corners", action="store_true",
+                        help="the sampling warps' corner batches (PLAN 2) wherever they serve")
     parser.add_argument("--time-failures", action="store_true",
                         help="time tiles whose results fail the check too (experiment switches)")
     args = parser.parse_args(argv)
@@ -86,7 +89,8 @@ def main(argv=None):
             for tile in tiles:
                 for taps_inner in (0, 1):
                     try:
-                        c = fu.LaunchConfig(geom, dtype, tf32, sms, tile=tile, taps_inner=bool(taps_inner))
+                        c = fu.LaunchConfig(geom, dtype, tf32, sms, tile=tile, taps_inner=bool(taps_inner),
+                                            warp_corners=args.warp_corners)
                         ws = cupy.empty(c.workspace_bytes, dtype=np.uint8)
                         out.fill(np.nan)
                         fu.run_forward(c, x, w, off, msk, None, out, ws)
@@ -105,7 +109,8 @@ def main(argv=None):
                              plan_rows, plan_weights, np.int32(c.seg_len))
                     label = ("%dx%dx%d minb %d %s" % (tile[:4] + (("mma", "wgmma", "pipe", "wgmma-ws")[tile[4]],))
                              + (f" {c.threads}t" if c.threads != 256 else "")
-                             + (" taps in " if taps_inner else " taps out"))
+                             + (" taps in " if taps_inner else " taps out")
+                             + (" batches" if c.warp_corners else ""))
                     runs.append(dict(label=label, err=err, ok=ok, regs=fu.num_registers(kern), blocks=c.blocks(B),
                                      kernel=(lambda kern=kern, c=c, kargs=kargs:
                                              kern((c.blocks(B),), (c.threads,), kargs, shared_mem=c.smem_bytes)),

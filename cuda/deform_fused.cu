@@ -71,6 +71,17 @@
 #ifndef DCN_FUSED_SAMPLER_REGS
 #define DCN_FUSED_SAMPLER_REGS 96
 #endif
+// Experiment switch of ENGINE 3 (benchmarks/fused_variants.py): the steps of corner loads a
+// sampler keeps in flight, 1 (the default) or 2: each step's loads issued two steps before its
+// blend, in registers of their own (NOTES-gpu.md session 28: the C64 forward waits on them).
+#ifndef DCN_FUSED_LOADS_AHEAD
+#define DCN_FUSED_LOADS_AHEAD 1
+#endif
+// With 2, the samplers' registers per thread once the roles split (0: the launch's): the MMA
+// warpgroups drop to what is left (at least 48), as 3xTF32's split does the other way round.
+#ifndef DCN_FUSED_AHEAD_REGS
+#define DCN_FUSED_AHEAD_REGS 0
+#endif
 
 namespace fused {
 
@@ -456,7 +467,12 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     }
     fused::Sampler<I, N> smp;
     smp.reset();
-    uint4 raw[UNIFORM && ENGINE != 2 ? NC : 1][NV];   // uniform: the corners' vectors; else the finished values
+    // ENGINE 3 keeps AHEAD steps of loads in flight, each in a slot of raw (and of raw_weight,
+    // its corners' weights, where AHEAD > 1: smp then already holds a later step's)
+    constexpr int AHEAD = ENGINE == 3 ? DCN_FUSED_LOADS_AHEAD : 1;
+    static_assert(AHEAD == 1 || AHEAD == 2, "DCN_FUSED_LOADS_AHEAD: 1 or 2");
+    uint4 raw[AHEAD][UNIFORM && ENGINE != 2 ? NC : 1][NV];   // uniform: the corners' vectors; else the finished values
+    [[maybe_unused]] float raw_weight[AHEAD][NC];
 
     // PLAN: the corners of (tap, segment) come from the chunk's sampling plan (fused_sampling_plan)
     // instead of the offsets and mask; the sampler's key is (tap, segment), its prefetch (a step
@@ -632,7 +648,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
 
     // Issue this thread's loads for `step` (uniform: raw corner vectors; otherwise the whole
     // sample, one channel at a time).
-    auto sample_load = [&](int step) {
+    auto sample_load = [&](int step, int slot = 0) {
         const int t = step_tap(step);
         const int cl = step_chunk(step) * BK + sh;   // first channel within the group
         if constexpr (UNIFORM) {
@@ -660,7 +676,11 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 const uint4* src = reinterpret_cast<const uint4*>(fused::offset_by(
                     xcl, (WARP_CORNERS ? smp.row[c] : (smp.row[c] >= 0 ? smp.row[c] : zero_row) * Cp) + cabs));
 #pragma unroll
-                for (int v = 0; v < NV; ++v) raw[c][v] = __ldg(src + v * VSTRIDE);
+                for (int v = 0; v < NV; ++v) raw[slot][c][v] = __ldg(src + v * VSTRIDE);
+            }
+            if constexpr (AHEAD > 1) {
+#pragma unroll
+                for (int c = 0; c < NC; ++c) raw_weight[slot][c] = smp.weight[c];
             }
             // the offset and mask of the step after, if they change then (PLAN 2: the warp's batches)
             if (!WARP_CORNERS && step + 1 < steps) {
@@ -691,13 +711,15 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 }
             }
 #pragma unroll
-            for (int v = 0; v < NV; ++v) raw[0][v] = Vec<T>::pack(val + v * VEC);
+            for (int v = 0; v < NV; ++v) raw[slot][0][v] = Vec<T>::pack(val + v * VEC);
         }
     };
 
     // Finish the sample and store it into B buffer `buf` (row sn, channels sh..sh+CPT).
-    auto sample_store = [&](int buf) {
+    auto sample_store = [&](int buf, int slot = 0) {
         T* const bt = Bs0 + buf * B_BUF;
+        // the weights of the corners in raw[slot]
+        const float* const weight = AHEAD > 1 ? raw_weight[slot] : smp.weight;
         auto dst = [&](int v, int part = 0) -> uint4& {   // part 1: the small parts' tile (3xTF32)
             return *reinterpret_cast<uint4*>(bt + part * BN * LD + tile_offset<ENGINE, LD, BK, VEC>(sn, sh / VEC + v * VSTRIDE));
         };
@@ -705,12 +727,12 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             // half types: the corners blended in packed pairs (fused::Packed), corner by corner
             unsigned w2[NC];
 #pragma unroll
-            for (int c = 0; c < NC; ++c) w2[c] = Packed<T>::weight(smp.weight[c]);
+            for (int c = 0; c < NC; ++c) w2[c] = Packed<T>::weight(weight[c]);
 #pragma unroll
             for (int v = 0; v < NV; ++v) {
                 uint4 a = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-                for (int c = 0; c < NC; ++c) Packed<T>::fma(a, w2[c], raw[c][v]);
+                for (int c = 0; c < NC; ++c) Packed<T>::fma(a, w2[c], raw[slot][c][v]);
                 dst(v) = a;
             }
         } else if constexpr (UNIFORM) {
@@ -720,7 +742,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
 #pragma unroll
             for (int c = 0; c < NC; ++c) {   // every corner: one not read is the zero row, weight 0
 #pragma unroll
-                for (int v = 0; v < NV; ++v) Vec<T>::add(acc + v * VEC, smp.weight[c], raw[c][v]);
+                for (int v = 0; v < NV; ++v) Vec<T>::add(acc + v * VEC, weight[c], raw[slot][c][v]);
             }
             if constexpr (SPLIT == 2) {
                 // 3xTF32 (wgmma): the big parts into the buffer's first tile, the small into its second
@@ -743,7 +765,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         } else {
 #pragma unroll
             for (int v = 0; v < NV; ++v) {
-                uint4 r = raw[0][v];
+                uint4 r = raw[slot][0][v];
                 if constexpr (PREC == 1) {
                     r.x = to_tf32(__uint_as_float(r.x)); r.y = to_tf32(__uint_as_float(r.y));
                     r.z = to_tf32(__uint_as_float(r.z)); r.w = to_tf32(__uint_as_float(r.w));
@@ -956,25 +978,51 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             constexpr int MMA_REGS = (MMA_REGS_FREED > 256 ? 256 : MMA_REGS_FREED) / 8 * 8;
             constexpr bool RESPLIT = SPLIT == 2 && NV == 1 && DCN_FUSED_SAMPLER_REGS > 0 && SAMPLER_REGS >= 24 &&
                                      SAMPLER_REGS < LAUNCH_REGS;
+            // (experiment: two steps of loads in flight, the samplers given more)
+            constexpr int AHEAD_REGS = DCN_FUSED_AHEAD_REGS / 8 * 8;
+            constexpr int MMA_LEFT = (LAUNCH_REGS * THREADS - AHEAD_REGS * SAMPLERS) / MMA_THREADS / 8 * 8;
+            constexpr bool GROW = AHEAD > 1 && !RESPLIT && AHEAD_REGS > LAUNCH_REGS && AHEAD_REGS <= 256 &&
+                                  MMA_LEFT >= 48;
             if (tid >= MMA_THREADS) {
                 if constexpr (RESPLIT) setmaxnreg_dec<SAMPLER_REGS>();
+                if constexpr (GROW) setmaxnreg_inc<AHEAD_REGS>();
                 constexpr bool SAMPLE = DCN_FUSED_WS_EXPERIMENT != 2;
                 if constexpr (!MMA_WEIGHTS) weight_bulk(0);
                 corner_batch(0);
                 if (SAMPLE) sample_load(0);
-                for (int s = 0; s < steps; ++s) {
-                    const bool more = s + 1 < steps;
-                    if (more) {
-                        if (s + 1 >= DEPTH) barrier_sync(1 + DEPTH + (s + 1) % DEPTH, THREADS);
-                        if constexpr (!MMA_WEIGHTS) weight_bulk(s + 1);
+                if constexpr (AHEAD == 1) {
+                    for (int s = 0; s < steps; ++s) {
+                        const bool more = s + 1 < steps;
+                        if (more) {
+                            if (s + 1 >= DEPTH) barrier_sync(1 + DEPTH + (s + 1) % DEPTH, THREADS);
+                            if constexpr (!MMA_WEIGHTS) weight_bulk(s + 1);
+                        }
+                        if (SAMPLE) sample_store(s % DEPTH);
+                        if (more && SAMPLE) sample_load(s + 1);
+                        barrier_arrive(1 + s % DEPTH, THREADS);
                     }
-                    if (SAMPLE) sample_store(s % DEPTH);
-                    if (more && SAMPLE) sample_load(s + 1);
-                    barrier_arrive(1 + s % DEPTH, THREADS);
+                } else {
+                    // step s's loads in slot s & 1, issued two steps ahead; the loop unrolled by two
+                    // so that every slot index is a constant once inlined (registers, not local memory)
+                    if (SAMPLE && steps > 1) sample_load(1, 1);
+                    auto sampler_step = [&](int s, int k) {
+                        if (s + 1 < steps) {
+                            if (s + 1 >= DEPTH) barrier_sync(1 + DEPTH + (s + 1) % DEPTH, THREADS);
+                            if constexpr (!MMA_WEIGHTS) weight_bulk(s + 1);
+                        }
+                        if (SAMPLE) sample_store(s % DEPTH, k);
+                        if (SAMPLE && s + 2 < steps) sample_load(s + 2, k);
+                        barrier_arrive(1 + s % DEPTH, THREADS);
+                    };
+                    for (int s = 0; s < steps; s += 2) {
+                        sampler_step(s, 0);
+                        if (s + 1 < steps) sampler_step(s + 1, 1);
+                    }
                 }
                 return;
             }
             if constexpr (RESPLIT) setmaxnreg_inc<MMA_REGS>();
+            if constexpr (GROW) setmaxnreg_dec<(GROW ? MMA_LEFT : 256)>();
             if constexpr (MMA_WEIGHTS) {
 #pragma unroll 1
                 for (int s = 0; s < DEPTH; ++s) weight_bulk(s);

@@ -122,6 +122,42 @@ def test_fused_source_defines_exactly_the_instantiated_kernels():
                    for name in fused.name_expressions(*key) if name.startswith("deform_fused_forward"))
 
 
+#: Experiment switches of cuda/deform_fused.cu (benchmarks/fused_variants.py prepends them) with
+#: the kernels each is for, tiles outside TILES among them: they must keep compiling cleanly.
+EXPERIMENTS = {
+    "loads-ahead": ({"DCN_FUSED_LOADS_AHEAD": 2, "DCN_FUSED_AHEAD_REGS": 88}, (
+        "deform_fused_forward<__half, int, 2, 0, 64, 64, 32, 2, true, 3, 4, 384, 2>",
+        "deform_fused_forward<float, int, 2, 1, 64, 64, 16, 2, true, 3, 4, 384, 2>",
+        "deform_fused_forward<__half, int, 2, 0, 256, 64, 64, 1, true, 3, 4, 512, 2>",
+        "deform_fused_forward<float, int, 3, 2, 256, 64, 16, 1, true, 3, 4, 512>")),
+    "ws-no-mma": ({"DCN_FUSED_WS_EXPERIMENT": 1}, (
+        "deform_fused_forward<__half, int, 2, 0, 64, 64, 64, 2, true, 3, 4, 384, 2>",)),
+}
+
+
+@pytest.mark.parametrize("experiment", sorted(EXPERIMENTS))
+def test_experiment_switches_compile(toolchain, experiment):
+    from cupy_backends.cuda.libs import nvrtc
+    _, _, fused = toolchain
+    from dcn_cupy._backends import cuda
+    defines, names = EXPERIMENTS[experiment]
+    source = "".join(f"#define {name} {value}\n" for name, value in defines.items()) + fused.module_source()
+    program = nvrtc.createProgram(source, "dcn_cupy_fused_experiment.cu", (), ())
+    try:
+        for name in names:
+            nvrtc.addNameExpression(program, name)
+        try:
+            nvrtc.compileProgram(program, tuple(cuda.compile_options()) + (fused.SM90A,))
+        except nvrtc.NVRTCError:
+            pytest.fail(f"{experiment}: NVRTC compilation failed:\n" + nvrtc.getProgramLog(program))
+        log = nvrtc.getProgramLog(program)
+        assert all(nvrtc.getLoweredName(program, name) for name in names)
+        assert len(nvrtc.getCUBIN(program)) > 0
+        assert "warning" not in log.lower(), log
+    finally:
+        nvrtc.destroyProgram(program)
+
+
 class _Spec:
     def __init__(self, dtype, device="cuda", geom=None):
         self.dtype, self.device, self.geom, self.device_id, self.allow_tf32 = np.dtype(dtype), device, geom, 0, False
