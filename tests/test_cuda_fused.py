@@ -72,11 +72,17 @@ def _key_id(key):
 
 def _compile_module(key):
     """NVRTC-compile one module to a cubin: (error log or None, lowered names, cubin size, log)."""
-    from cupy_backends.cuda.libs import nvrtc
-    from dcn_cupy._backends import cuda, cuda_fused as fused
-    names = fused.name_expressions(*key)
+    from dcn_cupy._backends import cuda_fused as fused
     arch = fused.SM90A if key[3] in fused.WGMMA_ENGINES else f"-arch={ARCH}"
-    program = nvrtc.createProgram(fused.module_source(), "dcn_cupy_fused.cu", (), ())
+    return _compile_source(fused.module_source(), fused.name_expressions(*key), arch)
+
+
+def _compile_source(source, names, arch):
+    """NVRTC-compile module text with its name expressions for one architecture option: (error
+    log or None, lowered names, cubin size, log)."""
+    from cupy_backends.cuda.libs import nvrtc
+    from dcn_cupy._backends import cuda
+    program = nvrtc.createProgram(source, "dcn_cupy_fused.cu", (), ())
     try:
         for name in names:
             nvrtc.addNameExpression(program, name)
@@ -137,25 +143,15 @@ EXPERIMENTS = {
 
 @pytest.mark.parametrize("experiment", sorted(EXPERIMENTS))
 def test_experiment_switches_compile(toolchain, experiment):
-    from cupy_backends.cuda.libs import nvrtc
     _, _, fused = toolchain
-    from dcn_cupy._backends import cuda
     defines, names = EXPERIMENTS[experiment]
     source = "".join(f"#define {name} {value}\n" for name, value in defines.items()) + fused.module_source()
-    program = nvrtc.createProgram(source, "dcn_cupy_fused_experiment.cu", (), ())
-    try:
-        for name in names:
-            nvrtc.addNameExpression(program, name)
-        try:
-            nvrtc.compileProgram(program, tuple(cuda.compile_options()) + (fused.SM90A,))
-        except nvrtc.NVRTCError:
-            pytest.fail(f"{experiment}: NVRTC compilation failed:\n" + nvrtc.getProgramLog(program))
-        log = nvrtc.getProgramLog(program)
-        assert all(nvrtc.getLoweredName(program, name) for name in names)
-        assert len(nvrtc.getCUBIN(program)) > 0
-        assert "warning" not in log.lower(), log
-    finally:
-        nvrtc.destroyProgram(program)
+    error, lowered, size, log = _compile_source(source, names, fused.SM90A)
+    if error is not None:
+        pytest.fail(f"{experiment}: NVRTC compilation failed:\n" + error)
+    assert set(lowered) == set(names) and all(lowered.values())
+    assert size > 0
+    assert "warning" not in log.lower(), log
 
 
 class _Spec:
