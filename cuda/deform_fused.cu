@@ -250,6 +250,7 @@ template <typename T, typename I>
 __global__ void fused_weight_rows(const T* __restrict__ w, T* __restrict__ wr, const int out_channels,
                                   const int Cg, const int Cgp, const int K, const int round_tf32) {
     const I total = (I)out_channels * Cgp;
+    fused::launch_dependents();
     for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
         const int c = (int)(idx % Cgp);
         const I o = idx / Cgp;
@@ -258,6 +259,7 @@ __global__ void fused_weight_rows(const T* __restrict__ w, T* __restrict__ wr, c
             wr[(o * K + t) * Cgp + c] = v;
         }
     }
+    fused::wait_prerequisites();   // (launched overlapping the channels-last copy: done only after it)
 }
 
 // The 3xTF32 parts of a weight (fused::split_tf32); the half types have none.
@@ -292,6 +294,7 @@ __global__ void fused_weight_tiles(const T* __restrict__ w, T* __restrict__ wt, 
     const I per_tile = (I)BM * BK;
     const I tile_stride = precision == 2 ? 2 * per_tile : per_tile;
     const I total = (I)groups * row_groups * 8 * cvecs;
+    fused::launch_dependents();
     for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
         const int r8 = (int)(idx & 7);
         const I rest = idx >> 3;
@@ -321,6 +324,7 @@ __global__ void fused_weight_tiles(const T* __restrict__ w, T* __restrict__ wt, 
             *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(v);
         }
     }
+    fused::wait_prerequisites();   // (launched overlapping the channels-last copy: done only after it)
 }
 
 template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool UNIFORM, int ENGINE,
@@ -792,6 +796,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     if constexpr (ENGINE == 2) {
         // Corner pipeline: the copies of steps s+1 .. s+DEPTH are in flight while step s
         // multiplies (one cp.async group per step, empty past the last step).
+        fused::wait_prerequisites();   // xcl and wr written (programmatic dependent launch)
 #pragma unroll
         for (int s = 0; s < DEPTH; ++s) {
             if (s < steps) corner_issue(s);
@@ -803,6 +808,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     } else if constexpr (ENGINE != 3) {
         // Prologue: step 0 into buffer 0 (PLAN 2: the warp's first corner batch before).
         corner_batch(0);
+        fused::wait_prerequisites();   // xcl, wr and the sampling plan written
         weight_copy(0, 0);
         sample_load(0);
         sample_store(0);
@@ -988,8 +994,9 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 if constexpr (RESPLIT) setmaxnreg_dec<SAMPLER_REGS>();
                 if constexpr (GROW) setmaxnreg_inc<AHEAD_REGS>();
                 constexpr bool SAMPLE = DCN_FUSED_WS_EXPERIMENT != 2;
+                corner_batch(0);   // (offsets and mask only: before the wait)
+                fused::wait_prerequisites();   // xcl, wr and the sampling plan written
                 if constexpr (!MMA_WEIGHTS) weight_bulk(0);
-                corner_batch(0);
                 if (SAMPLE) sample_load(0);
                 if constexpr (AHEAD == 1) {
                     for (int s = 0; s < steps; ++s) {
@@ -1024,6 +1031,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             }
             if constexpr (RESPLIT) setmaxnreg_inc<MMA_REGS>();
             if constexpr (GROW) setmaxnreg_dec<(GROW ? MMA_LEFT : 256)>();
+            fused::wait_prerequisites();   // wr written
             if constexpr (MMA_WEIGHTS) {
 #pragma unroll 1
                 for (int s = 0; s < DEPTH; ++s) weight_bulk(s);

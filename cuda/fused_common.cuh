@@ -36,6 +36,23 @@ __device__ __forceinline__ void copy_wait_all() { asm volatile("cp.async.wait_al
 template <int P>
 __device__ __forceinline__ void copy_wait_pending() { asm volatile("cp.async.wait_group %0;\n" :: "n"(P) : "memory"); }
 
+// Programmatic dependent launch (compute capability 9.0; no-ops where the launch did not ask for
+// it, and below 9.0). launch_dependents: the next kernel of the stream, if launched with
+// programmatic stream serialization, may start once every block of this one has passed here.
+// wait_prerequisites: the kernel before this one in the stream has completed and its writes are
+// visible. A kernel launched that way calls wait_prerequisites in every block before it reads
+// what earlier kernels wrote and before it exits, so that its completion still implies theirs.
+__device__ __forceinline__ void launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_prerequisites() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_address(p)));
@@ -642,6 +659,7 @@ __global__ void fused_channels_last(const T* __restrict__ x, T* __restrict__ xcl
     const int c_tiles = (Cp + TILE - 1) / TILE;
     const I blocks = (I)batch * c_tiles * s_tiles;
     const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;   // 256 threads: 32 x 8
+    fused::launch_dependents();   // (the fused forward's preamble needs nothing of xcl)
     for (I blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
         const I st = blk % s_tiles;
         const I rest = blk / s_tiles;
@@ -694,6 +712,7 @@ __global__ void fused_sampling_plan(const T* __restrict__ offset, const T* __res
     const fused::PlanEntries<I, N> pe(g, batch, channels, offset != nullptr, offset_groups, mask != nullptr,
                                       mask_groups, seg_len, segments);
     const I zero_row = (I)batch * pe.S;
+    fused::launch_dependents();
     for (I e = dcn::global_thread_index<I>(); e < pe.total; e += dcn::global_thread_stride<I>()) {
         I b, q;
         int qc[N], t, go, gm;

@@ -343,9 +343,11 @@ def test_launch_config_choices():
 
 @pytest.mark.parametrize("tile, plan", [((256, 64, 64, 1, 3, 512), True), ((64, 64, 64, 1, 0), False)])
 def test_forward_launches_address_every_chunk(monkeypatch, tile, plan):
-    """The launches a plan records for a forward (no GPU: kernels and launches stubbed): the
-    weight re-layout once, then per batch chunk the channels-last copy, the sampling plan where
-    the config has one, and the kernel, each on its chunk's addresses and the workspace's parts."""
+    """The launches a plan records for a forward (no GPU: kernels and launches stubbed): per
+    batch chunk the channels-last copy (the first followed by the weight re-layout), the sampling
+    plan where the config has one, and the kernel, each on its chunk's addresses and the
+    workspace's parts; the re-layout and the kernels launched to overlap the kernel before them
+    (programmatic dependent launch), the copies and the sampling plans not."""
     fused = _fused()
     B, C, H, K, it = 5, 64, 9, 9, 2
     g = _geom((B, C, H, H), (C, C, 3, 3), (B, 2 * K, H, H), (B, K, H, H), (C,), padding=1)
@@ -354,7 +356,8 @@ def test_forward_launches_address_every_chunk(monkeypatch, tile, plan):
     assert config.chunk == 1 and config.sampling_plan == plan
     monkeypatch.setattr(fused.LaunchConfig, "kernel", lambda self, name: name)
     monkeypatch.setattr(fused._cuda, "_kernel_op",
-                        lambda kernel, grid, block, args, shared_mem=0: (kernel, grid, block, args, shared_mem))
+                        lambda kernel, grid, block, args, shared_mem=0, overlap=False:
+                        (kernel, grid, block, args, shared_mem, overlap))
     x, w, off, msk, b, out, ws = (k << 24 for k in range(1, 8))
     Q = S = H * H
     strides = (C * S, 2 * K * Q, K * Q)
@@ -362,10 +365,12 @@ def test_forward_launches_address_every_chunk(monkeypatch, tile, plan):
     ops = fused.forward_launches(config, (x, w, off, msk, b), strides, out, ws)
     xcl_at, wr_at, rows_at, weights_at = fused._workspace_offsets(config)
     per_chunk = ["fused_channels_last"] + (["fused_sampling_plan"] if plan else []) + ["forward"]
-    assert [op[0] for op in ops] == [config.weight_kernel] + per_chunk * B
-    assert [int(a) for a in ops[0][3][:2]] == [w, ws + wr_at]
-    for k in range(B):
-        chunk = ops[1 + k * len(per_chunk):1 + (k + 1) * len(per_chunk)]
+    assert [op[0] for op in ops] == per_chunk[:1] + [config.weight_kernel] + per_chunk[1:] + per_chunk * (B - 1)
+    assert [int(a) for a in ops[1][3][:2]] == [w, ws + wr_at]
+    assert [op[5] for op in ops] == [op[0] in (config.weight_kernel, "forward") for op in ops]
+    chunks = [[ops[0]] + ops[2:1 + len(per_chunk)]] + [
+        ops[1 + k * len(per_chunk):1 + (k + 1) * len(per_chunk)] for k in range(1, B)]
+    for k, chunk in enumerate(chunks):
         layout, forward = chunk[0], chunk[-1]
         assert [int(a) for a in layout[3][:2]] == [x + k * C * S * it, ws + xcl_at]
         a = forward[3]
@@ -380,6 +385,36 @@ def test_forward_launches_address_every_chunk(monkeypatch, tile, plan):
             assert [int(v) for v in a[18:20]] == [ws + rows_at, ws + weights_at]
         else:
             assert a[18] is None and a[19] is None
+
+
+def test_programmatic_launch_marshals_its_attribute():
+    """cuLaunchKernelEx's arguments as the driver reads them (no GPU: a ctypes stand-in for the
+    driver function): grid, block, shared memory, the stream (an address, or the ctypes value
+    replays pass), and one attribute, programmatic stream serialization (id 6), allowed."""
+    import ctypes
+    import struct
+    from dcn_cupy._backends import cuda
+    seen = []
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+    def launch_kernel_ex(config, function, params, extra):
+        raw = ctypes.string_at(config, 56)
+        stream, attrs, count = struct.unpack_from("QQI", raw, 32)
+        attribute = ctypes.string_at(attrs, 72)
+        seen.append((struct.unpack_from("7I", raw), stream, count, struct.unpack_from("i", attribute)[0],
+                     struct.unpack_from("i", attribute, 8)[0], function, params, extra))
+        return 0
+
+    class Driver:
+        cuLaunchKernelEx = launch_kernel_ex
+
+    launch = cuda._launch_ex(Driver())
+    head = launch.prepare(0x1234, 77, 384, 99000, 0x5678)
+    launch.launch(head, 0xABC)
+    launch.launch(head, ctypes.c_void_p(0xDEF))
+    assert seen == [((77, 1, 1, 384, 1, 1, 99000), stream, 1, 6, 1, 0x1234, 0x5678, None)
+                    for stream in (0xABC, 0xDEF)]
+    assert cuda._launch_ex(object()) is None   # a driver without cuLaunchKernelEx
 
 
 def test_64bit_indices_use_the_first_tile_of_each_engine(monkeypatch):
@@ -978,6 +1013,57 @@ def test_plans_replay_recorded_fused_launches():
     rounded = {k: a.astype(np.float16).astype(np.float64) for k, a in arrays.items()}
     assert relative_error(cupy.asnumpy(outs[0]).astype(np.float64), reference.deform_conv(**rounded, **params)) \
         < TOL["float16"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["float16", "float32"])
+def test_programmatic_dependent_launch_gives_the_same_bits(monkeypatch, precision):
+    """The forward's launches with programmatic dependent launch (the weight re-layout beside the
+    channels-last copy, each kernel's preamble beside the kernel before it) and without, launch
+    by launch and as a CUDA graph, in one-sample chunks, with and without the sampling plan, on a
+    workspace poisoned (NaN) before every run: bitwise the same, and the reference's values. A
+    kernel that read its inputs before they were written would read the poison."""
+    cupy = _cupy()
+    fused = _fused()
+    from dcn_cupy._backends import cuda
+    monkeypatch.setattr(fused, "WORKSPACE_LIMIT_BYTES", 1)   # one-sample chunks: copy, kernel, copy, ...
+    rng = np.random.default_rng(31)
+    arrays, params = wide_case(rng, 2, groups=1, offset_groups=1, mask_groups=1, c_in=64, c_out=64, batch=3,
+                               stride=(1, 1), padding=(1, 1), dilation=(1, 1))
+    dtype = DTYPE[precision]
+    dev = {k: cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
+    inputs = tuple(dev[k].data.ptr for k in ("input", "weight", "offset", "mask", "bias"))
+    geom = _case_geom(arrays, params)
+    expected = reference.deform_conv(**{k: a.astype(dtype).astype(np.float64) for k, a in arrays.items()}, **params)
+    stream = cupy.cuda.get_current_stream()
+    tiles = [tile for tile in fused._tiles(dtype) if tile[4] in (0, 3) and tile_runs(tile, precision)]
+    checked = 0
+    for tile in tiles:
+        for plan in (False, True):
+            config = fused.LaunchConfig(geom, dtype, False, tile=tile, sampling_plan=plan)
+            if config.sampling_plan != plan:
+                continue
+            assert config.chunk == 1
+            workspace = cupy.empty(config.workspace_bytes, dtype=np.uint8)
+            strides = fused.FusedForward(config)._strides
+            out = cupy.empty(geom.y_shape, dtype=dtype)
+            results = []
+            for pdl in (False, True):
+                monkeypatch.setattr(cuda, "PDL", pdl)
+                ops = cuda._Ops(fused.forward_launches(config, inputs, strides, out.data.ptr, workspace.data.ptr))
+                if pdl and cuda._prepare is not None:   # the relayout and every kernel: cuLaunchKernelEx
+                    assert sum(len(op[7]) == 6 for op in ops) == 1 + geom.batch
+                for _ in range(3):   # launch by launch, then (second replay on) as a CUDA graph
+                    workspace.fill(0xFF)
+                    out.fill(np.nan)
+                    cuda._replay(ops, None, stream.ptr)
+                    results.append(cupy.asnumpy(out))
+                assert ops.graph, "the launches were not captured as a CUDA graph"
+            for got in results[1:]:
+                np.testing.assert_array_equal(got, results[0], err_msg=str((tile, plan)))
+            assert relative_error(results[0].astype(np.float64), expected) < TOL[precision], (tile, plan)
+            checked += 1
+    assert checked >= 2
 
 
 @pytest.mark.gpu

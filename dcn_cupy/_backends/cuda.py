@@ -627,15 +627,24 @@ class _Params:
         self.ptr = self.pointers.ctypes.data
 
 
-def _kernel_op(kernel, grid, block, args, shared_mem=0):
+#: Programmatic dependent launch (compute capability 9.0): launches recorded with ``overlap``
+#: may start while the kernel before them in the stream finishes (``DCN_CUPY_PDL=0``: never).
+PDL = os.environ.get("DCN_CUPY_PDL", "1") != "0"
+
+
+def _kernel_op(kernel, grid, block, args, shared_mem=0, overlap=False):
     """A recorded launch of a RawKernel (on the current device): its CUfunction, launch
     configuration and argument block, launched by cuLaunchKernel on replay (a few µs less than
-    CuPy's argument processing per launch)."""
+    CuPy's argument processing per launch). ``overlap``: launched with programmatic stream
+    serialization (``PDL``, where the driver has cuLaunchKernelEx), so that its blocks may start
+    once every block of the kernel before it has called ``fused::launch_dependents``; only for a
+    kernel that calls ``fused::wait_prerequisites`` before it reads that kernel's output and
+    before it exits."""
     params = _Params(args)
     function = kernel.kernel if hasattr(kernel, "kernel") else kernel   # a RawKernel, or a Function
     f, gx, bx, smem = function.ptr, int(grid[0]), int(block[0]), int(shared_mem)
     _launch_function()
-    head = None if _prepare is None else _prepare(f, gx, bx, smem, params.ptr)
+    head = None if _prepare is None else _prepare(f, gx, bx, smem, params.ptr, overlap and PDL)
     return (0, f, gx, bx, smem, params.ptr, params, head)
 
 
@@ -682,11 +691,17 @@ def _driver_launch():
             raise RuntimeError(f"cuLaunchKernel failed with CUresult {status}")
 
     one = u(1)
+    launch_ex = _launch_ex(lib)
 
-    def prepare(f, gx, bx, shared_mem, params):
+    def prepare(f, gx, bx, shared_mem, params, overlap=False):
+        if overlap and launch_ex is not None:
+            return launch_ex.prepare(f, gx, bx, shared_mem, params)
         return p(f), u(gx), u(bx), u(shared_mem), p(params)
 
     def launch_prepared(head, stream):
+        if len(head) != 5:
+            launch_ex.launch(head, stream)
+            return
         f, gx, bx, shared_mem, params = head
         status = fn(f, gx, one, one, bx, one, one, shared_mem, stream, params, None)
         if status == _INVALID_CONTEXT and _make_context_current():
@@ -708,6 +723,60 @@ def _driver_launch():
     global _graph_library
     _graph_library = lib
     return launch, memset, prepare, launch_prepared, p
+
+
+class _LaunchEx:
+    """``cuLaunchKernelEx`` with the attribute CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    set (programmatic dependent launch; a stream capture turns it into a programmatic edge of the
+    graph). A prepared launch is ``(function, params, grid, block, shared memory, attribute)``;
+    each launch builds its own CUlaunchConfig, so that threads replaying one recorded launch on
+    their own streams share nothing mutable."""
+
+    _PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CUlaunchAttributeID
+
+    def __init__(self, lib):
+        import ctypes
+        p, u = ctypes.c_void_p, ctypes.c_uint
+
+        class Attribute(ctypes.Structure):   # CUlaunchAttribute: id, padding, a 64-byte union
+            _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                        ("rest", ctypes.c_char * 60)]
+
+        class Config(ctypes.Structure):      # CUlaunchConfig
+            _fields_ = [("gridDimX", u), ("gridDimY", u), ("gridDimZ", u), ("blockDimX", u),
+                        ("blockDimY", u), ("blockDimZ", u), ("sharedMemBytes", u), ("hStream", p),
+                        ("attrs", ctypes.POINTER(Attribute)), ("numAttrs", u)]
+
+        assert ctypes.sizeof(Attribute) == 72 and Config.hStream.offset == 32 and ctypes.sizeof(Config) == 56
+        self._fn = lib.cuLaunchKernelEx
+        self._fn.argtypes = [ctypes.POINTER(Config), p, p, p]
+        self._fn.restype = ctypes.c_int
+        self._attribute, self._config, self._byref, self._pointer, self._p = \
+            Attribute, Config, ctypes.byref, ctypes.pointer, p
+
+    def prepare(self, f, gx, bx, shared_mem, params):
+        attribute = self._attribute(self._PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
+        return self._p(f), self._p(params), gx, bx, shared_mem, self._pointer(attribute)
+
+    def launch(self, head, stream):
+        f, params, gx, bx, shared_mem, attribute = head
+        stream = getattr(stream, "value", stream)   # a ctypes stream argument, or an address
+        config = self._config(gx, 1, 1, bx, 1, 1, shared_mem, stream, attribute, 1)
+        byref = self._byref(config)
+        status = self._fn(byref, f, params, None)
+        if status == _INVALID_CONTEXT and _make_context_current():
+            status = self._fn(byref, f, params, None)
+        if status:
+            raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status}")
+
+
+def _launch_ex(lib):
+    """The driver's programmatic dependent launch (``_LaunchEx``), or None (a driver without
+    cuLaunchKernelEx)."""
+    try:
+        return _LaunchEx(lib)
+    except AttributeError:
+        return None
 
 
 _graph_library = None   # the driver's PyDLL once _driver_launch found it (CUDA graphs)

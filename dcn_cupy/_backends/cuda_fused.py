@@ -648,10 +648,11 @@ def _views(config: LaunchConfig, workspace):
     return xcl, wr, rows, weights
 
 
-def _relayout_launch(config: LaunchConfig, weight: int, wr: int):
+def _relayout_launch(config: LaunchConfig, weight: int, wr: int, overlap: bool = False):
     """The weights' re-layout into the forward kernel's order (recorded, ``cuda._kernel_op``):
     ENGINE 3's whole tiles (one thread per 16-byte vector of channels, every tap), else rows of
-    ``Cgp`` channels per (output channel, tap)."""
+    ``Cgp`` channels per (output channel, tap). ``overlap``: it may run beside the kernel before
+    it (programmatic dependent launch; both kernels wait for that one before they exit)."""
     g, i32 = config.geom, np.int32
     kernel = config.kernel(config.weight_kernel)
     if config.weight_kernel == "fused_weight_tiles":
@@ -660,11 +661,11 @@ def _relayout_launch(config: LaunchConfig, weight: int, wr: int):
         vectors = g.groups * config.m_tiles * bm * config.Cgp // _VEC[np.dtype(config.dtype)]
         return _cuda._kernel_op(kernel, (min(-(-vectors // _THREADS), _MAX_GRID),), (_THREADS,), (
             _cuda._u64(weight), _cuda._u64(wr), i32(config.Cog), i32(g.groups), i32(config.Cg), i32(config.K),
-            i32(bm), i32(bk), i32(config.precision)))
+            i32(bm), i32(bk), i32(config.precision)), overlap=overlap)
     rows = g.out_channels * config.Cgp
     return _cuda._kernel_op(kernel, (min(-(-rows // _THREADS), _MAX_GRID),), (_THREADS,), (
         _cuda._u64(weight), _cuda._u64(wr), i32(g.out_channels), i32(config.Cg), i32(config.Cgp), i32(config.K),
-        i32(config.precision == 1)))
+        i32(config.precision == 1)), overlap=overlap)
 
 
 def forward_launches(config: LaunchConfig, inputs, strides, out: int, workspace: int) -> list:
@@ -672,14 +673,16 @@ def forward_launches(config: LaunchConfig, inputs, strides, out: int, workspace:
     ``inputs`` the addresses of (x, w, offset, mask, bias) (0 for an absent one), ``strides`` the
     sample strides in elements of (x, offset, mask) (0 for a broadcast batch), ``out`` the
     address of a C-contiguous output, ``workspace`` of ``config.workspace_bytes``. Per batch
-    chunk: the channels-last copy, the sampling plan where the config has one, the kernel."""
+    chunk: the channels-last copy (the first chunk's followed by the weights' re-layout, which
+    runs beside it), the sampling plan where the config has one, the kernel, whose preamble runs
+    while the kernel before it finishes (programmatic dependent launch, ``cuda.PDL``)."""
     g = config.geom
     x, w, offset, mask, bias = inputs
     x_bs, off_bs, msk_bs = strides
     it, i32, u64, at, op = config.itemsize, np.int32, _cuda._u64, _cuda._at, _cuda._kernel_op
     index = np.int64 if config.index64 else np.int32
     xcl, wr, rows, weights = (None if o is None else workspace + o for o in _workspace_offsets(config))
-    ops = [_relayout_launch(config, w, wr)]
+    ops = []
     layout, forward = config.kernel("fused_channels_last"), config.kernel("forward")
     struct = config.struct
     for start in range(0, g.batch, config.chunk):
@@ -687,6 +690,8 @@ def forward_launches(config: LaunchConfig, inputs, strides, out: int, workspace:
         ops.append(op(layout, layout_grid(n, config.Cp, config.S), (_THREADS,), (
             u64(x + start * x_bs * it), u64(xcl), i32(n), i32(g.in_channels), i32(config.Cp), index(config.S),
             index(x_bs))))
+        if start == 0:
+            ops.append(_relayout_launch(config, w, wr, overlap=True))
         offset_n, mask_n = at(offset, start * off_bs * it), at(mask, start * msk_bs * it)
         if config.sampling_plan:
             entries = n * config.Q * config.K * config.segments
@@ -700,7 +705,7 @@ def forward_launches(config: LaunchConfig, inputs, strides, out: int, workspace:
             struct, i32(n), i32(g.in_channels), i32(config.Cp), i32(g.out_channels), i32(g.groups),
             i32(max(g.offset_groups, 1)), i32(max(g.mask_groups, 1)), i32(config.Cgp), index(off_bs),
             index(msk_bs), i32(config.taps_inner), None if rows is None else u64(rows),
-            None if weights is None else u64(weights), i32(config.seg_len)), config.smem_bytes))
+            None if weights is None else u64(weights), i32(config.seg_len)), config.smem_bytes, overlap=True))
     return ops
 
 
