@@ -116,6 +116,7 @@ __global__ void fused_channels_first(const float* __restrict__ gxcl, const dcn_u
                                      const dcn_u64* __restrict__ gy_bounds, const dcn_u64* __restrict__ mask_bounds,
                                      const int log2_count, const T* __restrict__ bias, T* __restrict__ gx,
                                      const int batch, const int channels, const int Cpa, const I S, const I gx_bstride) {
+    fused::start_after_prerequisites();
     typedef typename StagedValue<FIXED>::type V;
     constexpr int TILE = 64;
     __shared__ V tile[TILE][TILE + 1];
@@ -175,6 +176,7 @@ __global__ void fused_channels_first(const float* __restrict__ gxcl, const dcn_u
 template <typename T, typename I>
 __global__ void fused_store(const float* __restrict__ src, T* __restrict__ dst, const int batch,
                             const I per_sample, const I dst_bstride, const int slots) {
+    fused::start_after_prerequisites();
     const I total = (I)batch * per_sample;
     for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
         const I b = idx / per_sample;
@@ -196,6 +198,7 @@ __global__ void fused_gradient_plan(const T* __restrict__ offset, const T* __res
                                     float* __restrict__ masks, const Geom<N> g, const int batch, const int channels,
                                     const int offset_groups, const int mask_groups, const int seg_len,
                                     const int segments, const I offset_bstride, const I mask_bstride) {
+    fused::start_after_prerequisites();
     constexpr int NC = 1 << N;
     const fused::PlanEntries<I, N> pe(g, batch, channels, offset != nullptr, offset_groups, mask != nullptr,
                                       mask_groups, seg_len, segments);
@@ -240,6 +243,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                            const dcn_u64* __restrict__ weight_bound, const dcn_u64* __restrict__ gy_bounds,
                            const dcn_u64* __restrict__ mask_bounds, const int log2_count) {
     using namespace fused;
+    start_after_prerequisites();
     using fused_bwd::THREADS;
     constexpr int VEC = Tile<T>::VEC;
     constexpr int LD = BK + Tile<T>::PAD;            // shared row length (A: per input channel, B: per position)
@@ -652,6 +656,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
 template <typename T, typename I>
 __global__ void fused_position_rows(const T* __restrict__ gy, T* __restrict__ gyr, const int batch,
                                     const int channels, const I Q, const I Pp, const I gy_bstride) {
+    fused::start_after_prerequisites();
     constexpr int VEC = 16 / sizeof(T);
     const bool vector = Q % VEC == 0 && gy_bstride % VEC == 0 && (reinterpret_cast<size_t>(gy) & 15) == 0;
     const I row_vectors = Pp / VEC;
@@ -704,6 +709,7 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
                              const I Pp, const I offset_bstride, const I mask_bstride, const int splits,
                              const int steps_per_split, const int accumulate) {
     using namespace fused;
+    start_after_prerequisites();
     using fused_bwd::THREADS;
     constexpr int VEC = Tile<T>::VEC;
     constexpr int LD = BK + Tile<T>::PAD;
@@ -962,6 +968,7 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
 template <typename T, typename I>
 __global__ void fused_weight_sum(const float* __restrict__ part, T* __restrict__ gw, const int splits,
                                  const int out_channels, const int Cg, const int K) {
+    fused::start_after_prerequisites();
     const I total = (I)out_channels * Cg * K;
     const I per_split = total;
     for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {

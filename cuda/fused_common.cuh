@@ -52,6 +52,12 @@ __device__ __forceinline__ void wait_prerequisites() {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
+// The start of a kernel that may be launched that way and needs the earlier kernels' output
+// from its first instruction (the fused backward's): its successor may launch, then it waits.
+__device__ __forceinline__ void start_after_prerequisites() {
+    launch_dependents();
+    wait_prerequisites();
+}
 
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -659,7 +665,7 @@ __global__ void fused_channels_last(const T* __restrict__ x, T* __restrict__ xcl
     const int c_tiles = (Cp + TILE - 1) / TILE;
     const I blocks = (I)batch * c_tiles * s_tiles;
     const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;   // 256 threads: 32 x 8
-    fused::launch_dependents();   // (the fused forward's preamble needs nothing of xcl)
+    fused::start_after_prerequisites();
     for (I blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
         const I st = blk % s_tiles;
         const I rest = blk / s_tiles;
@@ -712,7 +718,7 @@ __global__ void fused_sampling_plan(const T* __restrict__ offset, const T* __res
     const fused::PlanEntries<I, N> pe(g, batch, channels, offset != nullptr, offset_groups, mask != nullptr,
                                       mask_groups, seg_len, segments);
     const I zero_row = (I)batch * pe.S;
-    fused::launch_dependents();
+    fused::start_after_prerequisites();
     for (I e = dcn::global_thread_index<I>(); e < pe.total; e += dcn::global_thread_stride<I>()) {
         I b, q;
         int qc[N], t, go, gm;

@@ -346,8 +346,8 @@ def test_forward_launches_address_every_chunk(monkeypatch, tile, plan):
     """The launches a plan records for a forward (no GPU: kernels and launches stubbed): per
     batch chunk the channels-last copy (the first followed by the weight re-layout), the sampling
     plan where the config has one, and the kernel, each on its chunk's addresses and the
-    workspace's parts; the re-layout and the kernels launched to overlap the kernel before them
-    (programmatic dependent launch), the copies and the sampling plans not."""
+    workspace's parts; every launch but the first and the sampling plans' overlapping the kernel
+    before it (programmatic dependent launch)."""
     fused = _fused()
     B, C, H, K, it = 5, 64, 9, 9, 2
     g = _geom((B, C, H, H), (C, C, 3, 3), (B, 2 * K, H, H), (B, K, H, H), (C,), padding=1)
@@ -367,7 +367,7 @@ def test_forward_launches_address_every_chunk(monkeypatch, tile, plan):
     per_chunk = ["fused_channels_last"] + (["fused_sampling_plan"] if plan else []) + ["forward"]
     assert [op[0] for op in ops] == per_chunk[:1] + [config.weight_kernel] + per_chunk[1:] + per_chunk * (B - 1)
     assert [int(a) for a in ops[1][3][:2]] == [w, ws + wr_at]
-    assert [op[5] for op in ops] == [op[0] in (config.weight_kernel, "forward") for op in ops]
+    assert [op[5] for op in ops] == [i > 0 and op[0] != "fused_sampling_plan" for i, op in enumerate(ops)]
     chunks = [[ops[0]] + ops[2:1 + len(per_chunk)]] + [
         ops[1 + k * len(per_chunk):1 + (k + 1) * len(per_chunk)] for k in range(1, B)]
     for k, chunk in enumerate(chunks):
@@ -1019,7 +1019,7 @@ def test_plans_replay_recorded_fused_launches():
 @pytest.mark.parametrize("precision", ["float16", "float32"])
 def test_programmatic_dependent_launch_gives_the_same_bits(monkeypatch, precision):
     """The forward's launches with programmatic dependent launch (the weight re-layout beside the
-    channels-last copy, each kernel's preamble beside the kernel before it) and without, launch
+    channels-last copy, each launch beside the kernel before it) and without, launch
     by launch and as a CUDA graph, in one-sample chunks, with and without the sampling plan, on a
     workspace poisoned (NaN) before every run: bitwise the same, and the reference's values. A
     kernel that read its inputs before they were written would read the poison."""
@@ -1051,8 +1051,8 @@ def test_programmatic_dependent_launch_gives_the_same_bits(monkeypatch, precisio
             for pdl in (False, True):
                 monkeypatch.setattr(cuda, "PDL", pdl)
                 ops = cuda._Ops(fused.forward_launches(config, inputs, strides, out.data.ptr, workspace.data.ptr))
-                if pdl and cuda._prepare is not None:   # the relayout and every kernel: cuLaunchKernelEx
-                    assert sum(len(op[7]) == 6 for op in ops) == 1 + geom.batch
+                if pdl and cuda._prepare is not None:   # all but the first and the plans': cuLaunchKernelEx
+                    assert sum(len(op[7]) == 6 for op in ops) == len(ops) - 1 - plan * geom.batch
                 for _ in range(3):   # launch by launch, then (second replay on) as a CUDA graph
                     workspace.fill(0xFF)
                     out.fill(np.nan)

@@ -650,6 +650,60 @@ def test_partial_tiles_batch_33_and_one_sample_chunks(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+def test_programmatic_dependent_launch_gives_the_same_gradients(deterministic, monkeypatch):
+    """Every gradient with programmatic dependent launch (each kernel of the list starting while
+    the one before it finishes, waiting for it first) and without, launch by launch and as a CUDA
+    graph, in one-sample chunks (the accumulators cleared between chunks), on a workspace poisoned
+    (NaN) before every run: the reference's values, and in deterministic mode bitwise the same."""
+    cupy = _cupy()
+    fb = _backward_module()
+    from dcn_cupy._backends import cuda
+    monkeypatch.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", 1)
+    rng = np.random.default_rng(37)
+    arrays, params, gy = wide_case(rng, 2, groups=1, offset_groups=2, mask_groups=1, c_in=64, c_out=64, batch=3,
+                                   stride=(1, 1), padding=(1, 1), dilation=(1, 1))
+    dtype = np.dtype(np.float16)
+    dev = {k: cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
+    gy_dev = cupy.asarray(gy.astype(dtype))
+    rounded = {k: a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
+    gx, gw, goff, gm, _ = reference.deform_conv_backward(gy.astype(dtype).astype(np.float64), **rounded, **params)
+    expected = {"input": gx, "weight": gw, "offset": goff, "mask": gm}
+    shapes = [arrays[k].shape for k in ("input", "weight", "offset", "mask")]
+    geom = _geometry.conv_geometry(*shapes, None, **params)[0]
+    config = fb.BackwardConfig(geom, dtype, False, deterministic=deterministic)
+    assert config.chunk == 1 and config.fused_weight
+    workspace = cupy.empty(config.workspace_bytes, dtype=np.uint8)
+    out = {name: cupy.empty(arrays[name].shape, dtype=dtype) for name in expected}
+    outs = tuple(out[name].data.ptr for name in ("input", "weight", "offset", "mask"))
+    inputs = (gy_dev.data.ptr,) + tuple(dev[k].data.ptr for k in ("input", "weight", "offset", "mask")) + (0,)
+    strides = tuple(fb._fused._batch_stride(a) for a in (gy_dev, dev["input"], dev["offset"], dev["mask"],
+                                                           out["input"], out["offset"], out["mask"]))
+    stream = cupy.cuda.get_current_stream()
+    results = []
+    for pdl in (False, True):
+        monkeypatch.setattr(cuda, "PDL", pdl)
+        ops = cuda._Ops(fb._launches(config, inputs, strides, outs, workspace.data.ptr))
+        overlapping = [op[0] == 0 and len(op[7]) == 6 for op in ops]
+        if pdl and cuda._prepare is not None:
+            assert sum(overlapping) >= 8, overlapping
+        else:
+            assert not any(overlapping)
+        for _ in range(3):   # launch by launch, then (second replay on) as a CUDA graph
+            workspace.fill(0xFF)
+            for array in out.values():
+                array.fill(np.nan)
+            cuda._replay(ops, None, stream.ptr)
+            results.append({name: cupy.asnumpy(array) for name, array in out.items()})
+        assert ops.graph, "the launches were not captured as a CUDA graph"
+    for got in results:
+        check({k: v.astype(np.float64) for k, v in got.items()}, expected, "float16")
+        if deterministic:
+            for name in expected:
+                assert got[name].tobytes() == results[0][name].tobytes(), name
+
+
+@pytest.mark.gpu
 def test_broadcast_batch_and_64bit_indices(monkeypatch):
     fb = _backward_module()
     rng = np.random.default_rng(5)

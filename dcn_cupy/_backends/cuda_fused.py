@@ -674,15 +674,23 @@ def forward_launches(config: LaunchConfig, inputs, strides, out: int, workspace:
     sample strides in elements of (x, offset, mask) (0 for a broadcast batch), ``out`` the
     address of a C-contiguous output, ``workspace`` of ``config.workspace_bytes``. Per batch
     chunk: the channels-last copy (the first chunk's followed by the weights' re-layout, which
-    runs beside it), the sampling plan where the config has one, the kernel, whose preamble runs
-    while the kernel before it finishes (programmatic dependent launch, ``cuda.PDL``)."""
+    runs beside it), the sampling plan where the config has one, the kernel. Every launch but the
+    first and the sampling plans' is a programmatic dependent launch (``cuda.PDL``): it starts
+    while the kernel before it finishes, and waits for it where it needs its output (the kernel's
+    preamble runs before). The sampling plan launched so measured 3-4% slower (H200, B=8 C256
+    56x56 and 1D TF32 whole forward; NOTES-gpu.md, session 29), and the kernel after it gained
+    as much as after the copy."""
     g = config.geom
     x, w, offset, mask, bias = inputs
     x_bs, off_bs, msk_bs = strides
-    it, i32, u64, at, op = config.itemsize, np.int32, _cuda._u64, _cuda._at, _cuda._kernel_op
+    it, i32, u64, at = config.itemsize, np.int32, _cuda._u64, _cuda._at
     index = np.int64 if config.index64 else np.int32
     xcl, wr, rows, weights = (None if o is None else workspace + o for o in _workspace_offsets(config))
     ops = []
+
+    def op(function, grid, block, args, shared_mem=0, overlap=True):
+        return _cuda._kernel_op(function, grid, block, args, shared_mem, overlap=overlap and bool(ops))
+
     layout, forward = config.kernel("fused_channels_last"), config.kernel("forward")
     struct = config.struct
     for start in range(0, g.batch, config.chunk):
@@ -699,13 +707,13 @@ def forward_launches(config: LaunchConfig, inputs, strides, out: int, workspace:
                           (_THREADS,), (offset_n, mask_n, u64(rows), u64(weights), struct, i32(n),
                                         i32(g.in_channels), i32(max(g.offset_groups, 1)),
                                         i32(max(g.mask_groups, 1)), i32(config.seg_len), i32(config.segments),
-                                        index(off_bs), index(msk_bs))))
+                                        index(off_bs), index(msk_bs)), overlap=False))
         ops.append(op(forward, (config.blocks(n),), (config.threads,), (
             u64(xcl), u64(wr), offset_n, mask_n, at(bias, 0), u64(out + start * g.out_channels * config.Q * it),
             struct, i32(n), i32(g.in_channels), i32(config.Cp), i32(g.out_channels), i32(g.groups),
             i32(max(g.offset_groups, 1)), i32(max(g.mask_groups, 1)), i32(config.Cgp), index(off_bs),
             index(msk_bs), i32(config.taps_inner), None if rows is None else u64(rows),
-            None if weights is None else u64(weights), i32(config.seg_len)), config.smem_bytes, overlap=True))
+            None if weights is None else u64(weights), i32(config.seg_len)), config.smem_bytes))
     return ops
 
 

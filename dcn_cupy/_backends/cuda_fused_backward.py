@@ -587,7 +587,10 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
     bytes)``) for ``cuda._replay``: ``inputs`` the addresses of (grad_output, x, w, offset, mask,
     bias), ``strides`` the sample strides in elements of (grad_output, x, offset, mask, grad_x,
     grad_offset, grad_mask) (0 for a broadcast batch), ``outs`` the addresses of (grad_x,
-    grad_w, grad_offset, grad_mask) (0: not wanted; grad_w only where ``config.fused_weight``)."""
+    grad_w, grad_offset, grad_mask) (0: not wanted; grad_w only where ``config.fused_weight``).
+    The first chunk's accumulators are cleared first, so that every kernel after the first
+    follows another kernel: H200, forward+backward 1-5% faster with programmatic dependent
+    launch at the transposed, 1D and C64 benchmark shapes (NOTES-gpu.md, session 29)."""
     g = config.geom
     gy, x, w, offset, mask, bias = inputs
     gy_bs, x_bs, off_bs, msk_bs, gx_bs, goff_bs, gm_bs = strides
@@ -598,12 +601,33 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
     it = config.itemsize
     index = np.int64 if config.index64 else np.int32
     i32, u64, at = np.int32, _cuda._u64, _cuda._at
-    kernel, op = config.kernel, _cuda._kernel_op
+    kernel = config.kernel
     view = {name: workspace + start for name, (start, _, _) in config.offsets.items()}
     grid = lambda count: (min(-(-count // _THREADS), _MAX_GRID),)  # noqa: E731
     ops = []
+
+    def op(function, grid, block, args, shared_mem=0, waits=True):
+        # A kernel that begins with fused::start_after_prerequisites (``waits``) and follows
+        # another kernel of the list starts while that one finishes (programmatic dependent
+        # launch, ``cuda.PDL``); the list's first kernel and one after a memset start after it.
+        overlap = waits and bool(ops) and ops[-1][0] == 0
+        return _cuda._kernel_op(function, grid, block, args, shared_mem, overlap=overlap)
+
     layout = kernel("fused_channels_last")
     cols = config.Cg * config.K   # a row of the weight (C_out, C/G, K)
+    # the accumulators cleared (the deterministic ones' partial sums are stored, not added):
+    # the first chunk's before everything else, so that its kernels follow one another
+    cleared = ((("gxq", gx), ("gx_flags", gx), ("bounds", gx)) if config.deterministic else
+               (("gxcl", gx), ("goff", g_off), ("gmsk", g_m)))
+
+    def clear():
+        for name, target in cleared:
+            if target:
+                _, count, dt = config.offsets[name]
+                ops.append((2, view[name], count * dt.itemsize))
+
+    if data:
+        clear()
 
     def gradient_plan_op(n, off_n, msk_n):   # the data gradients' plan of a chunk of n samples
         return op(kernel("fused_gradient_plan"), grid(n * config.Q * config.K * config.segments), (_THREADS,), (
@@ -620,7 +644,7 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
     if det:   # the weight's bound of the fixed-point exponents (fixed_point.cuh)
         ops.append((2, view["weight_bound"], 8))
         ops.append(op(kernel("weight_bound"), grid(g.groups * cols), (_THREADS,), (
-            u64(w), i32(g.groups), i32(config.Cog), index(cols), u64(view["weight_bound"]))))
+            u64(w), i32(g.groups), i32(config.Cog), index(cols), u64(view["weight_bound"])), waits=False))
         gy_bounds = view["bounds"]
         mask_bounds = gy_bounds + 8 * config.chunk if mask else 0
     for start in range(0, g.batch, config.chunk):
@@ -635,13 +659,8 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
             ops.append(op(layout, _fused.layout_grid(n, config.Cop, config.Q), (_THREADS,), (
                 gy_n, u64(view["gycl"]), i32(n), i32(g.out_channels), i32(config.Cop), index(config.Q),
                 index(gy_bs))))
-            # the accumulators cleared (the deterministic ones' partial sums are stored, not added)
-            cleared = ((("gxq", gx), ("gx_flags", gx), ("bounds", gx)) if config.deterministic else
-                       (("gxcl", gx), ("goff", g_off), ("gmsk", g_m)))
-            for name, target in cleared:
-                if target:
-                    _, count, dt = config.offsets[name]
-                    ops.append((2, view[name], count * dt.itemsize))
+            if start > 0:
+                clear()
             if det:   # the samples' bounds: max |grad_output[b]| and max |mask[b]|
                 bound = kernel("sample_bound")
                 for array, per_sample, bs, bounds in ((gy_n, g.out_channels * config.Q, gy_bs, gy_bounds),
@@ -649,7 +668,7 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
                     if bounds:   # (recorded launches are 1-d: each block walks every sample)
                         blocks = max(1, min(-(-per_sample // (4 * _THREADS)), 1024))
                         ops.append(op(bound, (blocks,), (_THREADS,), (
-                            array, index(per_sample), np.int64(bs), i32(n), u64(bounds))))
+                            array, index(per_sample), np.int64(bs), i32(n), u64(bounds)), waits=False))
             fixed = (u64(view["gxq"]), u64(view["gx_flags"]), u64(view["weight_bound"]), u64(gy_bounds),
                      at(mask_bounds, 0)) if det else (None,) * 5
             accumulators = (("gxcl", 0 if config.deterministic else gx), ("goff", g_off), ("gmsk", g_m))
