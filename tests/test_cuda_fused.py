@@ -393,6 +393,7 @@ def test_programmatic_launch_marshals_its_attribute():
     replays pass), and one attribute, programmatic stream serialization (id 6), allowed."""
     import ctypes
     import struct
+    pytest.importorskip("cupy")
     from dcn_cupy._backends import cuda
     seen = []
 
