@@ -409,13 +409,36 @@ def test_programmatic_launch_marshals_its_attribute():
     class Driver:
         cuLaunchKernelEx = launch_kernel_ex
 
-    launch = cuda._launch_ex(Driver())
+    plain = []
+    launch = cuda._launch_ex(Driver(), lambda *args: plain.append(args) or 0)
     head = launch.prepare(0x1234, 77, 384, 99000, 0x5678)
     launch.launch(head, 0xABC)
     launch.launch(head, ctypes.c_void_p(0xDEF))
     assert seen == [((77, 1, 1, 384, 1, 1, 99000), stream, 1, 6, 1, 0x1234, 0x5678, None)
                     for stream in (0xABC, 0xDEF)]
-    assert cuda._launch_ex(object()) is None   # a driver without cuLaunchKernelEx
+    assert not plain and cuda._launch_ex(object(), None) is None   # a driver without cuLaunchKernelEx
+
+
+def test_a_refused_programmatic_launch_is_made_plainly(monkeypatch):
+    """A driver that refuses cuLaunchKernelEx (no GPU: a ctypes stand-in): the kernel is launched
+    with cuLaunchKernel instead, same arguments and stream, and later recordings launch plainly."""
+    import ctypes
+    pytest.importorskip("cupy")
+    from dcn_cupy._backends import cuda
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+    def refused(config, function, params, extra):
+        return 1   # CUDA_ERROR_INVALID_VALUE
+
+    class Driver:
+        cuLaunchKernelEx = refused
+
+    plain = []
+    monkeypatch.setattr(cuda, "PDL", True)
+    launch = cuda._launch_ex(Driver(), lambda *args: plain.append([getattr(a, "value", a) for a in args]) or 0)
+    launch.launch(launch.prepare(0x1234, 77, 384, 99000, 0x5678), 0xABC)
+    assert plain == [[0x1234, 77, 1, 1, 384, 1, 1, 99000, 0xABC, 0x5678, None]]
+    assert cuda.PDL is False
 
 
 def test_64bit_indices_use_the_first_tile_of_each_engine(monkeypatch):

@@ -627,9 +627,20 @@ class _Params:
         self.ptr = self.pointers.ctypes.data
 
 
-#: Programmatic dependent launch (compute capability 9.0): launches recorded with ``overlap``
-#: may start while the kernel before them in the stream finishes (``DCN_CUPY_PDL=0``: never).
+#: Programmatic dependent launch (compute capability 9.0 and above): launches recorded with
+#: ``overlap`` may start while the kernel before them in the stream finishes (``DCN_CUPY_PDL=0``:
+#: never).
 PDL = os.environ.get("DCN_CUPY_PDL", "1") != "0"
+_pdl_devices = {}   # device id -> whether it has programmatic dependent launch
+
+
+def _pdl_device() -> bool:
+    """Whether the current device has programmatic dependent launch (compute capability >= 9.0)."""
+    device = cupy.cuda.runtime.getDevice()
+    capable = _pdl_devices.get(device)
+    if capable is None:
+        capable = _pdl_devices[device] = int(cupy.cuda.Device(device).compute_capability) >= 90
+    return capable
 
 
 def _kernel_op(kernel, grid, block, args, shared_mem=0, overlap=False):
@@ -644,7 +655,7 @@ def _kernel_op(kernel, grid, block, args, shared_mem=0, overlap=False):
     function = kernel.kernel if hasattr(kernel, "kernel") else kernel   # a RawKernel, or a Function
     f, gx, bx, smem = function.ptr, int(grid[0]), int(block[0]), int(shared_mem)
     _launch_function()
-    head = None if _prepare is None else _prepare(f, gx, bx, smem, params.ptr, overlap and PDL)
+    head = None if _prepare is None else _prepare(f, gx, bx, smem, params.ptr, overlap and PDL and _pdl_device())
     return (0, f, gx, bx, smem, params.ptr, params, head)
 
 
@@ -691,7 +702,7 @@ def _driver_launch():
             raise RuntimeError(f"cuLaunchKernel failed with CUresult {status}")
 
     one = u(1)
-    launch_ex = _launch_ex(lib)
+    launch_ex = _launch_ex(lib, fn)
 
     def prepare(f, gx, bx, shared_mem, params, overlap=False):
         if overlap and launch_ex is not None:
@@ -730,11 +741,13 @@ class _LaunchEx:
     set (programmatic dependent launch; a stream capture turns it into a programmatic edge of the
     graph). A prepared launch is ``(function, params, grid, block, shared memory, attribute)``;
     each launch builds its own CUlaunchConfig, so that threads replaying one recorded launch on
-    their own streams share nothing mutable."""
+    their own streams share nothing mutable. A launch the driver refuses is made again with
+    ``plain`` (cuLaunchKernel: the same kernel, in stream order), and later recordings launch
+    plainly (``PDL`` off)."""
 
     _PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CUlaunchAttributeID
 
-    def __init__(self, lib):
+    def __init__(self, lib, plain):
         import ctypes
         p, u = ctypes.c_void_p, ctypes.c_uint
 
@@ -753,6 +766,7 @@ class _LaunchEx:
         self._fn.restype = ctypes.c_int
         self._attribute, self._config, self._byref, self._pointer, self._p = \
             Attribute, Config, ctypes.byref, ctypes.pointer, p
+        self._plain, self._one = plain, u(1)
 
     def prepare(self, f, gx, bx, shared_mem, params):
         attribute = self._attribute(self._PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
@@ -767,14 +781,19 @@ class _LaunchEx:
         if status == _INVALID_CONTEXT and _make_context_current():
             status = self._fn(byref, f, params, None)
         if status:
-            raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {status}")
+            global PDL
+            PDL = False
+            one = self._one
+            status = self._plain(f, gx, one, one, bx, one, one, shared_mem, stream, params, None)
+            if status:
+                raise RuntimeError(f"cuLaunchKernel failed with CUresult {status}")
 
 
-def _launch_ex(lib):
-    """The driver's programmatic dependent launch (``_LaunchEx``), or None (a driver without
-    cuLaunchKernelEx)."""
+def _launch_ex(lib, plain):
+    """The driver's programmatic dependent launch (``_LaunchEx``, ``plain`` its fallback), or
+    None (a driver without cuLaunchKernelEx)."""
     try:
-        return _LaunchEx(lib)
+        return _LaunchEx(lib, plain)
     except AttributeError:
         return None
 
