@@ -652,7 +652,8 @@ def _relayout_launch(config: LaunchConfig, weight: int, wr: int, overlap: bool =
     """The weights' re-layout into the forward kernel's order (recorded, ``cuda._kernel_op``):
     ENGINE 3's whole tiles (one thread per 16-byte vector of channels, every tap), else rows of
     ``Cgp`` channels per (output channel, tap). ``overlap``: it may run beside the kernel before
-    it (programmatic dependent launch; both kernels wait for that one before they exit)."""
+    it (programmatic dependent launch; it waits for that kernel before it exits, so that its
+    completion implies that kernel's)."""
     g, i32 = config.geom, np.int32
     kernel = config.kernel(config.weight_kernel)
     if config.weight_kernel == "fused_weight_tiles":
