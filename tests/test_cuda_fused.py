@@ -357,12 +357,12 @@ def test_forward_launches_address_every_chunk(monkeypatch, tile, plan):
     monkeypatch.setattr(fused.LaunchConfig, "kernel", lambda self, name: name)
     monkeypatch.setattr(fused._cuda, "_kernel_op",
                         lambda kernel, grid, block, args, shared_mem=0, overlap=False:
-                        (kernel, grid, block, args, shared_mem, overlap))
+                        (0, kernel, grid, block, args, shared_mem, overlap))   # (0: a kernel, as recorded)
     x, w, off, msk, b, out, ws = (k << 24 for k in range(1, 8))
     Q = S = H * H
     strides = (C * S, 2 * K * Q, K * Q)
     assert fused.FusedForward(config)._strides == strides   # those of C-contiguous arrays
-    ops = fused.forward_launches(config, (x, w, off, msk, b), strides, out, ws)
+    ops = [op[1:] for op in fused.forward_launches(config, (x, w, off, msk, b), strides, out, ws)]
     xcl_at, wr_at, rows_at, weights_at = fused._workspace_offsets(config)
     per_chunk = ["fused_channels_last"] + (["fused_sampling_plan"] if plan else []) + ["forward"]
     assert [op[0] for op in ops] == per_chunk[:1] + [config.weight_kernel] + per_chunk[1:] + per_chunk * (B - 1)
@@ -387,6 +387,18 @@ def test_forward_launches_address_every_chunk(monkeypatch, tile, plan):
             assert a[18] is None and a[19] is None
 
 
+def _stand_in_driver(launch_kernel_ex):
+    """A driver library whose cuLaunchKernelEx is the Python function ``launch_kernel_ex(config,
+    function, params, extra) -> CUresult`` behind a ctypes function pointer (no GPU)."""
+    import ctypes
+    prototype = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+
+    class Driver:
+        cuLaunchKernelEx = prototype(launch_kernel_ex)
+
+    return Driver()
+
+
 def test_programmatic_launch_marshals_its_attribute():
     """cuLaunchKernelEx's arguments as the driver reads them (no GPU: a ctypes stand-in for the
     driver function): grid, block, shared memory, the stream (an address, or the ctypes value
@@ -397,7 +409,6 @@ def test_programmatic_launch_marshals_its_attribute():
     from dcn_cupy._backends import cuda
     seen = []
 
-    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
     def launch_kernel_ex(config, function, params, extra):
         raw = ctypes.string_at(config, 56)
         stream, attrs, count = struct.unpack_from("QQI", raw, 32)
@@ -406,11 +417,8 @@ def test_programmatic_launch_marshals_its_attribute():
                      struct.unpack_from("i", attribute, 8)[0], function, params, extra))
         return 0
 
-    class Driver:
-        cuLaunchKernelEx = launch_kernel_ex
-
     plain = []
-    launch = cuda._launch_ex(Driver(), lambda *args: plain.append(args) or 0)
+    launch = cuda._launch_ex(_stand_in_driver(launch_kernel_ex), lambda *args: plain.append(args) or 0)
     head = launch.prepare(0x1234, 77, 384, 99000, 0x5678)
     launch.launch(head, 0xABC)
     launch.launch(head, ctypes.c_void_p(0xDEF))
@@ -422,20 +430,12 @@ def test_programmatic_launch_marshals_its_attribute():
 def test_a_refused_programmatic_launch_is_made_plainly(monkeypatch):
     """A driver that refuses cuLaunchKernelEx (no GPU: a ctypes stand-in): the kernel is launched
     with cuLaunchKernel instead, same arguments and stream, and later recordings launch plainly."""
-    import ctypes
     pytest.importorskip("cupy")
     from dcn_cupy._backends import cuda
-
-    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
-    def refused(config, function, params, extra):
-        return 1   # CUDA_ERROR_INVALID_VALUE
-
-    class Driver:
-        cuLaunchKernelEx = refused
-
+    refused = _stand_in_driver(lambda config, function, params, extra: 1)   # CUDA_ERROR_INVALID_VALUE
     plain = []
     monkeypatch.setattr(cuda, "PDL", True)
-    launch = cuda._launch_ex(Driver(), lambda *args: plain.append([getattr(a, "value", a) for a in args]) or 0)
+    launch = cuda._launch_ex(refused, lambda *args: plain.append([getattr(a, "value", a) for a in args]) or 0)
     launch.launch(launch.prepare(0x1234, 77, 384, 99000, 0x5678), 0xABC)
     assert plain == [[0x1234, 77, 1, 1, 384, 1, 1, 99000, 0xABC, 0x5678, None]]
     assert cuda.PDL is False

@@ -643,6 +643,14 @@ def _pdl_device() -> bool:
     return capable
 
 
+def _follows_kernel(ops) -> bool:
+    """Whether a launch appended now to the recorded list ``ops`` follows one of its kernels: only
+    then may it overlap that kernel (``_kernel_op``'s ``overlap``). Not the list's first launch
+    (what came before it in the stream is unknown), nor one after a memset (a graph's
+    programmatic edges join kernel nodes)."""
+    return bool(ops) and ops[-1][0] == 0
+
+
 def _kernel_op(kernel, grid, block, args, shared_mem=0, overlap=False):
     """A recorded launch of a RawKernel (on the current device): its CUfunction, launch
     configuration and argument block, launched by cuLaunchKernel on replay (a few µs less than

@@ -690,7 +690,8 @@ def forward_launches(config: LaunchConfig, inputs, strides, out: int, workspace:
     ops = []
 
     def op(function, grid, block, args, shared_mem=0, overlap=True):
-        return _cuda._kernel_op(function, grid, block, args, shared_mem, overlap=overlap and bool(ops))
+        return _cuda._kernel_op(function, grid, block, args, shared_mem,
+                                overlap=overlap and _cuda._follows_kernel(ops))
 
     layout, forward = config.kernel("fused_channels_last"), config.kernel("forward")
     struct = config.struct
@@ -700,7 +701,7 @@ def forward_launches(config: LaunchConfig, inputs, strides, out: int, workspace:
             u64(x + start * x_bs * it), u64(xcl), i32(n), i32(g.in_channels), i32(config.Cp), index(config.S),
             index(x_bs))))
         if start == 0:
-            ops.append(_relayout_launch(config, w, wr, overlap=True))
+            ops.append(_relayout_launch(config, w, wr, overlap=_cuda._follows_kernel(ops)))
         offset_n, mask_n = at(offset, start * off_bs * it), at(mask, start * msk_bs * it)
         if config.sampling_plan:
             entries = n * config.Q * config.K * config.segments

@@ -609,9 +609,9 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
     def op(function, grid, block, args, shared_mem=0, waits=True):
         # A kernel that begins with fused::start_after_prerequisites (``waits``) and follows
         # another kernel of the list starts while that one finishes (programmatic dependent
-        # launch, ``cuda.PDL``); the list's first kernel and one after a memset start after it.
-        overlap = waits and bool(ops) and ops[-1][0] == 0
-        return _cuda._kernel_op(function, grid, block, args, shared_mem, overlap=overlap)
+        # launch, ``cuda.PDL``).
+        return _cuda._kernel_op(function, grid, block, args, shared_mem,
+                                overlap=waits and _cuda._follows_kernel(ops))
 
     layout = kernel("fused_channels_last")
     cols = config.Cg * config.K   # a row of the weight (C_out, C/G, K)
