@@ -34,6 +34,9 @@ _BACKWARD_NAMES = ("grad_output",) + _NAMES
 _CORE = frozenset(("input", "weight", "offset", "mask"))
 _PARAMS = frozenset(("weight", "offset", "mask"))
 _ONLY_INPUT = frozenset(("input",))
+#: The transposed backward's parts replayed as one recorded list (``Plan._replay_chain``); False:
+#: each part's own list, as before (kept for the A/B and the tests that compare the two).
+CHAIN_TRANSPOSED_BACKWARD = True
 
 
 class Gradients(NamedTuple):
@@ -158,11 +161,18 @@ class Plan:
         def size(*entries):  # the largest workspace of the built executables among entries
             return max([int(e.workspace_bytes) for n, e in entries if n is not None], default=0)
 
+        # The transposed backward's executables, where each can record its launches without
+        # running them: one list of all of them per set of addresses, replayed as one CUDA graph.
+        self._chain = None
+        if transposed and device == "cuda" and all(callable(getattr(e, "record", None))
+                                                   for _, e in (self._bwd, self._bwd_input)):
+            from ._backends import cuda as _cuda_backend
+            self._chain = _cuda_backend.Recordings()
         self.forward_workspace_bytes = size(self._exec.get(fwd, (None, None)))
         self.backward_workspace_bytes = size(self._bwd, *([self._bwd_input] if transposed else []))
         self.workspace_bytes = max(self.forward_workspace_bytes, self.backward_workspace_bytes)
-        # On CUDA the bias gradient is one kernel launch, compiled with the plan; None: the
-        # array library's sum (CPU, or no CUDA compiler/device where the plan was built).
+        # On CUDA the bias gradient is one or two kernel launches, compiled with the plan; None:
+        # the array library's sum (CPU, or no CUDA compiler/device where the plan was built).
         self._bias_sum = self._bias_sum_pointers = None
         # A convolution's backward executable may compute the bias gradient in its own launches.
         self._fold_bias = (not transposed and geom.batch > 0 and shapes["bias"] is not None
@@ -178,7 +188,11 @@ class Plan:
                 self._bias_sum = (kernel, _cuda_backend.channel_sum)
                 batch, channels, *spatial = out      # the bias gradient sums grad_output over all but C
                 self._bias_sum_pointers = _cuda_backend.ChannelSum(kernel, batch, channels,
-                                                                   int(np.prod(spatial, dtype=np.int64)))
+                                                                   int(np.prod(spatial, dtype=np.int64)), self.dtype)
+                # its partial sums live in the backward's workspace, after the other gradients
+                self.backward_workspace_bytes = max(self.backward_workspace_bytes,
+                                                    self._bias_sum_pointers.workspace_bytes)
+                self.workspace_bytes = max(self.forward_workspace_bytes, self.backward_workspace_bytes)
 
     # -----------------------------------------------------------------------------------------
     # description
@@ -454,12 +468,44 @@ class Plan:
             to_params = self._bwd[1] if params else None
             if not self._pointer_ready(*(e for e in (to_input, to_params) if e is not None)):
                 return False
+            if self._chain is not None and CHAIN_TRANSPOSED_BACKWARD and self._replay_chain(
+                    grad_output, pointers, wanted, (gx, gw, goff, gm), outs.get("bias", 0), workspace, stream):
+                return True
             if to_input is not None:
                 to_input.run_pointers((grad_output, w, off, msk, 0), gx, workspace, stream)
             if to_params is not None:
                 to_params.run_pointers((x, grad_output, w, off, msk, 0), params, (0, gw, goff, gm), workspace, stream)
         if "bias" in wanted and not fold:
-            self._bias_sum_pointers(grad_output, outs["bias"], stream)
+            self._bias_sum_pointers(grad_output, outs["bias"], workspace, stream)
+        return True
+
+    def _replay_chain(self, grad_output, pointers, wanted, grads, grad_bias, workspace, stream) -> bool:
+        """The transposed backward as one recorded list (``_chain``): the convolution forward to
+        the input, the parameter gradients, the bias gradient, recorded once per set of addresses
+        and replayed as one CUDA graph, where each executable's own list would be a graph of its
+        own. False (nothing run) where a part cannot be recorded so."""
+        from ._backends import cuda as _cuda_backend
+        x, w, off, msk, _ = pointers
+        gx, gw, goff, gm = grads
+        key = (grad_output, x, w, off, msk, wanted, gx, gw, goff, gm, grad_bias, workspace)
+        ops = self._chain.get(key)
+        if ops is None:
+            ops = []
+            if gx:
+                ops += self._bwd_input[1].record((grad_output, w, off, msk, 0), gx, workspace)
+            params = wanted & _PARAMS
+            part = params and self._bwd[1].record((x, grad_output, w, off, msk, 0), params, (0, gw, goff, gm),
+                                                  workspace)
+            if part is None:
+                ops = False   # remembered: the parts run as their own lists
+            else:
+                ops += part or []
+                if grad_bias:
+                    ops += self._bias_sum_pointers.record(grad_output, grad_bias, workspace)
+            ops = self._chain.put(key, ops)
+        if ops is False:
+            return False
+        _cuda_backend._replay(ops, None, stream)
         return True
 
     # -----------------------------------------------------------------------------------------
@@ -533,8 +579,10 @@ class Plan:
             address = self._address
             targets = {name: address(grads[name]) for name in wanted if grads[name] is not None}
             if "bias" not in wanted or "bias" in targets:
-                ws = (self._workspace(workspace, self.backward_workspace_bytes, "plan.backward_workspace_bytes")
-                      if core or fold else None)
+                # the bias gradient alone needs only its partial sums' part of the workspace
+                bias_bytes = self._bias_sum_pointers.workspace_bytes if "bias" in wanted and not fold else 0
+                need = self.backward_workspace_bytes if core or fold else bias_bytes
+                ws = self._workspace(workspace, need, "plan.backward_workspace_bytes") if need else None
                 if self._backward_addresses(address(gy), (address(x), address(w), address(off), address(msk), 0),
                                             wanted, targets, address(ws), xp.cuda.get_current_stream().ptr):
                     return grads

@@ -297,18 +297,24 @@ def test_plain_convolution_without_offset_is_exact_conv():
 
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16, np.float32, np.float64],
                          ids=["float16", "bfloat16", "float32", "float64"])
-@pytest.mark.parametrize("batch,channels,inner", [(3, 5, 37), (2, 3, 4096), (33, 2, 8), (1, 1, 1), (0, 4, 9)],
-                         ids=["odd", "long-rows", "batch33", "one", "batch0"])
+@pytest.mark.parametrize("batch,channels,inner", [(3, 5, 37), (2, 3, 4096), (33, 2, 8), (1, 1, 1), (0, 4, 9),
+                                                  (5, 3, 50001)],
+                         ids=["odd", "long-rows", "batch33", "one", "batch0", "ranges"])
 def test_bias_gradient_sum_is_exact_and_independent_of_addresses(dtype, batch, channels, inner):
     """``channel_sum`` (the bias gradient: grad_output summed over all but its channel axis)
     against float64 sums of the same values; rows that are no multiple of a 16-byte chunk, a
-    batch stride other than channels * inner (a view), and the same values at an address off
-    16-byte alignment (element loads instead of vectors) give bitwise the same sums."""
+    batch stride other than channels * inner (a view), a channel cut into several ranges whose
+    partial sums a second kernel adds ("ranges"), and the same values at an address off 16-byte
+    alignment (element loads instead of vectors) on a differently poisoned workspace give bitwise
+    the same sums."""
     cuda = cuda_backend()
     dtype = np.dtype(dtype)
     rng = np.random.default_rng(batch * 100 + inner)
     values = rng.standard_normal((batch, channels + 1, inner)).astype(np.float32).astype(dtype)
-    kernel = cuda.channel_sum_kernel(dtype)
+    kernels = cuda.channel_sum_kernel(dtype)
+    summing = cuda.ChannelSum(kernels, batch, channels, inner, dtype, batch_stride=(channels + 1) * inner)
+    if inner == 50001:
+        assert summing.splits > 1 and summing.workspace_bytes > 0
     expected = values[:, :channels].astype(np.float64).sum(axis=(0, 2))
     sums = []
     for shift in (0, 1):   # the second copy starts one element past a 16-byte boundary
@@ -317,8 +323,8 @@ def test_bias_gradient_sum_is_exact_and_independent_of_addresses(dtype, batch, c
         flat = cupy.asarray(padded)
         view = flat[shift:shift + values.size].reshape(values.shape)[:, :channels]   # batch stride (C + 1) * inner
         out = cupy.asarray(np.full((channels,), np.nan, dtype=dtype))   # every channel must be written
-        cuda.channel_sum_pointers(kernel, view.data.ptr, out.data.ptr, batch, (channels + 1) * inner, channels,
-                                  inner, cupy.cuda.get_current_stream().ptr)
+        workspace = cupy.full(summing.workspace_bytes + 8, 0x7F if shift else 0xFF, dtype=np.uint8)
+        summing(view.data.ptr, out.data.ptr, workspace.data.ptr, cupy.cuda.get_current_stream().ptr)
         sums.append(host(out))
     assert sums[0].tobytes() == sums[1].tobytes()
     # float32 / float64 accumulation of batch * inner terms, one rounding to the dtype at the end

@@ -77,14 +77,34 @@ def test_every_instantiation_compiles(toolchain, key):
 
 
 def test_bias_gradient_kernel_compiles(toolchain):
-    """``channel_sum`` (the plans' bias gradient, a module of its own) for every dtype."""
+    """``channel_sum`` and ``channel_sum_total`` (the plans' bias gradient, a module of its own)
+    for every dtype."""
     nvrtc, _, cuda = toolchain
-    names = [f"channel_sum<{t}>" for t in ("__half", "__nv_bfloat16", "float", "double")]
+    names = [f"{k}<{t}>" for k in ("channel_sum", "channel_sum_total")
+             for t in ("__half", "__nv_bfloat16", "float", "double")]
     options = tuple(cuda.compile_options()) + (f"-arch={ARCH}",)
     lowered, binary, log = _compile(nvrtc, cuda.channel_sum_source(), names, options)
     assert len(lowered) == len(names) and all(lowered.values())
     assert len(binary) > 0
     assert "warning" not in log.lower(), log
+
+
+def test_bias_gradient_ranges_follow_the_shape_alone():
+    """``channel_sum``'s ranges a channel (its summation order) are a function of the shape and
+    dtype, not of the device: one for many channels or short rows, else enough blocks of at least
+    one round of loads each."""
+    cuda = pytest.importorskip("dcn_cupy._backends.cuda")   # CuPy installed; no device needed
+    assert cuda.channel_sum_splits(8, 512, 3136, 2) == 1
+    assert cuda.channel_sum_splits(16, 256, 4096, 4) == 1            # 1D: 256 channels fill the device
+    assert cuda.channel_sum_splits(8, 128, 12544, 4) == 1            # 2D transposed: 128 channels
+    assert cuda.channel_sum_splits(2, 32, 32 ** 3, 4) == 8           # 3D transposed: 32 channels
+    assert cuda.channel_sum_splits(32, 64, 3136, 2) == 6
+    assert cuda.channel_sum_splits(1, 4, 9, 8) == 1 and cuda.channel_sum_splits(0, 4, 9, 4) == 1
+    for batch, channels, inner, itemsize in ((2, 32, 32 ** 3, 4), (5, 3, 50001, 2), (64, 1, 10 ** 6, 8)):
+        splits = cuda.channel_sum_splits(batch, channels, inner, itemsize)
+        chunks = batch * -(-inner // (16 // itemsize))
+        assert 1 < splits and channels * splits <= cuda._CHANNEL_SUM_BLOCKS + channels
+        assert chunks // splits >= 4 * cuda._CHANNEL_SUM_BLOCK * cuda._CHANNEL_SUM_MIN_ROUNDS
 
 
 def test_every_kernel_is_instantiated_and_launched(toolchain):

@@ -334,6 +334,52 @@ def test_plan_cupy_stream_capture(transposed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_transposed_backward_replays_its_parts_as_one_list(ndim, deterministic, monkeypatch):
+    """The transposed backward's parts (the convolution forward to the input, the parameter
+    gradients, the bias gradient) recorded as one list and replayed, from the second replay on as
+    one CUDA graph: the gradients of the parts run as their own lists, for each ``wrt``, on a
+    poisoned workspace; bitwise the same in deterministic mode, the reference's in both modes."""
+    cupy = pytest.importorskip("cupy")
+    from dcn_cupy._backends import cuda_direct, cuda_fused
+    monkeypatch.setattr(cuda_direct, "MAX_MACS", 0)
+    monkeypatch.setattr(cuda_fused, "TUNE", False)   # the rule: the fused kernels, their own weight gradient
+    rng = np.random.default_rng(60 + ndim)
+    case = random_case(rng, ndim, True, batch=3, channels_scale=8)
+    dtype = np.dtype(np.float16)
+    host = case.arrays(lambda v: v.astype(dtype).astype(np.float64))
+    dev = {k: None if v is None else cupy.asarray(v.astype(dtype)) for k, v in host.items()}
+    p = _plan_of(case, arrays=dev, deterministic=deterministic)
+    assert p._chain is not None, p.algorithm
+    gy64 = rng.standard_normal(p.output_shape).astype(dtype).astype(np.float64)
+    gy = cupy.asarray(gy64.astype(dtype))
+    expected = case.backward(gy64, **host, **case.params)
+    out = {name: cupy.empty_like(a) for name, a in dev.items() if a is not None}
+    workspace = cupy.empty(max(p.workspace_bytes, 1), np.uint8)
+    for wrt in (None, ("input",), ("weight", "bias"), ("offset", "mask"), ("input", "mask", "bias")):
+        names = [n for n in ARGUMENTS if n in out and (wrt is None or n in wrt)]
+        runs = []
+        for chained in (False, False, True, True, True):   # a list's second replay on: its CUDA graph
+            monkeypatch.setattr(_plan, "CHAIN_TRANSPOSED_BACKWARD", chained)
+            workspace.fill(0xFF)
+            for name in names:
+                out[name].fill(np.nan)
+            p.backward(gy, **dev, wrt=wrt, out={n: out[n] for n in names}, workspace=workspace)
+            runs.append({n: cupy.asnumpy(out[n]) for n in names})
+        # one list unless cuda/im2col computes the weight gradient (its GEMMs): then the parts' own
+        recorded = list(p._chain.entries.values())[-1]
+        assert bool(recorded) == ("weight" not in names or p._bwd[1].config.fused_weight), (wrt, p.algorithm)
+        for grads in runs:
+            for name in names:
+                assert relative_error(grads[name], getattr(expected, name)) < 2e-2, (wrt, name)
+        if deterministic:
+            for grads in runs[1:]:
+                for name in names:
+                    np.testing.assert_array_equal(grads[name], runs[0][name], err_msg=f"{wrt} {name}")
+
+
+@pytest.mark.gpu
 def test_plan_on_cupy_matches_cpu_and_str(monkeypatch):
     cupy = pytest.importorskip("cupy")
     from dcn_cupy._backends import cuda_direct

@@ -1012,44 +1012,50 @@ def _launch_ops(ops, handle, stream: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# the bias gradient: one launch (CuPy's sum + astype cost ~45 µs of host time per backward)
+# the bias gradient: one or two launches (CuPy's sum + astype cost ~45 µs of host time per backward)
 
 _CHANNEL_SUM_SOURCE = r"""
-// dst[c] = sum over b, q of src[b * batch_stride + c * inner + q], accumulated in Traits<T>::acc in
-// a fixed order (one block per channel): the bias gradient, deterministic. Each sample's row of
-// `inner` elements is cut into chunks of CHUNK = 16 bytes (the last one shorter); chunk i of the
-// flattened (sample, chunk) sequence belongs to thread i % blockDim.x, which adds its chunks in
-// order, each chunk's elements in order; the block then adds its threads' sums as a fixed tree.
-// A chunk is one 16-byte load where it is whole and aligned, else element loads: the same sums,
-// so the bits do not depend on the addresses. UNROLL chunks are loaded before they are added, so
-// that enough loads are in flight where a few channels each take one multiprocessor.
+// The bias gradient, deterministic: dst[c] = sum over b, q of src[b * batch_stride + c * inner + q],
+// accumulated in Traits<T>::acc in an order fixed by the shape alone. Each sample's row of `inner`
+// elements is cut into chunks of CHUNK = 16 bytes (the last one shorter); channel c's flattened
+// (sample, chunk) sequence is cut into `splits` ranges of `per` chunks, one block each (block
+// c * splits + p takes range p). Chunk i of a range belongs to thread i % blockDim.x, which adds
+// its chunks in order, each chunk's elements in order; the block then adds its threads' sums as a
+// fixed tree. One range: the block stores dst[c]; else partial[c * splits + p], which
+// channel_sum_total adds in order of p. A chunk is one 16-byte load where it is whole and aligned,
+// else element loads: the same sums, so the bits do not depend on the addresses. UNROLL chunks are
+// loaded before they are added, so that enough loads are in flight.
 template <typename T>
-__global__ void channel_sum(const T* __restrict__ src, T* __restrict__ dst, const long long batch,
-                            const long long batch_stride, const long long channels, const long long inner) {
+__global__ void channel_sum(const T* __restrict__ src, T* __restrict__ dst,
+                            typename dcn::Traits<T>::acc* __restrict__ partial, const long long batch,
+                            const long long batch_stride, const long long channels, const long long inner,
+                            const long long splits) {
     typedef typename dcn::Traits<T>::acc A;
     constexpr int CHUNK = 16 / sizeof(T), UNROLL = 4;
     __shared__ A part[1024];
-    const long long c = blockIdx.x;
+    const long long c = blockIdx.x / splits, p = blockIdx.x - c * splits;
     const long long row_chunks = (inner + CHUNK - 1) / CHUNK;
     const long long total = batch * row_chunks;
+    const long long per = (total + splits - 1) / splits;
+    const long long first = p * per, end = min(total, first + per);
     A s = 0;
-    for (long long i0 = threadIdx.x; i0 < total; i0 += (long long)UNROLL * blockDim.x) {
+    for (long long i0 = first + threadIdx.x; i0 < end; i0 += (long long)UNROLL * blockDim.x) {
         T v[UNROLL][CHUNK];
         int n[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const long long i = i0 + (long long)u * blockDim.x;
             n[u] = 0;
-            if (i < total) {
+            if (i < end) {
                 const long long b = i / row_chunks, q = (i - b * row_chunks) * CHUNK;
-                const T* p = src + b * batch_stride + c * inner + q;
+                const T* ptr = src + b * batch_stride + c * inner + q;
                 n[u] = (int)min((long long)CHUNK, inner - q);
-                if (n[u] == CHUNK && (reinterpret_cast<size_t>(p) & 15) == 0) {
-                    const uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
+                if (n[u] == CHUNK && (reinterpret_cast<size_t>(ptr) & 15) == 0) {
+                    const uint4 r = __ldg(reinterpret_cast<const uint4*>(ptr));
                     memcpy(v[u], &r, sizeof(r));
                 } else {
 #pragma unroll
-                    for (int k = 0; k < CHUNK; ++k) if (k < n[u]) v[u][k] = p[k];
+                    for (int k = 0; k < CHUNK; ++k) if (k < n[u]) v[u][k] = ptr[k];
                 }
             }
         }
@@ -1065,74 +1071,121 @@ __global__ void channel_sum(const T* __restrict__ src, T* __restrict__ dst, cons
         if (threadIdx.x < h) part[threadIdx.x] += part[threadIdx.x + h];
         __syncthreads();
     }
-    if (threadIdx.x == 0) dst[c] = dcn::Traits<T>::store(part[0]);
+    if (threadIdx.x == 0) {
+        if (splits == 1) dst[c] = dcn::Traits<T>::store(part[0]);
+        else partial[blockIdx.x] = part[0];
+    }
+}
+
+// dst[c] = the sum of channel_sum's partial[c * splits + p] over p = 0, 1, ... in order.
+template <typename T>
+__global__ void channel_sum_total(const typename dcn::Traits<T>::acc* __restrict__ partial, T* __restrict__ dst,
+                                  const long long channels, const long long splits) {
+    typedef typename dcn::Traits<T>::acc A;
+    const long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    A s = 0;
+    for (long long p = 0; p < splits; ++p) s += partial[c * splits + p];
+    dst[c] = dcn::Traits<T>::store(s);
 }
 """
 #: Threads of a channel_sum block (a power of two, at most 1024): part of the summation order,
 #: so fixed for every launch.
 _CHANNEL_SUM_BLOCK = 512
+#: channel_sum cuts channels into ranges only where there are at most this many (H200, one
+#: kernel against ranges and their sum, NOTES-gpu.md session 30: 32 channels 10.1 -> 5.7 µs
+#: (float32, 8 MB) and 6.4 -> 4.3 (float16), 64 channels 9.0 -> 8.1; 128 and 256 channels
+#: slower, 5.5 -> 7.4 and 7.6 -> 12.0), then aims at _CHANNEL_SUM_BLOCKS blocks, each at least
+#: _CHANNEL_SUM_MIN_ROUNDS rounds of loads (UNROLL x _CHANNEL_SUM_BLOCK 16-byte chunks). Fixed
+#: numbers, not the device's: the ranges, hence the bits, depend on the shape alone.
+_CHANNEL_SUM_FEW_CHANNELS = 64
+_CHANNEL_SUM_BLOCKS = 528
+_CHANNEL_SUM_MIN_ROUNDS = 1
+
+
+def channel_sum_splits(batch: int, channels: int, inner: int, itemsize: int) -> int:
+    """Ranges per channel of :func:`channel_sum`: one (a block a channel) unless the channels
+    are few, then enough for ``_CHANNEL_SUM_BLOCKS`` blocks of at least
+    ``_CHANNEL_SUM_MIN_ROUNDS`` round of loads each."""
+    if channels <= 0 or channels > _CHANNEL_SUM_FEW_CHANNELS:
+        return 1
+    chunks = batch * -(-inner // (16 // itemsize))
+    rounds = chunks // (4 * _CHANNEL_SUM_BLOCK * _CHANNEL_SUM_MIN_ROUNDS)
+    return int(max(1, min(-(-_CHANNEL_SUM_BLOCKS // channels), rounds)))
 
 
 def channel_sum_source() -> str:
-    """The bias-gradient module: the common header and ``channel_sum``."""
+    """The bias-gradient module: the common header, ``channel_sum`` and ``channel_sum_total``."""
     return source_text("dcn_common.cuh") + _CHANNEL_SUM_SOURCE
 
 
 def channel_sum_kernel(dtype):
-    """The compiled ``channel_sum<T>`` on the current device (built with the plan, never during
-    a capture)."""
-    name = f"channel_sum<{_CTYPES[np.dtype(dtype)]}>"
-    key = (cupy.cuda.runtime.getDevice(), name)
-    fn = _functions.get(key)
-    if fn is None:
+    """The compiled ``channel_sum<T>`` and ``channel_sum_total<T>`` on the current device (built
+    with the plan, never during a capture)."""
+    names = tuple(f"{k}<{_CTYPES[np.dtype(dtype)]}>" for k in ("channel_sum", "channel_sum_total"))
+    key = (cupy.cuda.runtime.getDevice(), names)
+    fns = _functions.get(key)
+    if fns is None:
         with _compile_lock:
-            fn = _functions.get(key)
-            if fn is None:
-                module = cupy.RawModule(code=channel_sum_source(), options=compile_options(), name_expressions=(name,))
-                fn = _functions[key] = module.get_function(name)
-                fn.kernel  # load it now
-    return fn
+            fns = _functions.get(key)
+            if fns is None:
+                module = cupy.RawModule(code=channel_sum_source(), options=compile_options(), name_expressions=names)
+                fns = tuple(module.get_function(name) for name in names)
+                for fn in fns:
+                    fn.kernel  # load it now
+                _functions[key] = fns
+    return fns
 
 
 def channel_sum(kernel, grad_output, out) -> None:
-    """``out[c] = grad_output[:, c].sum()`` (batch and spatial axes) in one launch on CuPy's
-    current stream; ``grad_output`` C-contiguous within each sample, ``out`` contiguous."""
+    """``out[c] = grad_output[:, c].sum()`` (batch and spatial axes) on CuPy's current stream
+    (its partial sums, where there are several ranges a channel, from CuPy's pool);
+    ``grad_output`` C-contiguous within each sample, ``out`` contiguous."""
     batch, channels = grad_output.shape[0], grad_output.shape[1]
-    channel_sum_pointers(kernel, grad_output.data.ptr, out.data.ptr, batch,
-                         grad_output.strides[0] // grad_output.itemsize, channels,
-                         math.prod(grad_output.shape[2:]), cupy.cuda.get_current_stream().ptr)
+    summing = ChannelSum(kernel, batch, channels, math.prod(grad_output.shape[2:]), grad_output.dtype,
+                         grad_output.strides[0] // grad_output.itemsize)
+    partial = cupy.empty(max(summing.workspace_bytes, 1), dtype=np.uint8)
+    _launch_ops(summing.record(grad_output.data.ptr, out.data.ptr, partial.data.ptr), None,
+                cupy.cuda.get_current_stream().ptr)
 
 
 class ChannelSum:
-    """:func:`channel_sum` of C-contiguous ``(batch, channels, *inner)`` arrays on raw addresses:
-    ``ChannelSum(kernel, batch, channels, inner)(src, dst, stream)``, the launch recorded per
-    address pair and replayed."""
+    """:func:`channel_sum` of ``(batch, channels, *inner)`` arrays (C-contiguous within a sample,
+    ``batch_stride`` elements apart; C-contiguous by default) on raw addresses:
+    ``ChannelSum(kernels, batch, channels, inner, dtype)(src, dst, workspace, stream)``, the
+    launches recorded per set of addresses and replayed. ``workspace_bytes``: the partial sums'
+    (0 where each channel is one range)."""
 
-    def __init__(self, kernel, batch: int, channels: int, inner: int):
-        self.kernel, self.batch, self.channels, self.inner = kernel, batch, channels, inner
+    def __init__(self, kernels, batch: int, channels: int, inner: int, dtype, batch_stride=None):
+        self.kernels, self.batch, self.channels, self.inner = kernels, batch, channels, inner
+        self.batch_stride = channels * inner if batch_stride is None else batch_stride
+        dtype = np.dtype(dtype)
+        self.splits = channel_sum_splits(batch, channels, inner, dtype.itemsize)
+        self.workspace_bytes = 0 if self.splits == 1 else channels * self.splits * (8 if dtype == np.float64 else 4)
         self._recordings = Recordings()
 
-    def __call__(self, src: int, dst: int, stream: int) -> None:
+    def __call__(self, src: int, dst: int, workspace: int, stream: int) -> None:
         if self.channels == 0:
             return
-        key = (src, dst)
+        key = (src, dst, workspace)
         ops = self._recordings.get(key)
         if ops is None:
-            ops = self._recordings.put(key, [_kernel_op(self.kernel, (self.channels,), (_CHANNEL_SUM_BLOCK,), tuple(
-                np.int64(v) for v in (src, dst, self.batch, self.channels * self.inner, self.channels, self.inner)))])
+            ops = self._recordings.put(key, self.record(src, dst, workspace))
         _replay(ops, None, stream)
 
-
-def channel_sum_pointers(kernel, src: int, dst: int, batch: int, batch_stride: int, channels: int, inner: int,
-                         stream: int) -> None:
-    """:func:`channel_sum` on raw pointers (element strides) and an explicit stream."""
-    if channels == 0:
-        return
-    values = np.array([src, dst, batch, batch_stride, channels, inner], dtype=np.int64)
-    params = np.arange(6, dtype=np.uint64) * np.uint64(8) + np.uint64(values.ctypes.data)
-    function = kernel.kernel if hasattr(kernel, "kernel") else kernel
-    launch = _launch_kernel or _launch_function()
-    launch(function.ptr, channels, 1, 1, _CHANNEL_SUM_BLOCK, 1, 1, 0, stream, params.ctypes.data, 0)
+    def record(self, src: int, dst: int, workspace: int) -> list:
+        """The launches, recorded and not run (``_replay``'s ops; none for no channels)."""
+        if self.channels == 0:
+            return []
+        partial, total = self.kernels
+        i64 = np.int64
+        ops = [_kernel_op(partial, (self.channels * self.splits,), (_CHANNEL_SUM_BLOCK,), (
+            i64(src), i64(dst), i64(workspace if self.splits > 1 else 0), i64(self.batch), i64(self.batch_stride),
+            i64(self.channels), i64(self.inner), i64(self.splits)))]
+        if self.splits > 1:
+            ops.append(_kernel_op(total, (-(-self.channels // 128),), (128,), (
+                i64(workspace), i64(dst), i64(self.channels), i64(self.splits))))
+        return ops
 
 
 class _Executable:

@@ -945,8 +945,13 @@ class FusedForward:
         key = inputs + (out, workspace)
         ops = self._recordings.get(key)
         if ops is None:
-            ops = self._recordings.put(key, forward_launches(self.config, inputs, self._strides, out, workspace))
+            ops = self._recordings.put(key, self.record(inputs, out, workspace))
         _cuda._replay(ops, None, stream)
+
+    def record(self, inputs, out: int, workspace: int) -> list:
+        """``run_pointers``' launches, recorded and not run (``cuda._replay``'s ops): for a plan
+        that replays them in one list with another executable's."""
+        return forward_launches(self.config, inputs, self._strides, out, workspace)
 
 
 #: The dtypes the plan layer considers cuda/fused for on its own; float32 too on compute

@@ -784,6 +784,14 @@ class FusedBackward:
         if outs[1] and not self.config.fused_weight:
             self._weight.run_pointers(inputs, frozenset(("weight",)), (0, outs[1], 0, 0), workspace, stream)
 
+    def record(self, inputs, wanted, outs, workspace: int):
+        """``run_pointers``' launches, recorded and not run (``cuda._replay``'s ops), for a plan
+        that replays them in one list with another executable's; None where they are not all
+        ours (a weight gradient through cuda/im2col: its GEMMs)."""
+        if outs[1] and not self.config.fused_weight:
+            return None
+        return _launches(self.config, inputs, self._strides, outs, workspace)
+
 
 SERVED_DTYPES = _fused.SERVED_DTYPES
 #: (device, geometry, dtype, precision) -> (fused ms, im2col ms) and -> whether the fused
