@@ -64,6 +64,11 @@ def no_gpu_reason():
     return None if count > 0 else "no CUDA device visible to CuPy"
 
 
+# GPU time per call: CUDA events around ``inner`` calls, the median over ``repeats`` windows. One
+# untimed call is enqueued before each window's start event, so that the window opens with the
+# GPU busy: otherwise it also holds the host's latency to the first launch (GPU idle), which
+# with --quick's 2-4 calls a window was 4% of a 0.28 ms forward+backward (H200, session 30). Host
+# time per call is benchmarks/overhead.py's measure. Every implementation is timed alike.
 def _time_cupy(fn, warmup: int, repeats: int, inner: int) -> float:
     import cupy
     for _ in range(warmup):
@@ -72,6 +77,7 @@ def _time_cupy(fn, warmup: int, repeats: int, inner: int) -> float:
     times = []
     for _ in range(repeats):
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        fn()   # untimed: the window opens with the GPU busy
         start.record()
         for _ in range(inner):
             fn()
@@ -89,6 +95,7 @@ def _time_torch(fn, warmup: int, repeats: int, inner: int) -> float:
     times = []
     for _ in range(repeats):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fn()   # untimed: the window opens with the GPU busy
         start.record()
         for _ in range(inner):
             fn()

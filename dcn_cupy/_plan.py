@@ -490,12 +490,16 @@ class Plan:
         key = (grad_output, x, w, off, msk, wanted, gx, gw, goff, gm, grad_bias, workspace)
         ops = self._chain.get(key)
         if ops is None:
-            ops = []
+            ops, copied = [], None
             if gx:
-                ops += self._bwd_input[1].record((grad_output, w, off, msk, 0), gx, workspace)
+                to_input = self._bwd_input[1]
+                ops += to_input.record((grad_output, w, off, msk, 0), gx, workspace)
+                copied = getattr(to_input, "channels_last_input", lambda: None)()
             params = wanted & _PARAMS
+            # grad_output channels-last, as the input gradient's launches left it, is the
+            # parameter gradients' input: not copied twice
             part = params and self._bwd[1].record((x, grad_output, w, off, msk, 0), params, (0, gw, goff, gm),
-                                                  workspace)
+                                                  workspace, input_channels_last=copied)
             if part is None:
                 ops = False   # remembered: the parts run as their own lists
             else:

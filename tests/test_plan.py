@@ -370,6 +370,14 @@ def test_transposed_backward_replays_its_parts_as_one_list(ndim, deterministic, 
         # one list unless cuda/im2col computes the weight gradient (its GEMMs): then the parts' own
         recorded = list(p._chain.entries.values())[-1]
         assert bool(recorded) == ("weight" not in names or p._bwd[1].config.fused_weight), (wrt, p.algorithm)
+        if recorded and "input" in names and {"weight", "offset", "mask"} & set(names):
+            # the parts' own lists, as the unchained runs recorded them; chained, grad_output's
+            # channels-last copy is made once where each part takes the batch in one chunk
+            lists = [list(e._recordings.entries.values())[-1] for e in (p._bwd_input[1], p._bwd[1])]
+            if "bias" in names:
+                lists.append(list(p._bias_sum_pointers._recordings.entries.values())[-1])
+            once = p._bwd_input[1].channels_last_input() is not None and p._bwd[1].config.chunk >= 3
+            assert len(recorded) == sum(len(ops) for ops in lists) - once, wrt
         for grads in runs:
             for name in names:
                 assert relative_error(grads[name], getattr(expected, name)) < 2e-2, (wrt, name)

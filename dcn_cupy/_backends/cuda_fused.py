@@ -953,6 +953,15 @@ class FusedForward:
         that replays them in one list with another executable's."""
         return forward_launches(self.config, inputs, self._strides, out, workspace)
 
+    def channels_last_input(self):
+        """What a call leaves at the workspace's start: its whole input channels-last, as
+        ``(channels padded, rows)`` (a zero row last), or None where the batch is cut into
+        chunks (the workspace then holds the last chunk's)."""
+        c = self.config
+        if c.chunk < c.geom.batch:
+            return None
+        return c.Cp, c.geom.batch * c.S + 1
+
 
 #: The dtypes the plan layer considers cuda/fused for on its own; float32 too on compute
 #: capability 9.0, the warp-specialised wgmma tiles (H200, B=8 C256 56x56: TF32 kernel 0.26 ms

@@ -582,7 +582,7 @@ class BackwardConfig:
 GRADIENT_PLAN = ("gradient_rows", "gradient_weights", "gradient_slopes", "gradient_masks")
 
 
-def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> list:
+def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, input_copied: bool = False) -> list:
     """The launches of one backward, recorded (``cuda._kernel_op``, memsets as ``(2, ptr,
     bytes)``) for ``cuda._replay``: ``inputs`` the addresses of (grad_output, x, w, offset, mask,
     bias), ``strides`` the sample strides in elements of (grad_output, x, offset, mask, grad_x,
@@ -590,7 +590,9 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
     grad_w, grad_offset, grad_mask) (0: not wanted; grad_w only where ``config.fused_weight``).
     The first chunk's accumulators are cleared first, so that every kernel after the first
     follows another kernel: H200, forward+backward 1-5% faster with programmatic dependent
-    launch at the transposed, 1D and C64 benchmark shapes (NOTES-gpu.md, session 29)."""
+    launch at the transposed, 1D and C64 benchmark shapes (NOTES-gpu.md, session 29).
+    ``input_copied``: the workspace already holds x channels-last (one chunk; ``FusedBackward.
+    record``), its copy is left out."""
     g = config.geom
     gy, x, w, offset, mask, bias = inputs
     gy_bs, x_bs, off_bs, msk_bs, gx_bs, goff_bs, gm_bs = strides
@@ -651,7 +653,7 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int) -> 
         n = min(config.chunk, g.batch - start)
         off_n, msk_n = at(offset, start * off_bs * it), at(mask, start * msk_bs * it)
         gy_n = u64(gy + start * gy_bs * it)
-        if g_off or g_m or gw:   # the corner values
+        if (g_off or g_m or gw) and not input_copied:   # the corner values
             ops.append(op(layout, _fused.layout_grid(n, config.Cp, config.S), (_THREADS,), (
                 u64(x + start * x_bs * it), u64(view["xcl"]), i32(n), i32(g.in_channels), i32(config.Cp),
                 index(config.S), index(x_bs))))
@@ -784,13 +786,19 @@ class FusedBackward:
         if outs[1] and not self.config.fused_weight:
             self._weight.run_pointers(inputs, frozenset(("weight",)), (0, outs[1], 0, 0), workspace, stream)
 
-    def record(self, inputs, wanted, outs, workspace: int):
+    def record(self, inputs, wanted, outs, workspace: int, input_channels_last=None):
         """``run_pointers``' launches, recorded and not run (``cuda._replay``'s ops), for a plan
         that replays them in one list with another executable's; None where they are not all
-        ours (a weight gradient through cuda/im2col: its GEMMs)."""
+        ours (a weight gradient through cuda/im2col: its GEMMs). ``input_channels_last``: what
+        the launches before these left at the workspace's start (``FusedForward.
+        channels_last_input``); where that is this backward's channels-last input, its copy is
+        left out."""
         if outs[1] and not self.config.fused_weight:
             return None
-        return _launches(self.config, inputs, self._strides, outs, workspace)
+        c = self.config
+        copied = (input_channels_last is not None and c.chunk >= c.geom.batch and c.offsets["xcl"][0] == 0
+                  and tuple(input_channels_last) == (c.Cp, c.geom.batch * c.S + 1))
+        return _launches(c, inputs, self._strides, outs, workspace, input_copied=copied)
 
 
 SERVED_DTYPES = _fused.SERVED_DTYPES
