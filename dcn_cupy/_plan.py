@@ -168,9 +168,6 @@ class Plan:
                                                    for _, e in (self._bwd, self._bwd_input)):
             from ._backends import cuda as _cuda_backend
             self._chain = _cuda_backend.Recordings()
-        self.forward_workspace_bytes = size(self._exec.get(fwd, (None, None)))
-        self.backward_workspace_bytes = size(self._bwd, *([self._bwd_input] if transposed else []))
-        self.workspace_bytes = max(self.forward_workspace_bytes, self.backward_workspace_bytes)
         # On CUDA the bias gradient is one or two kernel launches, compiled with the plan; None:
         # the array library's sum (CPU, or no CUDA compiler/device where the plan was built).
         self._bias_sum = self._bias_sum_pointers = None
@@ -189,10 +186,11 @@ class Plan:
                 batch, channels, *spatial = out      # the bias gradient sums grad_output over all but C
                 self._bias_sum_pointers = _cuda_backend.ChannelSum(kernel, batch, channels,
                                                                    int(np.prod(spatial, dtype=np.int64)), self.dtype)
-                # its partial sums live in the backward's workspace, after the other gradients
-                self.backward_workspace_bytes = max(self.backward_workspace_bytes,
-                                                    self._bias_sum_pointers.workspace_bytes)
-                self.workspace_bytes = max(self.forward_workspace_bytes, self.backward_workspace_bytes)
+        self.forward_workspace_bytes = size(self._exec.get(fwd, (None, None)))
+        # the bias gradient's partial sums use the backward's workspace after the other gradients
+        self.backward_workspace_bytes = max(size(self._bwd, *([self._bwd_input] if transposed else [])),
+                                            getattr(self._bias_sum_pointers, "workspace_bytes", 0))
+        self.workspace_bytes = max(self.forward_workspace_bytes, self.backward_workspace_bytes)
 
     # -----------------------------------------------------------------------------------------
     # description
@@ -490,20 +488,21 @@ class Plan:
         key = (grad_output, x, w, off, msk, wanted, gx, gw, goff, gm, grad_bias, workspace)
         ops = self._chain.get(key)
         if ops is None:
-            ops, copied = [], None
+            ops, copied, part = [], None, []
             if gx:
                 to_input = self._bwd_input[1]
                 ops += to_input.record((grad_output, w, off, msk, 0), gx, workspace)
-                copied = getattr(to_input, "channels_last_input", lambda: None)()
+                copied = to_input.channels_last_input()
             params = wanted & _PARAMS
-            # grad_output channels-last, as the input gradient's launches left it, is the
-            # parameter gradients' input: not copied twice
-            part = params and self._bwd[1].record((x, grad_output, w, off, msk, 0), params, (0, gw, goff, gm),
-                                                  workspace, input_channels_last=copied)
+            if params:
+                # grad_output channels-last, as the input gradient's launches left it, is the
+                # parameter gradients' input: not copied twice
+                part = self._bwd[1].record((x, grad_output, w, off, msk, 0), params, (0, gw, goff, gm), workspace,
+                                           input_channels_last=copied)
             if part is None:
                 ops = False   # remembered: the parts run as their own lists
             else:
-                ops += part or []
+                ops += part
                 if grad_bias:
                     ops += self._bias_sum_pointers.record(grad_output, grad_bias, workspace)
             ops = self._chain.put(key, ops)

@@ -1144,8 +1144,8 @@ def channel_sum(kernel, grad_output, out) -> None:
     batch, channels = grad_output.shape[0], grad_output.shape[1]
     summing = ChannelSum(kernel, batch, channels, math.prod(grad_output.shape[2:]), grad_output.dtype,
                          grad_output.strides[0] // grad_output.itemsize)
-    partial = cupy.empty(max(summing.workspace_bytes, 1), dtype=np.uint8)
-    _launch_ops(summing.record(grad_output.data.ptr, out.data.ptr, partial.data.ptr), None,
+    partial = cupy.empty(summing.workspace_bytes, dtype=np.uint8) if summing.workspace_bytes else None
+    _launch_ops(summing.record(grad_output.data.ptr, out.data.ptr, _ptr(partial)), None,
                 cupy.cuda.get_current_stream().ptr)
 
 
