@@ -656,11 +656,22 @@ struct PlanEntries {
 // one row of Cp zeros (the "zero row", row B*S: what the forward reads for a corner it does not
 // use, so that its loads need no branch). A 64x64 (channel x position) tile through shared
 // memory per block iteration, 16 elements per thread in flight each way (256 threads as 32 x 8).
+// The fused backward's copy of grad_output may also give (each where its pointer is not null):
+// - `sums`, the bias gradient's part: each tile's per-channel sums, sums[c * rows + b * s_tiles
+//   + st] for c < C, rows = B * s_tiles, added in an order fixed by the tile (each thread its 8
+//   positions in order, then the 8 threads of a channel in order), whatever the grid;
+//   fused_channel_totals adds them;
+// - `xr`, the weight gradient's rows (fused_position_rows' gyr): xr[c * Pp + b * S + s] for c < C,
+//   zero from B*S to Pp.
 template <typename T, typename I>
 __global__ void fused_channels_last(const T* __restrict__ x, T* __restrict__ xcl, const int batch,
-                                    const int channels, const int Cp, const I S, const I x_bstride) {
+                                    const int channels, const int Cp, const I S, const I x_bstride,
+                                    typename Traits<T>::acc* __restrict__ sums, T* __restrict__ xr,
+                                    const I Pp) {
+    typedef typename Traits<T>::acc A;
     constexpr int TILE = 64;
     __shared__ T tile[TILE][TILE + 1];
+    __shared__ A part[8][TILE];
     const I s_tiles = (S + TILE - 1) / TILE;
     const int c_tiles = (Cp + TILE - 1) / TILE;
     const I blocks = (I)batch * c_tiles * s_tiles;
@@ -681,24 +692,75 @@ __global__ void fused_channels_last(const T* __restrict__ x, T* __restrict__ xcl
 #pragma unroll
             for (int h = 0; h < TILE; h += 32) {
                 const I s = s0 + tx + h;
-                tile[r][tx + h] = (c < channels && s < S) ? src[(I)c * S + s] : Traits<T>::store(0.0f);
+                const bool inside = c < channels && s < S;
+                const T v = inside ? src[(I)c * S + s] : Traits<T>::store(0.0f);
+                tile[r][tx + h] = v;
+                if (xr != nullptr && inside) xr[(I)c * Pp + (I)b * S + s] = v;
             }
         }
         __syncthreads();
         // write: threadIdx.x along channels (coalesced in xcl)
+        A sum[TILE / 32] = {};
 #pragma unroll
         for (int r = ty; r < TILE; r += 8) {
             const I s = s0 + r;
 #pragma unroll
             for (int h = 0; h < TILE; h += 32) {
                 const int c = c0 + tx + h;
-                if (s < S && c < Cp) xcl[((I)b * S + s) * Cp + c] = tile[tx + h][r];
+                const T v = tile[tx + h][r];
+                if (s < S && c < Cp) xcl[((I)b * S + s) * Cp + c] = v;
+                sum[h / 32] += Traits<T>::load(v);   // zero past S and C
             }
         }
+        if (sums != nullptr) {
+#pragma unroll
+            for (int h = 0; h < TILE; h += 32) part[ty][tx + h] = sum[h / 32];
+        }
         __syncthreads();
+        if (sums != nullptr && threadIdx.x < TILE && c0 + (int)threadIdx.x < channels) {
+            A total = part[0][threadIdx.x];
+#pragma unroll
+            for (int k = 1; k < 8; ++k) total += part[k][threadIdx.x];
+            sums[(I)(c0 + threadIdx.x) * batch * s_tiles + (I)b * s_tiles + st] = total;
+        }
     }
     if (blockIdx.x == 0) {
         for (int c = ty * 32 + tx; c < Cp; c += 32 * 8) xcl[(I)batch * S * Cp + c] = Traits<T>::store(0.0f);
+        if (xr != nullptr) {
+            const I pad = Pp - (I)batch * S;
+            for (I e = threadIdx.x; e < (I)channels * pad; e += blockDim.x)
+                xr[(e / pad) * Pp + (I)batch * S + e % pad] = Traits<T>::store(0.0f);
+        }
+    }
+}
+
+// The bias gradient from fused_channels_last's tile sums of a batch chunk: v = the sum of
+// sums[c * rows + r] over r, one block of TOTALS_THREADS a channel (each thread its rows r =
+// threadIdx.x + k * TOTALS_THREADS in order, then a fixed tree), plus acc[c] after the first
+// chunk (`first` = 0); at the last chunk dst[c] = v, else acc[c] = v. The order is fixed by the
+// shape and the chunks, so the bits repeat.
+constexpr int TOTALS_THREADS = 256;
+template <typename T, typename I>
+__global__ void fused_channel_totals(const typename Traits<T>::acc* __restrict__ sums,
+                                     typename Traits<T>::acc* __restrict__ acc, T* __restrict__ dst, const I rows,
+                                     const int first, const int last) {
+    typedef typename Traits<T>::acc A;
+    __shared__ A part[TOTALS_THREADS];
+    fused::start_after_prerequisites();
+    const I c = blockIdx.x;
+    A s = 0;
+    for (I r = threadIdx.x; r < rows; r += TOTALS_THREADS) s += sums[c * rows + r];
+    part[threadIdx.x] = s;
+    __syncthreads();
+#pragma unroll
+    for (int h = TOTALS_THREADS / 2; h > 0; h >>= 1) {
+        if ((int)threadIdx.x < h) part[threadIdx.x] += part[threadIdx.x + h];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        const A v = first ? part[0] : acc[c] + part[0];
+        if (last) dst[c] = Traits<T>::store(v);
+        else acc[c] = v;
     }
 }
 

@@ -171,10 +171,13 @@ class Plan:
         # On CUDA the bias gradient is one or two kernel launches, compiled with the plan; None:
         # the array library's sum (CPU, or no CUDA compiler/device where the plan was built).
         self._bias_sum = self._bias_sum_pointers = None
-        # A convolution's backward executable may compute the bias gradient in its own launches.
+        # A convolution's backward executable may compute the bias gradient in its own launches,
+        # always or beside some other gradient (_folds_bias).
         self._fold_bias = (not transposed and geom.batch > 0 and shapes["bias"] is not None
                            and bool(getattr(self._bwd[1], "bias_gradient", False)))
-        if device == "cuda" and geom.batch > 0 and shapes["bias"] is not None and not self._fold_bias:
+        self._fold_bias_with = getattr(self._bwd[1], "bias_gradient_with", None) if self._fold_bias else None
+        if (device == "cuda" and geom.batch > 0 and shapes["bias"] is not None
+                and (not self._fold_bias or self._fold_bias_with is not None)):
             try:
                 from ._backends import cuda as _cuda_backend
                 with self._device_ctx:
@@ -414,6 +417,11 @@ class Plan:
     # raw device addresses (adapters that hold C-contiguous arrays of exactly the plan's shapes,
     # dtype and device, e.g. torch tensors of the configuration the plan was built for)
 
+    def _folds_bias(self, wanted) -> bool:
+        """Whether the backward executable computes the wanted bias gradient itself."""
+        return (self._fold_bias and "bias" in wanted
+                and (self._fold_bias_with is None or bool(wanted & self._fold_bias_with)))
+
     def _pointer_ready(self, *executables) -> bool:
         return self.geom.batch > 0 and all(e is not None and getattr(e, "pointer_path", False) for e in executables)
 
@@ -446,7 +454,7 @@ class Plan:
         x, w, off, msk, _ = pointers
         core = wanted & _CORE
         params = core & _PARAMS
-        fold = self._fold_bias and "bias" in wanted
+        fold = self._folds_bias(wanted)
         if "bias" in wanted and not fold and self._bias_sum_pointers is None:
             return False
         gx, gw, goff, gm = (outs.get(n, 0) for n in ("input", "weight", "offset", "mask"))
@@ -569,7 +577,7 @@ class Plan:
         if geom.batch == 0:
             grads.update(self._empty_batch_gradients(wanted, outs))
             return grads
-        fold = self._fold_bias and "bias" in wanted
+        fold = self._folds_bias(wanted)
         for name in wanted:
             if name == "bias" and not fold and self._bias_sum is None:
                 continue   # the array library's sum allocates it

@@ -4,7 +4,8 @@ against the float64 reference for N = 1, 2, 3 and every precision, with groups, 
 mask groups, stride / padding / dilation, with and without offset / mask, each gradient alone
 and all together, partial channel and position tiles (batch 33), non-finite and huge offsets,
 a broadcast batch, one-sample chunks, 64-bit indices, every output element written (outputs
-poisoned with NaN), plans choosing and forcing it (the weight gradient through cuda/im2col), and
+poisoned with NaN), the bias gradient from the tile sums of grad_output's copy (plans fold it in,
+bitwise repeatable), plans choosing and forcing it (the weight gradient through cuda/im2col), and
 the transposed forward (the input gradient with a bias, by duality).
 
 Tolerances (relative error in the norm): float16 5e-3 and bfloat16 4e-2 as for cuda/im2col's
@@ -375,7 +376,8 @@ def wide_case(rng, ndim, *, groups=2, offset_groups=2, mask_groups=1, c_in=64, c
 def run_gradients(arrays, params, grad_output, precision, tile=None, wanted=NAMES, broadcast=False, weight_tile=None,
                   sampling_plan=None, gradient_plan=None, lane_channels=None):
     """The fused data gradients of float64 NumPy arrays cast to ``precision``'s dtype (outputs
-    poisoned with NaN) and the float64 reference gradients of the rounded inputs."""
+    poisoned with NaN) and the float64 reference gradients of the rounded inputs; "bias" in
+    ``wanted``: the bias gradient too (folded into the copy of grad_output)."""
     cupy = _cupy()
     fb = _backward_module()
     dtype = DTYPE[precision]
@@ -393,13 +395,17 @@ def run_gradients(arrays, params, grad_output, precision, tile=None, wanted=NAME
     geom = _geometry.conv_geometry(*shapes, None, **params)[0]
     config = fb.BackwardConfig(geom, dtype, precision == "tf32", tile, weight_tile=weight_tile,
                                sampling_plan=sampling_plan, gradient_plan=gradient_plan, lane_channels=lane_channels)
-    out = {name: cupy.full(arrays[name].shape, np.nan, dtype=dtype) for name in wanted if arrays[name] is not None}
+    out = {name: cupy.full(arrays[name].shape, np.nan, dtype=dtype) for name in wanted
+           if name != "bias" and arrays[name] is not None}
+    if "bias" in wanted:
+        out["bias"] = cupy.full(grad_output.shape[1], np.nan, dtype=dtype)
     gy_dev = cupy.asarray(gy) if not broadcast else cupy.broadcast_to(cupy.asarray(gy[:1]), gy.shape)
     args = dict(grad_output=gy_dev, bias=None, wanted=frozenset(wanted), **dev)
-    workspace = cupy.empty(config.workspace_bytes, dtype=np.uint8)
+    workspace = cupy.full(config.workspace_bytes, 0xFF, dtype=np.uint8)   # NaN in every float type
     fb.run_gradients(config, args, out, workspace)
     gx, gw, goff, gm, _ = reference.deform_conv_backward(gy.astype(np.float64), **rounded, **params)
-    expected = {"input": gx, "weight": gw, "offset": goff, "mask": gm}
+    expected = {"input": gx, "weight": gw, "offset": goff, "mask": gm,
+                "bias": gy.astype(np.float64).sum(axis=(0,) + tuple(range(2, gy.ndim)))}
     if not config.fused_weight:   # cuda/im2col computes it (FusedBackward.run)
         out.pop("weight", None)
     return {k: cupy.asnumpy(v).astype(np.float64) for k, v in out.items()}, expected, config
@@ -633,6 +639,88 @@ def test_each_gradient_alone_equals_all_together(wanted):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_bias_gradient_from_the_copy_of_grad_output(ndim, monkeypatch):
+    """The bias gradient from the tile sums of grad_output's channels-last copy: with every
+    gradient, alone, beside the weight or the input gradient alone; 80 output channels (a
+    partial channel tile), position tiles spanning samples; a broadcast batch; one-sample chunks
+    (the running sum between chunks)."""
+    fb = _backward_module()
+    rng = np.random.default_rng(60 + ndim)
+    arrays, params, gy = wide_case(rng, ndim, c_out=80, batch=3)
+    for precision in ("float16", "tf32"):
+        for wanted in (NAMES + ("bias",), ("bias",), ("weight", "bias"), ("input", "bias")):
+            got, expected, _ = run_gradients(arrays, params, gy, precision, wanted=wanted)
+            assert "bias" in got
+            check(got, expected, precision, (precision, wanted))
+    got, expected, _ = run_gradients(arrays, params, gy, "float32", wanted=NAMES + ("bias",), broadcast=True)
+    check(got, expected, "float32", "broadcast")
+    monkeypatch.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", 1)
+    for wanted in (("input", "bias"), ("bias",)):
+        got, expected, config = run_gradients(arrays, params, gy, "bfloat16", wanted=wanted)
+        assert config.chunk == 1
+        check(got, expected, "bfloat16", wanted)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_weight_gradient_rows_from_the_copy_equal_their_own_copy(ndim, monkeypatch):
+    """The weight gradient's rows of grad_output written by the data gradients' channels-last
+    copy (``ROWS_FROM_COPY``) or by fused_position_rows: the reference's values and bitwise the
+    same weight gradient, on a poisoned workspace (the rows' zero padding past the chunk's
+    positions), whole and in one-sample chunks."""
+    fb = _backward_module()
+    rng = np.random.default_rng(70 + ndim)
+    arrays, params, gy = wide_case(rng, ndim, c_out=80, batch=3)
+    for limit in (None, 1):
+        if limit is not None:
+            monkeypatch.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", limit)
+        for precision in ("float16", "tf32"):
+            weights = []
+            for rows in (False, True):
+                monkeypatch.setattr(fb, "ROWS_FROM_COPY", rows)
+                got, expected, config = run_gradients(arrays, params, gy, precision)
+                assert config.fused_weight and (limit is None or config.chunk == 1)
+                check(got, expected, precision, (rows, limit))
+                weights.append(got["weight"].tobytes())
+            assert weights[0] == weights[1], (precision, limit)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+def test_plans_fold_the_bias_gradient_into_the_fused_backward(deterministic):
+    """A plan whose backward is cuda/fused-backward takes the fused backward's bias gradient
+    beside a data gradient, and reduces grad_output itself for the bias gradient alone or beside
+    the weight's: the reference's values, each way bitwise the same on every call (fixed orders
+    in both modes), through the raw-address path and through strided arrays."""
+    cupy = _cupy()
+    import dcn_cupy
+    rng = np.random.default_rng(61)
+    arrays, params, gy = wide_case(rng, 2, groups=1, offset_groups=2, mask_groups=1, c_out=80, batch=5)
+    arrays["bias"] = rng.standard_normal(80)
+    dtype = np.dtype(np.float16)
+    dev = {k: cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
+    gy_r = gy.astype(dtype)
+    p = dcn_cupy.plan(**dev, **params, algorithm="cuda/fused-backward", deterministic=deterministic)
+    assert p._fold_bias and p._bias_sum_pointers is not None
+    expected = gy_r.astype(np.float64).sum(axis=(0, 2, 3))
+    strided = cupy.zeros((5, 160) + gy.shape[2:], dtype=dtype)[:, ::2]   # a sample's channels strided
+    strided[...] = cupy.asarray(gy_r)
+    results = {True: set(), False: set()}
+    for grad_output in (cupy.asarray(gy_r), strided):
+        for wrt in (None, ("input", "bias"), ("offset", "bias"), ("bias",), ("weight", "bias")):
+            folded = p._folds_bias(frozenset(wrt or ("input", "weight", "offset", "mask", "bias")))
+            assert folded == (wrt is None or "weight" not in wrt and wrt != ("bias",)), wrt
+            for _ in range(2):
+                workspace = cupy.full(p.backward_workspace_bytes, 0xFF, dtype=np.uint8)
+                grads = p.backward(grad_output, **dev, wrt=wrt, workspace=workspace)
+                bias = cupy.asnumpy(grads.bias)
+                assert relative_error(bias.astype(np.float64), expected) < TOL["float16"], wrt
+                results[folded].add(bias.tobytes())
+    assert len(results[True]) == 1 and len(results[False]) == 1
+
+
+@pytest.mark.gpu
 def test_partial_tiles_batch_33_and_one_sample_chunks(monkeypatch):
     """C_in = 200 (partial channel tiles), 33 samples of 7x7 (position tiles spanning samples),
     then one sample per chunk."""
@@ -668,14 +756,15 @@ def test_programmatic_dependent_launch_gives_the_same_gradients(deterministic, m
     gy_dev = cupy.asarray(gy.astype(dtype))
     rounded = {k: a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
     gx, gw, goff, gm, _ = reference.deform_conv_backward(gy.astype(dtype).astype(np.float64), **rounded, **params)
-    expected = {"input": gx, "weight": gw, "offset": goff, "mask": gm}
+    expected = {"input": gx, "weight": gw, "offset": goff, "mask": gm,
+                "bias": gy.astype(dtype).astype(np.float64).sum(axis=(0, 2, 3))}
     shapes = [arrays[k].shape for k in ("input", "weight", "offset", "mask")]
     geom = _geometry.conv_geometry(*shapes, None, **params)[0]
     config = fb.BackwardConfig(geom, dtype, False, deterministic=deterministic)
     assert config.chunk == 1 and config.fused_weight
     workspace = cupy.empty(config.workspace_bytes, dtype=np.uint8)
-    out = {name: cupy.empty(arrays[name].shape, dtype=dtype) for name in expected}
-    outs = tuple(out[name].data.ptr for name in ("input", "weight", "offset", "mask"))
+    out = {name: cupy.empty(expected[name].shape, dtype=dtype) for name in expected}
+    outs = tuple(out[name].data.ptr for name in ("input", "weight", "offset", "mask", "bias"))
     inputs = (gy_dev.data.ptr,) + tuple(dev[k].data.ptr for k in ("input", "weight", "offset", "mask")) + (0,)
     strides = tuple(fb._fused._batch_stride(a) for a in (gy_dev, dev["input"], dev["offset"], dev["mask"],
                                                            out["input"], out["offset"], out["mask"]))

@@ -83,7 +83,8 @@ class Executable(Protocol):
     gradient (the sum of grad_output over all but the channel axis) itself: the plan of a
     (non-transposed) convolution then puts ``"bias"`` in ``wanted`` and passes its output in
     ``out["bias"]`` (``run``) or as a fifth gradient address (``run_pointers``), and launches no
-    separate reduction.
+    separate reduction. With ``bias_gradient_with`` (a frozenset of gradient names) it does so
+    only where one of those is wanted too; elsewhere the plan reduces grad_output itself.
     """
 
     workspace_bytes: int

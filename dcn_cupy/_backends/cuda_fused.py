@@ -255,7 +255,7 @@ def name_expressions(dtype, ndim: int, index64: bool, engine: int = 0) -> tuple:
              and (uniform or tile == _per_channel_tile(dtype, engine))
              and not (plan and (not uniform or engine == 2)) and not (plan == 2 and engine not in (0, 3))]
     names += [f"fused_channels_last<{t}, {i}>", f"fused_weight_rows<{t}, {i}>", f"fused_weight_tiles<{t}, {i}>",
-              f"fused_sampling_plan<{t}, {i}, {ndim}>"]
+              f"fused_sampling_plan<{t}, {i}, {ndim}>", f"fused_channel_totals<{t}, {i}>"]
     names += [f"fused_columns<{t}, {i}, {ndim}, {vectors}>" for vectors in COLUMN_VECTORS]
     return tuple(names)
 
@@ -699,7 +699,7 @@ def forward_launches(config: LaunchConfig, inputs, strides, out: int, workspace:
         n = min(config.chunk, g.batch - start)
         ops.append(op(layout, layout_grid(n, config.Cp, config.S), (_THREADS,), (
             u64(x + start * x_bs * it), u64(xcl), i32(n), i32(g.in_channels), i32(config.Cp), index(config.S),
-            index(x_bs))))
+            index(x_bs), None, None, index(0))))
         if start == 0:
             ops.append(_relayout_launch(config, w, wr, overlap=_cuda._follows_kernel(ops)))
         offset_n, mask_n = at(offset, start * off_bs * it), at(mask, start * msk_bs * it)

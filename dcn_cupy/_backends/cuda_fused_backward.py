@@ -75,6 +75,8 @@ from . import cuda_fused as _fused
 
 _SOURCE = "deform_fused_backward.cu"
 _THREADS = 256
+#: Positions of a fused_channels_last tile (its TILE), one bias-gradient sum each.
+_LAYOUT_TILE = 64
 _VEC = _fused._VEC
 #: The tiles (BM input channels, BN positions, BK output channels per step, MINB blocks per SM
 #: asked of the register allocator), per dtype. The first is the rule (``_choose_tile``): the
@@ -167,6 +169,10 @@ MAX_PLAN_SEGMENTS = 8
 #: 0.836 -> 0.807 ms with the equal chunks (session 23).
 #: None: the rules above decide; True / False: both plans forced on / off (tests, benchmarks).
 SAMPLING_PLAN = None
+#: Where the data gradients are wanted beside the fused weight gradient, their channels-last copy
+#: of grad_output also writes the weight gradient's rows of it (gyr), so that grad_output is read
+#: once; False: fused_position_rows reads it again, as it does for the weight gradient alone.
+ROWS_FROM_COPY = True
 #: Position splits of the weight gradient (partial sums added in a fixed order), at most this
 #: many: ``weight_splits`` picks the count.
 MAX_SPLITS = 64
@@ -252,7 +258,8 @@ def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
               for prec in _fused._precisions(dtype) for tile in _weight_tiles(dtype, ndim, prec)
               for plan in (False, True)]
     names += [f"{kernel}<{t}, {i}>" for kernel in
-              ("fused_channels_last", "fused_store", "fused_position_rows", "fused_weight_sum")]
+              ("fused_channels_last", "fused_store", "fused_position_rows", "fused_weight_sum",
+               "fused_channel_totals")]
     names += [f"fused_channels_first<{t}, {i}, {_bool(fixed)}>" for fixed in (False, True)]
     names += [f"fused_sampling_plan<{t}, {i}, {ndim}>", f"fused_gradient_plan<{t}, {i}, {ndim}>"]
     return tuple(names)
@@ -490,7 +497,11 @@ class BackwardConfig:
         self.weight_plan = (("gradient_rows", "gradient_weights", "gradient_masks") if self.plan_shared else
                             ("plan_rows", "plan_weights", None) if self.sampling_plan else (None, None, None))
         gradient_entries = self.segments * self.K if self.gradient_plan else 0      # per position
-        per_sample = buffers + plan_entries * self.Q * 8 + gradient_entries * self.Q * entry_bytes
+        # the bias gradient folded into the copy of grad_output: a float32 sum per channel and
+        # 64-position tile (fused_channels_last), added by fused_channel_totals
+        self.bias_rows = -(-self.Q // _LAYOUT_TILE)          # per sample
+        per_sample = (buffers + plan_entries * self.Q * 8 + gradient_entries * self.Q * entry_bytes
+                      + self.bias_rows * Co * 4)
         # as few chunks as the workspace bound allows, of equal size (but the last): 16 + 16, not 19 + 13
         most = max(1, min(geom.batch, int(_fused.WORKSPACE_LIMIT_BYTES) // max(per_sample, 1)))
         self.chunk = n = -(-geom.batch // -(-geom.batch // most))
@@ -514,6 +525,8 @@ class BackwardConfig:
             "gradient_weights": (n * self.Q * gradient_entries * corners, np.float32),
             "gradient_slopes": (n * self.Q * gradient_entries * corners * geom.ndim, np.float32),
             "gradient_masks": (n * self.Q * gradient_entries, np.float32),
+            "bias_sums": (n * self.bias_rows * Co, np.float32),
+            "bias_acc": (Co if n < geom.batch else 0, np.float32),   # between chunks
         }
         self.index64 = max(max(count for count, _ in sizes.values()), geom.batch * C * self.S,
                            geom.batch * max(self.off_ch, self.m_ch) * self.Q,
@@ -587,8 +600,8 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
     bytes)``) for ``cuda._replay``: ``inputs`` the addresses of (grad_output, x, w, offset, mask,
     bias), ``strides`` the sample strides in elements of (grad_output, x, offset, mask, grad_x,
     grad_offset, grad_mask) (0 for a broadcast batch), ``outs`` the addresses of (grad_x,
-    grad_w, grad_offset, grad_mask) (0: not wanted; grad_w only where ``config.fused_weight``).
-    The first chunk's accumulators are cleared first, so that every kernel after the first
+    grad_w, grad_offset, grad_mask) and optionally grad_bias (0: not wanted; grad_w only where
+    ``config.fused_weight``; grad_bias contiguous). The first chunk's accumulators are cleared first, so that every kernel after the first
     follows another kernel: H200, forward+backward 1-5% faster with programmatic dependent
     launch at the transposed, 1D and C64 benchmark shapes (NOTES-gpu.md, session 29).
     ``input_copied``: the workspace already holds x channels-last (one chunk; ``FusedBackward.
@@ -596,7 +609,8 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
     g = config.geom
     gy, x, w, offset, mask, bias = inputs
     gy_bs, x_bs, off_bs, msk_bs, gx_bs, goff_bs, gm_bs = strides
-    gx, gw, g_off, g_m = outs
+    gx, gw, g_off, g_m, *rest = outs
+    gb = rest[0] if rest else 0   # the bias gradient (FusedBackward.bias_gradient)
     g_off, g_m = (g_off if offset else 0), (g_m if mask else 0)
     gw = gw if config.fused_weight else 0
     data = bool(gx or g_off or g_m)
@@ -641,7 +655,7 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
         # laid out channels-last (zero past C_out/G, then a zero row): the data kernel's A rows
         ops.append(op(layout, _fused.layout_grid(g.groups, config.Cogp, cols), (_THREADS,), (
             u64(w), u64(view["wt"]), i32(g.groups), i32(config.Cog), i32(config.Cogp), index(cols),
-            index(config.Cog * cols))))
+            index(config.Cog * cols), None, None, index(0))))
     det = config.deterministic and bool(gx)
     if det:   # the weight's bound of the fixed-point exponents (fixed_point.cuh)
         ops.append((2, view["weight_bound"], 8))
@@ -653,14 +667,23 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
         n = min(config.chunk, g.batch - start)
         off_n, msk_n = at(offset, start * off_bs * it), at(mask, start * msk_bs * it)
         gy_n = u64(gy + start * gy_bs * it)
+        # the weight gradient's rows of grad_output (gyr), from the copy where there is one
+        pp = _fused._round_up(n * config.Q, _VEC[config.dtype])
+        rows_copied = data and gw and ROWS_FROM_COPY
         if (g_off or g_m or gw) and not input_copied:   # the corner values
             ops.append(op(layout, _fused.layout_grid(n, config.Cp, config.S), (_THREADS,), (
                 u64(x + start * x_bs * it), u64(view["xcl"]), i32(n), i32(g.in_channels), i32(config.Cp),
-                index(config.S), index(x_bs))))
-        if data:
+                index(config.S), index(x_bs), None, None, index(0))))
+        if data or gb:   # grad_output channels-last, with its tile sums for the bias gradient
             ops.append(op(layout, _fused.layout_grid(n, config.Cop, config.Q), (_THREADS,), (
                 gy_n, u64(view["gycl"]), i32(n), i32(g.out_channels), i32(config.Cop), index(config.Q),
-                index(gy_bs))))
+                index(gy_bs), u64(view["bias_sums"]) if gb else None, u64(view["gyr"]) if rows_copied else None,
+                index(pp))))
+        if gb:
+            ops.append(op(kernel("fused_channel_totals"), (g.out_channels,), (_THREADS,), (
+                u64(view["bias_sums"]), u64(view["bias_acc"]), u64(gb), index(n * config.bias_rows),
+                i32(start == 0), i32(start + n >= g.batch))))
+        if data:
             if start > 0:
                 clear()
             if det:   # the samples' bounds: max |grad_output[b]| and max |mask[b]|
@@ -697,9 +720,10 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
                         u64(view[name]), u64(target + start * bs * it), i32(n), index(per_sample), index(bs),
                         i32(slots))))
         if gw:
-            pp = _fused._round_up(n * config.Q, _VEC[config.dtype])
-            ops.append(op(kernel("fused_position_rows"), grid(g.out_channels * pp // _VEC[config.dtype]), (_THREADS,), (
-                gy_n, u64(view["gyr"]), i32(n), i32(g.out_channels), index(config.Q), index(pp), index(gy_bs))))
+            if not rows_copied:
+                ops.append(op(kernel("fused_position_rows"), grid(g.out_channels * pp // _VEC[config.dtype]),
+                              (_THREADS,), (gy_n, u64(view["gyr"]), i32(n), i32(g.out_channels), index(config.Q),
+                                            index(pp), index(gy_bs))))
             plan_rows, plan_weights, plan_masks = (u64(view[name]) if name else None for name in config.weight_plan)
             if config.plan_shared and not data:   # the data kernel's plan, made here for the weight kernel
                 ops.append(gradient_plan_op(n, off_n, msk_n))
@@ -729,7 +753,7 @@ def run_gradients(config: BackwardConfig, args: dict, out: dict, workspace) -> N
     ``config.fused_weight``, into ``out`` (``args`` and ``out`` as the ``conv_backward``
     primitive's: any batch strides), on CuPy's current stream."""
     wanted = args["wanted"]
-    outs = tuple(out.get(name) if name in wanted else None for name in ("input", "weight", "offset", "mask"))
+    outs = tuple(out.get(name) if name in wanted else None for name in ("input", "weight", "offset", "mask", "bias"))
     bs = _fused._batch_stride
     arrays = (args["grad_output"], args["input"], args["offset"], args["mask"], outs[0], outs[2], outs[3])
     strides = tuple(0 if a is None else bs(a) for a in arrays)
@@ -744,8 +768,18 @@ def run_gradients(config: BackwardConfig, args: dict, out: dict, workspace) -> N
 
 class FusedBackward:
     """The executable of one plan's backward: the fused gradients; the weight gradient through
-    cuda/im2col (on the same workspace, after the fused kernels) where it is not fused. Calls on
+    cuda/im2col (on the same workspace, after the fused kernels) where it is not fused; the bias
+    gradient (``bias_gradient``) from the sums its copy of grad_output takes per tile. Calls on
     C-contiguous arrays replay launches recorded per set of addresses (``run_pointers``)."""
+
+    # The plan puts "bias" in wanted (a contiguous output after the other four) beside a data
+    # gradient: grad_output is then read once for the channels-last copy and the bias gradient.
+    # H200, f+b with a bias 0.4-2.0% faster (B=16 C256 L4096 TF32 1.253 -> 1.237 ms, B=8 C256
+    # 56x56 TF32 1.323 -> 1.311); the bias gradient alone or beside the weight's alone, where the
+    # copy is not made anyway, stays the plan's channel_sum (1D TF32 0.028 ms against 0.053 for a
+    # copy made for it; NOTES-gpu.md, session 31).
+    bias_gradient = True
+    bias_gradient_with = frozenset(("input", "offset", "mask"))
 
     def __init__(self, config: BackwardConfig, weight_gradient=None):
         self.config = config
@@ -765,7 +799,7 @@ class FusedBackward:
             return
         wanted = args["wanted"]
         arrays = [args.get(k) for k in ("grad_output", "input", "weight", "offset", "mask", "bias")]
-        outs = [out.get(k) if k in wanted else None for k in ("input", "weight", "offset", "mask")]
+        outs = [out.get(k) if k in wanted else None for k in ("input", "weight", "offset", "mask", "bias")]
         if self.pointer_path and _cuda._plain_batch(*arrays, *outs):
             self.run_pointers(tuple(_address(a) for a in arrays), wanted, tuple(_address(a) for a in outs),
                               workspace.data.ptr, cupy.cuda.get_current_stream().ptr)
@@ -776,7 +810,8 @@ class FusedBackward:
 
     def run_pointers(self, inputs, wanted, outs, workspace: int, stream: int) -> None:
         """``run`` on raw device addresses of C-contiguous batched arrays: inputs (grad_output, x,
-        w, offset, mask, bias), outputs (input, weight, offset, mask; 0 where not wanted), on
+        w, offset, mask, bias), outputs (input, weight, offset, mask, and the bias where wanted;
+        0 where not wanted), on
         ``stream`` (launches recorded once per set of addresses, then replayed)."""
         key = inputs + outs + (workspace,)
         ops = self._recordings.get(key)
@@ -943,7 +978,7 @@ class FusedBackwardBackend:
                                     fused_weight=fused_weight_choice(spec.geom, spec.dtype, spec.allow_tf32,
                                                                      getattr(spec, "transposed", False)),
                                     deterministic=spec.deterministic)
-            names = ["fused_channels_last", "fused_channels_first", "fused_store",
+            names = ["fused_channels_last", "fused_channels_first", "fused_store", "fused_channel_totals",
                      "fused_position_rows", "fused_weight_sum", "fused_sampling_plan", "fused_gradient_plan",
                      "data", "weight"]
             if config.deterministic:
