@@ -176,6 +176,12 @@ class Plan:
         self._fold_bias = (not transposed and geom.batch > 0 and shapes["bias"] is not None
                            and bool(getattr(self._bwd[1], "bias_gradient", False)))
         self._fold_bias_with = getattr(self._bwd[1], "bias_gradient_with", None) if self._fold_bias else None
+        # A transposed convolution's bias gradient sums its grad_output, the input of the
+        # convolution forward that gives its input gradient: where that executable can sum its
+        # input as it copies it, the plan takes the bias gradient from there beside the input's.
+        self._fold_transposed_bias = (transposed and geom.batch > 0 and shapes["bias"] is not None
+                                      and self._bwd_input[1] is not None
+                                      and getattr(self._bwd_input[1], "summing_workspace_bytes", None) is not None)
         if (device == "cuda" and geom.batch > 0 and shapes["bias"] is not None
                 and (not self._fold_bias or self._fold_bias_with is not None)):
             try:
@@ -192,7 +198,9 @@ class Plan:
         self.forward_workspace_bytes = size(self._exec.get(fwd, (None, None)))
         # the bias gradient's partial sums use the backward's workspace after the other gradients
         self.backward_workspace_bytes = max(size(self._bwd, *([self._bwd_input] if transposed else [])),
-                                            getattr(self._bias_sum_pointers, "workspace_bytes", 0))
+                                            getattr(self._bias_sum_pointers, "workspace_bytes", 0),
+                                            self._bwd_input[1].summing_workspace_bytes
+                                            if self._fold_transposed_bias else 0)
         self.workspace_bytes = max(self.forward_workspace_bytes, self.backward_workspace_bytes)
 
     # -----------------------------------------------------------------------------------------
@@ -418,9 +426,13 @@ class Plan:
     # dtype and device, e.g. torch tensors of the configuration the plan was built for)
 
     def _folds_bias(self, wanted) -> bool:
-        """Whether the backward executable computes the wanted bias gradient itself."""
-        return (self._fold_bias and "bias" in wanted
-                and (self._fold_bias_with is None or bool(wanted & self._fold_bias_with)))
+        """Whether a backward executable computes the wanted bias gradient itself: the
+        convolution's backward, or a transposed convolution's convolution forward to the input."""
+        if "bias" not in wanted:
+            return False
+        if self.transposed:
+            return self._fold_transposed_bias and "input" in wanted
+        return self._fold_bias and (self._fold_bias_with is None or bool(wanted & self._fold_bias_with))
 
     def _pointer_ready(self, *executables) -> bool:
         return self.geom.batch > 0 and all(e is not None and getattr(e, "pointer_path", False) for e in executables)
@@ -478,7 +490,8 @@ class Plan:
                     grad_output, pointers, wanted, (gx, gw, goff, gm), outs.get("bias", 0), workspace, stream):
                 return True
             if to_input is not None:
-                to_input.run_pointers((grad_output, w, off, msk, 0), gx, workspace, stream)
+                sums = {"input_sums": outs["bias"]} if fold else {}   # the bias gradient (_folds_bias)
+                to_input.run_pointers((grad_output, w, off, msk, 0), gx, workspace, stream, **sums)
             if to_params is not None:
                 to_params.run_pointers((x, grad_output, w, off, msk, 0), params, (0, gw, goff, gm), workspace, stream)
         if "bias" in wanted and not fold:
@@ -497,9 +510,11 @@ class Plan:
         ops = self._chain.get(key)
         if ops is None:
             ops, copied, part = [], None, []
+            folded = self._folds_bias(wanted)
             if gx:
                 to_input = self._bwd_input[1]
-                ops += to_input.record((grad_output, w, off, msk, 0), gx, workspace)
+                sums = {"input_sums": grad_bias} if folded else {}
+                ops += to_input.record((grad_output, w, off, msk, 0), gx, workspace, **sums)
                 copied = to_input.channels_last_input()
             params = wanted & _PARAMS
             if params:
@@ -511,7 +526,7 @@ class Plan:
                 ops = False   # remembered: the parts run as their own lists
             else:
                 ops += part
-                if grad_bias:
+                if grad_bias and not folded:
                     ops += self._bias_sum_pointers.record(grad_output, grad_bias, workspace)
             ops = self._chain.put(key, ops)
         if ops is False:
@@ -634,7 +649,8 @@ class Plan:
                 name, executable = self._bwd_input
                 if name is None:
                     _unavailable(executable)
-                executable.run({"input": gy, "weight": w, "offset": off, "mask": msk, "bias": None},
+                sums = {"input_sums": grads["bias"]} if fold else {}
+                executable.run({"input": gy, "weight": w, "offset": off, "mask": msk, "bias": None, **sums},
                                view("input"), ws)
             params = core & _PARAMS
             if params:

@@ -721,6 +721,57 @@ def test_plans_fold_the_bias_gradient_into_the_fused_backward(deterministic):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_transposed_plans_sum_the_bias_gradient_in_the_input_gradients_copy(ndim, monkeypatch):
+    """A transposed plan takes its bias gradient (grad_output summed) from the sums its input
+    gradient's convolution forward takes as it copies grad_output, beside the input gradient;
+    alone or beside the parameter gradients from channel_sum: the reference's values, each way
+    bitwise the same on every call, through the raw-address path, strided arrays (the arrays'
+    path) and one-sample chunks (the running sum between chunks)."""
+    cupy = _cupy()
+    import dcn_cupy
+    fb = _backward_module()
+    from dcn_cupy._backends import cuda_direct
+    monkeypatch.setattr(cuda_direct, "MAX_MACS", 0)
+    monkeypatch.setattr(fb._fused, "TUNE", False)   # the rule: cuda/fused's forward for the input gradient
+    rng = np.random.default_rng(80 + ndim)
+    arrays, params, gy = wide_case(rng, ndim, groups=1, offset_groups=2, mask_groups=1, c_in=48, c_out=64, batch=3,
+                                   stride=(2,) * ndim, padding=(1,) * ndim, dilation=(1,) * ndim)
+    dtype = np.dtype(np.float16)
+    # the transposed op: its input lives on the conv's output grid, its output on the conv's input grid
+    x_t = rng.standard_normal(gy.shape).astype(dtype)
+    w = cupy.asarray(arrays["weight"].astype(dtype))
+    off, m = cupy.asarray(arrays["offset"].astype(dtype)), cupy.asarray(arrays["mask"].astype(dtype))
+    bias = cupy.asarray(rng.standard_normal(arrays["input"].shape[1]).astype(dtype))
+    g_t = rng.standard_normal(arrays["input"].shape).astype(dtype)
+    expected = g_t.astype(np.float64).sum(axis=(0,) + tuple(range(2, g_t.ndim)))
+    strided = cupy.zeros((3, 2 * g_t.shape[1]) + g_t.shape[2:], dtype=dtype)[:, ::2]
+    strided[...] = cupy.asarray(g_t)
+    # the output padding that gives back the conv's input grid (stride 2, padding 1, 3 taps)
+    output_padding = tuple(s - (2 * (q - 1) + 1) for s, q in zip(g_t.shape[2:], gy.shape[2:]))
+    for limit in (None, 1):
+        if limit is not None:
+            monkeypatch.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", limit)
+        p = dcn_cupy.plan(cupy.asarray(x_t), w, off, m, bias, **params, transposed=True,
+                          output_padding=output_padding, algorithm="cuda/fused-backward")
+        assert p.output_shape == g_t.shape, (p.output_shape, g_t.shape)
+        assert p._fold_transposed_bias, p.algorithm
+        assert limit is None or p._bwd_input[1].config.chunk == 1
+        results = {True: set(), False: set()}
+        for grad_output in (cupy.asarray(g_t), strided):
+            for wrt in (None, ("input", "bias"), ("bias",), ("weight", "offset", "bias")):
+                folded = p._folds_bias(frozenset(wrt or ("input", "weight", "offset", "mask", "bias")))
+                assert folded == (wrt is None or "input" in wrt), wrt
+                for _ in range(2):
+                    workspace = cupy.full(p.backward_workspace_bytes, 0xFF, dtype=np.uint8)
+                    grads = p.backward(grad_output, cupy.asarray(x_t), w, off, m, bias, wrt=wrt, workspace=workspace)
+                    got = cupy.asnumpy(grads.bias)
+                    assert relative_error(got.astype(np.float64), expected) < TOL["float16"], (wrt, limit)
+                    results[folded].add(got.tobytes())
+        assert len(results[True]) == 1 and len(results[False]) == 1, limit
+
+
+@pytest.mark.gpu
 def test_partial_tiles_batch_33_and_one_sample_chunks(monkeypatch):
     """C_in = 200 (partial channel tiles), 33 samples of 7x7 (position tiles spanning samples),
     then one sample per chunk."""

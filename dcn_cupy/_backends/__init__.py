@@ -85,6 +85,12 @@ class Executable(Protocol):
     ``out["bias"]`` (``run``) or as a fifth gradient address (``run_pointers``), and launches no
     separate reduction. With ``bias_gradient_with`` (a frozenset of gradient names) it does so
     only where one of those is wanted too; elsewhere the plan reduces grad_output itself.
+
+    Optionally, a ``conv_forward`` executable with ``summing_workspace_bytes`` also sums its
+    input over all but the channel axis where asked (``input_sums``: an address for
+    ``run_pointers``/``record``, an array as ``args["input_sums"]`` for ``run``), given a
+    workspace of that size: a transposed convolution's plan takes its bias gradient so, beside
+    the input gradient that this forward computes.
     """
 
     workspace_bytes: int

@@ -63,6 +63,7 @@ WORKSPACE_LIMIT_BYTES = int(os.environ.get("DCN_CUPY_FUSED_WORKSPACE_BYTES", 128
 
 _SOURCE = "deform_fused.cu"
 _THREADS = 256   # threads per block of the small kernels, and of a tile that names no other count
+_LAYOUT_TILE = 64   # positions of a fused_channels_last tile, one channel sum each
 #: Per storage dtype: channels per 16-byte vector (fused::Tile<T>::VEC, also the row padding).
 _VEC = {np.dtype(np.float16): 8, BFLOAT16: 8, np.dtype(np.float32): 4}
 DTYPES = tuple(_VEC)
@@ -575,6 +576,13 @@ class LaunchConfig:
         self.workspace_bytes = (self.plan_offset + _round_up(self.plan_elems * self.plan_row_bytes, _ALIGN)
                                 + self.plan_elems * 4) if self.sampling_plan else \
             _round_up(self.xcl_elems * self.itemsize, _ALIGN) + self.weight_elems * self.itemsize
+        # where asked (forward_launches' input_sums: a transposed convolution's bias gradient),
+        # the copy also sums x per channel: a float32 sum per 64-position tile and channel after
+        # the workspace, then a running sum between chunks
+        self.sum_rows = -(-self.S // _LAYOUT_TILE)       # per sample
+        self.sums_offset = _round_up(self.workspace_bytes, _ALIGN)
+        self.sums_acc_offset = self.sums_offset + _round_up(n * self.sum_rows * C * 4, _ALIGN)
+        self.summing_workspace_bytes = self.sums_acc_offset + (C * 4 if n < geom.batch else 0)
 
     @property
     def description(self) -> str:
@@ -624,13 +632,15 @@ def _workspace_offsets(config: LaunchConfig) -> tuple:
     return 0, wr_at, rows_at, rows_at + _round_up(config.plan_elems * config.plan_row_bytes, _ALIGN)
 
 
-def _checked_workspace(config: LaunchConfig, workspace):
-    """``workspace`` (or one allocated), checked to hold ``config.workspace_bytes``."""
+def _checked_workspace(config: LaunchConfig, workspace, need=None):
+    """``workspace`` (or one allocated), checked to hold ``need`` bytes (``config.workspace_bytes``
+    by default)."""
+    need = config.workspace_bytes if need is None else need
     if workspace is None:
-        workspace = cupy.empty(config.workspace_bytes, dtype=np.uint8)
+        workspace = cupy.empty(need, dtype=np.uint8)
     nbytes = workspace.size * workspace.itemsize
-    if nbytes < config.workspace_bytes:
-        raise ValueError(f"workspace must hold at least {config.workspace_bytes} bytes, got {nbytes}")
+    if nbytes < need:
+        raise ValueError(f"workspace must hold at least {need} bytes, got {nbytes}")
     return workspace
 
 
@@ -669,14 +679,18 @@ def _relayout_launch(config: LaunchConfig, weight: int, wr: int, overlap: bool =
         i32(config.precision == 1)), overlap=overlap)
 
 
-def forward_launches(config: LaunchConfig, inputs, strides, out: int, workspace: int) -> list:
+def forward_launches(config: LaunchConfig, inputs, strides, out: int, workspace: int, input_sums: int = 0) -> list:
     """The launches of one forward, recorded (``cuda._kernel_op``) for ``cuda._replay``:
     ``inputs`` the addresses of (x, w, offset, mask, bias) (0 for an absent one), ``strides`` the
     sample strides in elements of (x, offset, mask) (0 for a broadcast batch), ``out`` the
     address of a C-contiguous output, ``workspace`` of ``config.workspace_bytes``. Per batch
     chunk: the channels-last copy (the first chunk's followed by the weights' re-layout, which
-    runs beside it), the sampling plan where the config has one, the kernel. Every launch but the
-    first and the sampling plans' is a programmatic dependent launch (``cuda.PDL``): it starts
+    runs beside it), the sampling plan where the config has one, the kernel. ``input_sums``: the
+    address of a contiguous ``(C_in,)`` array that gets x summed over all but the channel axis
+    (a transposed convolution's bias gradient), from the copy's tile sums added in a fixed order
+    (``fused_channel_totals`` after each chunk's copy; ``workspace`` then of
+    ``config.summing_workspace_bytes``). Every launch but the first and the sampling plans' is a
+    programmatic dependent launch (``cuda.PDL``): it starts
     while the kernel before it finishes, and waits for it where it needs its output (the kernel's
     preamble runs before). The sampling plan launched so measured 3-4% slower (H200, B=8 C256
     56x56 and 1D TF32 whole forward; NOTES-gpu.md, session 29), and the kernel after it gained
@@ -697,9 +711,14 @@ def forward_launches(config: LaunchConfig, inputs, strides, out: int, workspace:
     struct = config.struct
     for start in range(0, g.batch, config.chunk):
         n = min(config.chunk, g.batch - start)
+        sums = workspace + config.sums_offset if input_sums else None
         ops.append(op(layout, layout_grid(n, config.Cp, config.S), (_THREADS,), (
             u64(x + start * x_bs * it), u64(xcl), i32(n), i32(g.in_channels), i32(config.Cp), index(config.S),
-            index(x_bs), None, None, index(0))))
+            index(x_bs), None if sums is None else u64(sums), None, index(0))))
+        if input_sums:
+            ops.append(op(config.kernel("fused_channel_totals"), (g.in_channels,), (_THREADS,), (
+                u64(sums), u64(workspace + config.sums_acc_offset), u64(input_sums), index(n * config.sum_rows),
+                i32(start == 0), i32(start + n >= g.batch))))
         if start == 0:
             ops.append(_relayout_launch(config, w, wr, overlap=_cuda._follows_kernel(ops)))
         offset_n, mask_n = at(offset, start * off_bs * it), at(mask, start * msk_bs * it)
@@ -723,13 +742,15 @@ def _address(array) -> int:
     return 0 if array is None else array.data.ptr
 
 
-def run_forward(config: LaunchConfig, x, weight, offset, mask, bias, out, workspace=None) -> None:
+def run_forward(config: LaunchConfig, x, weight, offset, mask, bias, out, workspace=None, input_sums=None) -> None:
     """``out`` (C-contiguous) ``= deform_conv(x) (+ bias)`` with the kernels of ``config``, on the
-    current stream; x, offset and mask contiguous within each sample, any batch stride."""
-    workspace = _checked_workspace(config, workspace)
+    current stream; x, offset and mask contiguous within each sample, any batch stride;
+    ``input_sums`` (contiguous, or None) as ``forward_launches``' (the workspace then of
+    ``config.summing_workspace_bytes``)."""
+    workspace = _checked_workspace(config, workspace, None if input_sums is None else config.summing_workspace_bytes)
     strides = tuple(0 if a is None else _batch_stride(a) for a in (x, offset, mask))
     ops = forward_launches(config, tuple(_address(a) for a in (x, weight, offset, mask, bias)), strides,
-                           out.data.ptr, workspace.data.ptr)
+                           out.data.ptr, workspace.data.ptr, _address(input_sums))
     _cuda._replay(ops, None, cupy.cuda.get_current_stream().ptr)
 
 
@@ -922,6 +943,9 @@ class FusedForward:
     def __init__(self, config: LaunchConfig):
         self.config = config
         self.workspace_bytes = config.workspace_bytes
+        # the workspace where a call also sums its input per channel (``input_sums``): a
+        # transposed convolution's plan takes its bias gradient so (Plan._folds_bias)
+        self.summing_workspace_bytes = config.summing_workspace_bytes
         self.description = config.description
         self._recordings = _cuda.Recordings()
         g = config.geom
@@ -929,29 +953,33 @@ class FusedForward:
         self._strides = (g.in_channels * config.S, offsets * config.Q, max(g.mask_groups, 1) * config.K * config.Q)
 
     def run(self, args: dict, out, workspace) -> None:
+        """``args["input_sums"]`` (optional, contiguous ``(C_in,)``): x summed over all but the
+        channel axis from the copy (a transposed convolution's bias gradient; the workspace then
+        of ``summing_workspace_bytes``)."""
         if self.config.geom.batch == 0:
             return
         arrays = tuple(args.get(k) for k in ("input", "weight", "offset", "mask", "bias"))
+        sums = args.get("input_sums")
         if _cuda.REPLAY and _cuda._plain_batch(*arrays, out):
             self.run_pointers(tuple(_address(a) for a in arrays), out.data.ptr, workspace.data.ptr,
-                              cupy.cuda.get_current_stream().ptr)
+                              cupy.cuda.get_current_stream().ptr, input_sums=_address(sums))
             return
-        run_forward(self.config, *arrays, out, workspace)
+        run_forward(self.config, *arrays, out, workspace, input_sums=sums)
 
-    def run_pointers(self, inputs, out: int, workspace: int, stream: int) -> None:
+    def run_pointers(self, inputs, out: int, workspace: int, stream: int, input_sums: int = 0) -> None:
         """``run`` on raw device addresses of C-contiguous batched arrays (inputs: x, w, offset,
         mask, bias; 0 for an absent one), on ``stream``: the launches recorded once per set of
         addresses, then replayed."""
-        key = inputs + (out, workspace)
+        key = inputs + (out, workspace, input_sums)
         ops = self._recordings.get(key)
         if ops is None:
-            ops = self._recordings.put(key, self.record(inputs, out, workspace))
+            ops = self._recordings.put(key, self.record(inputs, out, workspace, input_sums))
         _cuda._replay(ops, None, stream)
 
-    def record(self, inputs, out: int, workspace: int) -> list:
+    def record(self, inputs, out: int, workspace: int, input_sums: int = 0) -> list:
         """``run_pointers``' launches, recorded and not run (``cuda._replay``'s ops): for a plan
         that replays them in one list with another executable's."""
-        return forward_launches(self.config, inputs, self._strides, out, workspace)
+        return forward_launches(self.config, inputs, self._strides, out, workspace, input_sums)
 
     def channels_last_input(self):
         """What a call leaves at the workspace's start: its whole input channels-last, as
