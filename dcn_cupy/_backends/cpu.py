@@ -432,7 +432,6 @@ if hasattr(os, "register_at_fork"):
 @_kernel
 def _sampling_plan(offset, has_offset, n_offset_groups, ndim, in_shape, out_shape, kernel, stride,
                    padding, dilation, index, weight, dweight, want_dweight, start, stop):
-    batch = index.shape[0]
     taps = index.shape[2]
     positions = index.shape[3]
     corners = index.shape[4]
