@@ -180,7 +180,6 @@ class Plan:
         # convolution forward that gives its input gradient: where that executable can sum its
         # input as it copies it, the plan takes the bias gradient from there beside the input's.
         self._fold_transposed_bias = (transposed and geom.batch > 0 and shapes["bias"] is not None
-                                      and self._bwd_input[1] is not None
                                       and getattr(self._bwd_input[1], "summing_workspace_bytes", None) is not None)
         if (device == "cuda" and geom.batch > 0 and shapes["bias"] is not None
                 and (not self._fold_bias or self._fold_bias_with is not None)):

@@ -75,8 +75,6 @@ from . import cuda_fused as _fused
 
 _SOURCE = "deform_fused_backward.cu"
 _THREADS = 256
-#: Positions of a fused_channels_last tile (its TILE), one bias-gradient sum each.
-_LAYOUT_TILE = 64
 _VEC = _fused._VEC
 #: The tiles (BM input channels, BN positions, BK output channels per step, MINB blocks per SM
 #: asked of the register allocator), per dtype. The first is the rule (``_choose_tile``): the
@@ -502,7 +500,7 @@ class BackwardConfig:
         gradient_entries = self.segments * self.K if self.gradient_plan else 0      # per position
         # the bias gradient folded into the copy of grad_output: a float32 sum per channel and
         # 64-position tile (fused_channels_last), added by fused_channel_totals
-        self.bias_rows = -(-self.Q // _LAYOUT_TILE)          # per sample
+        self.bias_rows = -(-self.Q // _fused._LAYOUT_TILE)          # per sample
         per_sample = (buffers + plan_entries * self.Q * 8 + gradient_entries * self.Q * entry_bytes
                       + self.bias_rows * Co * 4)
         # as few chunks as the workspace bound allows, of equal size (but the last): 16 + 16, not 19 + 13
