@@ -269,10 +269,14 @@ def test_serving_rule_and_segments():
     many = fb.BackwardConfig(_geom(c_in=256, offset_groups=16), np.float32, False)
     assert many.fused_weight and many.segments == 16 and not many.sampling_plan
     assert not fb.BackwardConfig(_geom(c_in=256), np.float16, False, fused_weight=False).sampling_plan
-    # the data gradients' plan: in 2D and 3D, where it is no larger than a sample's other buffers
+    # the data gradients' plan: in 2D and 3D, and in 1D for float32, where it is no larger than a
+    # sample's other buffers
     assert fb.BackwardConfig(_geom(c_in=256), np.float16, False).gradient_plan
     assert not fb.BackwardConfig(_geom(c_in=32, c_out=32), np.float16, False).gradient_plan   # too large
     assert not fb.BackwardConfig(_geom(c_in=256, ndim=1), np.float16, False).gradient_plan
+    for tf32 in (True, False):
+        one_d = fb.BackwardConfig(_geom(c_in=256, ndim=1), np.float32, tf32)
+        assert one_d.gradient_plan and one_d.plan_shared
     assert not fb.BackwardConfig(_geom(c_in=256, offset_groups=16), np.float16, False).gradient_plan
     forced = fb.BackwardConfig(_geom(c_in=64), np.float16, False, gradient_plan=True)
     assert forced.gradient_plan and forced.offsets["gradient_slopes"][1] == 2 * 64 * 9 * 4 * 2

@@ -32,10 +32,11 @@ one partial sum per segment of channels and added in a fixed order, and the weig
 splits are summed in a fixed order as always: every gradient is bitwise the same from run to
 run, whatever the order of the atomics.
 
-In 2D and 3D the data kernel likewise reads each position's corners, slopes and mask from a plan
-of its own (``fused_gradient_plan``) where that plan fits (``SAMPLING_PLAN`` says when). Where
-both plans would be made, the weight kernel reads the data kernel's instead (the same corners,
-the mask kept apart; ``BackwardConfig.plan_shared``), and no sampling plan is made.
+In 2D and 3D, and in 1D for float32, the data kernel likewise reads each position's corners,
+slopes and mask from a plan of its own (``fused_gradient_plan``) where that plan fits
+(``SAMPLING_PLAN`` says when). Where both plans would be made, the weight kernel reads the data
+kernel's instead (the same corners, the mask kept apart; ``BackwardConfig.plan_shared``), and no
+sampling plan is made.
 
 Per call, one batch chunk at a time (the chunk bounds the workspace by
 ``cuda_fused.WORKSPACE_LIMIT_BYTES``): grad_output copied channels-last, ``(Bc*Q, Cop)``, and as
@@ -157,14 +158,17 @@ WEIGHT_TILES = {
 MAX_PLAN_SEGMENTS = 8
 #: The data kernel reads each (position, tap)'s corners, their slopes and the mask from a plan of
 #: its own (``fused_gradient_plan``, per batch chunk: 68 bytes per tap and position in 2D) instead of
-#: computing them in each of its C_in/64 channel-tile blocks, in 2D and 3D where that plan is no
-#: larger than a sample's other buffers and the weight kernel's sampling plan, which it then
-#: replaces. H200, data gradients alone, fp16: B=8 C256 56x56 0.655 -> 0.576 ms, B=8 C128 0.314
-#: -> 0.281, 512@14x14 0.230 -> 0.219, B=32 C64 0.594 -> 0.571, 3D C32 2.06 -> 1.76 (larger than
-#: the buffers: not taken, ~150 MB per sample); 1D C256 0.526 -> 0.554, where two corners are
-#: cheaper to compute than to load (NOTES-gpu.md, session 6). B=32 C64 fp16 was not taken either
-#: until the rule counted the sampling plan it replaces: data kernel 388 -> 328 us per f+b, f+b
-#: 0.836 -> 0.807 ms with the equal chunks (session 23).
+#: computing them in each of its C_in/64 channel-tile blocks, in 2D and 3D, and in 1D for float32,
+#: where that plan is no larger than a sample's other buffers and the weight kernel's sampling plan,
+#: which it then replaces. H200, data gradients alone, fp16: B=8 C256 56x56 0.655 -> 0.576 ms, B=8
+#: C128 0.314 -> 0.281, 512@14x14 0.230 -> 0.219, B=32 C64 0.594 -> 0.571, 3D C32 2.06 -> 1.76
+#: (larger than the buffers: not taken, ~150 MB per sample); 1D C256 0.526 -> 0.554, where two
+#: corners are cheaper to compute than to load (NOTES-gpu.md, session 6). B=32 C64 fp16 was not
+#: taken either until the rule counted the sampling plan it replaces: data kernel 388 -> 328 us per
+#: f+b, f+b 0.836 -> 0.807 ms with the equal chunks (session 23). In 1D float32 the plan gains:
+#: B=16 C256 L4096 TF32 backward 0.988 -> 0.973 ms, input gradient alone 0.529 -> 0.511,
+#: transposed forward 0.620 -> 0.602; strict float32 input alone 1.352 -> 1.325. In 1D fp16 it
+#: stays level or loses (B=32 C64 input alone 0.138 -> 0.145; NOTES-gpu.md, session 32).
 #: None: the rules above decide; True / False: both plans forced on / off (tests, benchmarks).
 SAMPLING_PLAN = None
 #: Where the data gradients are wanted beside the fused weight gradient, their channels-last copy
@@ -480,13 +484,13 @@ class BackwardConfig:
                       + (self.off_ch * self.slots[0] + self.m_ch * self.slots[1]) * self.Q * 4
                       + (self.Q * Co * it if self.fused_weight else 0))
         # the data kernel's corners, slopes and mask from a plan per chunk (the rule: in 2D and 3D,
-        # at most MAX_PLAN_SEGMENTS segments, the plan no larger than a sample's other buffers and
-        # the sampling plan it replaces)
+        # and in 1D for float32 (TF32 or strict), at most MAX_PLAN_SEGMENTS segments, the plan no
+        # larger than a sample's other buffers and the sampling plan it replaces)
         if gradient_plan is None:
             gradient_plan = SAMPLING_PLAN
         self.m_tiles = -(-self.Cg // bm)
         entry_bytes = corners * (8 + 4 + 4 * geom.ndim) + 4       # rows, weights, slopes, mask
-        rule = (geom.ndim >= 2 and self.segments <= MAX_PLAN_SEGMENTS
+        rule = ((geom.ndim >= 2 or it == 4) and self.segments <= MAX_PLAN_SEGMENTS
                 and self.segments * self.K * self.Q * entry_bytes <= buffers + plan_entries * self.Q * 8)
         self.gradient_plan = rule if gradient_plan is None else bool(gradient_plan)
         # where both plans are made, the weight kernel reads the data kernel's (the same entries:
