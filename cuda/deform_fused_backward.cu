@@ -398,11 +398,11 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
         }
         int qc[N];
         dcn::unravel<N, I>(q, g.out_size, qc);
-        [[maybe_unused]] double scale = 0.0;   // (DET) 2^E of the sample
+        [[maybe_unused]] int E = 0;   // (DET) the sample's fixed-point exponent
         if constexpr (DET) {
             if (pvalid && gxq != nullptr) {
-                scale = ldexp(1.0, dcn_det::exponent(weight_bound, gy_bounds + b,
-                                                     mask_bounds == nullptr ? nullptr : mask_bounds + b, log2_count));
+                E = dcn_det::exponent(weight_bound, gy_bounds + b, mask_bounds == nullptr ? nullptr : mask_bounds + b,
+                                      log2_count);
             }
         }
 #pragma unroll 1
@@ -460,14 +460,14 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
 #pragma unroll
                             for (int j = 0; j < 4; ++j) {
                                 const int cc = uniform ? cpass + lane % LANES + LANES * j : cpass + lane_c + j;
-                                const double v = (double)(Gs[n * GLD + cc] * m);
+                                const float v = Gs[n * GLD + cc] * m;
                                 const I channel = (I)grp * Cg + m0 + cc;
 #pragma unroll
                                 for (int k = 0; k < NC; ++k) {
                                     const float w = cr.weight[k];
                                     if (cr.ok[k] && w != 0.0f) {
-                                        dcn_det::accumulate_scaled(gxq, gx_flags, (long long)(crow[k] * Cpa + channel),
-                                                                   (double)w * v, scale);
+                                        dcn_det::accumulate_float(gxq, gx_flags, (long long)(crow[k] * Cpa + channel),
+                                                                  w * v, E);
                                     }
                                 }
                             }

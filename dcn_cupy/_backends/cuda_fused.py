@@ -679,6 +679,16 @@ def _relayout_launch(config: LaunchConfig, weight: int, wr: int, overlap: bool =
         i32(config.precision == 1)), overlap=overlap)
 
 
+def channel_totals_op(op, kernel, channels: int, sums: int, acc: int, dst: int, rows, start: int, n: int,
+                      batch: int):
+    """The launch (through ``op``) of ``fused_channel_totals`` after the chunk of ``n`` samples
+    from ``start``: it adds that chunk's ``rows`` tile sums a channel into ``acc``, and at the
+    last chunk writes the totals to ``dst`` (the forward's input sums, the backward's bias
+    gradient)."""
+    return op(kernel, (channels,), (_THREADS,), (_cuda._u64(sums), _cuda._u64(acc), _cuda._u64(dst), rows,
+                                                 np.int32(start == 0), np.int32(start + n >= batch)))
+
+
 def forward_launches(config: LaunchConfig, inputs, strides, out: int, workspace: int, input_sums: int = 0) -> list:
     """The launches of one forward, recorded (``cuda._kernel_op``) for ``cuda._replay``:
     ``inputs`` the addresses of (x, w, offset, mask, bias) (0 for an absent one), ``strides`` the
@@ -716,9 +726,9 @@ def forward_launches(config: LaunchConfig, inputs, strides, out: int, workspace:
             u64(x + start * x_bs * it), u64(xcl), i32(n), i32(g.in_channels), i32(config.Cp), index(config.S),
             index(x_bs), None if sums is None else u64(sums), None, index(0))))
         if input_sums:
-            ops.append(op(config.kernel("fused_channel_totals"), (g.in_channels,), (_THREADS,), (
-                u64(sums), u64(workspace + config.sums_acc_offset), u64(input_sums), index(n * config.sum_rows),
-                i32(start == 0), i32(start + n >= g.batch))))
+            ops.append(channel_totals_op(op, config.kernel("fused_channel_totals"), g.in_channels, sums,
+                                         workspace + config.sums_acc_offset, input_sums, index(n * config.sum_rows),
+                                         start, n, g.batch))
         if start == 0:
             ops.append(_relayout_launch(config, w, wr, overlap=_cuda._follows_kernel(ops)))
         offset_n, mask_n = at(offset, start * off_bs * it), at(mask, start * msk_bs * it)

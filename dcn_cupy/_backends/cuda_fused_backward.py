@@ -685,9 +685,8 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
                 index(gy_bs), u64(view["bias_sums"]) if gb else None, u64(view["gyr"]) if rows_copied else None,
                 index(pp))))
         if gb:
-            ops.append(op(kernel("fused_channel_totals"), (g.out_channels,), (_THREADS,), (
-                u64(view["bias_sums"]), u64(view["bias_acc"]), u64(gb), index(n * config.bias_rows),
-                i32(start == 0), i32(start + n >= g.batch))))
+            ops.append(_fused.channel_totals_op(op, kernel("fused_channel_totals"), g.out_channels, view["bias_sums"],
+                                                view["bias_acc"], gb, index(n * config.bias_rows), start, n, g.batch))
         if data:
             if start > 0:
                 clear()
