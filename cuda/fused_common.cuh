@@ -709,7 +709,7 @@ __global__ void fused_channels_last(const T* __restrict__ x, T* __restrict__ xcl
                 const int c = c0 + tx + h;
                 const T v = tile[tx + h][r];
                 if (s < S && c < Cp) xcl[((I)b * S + s) * Cp + c] = v;
-                if (sums != nullptr) sum[h / 32] += Traits<T>::load(v);   // zero past S and C
+                sum[h / 32] += Traits<T>::load(v);   // zero past S and C
             }
         }
         if (sums != nullptr) {
