@@ -607,8 +607,9 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
     grad_offset, grad_mask) (0 for a broadcast batch), ``outs`` the addresses of (grad_x,
     grad_w, grad_offset, grad_mask) and optionally grad_bias (0: not wanted; grad_w only where
     ``config.fused_weight``; grad_bias contiguous). The first chunk's accumulators are cleared
-    first, so that every kernel after the first follows another kernel: H200, forward+backward 1-5% faster with programmatic dependent
-    launch at the transposed, 1D and C64 benchmark shapes (NOTES-gpu.md, session 29).
+    first, so that every kernel after the first follows another kernel: H200, forward+backward
+    1-5% faster with programmatic dependent launch at the transposed, 1D and C64 benchmark shapes
+    (NOTES-gpu.md, session 29).
     ``input_copied``: the workspace already holds x channels-last (one chunk; ``FusedBackward.
     record``), its copy is left out."""
     g = config.geom
