@@ -5,9 +5,10 @@
 // input channel of the group). Per block a tile of them for ONE tap t: BM input channels of one
 // conv group x BN positions of the flattened batch, reduced over the group's output channels in
 // steps of BK on tensor cores (fused::warp_mma, float32 accumulation) from two tiles copied with
-// cp.async (double-buffered): the weight columns wt[g, c, t, o] (A: rows c, a step of K * Cogp
-// apart, K = o contiguous; fused_channels_last of the weight) and the channels-last grad_output
-// gycl[p, o] (B: rows p). The tile then goes to shared memory (float32) and, in the epilogue,
+// cp.async (double-buffered; rows of 128 bytes swizzled, fused::TILE_XOR, but in strict float32
+// in 1D and 2D, see DCN_DATA_TILE_LAYOUT): the weight columns wt[g, c, t, o] (A: rows c, a step
+// of K * Cogp apart, K = o contiguous; fused_channels_last of the weight) and the channels-last
+// grad_output gycl[p, o] (B: rows p). The tile then goes to shared memory (float32) and, in the epilogue,
 // one warp per position (lanes along the channels, CPL per lane):
 //   * grad_input: G * mask * w_corner is added to the CHANNELS-LAST float32 accumulator
 //     gxcl[b, s, c] with 4-channel vector reductions (REDG.ADD.F32x4 on sm_90), CPL/4 per corner
@@ -40,6 +41,16 @@
 
 #include "fused_common.cuh"
 #include "fixed_point.cuh"
+
+// The data kernel's operand tiles in shared memory (fused::TILE_*): swizzled 128-byte rows
+// (TILE_XOR), but strict float32 in 1D and 2D, which keeps the padded rows (TILE_PADDED). H200,
+// one process, input gradient (NOTES-gpu.md session 34): fp16, bf16 and TF32 B=8 C256 56x56 8%
+// faster, B=16 C512 14x14 fp16 11%, 1D fp16 4%, 3D fp16 1%; strict float32 swizzled (3xTF32 by
+// ldmatrix) 0.1-1.3% slower in 2D, 5.5% faster in 3D. Defining DCN_DATA_TILE_LAYOUT (a TILE_*)
+// builds one layout for every instantiation, for timing the difference.
+#ifndef DCN_DATA_TILE_LAYOUT
+#define DCN_DATA_TILE_LAYOUT -1
+#endif
 
 namespace fused_bwd {
 
@@ -246,7 +257,11 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     start_after_prerequisites();
     using fused_bwd::THREADS;
     constexpr int VEC = Tile<T>::VEC;
-    constexpr int LD = BK + Tile<T>::PAD;            // shared row length (A: per input channel, B: per position)
+    constexpr int LAYOUT = DCN_DATA_TILE_LAYOUT >= 0 ? DCN_DATA_TILE_LAYOUT
+                           : PREC == 2 && N < 3 ? TILE_PADDED : TILE_XOR;   // (above the kernels)
+    static_assert(LAYOUT == TILE_PADDED || (LAYOUT == TILE_XOR && BK * sizeof(T) == 128), "tile layout");
+    // shared row length (A: per input channel, B: per position)
+    constexpr int LD = LAYOUT == TILE_XOR ? BK : BK + Tile<T>::PAD;
     constexpr int WARPS = THREADS / 32;
     constexpr int WARPS_N = BN / 32, WARPS_M = WARPS / WARPS_N;
     constexpr int WM = BM / WARPS_M, WN = 32;        // warp tile
@@ -316,14 +331,15 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
         for (int j = 0; j < A_VECS; ++j) {
             const int r = r0 + j * R_STEP;
             const bool full = m0 + r < Cg;
-            copy16_async(As0 + buf * BM * LD + r * LD + kv, full ? a_row0 + j * R_STEP * a_step + o0 : wt, full);
+            copy16_async(As0 + buf * BM * LD + tile_offset<T, LAYOUT, LD>(r, kv),
+                         full ? a_row0 + j * R_STEP * a_step + o0 : wt, full);
         }
 #pragma unroll
         for (int j = 0; j < B_VECS; ++j) {
             const int r = r0 + j * R_STEP;
             const I p = p0 + r;
             const bool full = p < BQ && o0 + kv < Cog;
-            copy16_async(Bs0 + buf * BN * LD + r * LD + kv,
+            copy16_async(Bs0 + buf * BN * LD + tile_offset<T, LAYOUT, LD>(r, kv),
                          full ? gycl + p * Cop + grp * Cog + o0 + kv : gycl, full);
         }
         copy_commit();
@@ -347,7 +363,8 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
             copy_wait_all();
         }
         __syncthreads();
-        warp_mma<T, PREC, false, MT, NT, LD, BK, WM, WN>(acc, As0 + cur * BM * LD, Bs0 + cur * BN * LD, wm, wn, lane);
+        warp_mma<T, PREC, false, MT, NT, LD, BK, WM, WN, LAYOUT>(acc, As0 + cur * BM * LD, Bs0 + cur * BN * LD, wm, wn,
+                                                                 lane);
         __syncthreads();
     }
 
@@ -934,7 +951,7 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
                 copy_step(s + 1, cur ^ 1);
                 sample_load(s + 1);
             }
-            warp_mma<T, PREC, true, MT, NT, LD, BK, WM, WN, true>(acc, As0 + cur * BM * LD, Bs0 + cur * BN * LD, wm,
+            warp_mma<T, PREC, true, MT, NT, LD, BK, WM, WN, TILE_SWIZZLED_B>(acc, As0 + cur * BM * LD, Bs0 + cur * BN * LD, wm,
                                                                    wn, lane);
             if (more) sample_store(cur ^ 1);
             copy_wait_all();

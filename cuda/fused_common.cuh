@@ -476,8 +476,45 @@ __device__ __forceinline__ int b_swizzle(int n) {
     return sizeof(E) == 2 ? (n >> 3) & 3 : ((n >> 3) & 1) << 1;
 }
 
-// SWIZZLE_B: B's chunks are stored swizzled (b_swizzle).
-template <typename E, int MT, int NT, int LD, int WM, int WN, bool SWIZZLE_B = false>
+// The layouts of a tile pair in shared memory (rows of LD elements, K contiguous, 16-byte chunks):
+//   TILE_PADDED: rows padded by a chunk (LD = BK + PAD), chunks in place;
+//   TILE_SWIZZLED_B: A as TILE_PADDED, B's chunk c of row n at c ^ b_swizzle(n) (the weight
+//     gradient's sampled tile, above);
+//   TILE_XOR: unpadded rows of 8 chunks (LD = 8 * 16 / sizeof(E), 128 bytes), chunk c of row r at
+//     c ^ (r & 7) in both tiles, CUTLASS's 128-byte swizzle. A cp.async row copy then fills one
+//     aligned 128-byte line of shared memory: with padded rows (144 bytes apart at half BK = 64)
+//     a warp's LDGSTS of 4 rows fetched 24 L2 sectors for its 16 (ncu, H200, the data kernel,
+//     NOTES-gpu.md session 34). The 8 rows of a ldmatrix matrix (aligned to 8) get 8 distinct
+//     XORs, so its reads stay conflict-free.
+constexpr int TILE_PADDED = 0, TILE_SWIZZLED_B = 1, TILE_XOR = 2;
+
+// Element offset of 16-byte chunk c of row r in a TILE_XOR tile of E.
+template <typename E>
+__device__ __forceinline__ int xor_chunk_offset(int r, int c) {
+    return r * (128 / (int)sizeof(E)) + ((c ^ (r & 7)) * (16 / (int)sizeof(E)));
+}
+
+// Fragment reads of a TILE_XOR tile: `addr` is the shared byte address of the thread's chunk at
+// k = 0, XORed already with its row's swizzle; the k step's chunk (an even chunk index, shifted
+// to bytes) is XORed in here, inside the asm, so that it is issued with the load. Written as C++,
+// the addresses of every k step were hoisted out of the main loop, one register each, and the data
+// kernel spilled (ptxas, sm_90, 2D fp16 64x64x64: 0 -> 28 bytes) and lost up to 3.5% (H200,
+// NOTES-gpu.md session 34).
+__device__ __forceinline__ void ldmatrix_x4_xor(unsigned (&r)[4], unsigned addr, unsigned flip) {
+    asm volatile("{\n.reg .b32 a;\nxor.b32 a, %4, %5;\n"
+                 "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [a];\n}\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr), "r"(flip));
+}
+
+// Element offset of element k (a multiple of 16 / sizeof(E)) of row r in a TILE_PADDED or TILE_XOR
+// tile with rows of LD elements.
+template <typename E, int LAYOUT, int LD>
+__device__ __forceinline__ int tile_offset(int r, int k) {
+    if constexpr (LAYOUT == TILE_XOR) return xor_chunk_offset<E>(r, k / (16 / (int)sizeof(E)));
+    return r * LD + k;
+}
+
+template <typename E, int MT, int NT, int LD, int WM, int WN, int LAYOUT = TILE_PADDED>
 __device__ __forceinline__ void ldmatrix_fragments(unsigned (&af)[MT][4], unsigned (&bf)[NT][2], const E* A, const E* B,
                                                    int kk, int wm, int wn, int lane) {
     constexpr int V = 16 / sizeof(E);   // elements per 16 bytes
@@ -485,7 +522,11 @@ __device__ __forceinline__ void ldmatrix_fragments(unsigned (&af)[MT][4], unsign
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
         const int r = wm * WM + i * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-        ldmatrix_x4(af[i], A + r * LD + kk + (lane >> 4) * V);
+        if constexpr (LAYOUT == TILE_XOR) {   // (kk / V is even: kk / V + h = kk / V ^ h)
+            ldmatrix_x4_xor(af[i], smem_address(A + xor_chunk_offset<E>(r, lane >> 4)), (kk / V) << 4);
+        } else {
+            ldmatrix_x4(af[i], A + r * LD + kk + (lane >> 4) * V);
+        }
     }
 #pragma unroll
     for (int j = 0; j < NT; j += 2) {
@@ -493,8 +534,10 @@ __device__ __forceinline__ void ldmatrix_fragments(unsigned (&af)[MT][4], unsign
         const int n = wn * WN + j * 8 + (lane & 7) + (lane >> 4) * 8;
         // (unswizzled, the address is written as before: in the chunk form the data kernel's SASS
         // changed, 1528 -> 1560 instructions at 2D fp16, and it measured 3% slower, H200 session 24)
-        if constexpr (SWIZZLE_B) {
+        if constexpr (LAYOUT == TILE_SWIZZLED_B) {
             ldmatrix_x4(r4, B + n * LD + ((kk / V + ((lane >> 3) & 1)) ^ b_swizzle<E>(n)) * V);
+        } else if constexpr (LAYOUT == TILE_XOR) {
+            ldmatrix_x4_xor(r4, smem_address(B + xor_chunk_offset<E>(n, (lane >> 3) & 1)), (kk / V) << 4);
         } else {
             ldmatrix_x4(r4, B + n * LD + kk + ((lane >> 3) & 1) * V);
         }
@@ -508,7 +551,8 @@ __device__ __forceinline__ void ldmatrix_fragments(unsigned (&af)[MT][4], unsign
 // with ldmatrix; float32: m16n8k8 TF32 with ldmatrix (PREC 1; B_ROUNDED: B holds TF32-rounded
 // values already) or 3xTF32 with scalar loads (PREC 2: a = big + small, three products, float32
 // accuracy).
-template <typename T, int PREC, bool B_ROUNDED, int MT, int NT, int LD, int BK, int WM, int WN, bool SWIZZLE_B = false>
+template <typename T, int PREC, bool B_ROUNDED, int MT, int NT, int LD, int BK, int WM, int WN,
+          int LAYOUT = TILE_PADDED>
 __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, const T* B, int wm, int wn,
                                          int lane) {
     if constexpr (PREC == 0) {
@@ -516,7 +560,7 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, co
         for (int kk = 0; kk < BK; kk += 16) {
             unsigned af[MT][4];
             unsigned bf[NT][2];
-            ldmatrix_fragments<T, MT, NT, LD, WM, WN, SWIZZLE_B>(af, bf, A, B, kk, wm, wn, lane);
+            ldmatrix_fragments<T, MT, NT, LD, WM, WN, LAYOUT>(af, bf, A, B, kk, wm, wn, lane);
 #pragma unroll
             for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -529,10 +573,13 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, co
         for (int kk = 0; kk < BK; kk += 8) {
             // The fragments' float32 values: TF32 by ldmatrix, one instruction for four scalar
             // shared loads (1D TF32 data and weight kernels 6-8% faster); 3xTF32 keeps the scalar
-            // loads, with which its data kernel was 1-2% faster.
+            // loads on padded tiles, with which its data kernel was 1-2% faster, and takes
+            // ldmatrix on TILE_XOR tiles, where a scalar load needs an XOR of its own (2D data
+            // kernel 3-7% slower; H200, NOTES-gpu.md session 34).
+            static_assert(LAYOUT != TILE_XOR || NT % 2 == 0, "TILE_XOR tiles are read by ldmatrix");
             unsigned af[MT][4], bf[NT][2];
-            if constexpr (PREC == 1 && NT % 2 == 0) {
-                ldmatrix_fragments<float, MT, NT, LD, WM, WN, SWIZZLE_B>(af, bf, Af, Bf, kk, wm, wn, lane);
+            if constexpr ((PREC == 1 || LAYOUT == TILE_XOR) && NT % 2 == 0) {
+                ldmatrix_fragments<float, MT, NT, LD, WM, WN, LAYOUT>(af, bf, Af, Bf, kk, wm, wn, lane);
             } else {
                 const int gq = lane >> 2, tq = lane & 3;
 #pragma unroll
@@ -546,7 +593,7 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, co
 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
                     const int n = wn * WN + j * 8 + gq;
-                    if constexpr (SWIZZLE_B) {
+                    if constexpr (LAYOUT == TILE_SWIZZLED_B) {
                         const int x = b_swizzle<float>(n) * 4;   // (chunks of 4 floats)
                         bf[j][0] = __float_as_uint(Bf[n * LD + ((kk + tq) ^ x)]);
                         bf[j][1] = __float_as_uint(Bf[n * LD + ((kk + tq + 4) ^ x)]);

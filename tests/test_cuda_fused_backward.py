@@ -215,13 +215,21 @@ def test_serving_rule_and_segments():
     assert fb.BackwardConfig(_geom(c_in=256), np.float16, False).lanes == 16
     # the lanes' offset and mask partial sums wait in shared memory after the column gradients
     # (8 lanes a position or more, or deterministic): (N + 1) x BN x (BM / channels a lane + 1)
-    # floats, within the operand buffers' 36 KiB for the 64-row tiles, beyond them for 128 rows
+    # floats, within the operand buffers' 32 KiB for the 64-row tiles, beyond them for 128 rows;
+    # the operand rows are 128 bytes, swizzled, but in strict float32 in 1D and 2D (padded by 16)
     assert fb.lane_sums_in_smem(16, False) and fb.lane_sums_in_smem(8, False)
     assert fb.lane_sums_in_smem(4, True) and not fb.lane_sums_in_smem(4, False)
-    assert fb.data_smem_bytes(np.float16, (64, 64, 64, 4), 2, 4, 16, False) == 36864
-    assert fb.data_smem_bytes(np.float16, (128, 64, 64, 1), 2, 4, 32, False) == 64 * 132 * 4 + 3 * 64 * 33 * 4
-    assert fb.data_smem_bytes(np.float16, (128, 64, 64, 1), 3, 8, 4, False) == fb.smem_bytes(np.float16, (128, 64, 64, 1))
-    assert fb.BackwardConfig(_geom(c_in=256), np.float16, False).smem_bytes == 36864
+    assert fb.data_smem_bytes(np.float16, (64, 64, 64, 4), 2, 4, 16, False, 0) == 32768
+    assert fb.data_smem_bytes(np.float32, (64, 64, 32, 4), 2, 4, 16, False, 1) == 32768
+    assert fb.data_smem_bytes(np.float32, (64, 64, 32, 4), 2, 4, 16, False, 2) == 2 * 128 * 36 * 4
+    assert fb.data_smem_bytes(np.float32, (64, 64, 32, 2), 3, 8, 4, False, 2) == 2 * 128 * 32 * 4
+    assert fb.data_rows_padded(2, 1) and fb.data_rows_padded(2, 2) and not fb.data_rows_padded(2, 3)
+    assert not fb.data_rows_padded(0, 2) and not fb.data_rows_padded(1, 2)
+    assert fb.data_smem_bytes(np.float16, (128, 64, 64, 1), 2, 4, 32, False, 0) == 64 * 132 * 4 + 3 * 64 * 33 * 4
+    assert (fb.data_smem_bytes(np.float16, (128, 64, 64, 1), 3, 8, 4, False, 0)
+            == fb.smem_bytes(np.float16, (128, 64, 64, 1), padded=False) == 2 * 192 * 64 * 2)
+    assert fb.BackwardConfig(_geom(c_in=256), np.float16, False).smem_bytes == 32768
+    assert fb.BackwardConfig(_geom(c_in=256), np.float32, False).smem_bytes == 2 * 128 * 36 * 4
     # the fused weight gradient: a sampling thread's 16 (half) / 8 (float32) channels in one group
     assert fb.weight_unsupported(_geom(c_in=64, offset_groups=2), np.float16) is None
     assert "C_in/offset_groups = 8 is not a multiple of 16" in fb.weight_unsupported(

@@ -298,12 +298,20 @@ def _function(name: str, dtype, ndim: int, index64: bool):
     return fn
 
 
-def smem_bytes(dtype, tile: tuple) -> int:
-    """Dynamic shared memory of a tile: the two buffers of both operand tiles, then (reused) the
-    float32 column-gradient tile of the epilogue."""
+def smem_bytes(dtype, tile: tuple, padded: bool = True) -> int:
+    """Dynamic shared memory of a tile: the two buffers of both operand tiles (rows of BK, plus a
+    16-byte pad where ``padded``), then (reused) the float32 column-gradient tile of the
+    epilogue."""
     bm, bn, bk, _ = tile
     item, vec = np.dtype(dtype).itemsize, _VEC[np.dtype(dtype)]
-    return max(2 * (bm + bn) * (bk + vec) * item, bn * (bm + 4) * 4)
+    return max(2 * (bm + bn) * (bk + (vec if padded else 0)) * item, bn * (bm + 4) * 4)
+
+
+def data_rows_padded(precision: int, ndim: int) -> bool:
+    """Whether the data kernel's operand tiles have padded rows (its ``TILE_PADDED``: strict
+    float32 in 1D and 2D) rather than swizzled 128-byte ones (``TILE_XOR``, which fetch no L2
+    sector twice; cuda/deform_fused_backward.cu, DCN_DATA_TILE_LAYOUT)."""
+    return precision == 2 and ndim < 3
 
 
 def lane_sums_in_smem(lanes: int, deterministic: bool) -> bool:
@@ -314,15 +322,17 @@ def lane_sums_in_smem(lanes: int, deterministic: bool) -> bool:
     return deterministic or lanes >= 8
 
 
-def data_smem_bytes(dtype, tile: tuple, ndim: int, lane_channels: int, lanes: int, deterministic: bool) -> int:
-    """Dynamic shared memory of the data kernel: :func:`smem_bytes`, where the epilogue's column
-    gradients are followed (:func:`lane_sums_in_smem`) by every lane's N + 1 offset and mask
-    partial sums (a row of BM / lane_channels + 1 floats per position and value)."""
+def data_smem_bytes(dtype, tile: tuple, ndim: int, lane_channels: int, lanes: int, deterministic: bool,
+                    precision: int) -> int:
+    """Dynamic shared memory of the data kernel: :func:`smem_bytes` (rows padded per
+    :func:`data_rows_padded`), where the epilogue's column gradients are followed
+    (:func:`lane_sums_in_smem`) by every lane's N + 1 offset and mask partial sums (a row of
+    BM / lane_channels + 1 floats per position and value)."""
     bm, bn = tile[:2]
     epilogue = bn * (bm + 4) * 4
     if lane_sums_in_smem(lanes, deterministic):
         epilogue += (ndim + 1) * bn * (bm // lane_channels + 1) * 4
-    return max(smem_bytes(dtype, tile), epilogue)
+    return max(smem_bytes(dtype, tile, data_rows_padded(precision, ndim)), epilogue)
 
 
 def _per_group(geom):
@@ -544,7 +554,7 @@ class BackwardConfig:
             total = _fused._round_up(total + count * np.dtype(dt).itemsize, _ALIGN)
         self.workspace_bytes = total
         self.smem_bytes = data_smem_bytes(dtype, self.tile, geom.ndim, self.lane_channels, self.lanes,
-                                          self.deterministic)
+                                          self.deterministic, self.precision)
         self.weight_smem_bytes = smem_bytes(dtype, self.weight_tile)
         self.struct = _cuda._geom_struct(geom)
 
