@@ -951,8 +951,8 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
                 copy_step(s + 1, cur ^ 1);
                 sample_load(s + 1);
             }
-            warp_mma<T, PREC, true, MT, NT, LD, BK, WM, WN, TILE_SWIZZLED_B>(acc, As0 + cur * BM * LD, Bs0 + cur * BN * LD, wm,
-                                                                   wn, lane);
+            warp_mma<T, PREC, true, MT, NT, LD, BK, WM, WN, TILE_SWIZZLED_B>(acc, As0 + cur * BM * LD,
+                                                                              Bs0 + cur * BN * LD, wm, wn, lane);
             if (more) sample_store(cur ^ 1);
             copy_wait_all();
             __syncthreads();

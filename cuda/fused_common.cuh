@@ -485,7 +485,8 @@ __device__ __forceinline__ int b_swizzle(int n) {
 //     aligned 128-byte line of shared memory: with padded rows (144 bytes apart at half BK = 64)
 //     a warp's LDGSTS of 4 rows fetched 24 L2 sectors for its 16 (ncu, H200, the data kernel,
 //     NOTES-gpu.md session 34). The 8 rows of a ldmatrix matrix (aligned to 8) get 8 distinct
-//     XORs, so its reads stay conflict-free.
+//     XORs, so its reads stay conflict-free. The tiles must start 128-byte aligned in shared
+//     memory (their buffers are multiples of 128 bytes from the aligned dynamic base).
 constexpr int TILE_PADDED = 0, TILE_SWIZZLED_B = 1, TILE_XOR = 2;
 
 // Element offset of 16-byte chunk c of row r in a TILE_XOR tile of E.
@@ -549,8 +550,8 @@ __device__ __forceinline__ void ldmatrix_fragments(unsigned (&af)[MT][4], unsign
 // (positions x BK) in shared memory with rows of LD elements (K contiguous), the warp's tile
 // WM x WN at (wm * WM, wn * WN): MT x NT m16n8 fragments in `acc` (float32). Half types: m16n8k16
 // with ldmatrix; float32: m16n8k8 TF32 with ldmatrix (PREC 1; B_ROUNDED: B holds TF32-rounded
-// values already) or 3xTF32 with scalar loads (PREC 2: a = big + small, three products, float32
-// accuracy).
+// values already) or 3xTF32 (PREC 2: a = big + small, three products, float32 accuracy) with
+// scalar loads, or ldmatrix from TILE_XOR tiles. LAYOUT: the tiles' layout (TILE_*, above).
 template <typename T, int PREC, bool B_ROUNDED, int MT, int NT, int LD, int BK, int WM, int WN,
           int LAYOUT = TILE_PADDED>
 __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, const T* B, int wm, int wn,
