@@ -51,6 +51,15 @@
 #ifndef DCN_DATA_TILE_LAYOUT
 #define DCN_DATA_TILE_LAYOUT -1
 #endif
+// The weight kernel's: its grad_output tile in swizzled rows of BK, its sampled tile padded and
+// b_swizzled (TILE_XOR_A), but in strict float32, which keeps the padded grad_output rows
+// (TILE_SWIZZLED_B; its 3xTF32 reads of a swizzled tile would be by ldmatrix, untimed). H200, one
+// process, weight gradient alone (NOTES-gpu.md session 34): B=8 C256 56x56 fp16 and TF32 8-9%
+// faster, B=16 C512 14x14 fp16 11%, 1D 2-3%, B=32 C64 1-2%, 3D fp16 level. DCN_WEIGHT_TILE_LAYOUT 1
+// (TILE_SWIZZLED_B) builds the padded rows everywhere, for timing.
+#ifndef DCN_WEIGHT_TILE_LAYOUT
+#define DCN_WEIGHT_TILE_LAYOUT -1
+#endif
 
 namespace fused_bwd {
 
@@ -331,7 +340,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
         for (int j = 0; j < A_VECS; ++j) {
             const int r = r0 + j * R_STEP;
             const bool full = m0 + r < Cg;
-            copy16_async(As0 + buf * BM * LD + tile_offset<T, LAYOUT, LD>(r, kv),
+            copy16_async(As0 + buf * BM * LD + tile_offset<T, LAYOUT == TILE_XOR, LD>(r, kv),
                          full ? a_row0 + j * R_STEP * a_step + o0 : wt, full);
         }
 #pragma unroll
@@ -339,7 +348,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
             const int r = r0 + j * R_STEP;
             const I p = p0 + r;
             const bool full = p < BQ && o0 + kv < Cog;
-            copy16_async(Bs0 + buf * BN * LD + tile_offset<T, LAYOUT, LD>(r, kv),
+            copy16_async(Bs0 + buf * BN * LD + tile_offset<T, LAYOUT == TILE_XOR, LD>(r, kv),
                          full ? gycl + p * Cop + grp * Cog + o0 + kv : gycl, full);
         }
         copy_commit();
@@ -729,7 +738,11 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
     start_after_prerequisites();
     using fused_bwd::THREADS;
     constexpr int VEC = Tile<T>::VEC;
-    constexpr int LD = BK + Tile<T>::PAD;
+    constexpr int LD = BK + Tile<T>::PAD;         // the sampled tile's rows
+    constexpr int LAYOUT = DCN_WEIGHT_TILE_LAYOUT >= 0 ? DCN_WEIGHT_TILE_LAYOUT
+                           : PREC == 2 ? TILE_SWIZZLED_B : TILE_XOR_A;   // (above the kernels)
+    static_assert(LAYOUT == TILE_SWIZZLED_B || (LAYOUT == TILE_XOR_A && BK * sizeof(T) % 128 == 0), "tile layout");
+    constexpr int LDA = LAYOUT == TILE_XOR_A ? BK : LD;   // the grad_output tile's rows
     constexpr int TPP = THREADS / BK;             // sampling threads per position
     constexpr int CPT = BN / TPP;                 // channels per sampling thread
     static_assert(BK <= THREADS && THREADS % BK == 0, "sampling threads");
@@ -743,7 +756,7 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
 
     extern __shared__ __align__(128) unsigned char fused_smem[];
     T* const As0 = reinterpret_cast<T*>(fused_smem);
-    T* const Bs0 = As0 + 2 * BM * LD;
+    T* const Bs0 = As0 + 2 * BM * LDA;
 
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
@@ -785,7 +798,10 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
         for (int j = 0; j < A_VECS; ++j) {
             const int r = r0 + j * R_STEP;
             const bool full = m0 + r < Cog && p < Pp;
-            copy16_async(As0 + buf * BM * LD + r * LD + kv,
+            // (the padded rows' address written as before TILE_XOR_A: the strict float32 kernels
+            // keep their SASS)
+            copy16_async(LAYOUT == TILE_XOR_A ? As0 + buf * BM * LDA + tile_offset<T, true, LDA>(r, kv)
+                                              : As0 + buf * BM * LD + r * LD + kv,
                          full ? gyr + (I)(grp * Cog + m0 + r) * Pp + p : gyr, full);
         }
         copy_commit();
@@ -951,8 +967,8 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
                 copy_step(s + 1, cur ^ 1);
                 sample_load(s + 1);
             }
-            warp_mma<T, PREC, true, MT, NT, LD, BK, WM, WN, TILE_SWIZZLED_B>(acc, As0 + cur * BM * LD,
-                                                                              Bs0 + cur * BN * LD, wm, wn, lane);
+            warp_mma<T, PREC, true, MT, NT, LD, BK, WM, WN, LAYOUT>(acc, As0 + cur * BM * LDA, Bs0 + cur * BN * LD,
+                                                                     wm, wn, lane);
             if (more) sample_store(cur ^ 1);
             copy_wait_all();
             __syncthreads();

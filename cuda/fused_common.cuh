@@ -486,13 +486,15 @@ __device__ __forceinline__ int b_swizzle(int n) {
 //     a warp's LDGSTS of 4 rows fetched 24 L2 sectors for its 16 (ncu, H200, the data kernel,
 //     NOTES-gpu.md session 34). The 8 rows of a ldmatrix matrix (aligned to 8) get 8 distinct
 //     XORs, so its reads stay conflict-free. The tiles must start 128-byte aligned in shared
-//     memory (their buffers are multiples of 128 bytes from the aligned dynamic base).
-constexpr int TILE_PADDED = 0, TILE_SWIZZLED_B = 1, TILE_XOR = 2;
+//     memory (their buffers are multiples of 128 bytes from the aligned dynamic base);
+//   TILE_XOR_A: A as TILE_XOR but in rows of BK elements (any multiple of 8 chunks: the XOR
+//     permutes each 8 chunks), B as TILE_SWIZZLED_B (the weight gradient's tiles).
+constexpr int TILE_PADDED = 0, TILE_SWIZZLED_B = 1, TILE_XOR = 2, TILE_XOR_A = 3;
 
-// Element offset of 16-byte chunk c of row r in a TILE_XOR tile of E.
-template <typename E>
+// Element offset of 16-byte chunk c of row r in a TILE_XOR tile of E with rows of ROW elements.
+template <typename E, int ROW>
 __device__ __forceinline__ int xor_chunk_offset(int r, int c) {
-    return r * (128 / (int)sizeof(E)) + ((c ^ (r & 7)) * (16 / (int)sizeof(E)));
+    return r * ROW + ((c ^ (r & 7)) * (16 / (int)sizeof(E)));
 }
 
 // Fragment reads of a TILE_XOR tile: `addr` is the shared byte address of the thread's chunk at
@@ -507,15 +509,19 @@ __device__ __forceinline__ void ldmatrix_x4_xor(unsigned (&r)[4], unsigned addr,
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr), "r"(flip));
 }
 
-// Element offset of element k (a multiple of 16 / sizeof(E)) of row r in a TILE_PADDED or TILE_XOR
-// tile with rows of LD elements.
-template <typename E, int LAYOUT, int LD>
+// Element offset of element k (a multiple of 16 / sizeof(E)) of row r in a tile with rows of LD
+// elements, swizzled (XOR: TILE_XOR) or not.
+template <typename E, bool XOR, int LD>
 __device__ __forceinline__ int tile_offset(int r, int k) {
-    if constexpr (LAYOUT == TILE_XOR) return xor_chunk_offset<E>(r, k / (16 / (int)sizeof(E)));
+    if constexpr (XOR) return xor_chunk_offset<E, LD>(r, k / (16 / (int)sizeof(E)));
     return r * LD + k;
 }
 
-template <typename E, int MT, int NT, int LD, int WM, int WN, int LAYOUT = TILE_PADDED>
+// Whether a layout's A tile is swizzled (TILE_XOR, TILE_XOR_A), and its row length then (BK).
+template <int LAYOUT> __device__ __forceinline__ constexpr bool a_swizzled() { return LAYOUT == TILE_XOR || LAYOUT == TILE_XOR_A; }
+
+// LDA: A's row length (LD but in TILE_XOR_A).
+template <typename E, int MT, int NT, int LD, int WM, int WN, int LAYOUT = TILE_PADDED, int LDA = LD>
 __device__ __forceinline__ void ldmatrix_fragments(unsigned (&af)[MT][4], unsigned (&bf)[NT][2], const E* A, const E* B,
                                                    int kk, int wm, int wn, int lane) {
     constexpr int V = 16 / sizeof(E);   // elements per 16 bytes
@@ -523,8 +529,8 @@ __device__ __forceinline__ void ldmatrix_fragments(unsigned (&af)[MT][4], unsign
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
         const int r = wm * WM + i * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-        if constexpr (LAYOUT == TILE_XOR) {   // (kk / V is even: kk / V + h = kk / V ^ h)
-            ldmatrix_x4_xor(af[i], smem_address(A + xor_chunk_offset<E>(r, lane >> 4)), (kk / V) << 4);
+        if constexpr (a_swizzled<LAYOUT>()) {   // (kk / V is even: kk / V + h = kk / V ^ h)
+            ldmatrix_x4_xor(af[i], smem_address(A + xor_chunk_offset<E, LDA>(r, lane >> 4)), (kk / V) << 4);
         } else {
             ldmatrix_x4(af[i], A + r * LD + kk + (lane >> 4) * V);
         }
@@ -535,10 +541,10 @@ __device__ __forceinline__ void ldmatrix_fragments(unsigned (&af)[MT][4], unsign
         const int n = wn * WN + j * 8 + (lane & 7) + (lane >> 4) * 8;
         // (unswizzled, the address is written as before: in the chunk form the data kernel's SASS
         // changed, 1528 -> 1560 instructions at 2D fp16, and it measured 3% slower, H200 session 24)
-        if constexpr (LAYOUT == TILE_SWIZZLED_B) {
+        if constexpr (LAYOUT == TILE_SWIZZLED_B || LAYOUT == TILE_XOR_A) {
             ldmatrix_x4(r4, B + n * LD + ((kk / V + ((lane >> 3) & 1)) ^ b_swizzle<E>(n)) * V);
         } else if constexpr (LAYOUT == TILE_XOR) {
-            ldmatrix_x4_xor(r4, smem_address(B + xor_chunk_offset<E>(n, (lane >> 3) & 1)), (kk / V) << 4);
+            ldmatrix_x4_xor(r4, smem_address(B + xor_chunk_offset<E, LD>(n, (lane >> 3) & 1)), (kk / V) << 4);
         } else {
             ldmatrix_x4(r4, B + n * LD + kk + ((lane >> 3) & 1) * V);
         }
@@ -551,17 +557,18 @@ __device__ __forceinline__ void ldmatrix_fragments(unsigned (&af)[MT][4], unsign
 // WM x WN at (wm * WM, wn * WN): MT x NT m16n8 fragments in `acc` (float32). Half types: m16n8k16
 // with ldmatrix; float32: m16n8k8 TF32 with ldmatrix (PREC 1; B_ROUNDED: B holds TF32-rounded
 // values already) or 3xTF32 (PREC 2: a = big + small, three products, float32 accuracy) with
-// scalar loads, or ldmatrix from TILE_XOR tiles. LAYOUT: the tiles' layout (TILE_*, above).
+// scalar loads, or ldmatrix from swizzled A tiles. LAYOUT: the tiles' layout (TILE_*, above).
 template <typename T, int PREC, bool B_ROUNDED, int MT, int NT, int LD, int BK, int WM, int WN,
           int LAYOUT = TILE_PADDED>
 __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, const T* B, int wm, int wn,
                                          int lane) {
+    constexpr int LDA = LAYOUT == TILE_XOR_A ? BK : LD;
     if constexpr (PREC == 0) {
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
             unsigned af[MT][4];
             unsigned bf[NT][2];
-            ldmatrix_fragments<T, MT, NT, LD, WM, WN, LAYOUT>(af, bf, A, B, kk, wm, wn, lane);
+            ldmatrix_fragments<T, MT, NT, LD, WM, WN, LAYOUT, LDA>(af, bf, A, B, kk, wm, wn, lane);
 #pragma unroll
             for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -577,10 +584,10 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, co
             // loads on padded tiles, with which its data kernel was 1-2% faster, and takes
             // ldmatrix on TILE_XOR tiles, where a scalar load needs an XOR of its own (2D data
             // kernel 3-7% slower; H200, NOTES-gpu.md session 34).
-            static_assert(LAYOUT != TILE_XOR || NT % 2 == 0, "TILE_XOR tiles are read by ldmatrix");
+            static_assert(!a_swizzled<LAYOUT>() || NT % 2 == 0, "swizzled tiles are read by ldmatrix");
             unsigned af[MT][4], bf[NT][2];
-            if constexpr ((PREC == 1 || LAYOUT == TILE_XOR) && NT % 2 == 0) {
-                ldmatrix_fragments<float, MT, NT, LD, WM, WN, LAYOUT>(af, bf, Af, Bf, kk, wm, wn, lane);
+            if constexpr ((PREC == 1 || a_swizzled<LAYOUT>()) && NT % 2 == 0) {
+                ldmatrix_fragments<float, MT, NT, LD, WM, WN, LAYOUT, LDA>(af, bf, Af, Bf, kk, wm, wn, lane);
             } else {
                 const int gq = lane >> 2, tq = lane & 3;
 #pragma unroll

@@ -230,6 +230,13 @@ def test_serving_rule_and_segments():
             == fb.smem_bytes(np.float16, (128, 64, 64, 1), padded=False) == 2 * 192 * 64 * 2)
     assert fb.BackwardConfig(_geom(c_in=256), np.float16, False).smem_bytes == 32768
     assert fb.BackwardConfig(_geom(c_in=256), np.float32, False).smem_bytes == 2 * 128 * 36 * 4
+    # the weight kernel's grad_output rows are swizzled (BK a row; padded in strict float32), its
+    # sampled rows padded
+    assert fb.weight_smem_bytes(np.float16, (256, 64, 128, 1), 0) == 2 * (256 * 128 + 64 * 136) * 2
+    assert fb.weight_smem_bytes(np.float32, (64, 64, 32, 2), 1) == 2 * (64 * 32 + 64 * 36) * 4
+    assert fb.weight_smem_bytes(np.float32, (64, 64, 32, 2), 2) == 2 * (64 * 36 + 64 * 36) * 4
+    config = fb.BackwardConfig(_geom(c_in=256, c_out=256), np.float16, False)
+    assert config.weight_smem_bytes == fb.weight_smem_bytes(np.float16, config.weight_tile, 0)
     # the fused weight gradient: a sampling thread's 16 (half) / 8 (float32) channels in one group
     assert fb.weight_unsupported(_geom(c_in=64, offset_groups=2), np.float16) is None
     assert "C_in/offset_groups = 8 is not a multiple of 16" in fb.weight_unsupported(

@@ -314,6 +314,15 @@ def data_rows_padded(precision: int, ndim: int) -> bool:
     return precision == 2 and ndim < 3
 
 
+def weight_smem_bytes(dtype, tile: tuple, precision: int) -> int:
+    """Dynamic shared memory of the weight kernel: two buffers each of the grad_output tile (BM
+    rows of BK, swizzled: its ``TILE_XOR_A``; in strict float32, ``precision`` 2, padded by 16
+    bytes) and of the sampled tile (BN rows of BK plus a 16-byte pad)."""
+    bm, bn, bk, _ = tile
+    item, vec = np.dtype(dtype).itemsize, _VEC[np.dtype(dtype)]
+    return 2 * (bm * (bk + (vec if precision == 2 else 0)) + bn * (bk + vec)) * item
+
+
 def lane_sums_in_smem(lanes: int, deterministic: bool) -> bool:
     """Whether the data kernel's epilogue lanes leave their offset and mask partial sums in shared
     memory, summed per segment after the passes (the kernel's ``SMEM_SUMS``), instead of adding
@@ -555,7 +564,7 @@ class BackwardConfig:
         self.workspace_bytes = total
         self.smem_bytes = data_smem_bytes(dtype, self.tile, geom.ndim, self.lane_channels, self.lanes,
                                           self.deterministic, self.precision)
-        self.weight_smem_bytes = smem_bytes(dtype, self.weight_tile)
+        self.weight_smem_bytes = weight_smem_bytes(dtype, self.weight_tile, self.precision)
         self.struct = _cuda._geom_struct(geom)
 
     @property
