@@ -754,8 +754,11 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
     constexpr int A_VECS = BM * BK / VEC / THREADS;
     static_assert(A_VECS >= 1 && NV >= 1 && MT >= 1 && NT % 2 == 0 && BM * BK % (VEC * THREADS) == 0, "tile shape");
 
-    extern __shared__ __align__(128) unsigned char fused_smem[];
-    T* const As0 = reinterpret_cast<T*>(fused_smem);
+    // 256-byte aligned: a TILE_XOR_A row of 256 bytes (fp16 BK = 128, TF32 BK = 64) has its k
+    // steps' chunks XORed into the address bits 4-7 (fused::ldmatrix_x4_xor). A name of its own:
+    // the module's extern shared arrays of one name share the first declaration's alignment.
+    extern __shared__ __align__(256) unsigned char fused_weight_smem[];
+    T* const As0 = reinterpret_cast<T*>(fused_weight_smem);
     T* const Bs0 = As0 + 2 * BM * LDA;
 
     const int tid = threadIdx.x;

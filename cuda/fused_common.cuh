@@ -487,8 +487,9 @@ __device__ __forceinline__ int b_swizzle(int n) {
 //     NOTES-gpu.md session 34). The 8 rows of a ldmatrix matrix (aligned to 8) get 8 distinct
 //     XORs, so its reads stay conflict-free. The tiles must start 128-byte aligned in shared
 //     memory (their buffers are multiples of 128 bytes from the aligned dynamic base);
-//   TILE_XOR_A: A as TILE_XOR but in rows of BK elements (any multiple of 8 chunks: the XOR
-//     permutes each 8 chunks), B as TILE_SWIZZLED_B (the weight gradient's tiles).
+//   TILE_XOR_A: A as TILE_XOR but in rows of BK elements (any power-of-two multiple of 8 chunks:
+//     the XOR permutes each 8 chunks), aligned to a row's bytes; B as TILE_SWIZZLED_B (the weight
+//     gradient's tiles).
 constexpr int TILE_PADDED = 0, TILE_SWIZZLED_B = 1, TILE_XOR = 2, TILE_XOR_A = 3;
 
 // Element offset of 16-byte chunk c of row r in a TILE_XOR tile of E with rows of ROW elements.
