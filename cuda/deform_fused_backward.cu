@@ -8,8 +8,8 @@
 // cp.async (double-buffered; rows of 128 bytes swizzled, fused::TILE_XOR, but in strict float32
 // in 1D and 2D, see DCN_DATA_TILE_LAYOUT): the weight columns wt[g, c, t, o] (A: rows c, a step
 // of K * Cogp apart, K = o contiguous; fused_channels_last of the weight) and the channels-last
-// grad_output gycl[p, o] (B: rows p). The tile then goes to shared memory (float32) and, in the epilogue,
-// one warp per position (lanes along the channels, CPL per lane):
+// grad_output gycl[p, o] (B: rows p). The tile then goes to shared memory (float32) and, in the
+// epilogue, one warp per position (lanes along the channels, CPL per lane):
 //   * grad_input: G * mask * w_corner is added to the CHANNELS-LAST float32 accumulator
 //     gxcl[b, s, c] with 4-channel vector reductions (REDG.ADD.F32x4 on sm_90), CPL/4 per corner
 //     and lane, where col2im needs a scalar atomic per channel;
@@ -710,7 +710,8 @@ __global__ void fused_position_rows(const T* __restrict__ gy, T* __restrict__ gy
 //   part[split, o, t, c] (+)= sum_{p in the split's share of the chunk} gy[o, p] * m * sample(x[b, c], P(q, t))
 // Per block a tile of BM output channels x BN input channels of one conv group and ONE tap, for
 // one split of the chunk's positions, in steps of BK positions: the grad_output rows gyr (A: rows
-// o, K = p contiguous) copied with cp.async, the sampled tile (B: rows c, K = p) built straight
+// o, K = p contiguous) copied with cp.async (swizzled, fused::TILE_XOR_A, but in strict float32;
+// see DCN_WEIGHT_TILE_LAYOUT), the sampled tile (B: rows c, K = p) built straight
 // into shared memory by THREADS/BK threads per position (CPT channels each: one 16-byte load per
 // corner and vector, a corner not read loading the zero row with weight 0; interleaved vectors
 // where the tile lies in one group, see below; its 16-byte chunks swizzled, fused::b_swizzle),
@@ -741,7 +742,9 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
     constexpr int LD = BK + Tile<T>::PAD;         // the sampled tile's rows
     constexpr int LAYOUT = DCN_WEIGHT_TILE_LAYOUT >= 0 ? DCN_WEIGHT_TILE_LAYOUT
                            : PREC == 2 ? TILE_SWIZZLED_B : TILE_XOR_A;   // (above the kernels)
-    static_assert(LAYOUT == TILE_SWIZZLED_B || (LAYOUT == TILE_XOR_A && BK * sizeof(T) % 128 == 0), "tile layout");
+    constexpr int A_ROW_BYTES = BK * sizeof(T);
+    static_assert(LAYOUT == TILE_SWIZZLED_B || (LAYOUT == TILE_XOR_A && (A_ROW_BYTES == 128 || A_ROW_BYTES == 256)),
+                  "tile layout: swizzled rows of 128 or 256 bytes (fused_weight_smem's alignment)");
     constexpr int LDA = LAYOUT == TILE_XOR_A ? BK : LD;   // the grad_output tile's rows
     constexpr int TPP = THREADS / BK;             // sampling threads per position
     constexpr int CPT = BN / TPP;                 // channels per sampling thread
