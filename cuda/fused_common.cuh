@@ -518,8 +518,9 @@ __device__ __forceinline__ int tile_offset(int r, int k) {
     return r * LD + k;
 }
 
-// Whether a layout's A tile is swizzled (TILE_XOR, TILE_XOR_A), and its row length then (BK).
-template <int LAYOUT> __device__ __forceinline__ constexpr bool a_swizzled() { return LAYOUT == TILE_XOR || LAYOUT == TILE_XOR_A; }
+// Whether a layout's A tile is swizzled (TILE_XOR, TILE_XOR_A).
+template <int LAYOUT>
+__device__ __forceinline__ constexpr bool a_swizzled() { return LAYOUT == TILE_XOR || LAYOUT == TILE_XOR_A; }
 
 // LDA: A's row length (LD but in TILE_XOR_A).
 template <typename E, int MT, int NT, int LD, int WM, int WN, int LAYOUT = TILE_PADDED, int LDA = LD>

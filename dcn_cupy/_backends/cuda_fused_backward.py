@@ -299,12 +299,11 @@ def _function(name: str, dtype, ndim: int, index64: bool):
 
 
 def smem_bytes(dtype, tile: tuple, padded: bool = True) -> int:
-    """Dynamic shared memory of a tile: the two buffers of both operand tiles (rows of BK, plus a
-    16-byte pad where ``padded``), then (reused) the float32 column-gradient tile of the
-    epilogue."""
+    """Shared memory of a data tile's operands: the two buffers of both operand tiles (rows of BK,
+    plus a 16-byte pad where ``padded``). :func:`data_smem_bytes` adds the epilogue's reuse."""
     bm, bn, bk, _ = tile
     item, vec = np.dtype(dtype).itemsize, _VEC[np.dtype(dtype)]
-    return max(2 * (bm + bn) * (bk + (vec if padded else 0)) * item, bn * (bm + 4) * 4)
+    return 2 * (bm + bn) * (bk + (vec if padded else 0)) * item
 
 
 def data_rows_padded(precision: int, ndim: int) -> bool:
@@ -334,9 +333,10 @@ def lane_sums_in_smem(lanes: int, deterministic: bool) -> bool:
 def data_smem_bytes(dtype, tile: tuple, ndim: int, lane_channels: int, lanes: int, deterministic: bool,
                     precision: int) -> int:
     """Dynamic shared memory of the data kernel: :func:`smem_bytes` (rows padded per
-    :func:`data_rows_padded`), where the epilogue's column gradients are followed
-    (:func:`lane_sums_in_smem`) by every lane's N + 1 offset and mask partial sums (a row of
-    BM / lane_channels + 1 floats per position and value)."""
+    :func:`data_rows_padded`), reused after the main loop by the epilogue's float32 column
+    gradients (BN rows of BM + 4), followed (:func:`lane_sums_in_smem`) by every lane's N + 1
+    offset and mask partial sums (a row of BM / lane_channels + 1 floats per position and
+    value)."""
     bm, bn = tile[:2]
     epilogue = bn * (bm + 4) * 4
     if lane_sums_in_smem(lanes, deterministic):
