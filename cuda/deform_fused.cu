@@ -71,6 +71,13 @@
 #ifndef DCN_FUSED_SAMPLER_REGS
 #define DCN_FUSED_SAMPLER_REGS 96
 #endif
+// ENGINE 3 with the warps' corner batches and 128-byte chunk rows: each 8-lane phase of a
+// sampling warp loads and stores one position's chunk row, into a sampled tile in wgmma's
+// 128-byte swizzle (1, the default), or 4-thread slices of two positions, into the unswizzled
+// core-matrix tile (0: the layout before session 35, kept for A/B timing).
+#ifndef DCN_FUSED_ROW_PHASES
+#define DCN_FUSED_ROW_PHASES 1
+#endif
 // Experiment switch of ENGINE 3 (benchmarks/fused_variants.py): the steps of corner loads a
 // sampler keeps in flight, 1 (the default) or 2: each step's loads issued two steps before its
 // blend, in registers of their own (the C64 forward waits on them; with 2, B=32 C64 fp16's
@@ -382,8 +389,20 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     constexpr int B_BUFS = ENGINE == 3 ? DEPTH : 2;
     constexpr int SPLIT = WGMMA && PREC == 2 ? 2 : 1;
     constexpr int A_BUF = SPLIT * BM * LD, B_BUF = SPLIT * BN * LD;   // elements of one buffer
+    // ROW_PHASES: each 8-lane phase of a sampling warp samples one position's whole chunk row (BK
+    // elements, 128 bytes; lane & 7 its 16-byte vector): its corner loads touch one 128-byte line
+    // a phase, where 4-thread slices of two positions touched two, and its stores go to the
+    // sampled tile in wgmma's 128-byte swizzle (vector c of row r at c ^ (r & 7)), one line a
+    // phase without bank conflicts, where the unswizzled core matrices took 4-way conflicts (ncu,
+    // H200, B=8 C256 fp16: 16 shared wavefronts a store, 8 a corner load; NOTES-gpu.md session
+    // 35). A thread then samples NV positions, v * 4 + lane / 8 of its warp's PPW, one vector
+    // each, from the warp's corner batches. The swizzle repeats every 1024 bytes, from where the
+    // dynamic shared memory is moved up to (cuda_fused.smem_bytes counts the 1 KiB).
+    constexpr bool ROW_PHASES = ENGINE == 3 && WARP_CORNERS && BK * (int)sizeof(T) == 128 && SPLIT == 1 &&
+                                DCN_FUSED_LOADS_AHEAD == 1 && DCN_FUSED_ROW_PHASES;
     extern __shared__ __align__(128) unsigned char fused_smem[];
-    T* const As0 = reinterpret_cast<T*>(fused_smem);
+    const unsigned smem_lift = ROW_PHASES ? (1024u - (smem_address(fused_smem) & 1023u)) & 1023u : 0u;
+    T* const As0 = reinterpret_cast<T*>(fused_smem + smem_lift);
     T* const Bs0 = As0 + A_BUFS * A_BUF;
     uint4* const Raw0 = reinterpret_cast<uint4*>(Bs0 + B_BUFS * B_BUF);
     float* const Wts0 = reinterpret_cast<float*>(Raw0 + (ENGINE == 2 ? DEPTH * NC * NV * THREADS : 0));
@@ -452,8 +471,11 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     constexpr int VSTRIDE = INTERLEAVED ? TPP : 1;   // vectors between a thread's vectors
     static_assert(!INTERLEAVED || UNIFORM, "interleaved slices: the 16-byte sampler only");
     const int ptid = tid - MMA_THREADS;
-    const int sn = ptid / TPP;
-    const int sh = (ptid % TPP) * (INTERLEAVED ? VEC : CPT);
+    static_assert(!ROW_PHASES || (BK / VEC == 8 && PPW == 4 * NV),
+                  "row phases: 8 vectors a chunk row, 4 rows a warp instruction");
+    // (ROW_PHASES: sn is the position of v = 0)
+    const int sn = ROW_PHASES ? (ptid >> 5) * PPW + (lane >> 3) : ptid / TPP;
+    const int sh = ROW_PHASES ? (lane & 7) * VEC : (ptid % TPP) * (INTERLEAVED ? VEC : CPT);
     // the position whose offsets and mask this thread reads: its sampling position, or (PLAN 2)
     // position lane % PPW of its warp's, whose corners it computes for tap lane / PPW of a batch
     const I sp = p0 + (WARP_CORNERS ? (ptid >> 5) * PPW + (lane % PPW) : sn);
@@ -546,7 +568,10 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     };
     // PLAN 2: this sampler's corners of `step` (row offsets into smp.row), and its warp's next
     // batch where `step` starts one. batch_slot0: its corner set of key 0 (the warp's slot 0).
-    [[maybe_unused]] const int batch_slot0 = ((ptid >> 5) * 2 * 32 + lane / TPP) * NC;
+    // ROW_PHASES: its corner sets of v = 0 (those of v at v * 4 slots on), in rrow and rweight
+    [[maybe_unused]] const int batch_slot0 = ((ptid >> 5) * 2 * 32 + (ROW_PHASES ? lane >> 3 : lane / TPP)) * NC;
+    [[maybe_unused]] I rrow[ROW_PHASES ? NV : 1][NC];
+    [[maybe_unused]] float rweight[ROW_PHASES ? NV : 1][NC];
     auto corner_read = [&](int step, bool past_group) {
         if constexpr (WARP_CORNERS) {
             const int k = taps_inner ? step : step_tap(step);
@@ -555,14 +580,29 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 if (k % TPP == 0 && k + TPP < keys) corner_batch(k / TPP + 1);
             }
             if (past_group) {   // channels past the group's: the zero row, weight 0
+                if constexpr (ROW_PHASES) {
 #pragma unroll
-                for (int c = 0; c < NC; ++c) { smp.row[c] = zero_row * Cp; smp.weight[c] = 0.0f; }
+                    for (int v = 0; v < NV; ++v)
+#pragma unroll
+                        for (int c = 0; c < NC; ++c) { rrow[v][c] = zero_row * Cp; rweight[v][c] = 0.0f; }
+                } else {
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) { smp.row[c] = zero_row * Cp; smp.weight[c] = 0.0f; }
+                }
                 return;
             }
             const unsigned uk = k;   // (>= 0: shifts and masks for the power-of-two TPP)
             const int e = batch_slot0 + (int)(((uk / TPP) & 1) * 32 + (uk % TPP) * PPW) * NC;
-            fused::load_words<false>(BatchRows0 + e, smp.row);
-            fused::load_words<false>(BatchWeights0 + e, smp.weight);
+            if constexpr (ROW_PHASES) {
+#pragma unroll
+                for (int v = 0; v < NV; ++v) {
+                    fused::load_words<false>(BatchRows0 + e + v * 4 * NC, rrow[v]);
+                    fused::load_words<false>(BatchWeights0 + e + v * 4 * NC, rweight[v]);
+                }
+            } else {
+                fused::load_words<false>(BatchRows0 + e, smp.row);
+                fused::load_words<false>(BatchWeights0 + e, smp.weight);
+            }
         }
     };
 
@@ -676,6 +716,12 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             }
 #pragma unroll
             for (int c = 0; c < NC; ++c) {
+                if constexpr (ROW_PHASES) {   // vector v: its own position's corner, the same channels
+#pragma unroll
+                    for (int v = 0; v < NV; ++v)
+                        raw[slot][c][v] = __ldg(reinterpret_cast<const uint4*>(fused::offset_by(xcl, rrow[v][c] + cabs)));
+                    continue;
+                }
                 // a corner not read loads the zero row instead (weight 0): no branch, no
                 // divergence (4-7% faster than skipping it, NOTES-gpu.md fused4)
                 const uint4* src = reinterpret_cast<const uint4*>(fused::offset_by(
@@ -728,7 +774,31 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         auto dst = [&](int v, int part = 0) -> uint4& {   // part 1: the small parts' tile (3xTF32)
             return *reinterpret_cast<uint4*>(bt + part * BN * LD + tile_offset<ENGINE, LD, BK, VEC>(sn, sh / VEC + v * VSTRIDE));
         };
-        if constexpr (UNIFORM && Packed<T>::value) {
+        if constexpr (ROW_PHASES) {
+            // vector v: row sn + 4 v, its 16-byte chunk lane & 7 at (lane & 7) ^ (row & 7)
+#pragma unroll
+            for (int v = 0; v < NV; ++v) {
+                const int r = sn + 4 * v;
+                uint4& out = *reinterpret_cast<uint4*>(bt + r * BK + (((lane & 7) ^ (r & 7)) * VEC));
+                if constexpr (Packed<T>::value) {
+                    uint4 a = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) Packed<T>::fma(a, Packed<T>::weight(rweight[v][c]), raw[slot][c][v]);
+                    out = a;
+                } else {
+                    float acc[VEC];
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) Vec<T>::add(acc, rweight[v][c], raw[slot][c][v]);
+                    if constexpr (PREC == 1) {
+#pragma unroll
+                        for (int j = 0; j < VEC; ++j) acc[j] = __uint_as_float(to_tf32(acc[j]));
+                    }
+                    out = Vec<T>::pack(acc);
+                }
+            }
+        } else if constexpr (UNIFORM && Packed<T>::value) {
             // half types: the corners blended in packed pairs (fused::Packed), corner by corner
             unsigned w2[NC];
 #pragma unroll
@@ -885,8 +955,12 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         // Descriptors of buffer 0's tiles (A: this warpgroup's rows), computed once; a step's are
         // these at byte offsets (wgmma_descriptor_at).
         const unsigned long long a_desc0 = wgmma_descriptor(As0 + wg * WG_ROWS * BK, CORE, SBO);
-        const unsigned long long b_desc0 = wgmma_descriptor(Bs0, CORE, SBO);
+        // (ROW_PHASES: B in the 128-byte swizzle, 8-row groups 1024 bytes apart; an instruction's K is
+        // the next 32 bytes of each row, the hardware applying the swizzle to the address)
+        const unsigned long long b_desc0 = ROW_PHASES ? wgmma_descriptor(Bs0, 16, 1024) | (1ull << 62)
+                                                      : wgmma_descriptor(Bs0, CORE, SBO);
         constexpr unsigned K_BYTES = 2 * 8 * VEC * sizeof(T);   // one instruction's K: two core matrices
+        constexpr unsigned B_K_BYTES = ROW_PHASES ? KSTEP * sizeof(T) : K_BYTES;
         auto mma_issue = [&](int buf, float (&acc)[MI][NACC], bool fresh) {
             const unsigned a_buf = buf * (A_BUF * (unsigned)sizeof(T)), b_buf = buf * (B_BUF * (unsigned)sizeof(T));
 #pragma unroll
@@ -896,7 +970,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < BK / KSTEP; ++ks) {
-                const unsigned long long db = wgmma_descriptor_at(b_desc0, b_buf + ks * K_BYTES);
+                const unsigned long long db = wgmma_descriptor_at(b_desc0, b_buf + ks * B_K_BYTES);
 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi) {
                     const unsigned long long da =

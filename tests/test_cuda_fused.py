@@ -138,6 +138,9 @@ EXPERIMENTS = {
         "deform_fused_forward<float, int, 3, 2, 256, 64, 16, 1, true, 3, 4, 512>")),
     "ws-no-mma": ({"DCN_FUSED_WS_EXPERIMENT": 1}, (
         "deform_fused_forward<__half, int, 2, 0, 64, 64, 64, 2, true, 3, 4, 384, 2>",)),
+    "row-phases-off": ({"DCN_FUSED_ROW_PHASES": 0}, (
+        "deform_fused_forward<__half, int, 2, 0, 256, 64, 64, 1, true, 3, 4, 512, 2>",
+        "deform_fused_forward<float, int, 3, 1, 64, 64, 32, 2, true, 3, 4, 384, 2>")),
 }
 
 
@@ -339,6 +342,30 @@ def test_launch_config_choices():
     assert strict64.tile == (64, 64, 32, 2, 3, 384) and strict64.depth == 3 and strict64.smem_bytes == 96 * 1024
     assert fused.tile_mma_threads(strict64.tile) == 128 and fused.tile_samplers(strict64.tile) == 256
     assert fused.pipeline_depth(np.float32, 2, (64, 64, 32, 2, 3, 384), 1) == 4
+
+
+def test_row_phases_rule():
+    """ENGINE 3 samples by row phases, into a swizzled tile 1 KiB further aligned, exactly where
+    it reads the warps' corner batches in 128-byte chunk rows outside 3xTF32."""
+    fused = _fused()
+    g = _geom((8, 256, 56, 56), (256, 256, 3, 3), (8, 18, 56, 56), (8, 9, 56, 56), padding=1)
+    table = fused.warp_corner_bytes(2, (256, 64, 64, 1, 3, 512), False)
+    assert table == 8 * 2 * 32 * 4 * 8
+    for dtype, tf32, tile in ((np.float16, False, (256, 64, 64, 1, 3, 512)), (fused.BFLOAT16, False, (64, 64, 64, 2, 3, 384)),
+                              (np.float32, True, (256, 64, 32, 1, 3, 512))):
+        c = fused.LaunchConfig(g, dtype, tf32, 132, tile=tile, warp_corners=True)
+        assert c.warp_corners and c.row_phases, (dtype, tile)
+        ring = fused.smem_bytes(dtype, 2, tile, c.depth, c.precision)
+        assert c.smem_bytes == ring + table + fused.SWIZZLE_ALIGN
+        assert "by row phases" in c.description
+        plain = fused.LaunchConfig(g, dtype, tf32, 132, tile=tile, warp_corners=False)
+        assert not plain.row_phases and plain.smem_bytes == ring
+    # 64-byte chunk rows (32 half-type or 16 float32 channels a step), 3xTF32, other engines: not
+    assert not fused.row_phases(np.float16, (64, 128, 32, 1, 3, 384), 0, True)
+    assert not fused.row_phases(np.float32, (256, 64, 16, 1, 3, 512), 1, True)
+    assert not fused.row_phases(np.float32, (256, 64, 32, 1, 3, 512), 2, True)
+    assert not fused.row_phases(np.float16, (256, 64, 64, 1, 0, 512), 0, True)
+    assert not fused.LaunchConfig(g, np.float32, False, 132, tile=(256, 64, 16, 1, 3, 512), warp_corners=True).row_phases
 
 
 @pytest.mark.parametrize("tile, plan", [((256, 64, 64, 1, 3, 512), True), ((64, 64, 64, 1, 0), False)])

@@ -200,6 +200,21 @@ def warp_corner_bytes(ndim: int, tile: tuple, index64: bool) -> int:
     return tile_samplers(tile) // 32 * 2 * 32 * (1 << ndim) * ((8 if index64 else 4) + 4)
 
 
+#: Bytes a row-phase kernel may move its dynamic shared memory up by, to the 1024-byte boundary
+#: where wgmma's 128-byte swizzle starts over (``row_phases``).
+SWIZZLE_ALIGN = 1024
+
+
+def row_phases(dtype, tile: tuple, precision: int, warp_corners: bool) -> bool:
+    """Whether a forward kernel samples by row phases (cuda/deform_fused.cu, ROW_PHASES): ENGINE 3
+    with the sampling warps' corner batches, chunk rows of 128 bytes (BK of 64 half-type or 32
+    float32 channels) and not 3xTF32. Each 8-lane phase of a sampling warp then loads one
+    position's chunk row, into a sampled tile in wgmma's 128-byte swizzle; its dynamic shared
+    memory starts at the next 1024-byte boundary (``SWIZZLE_ALIGN`` more bytes)."""
+    return (tile[4] == 3 and bool(warp_corners) and tile[2] * np.dtype(dtype).itemsize == 128
+            and precision != 2)
+
+
 def smem_bytes(dtype, ndim: int, tile: tuple, depth: int = 0, precision: int = 0, table: int = 0) -> int:
     """Dynamic shared memory of a tile (engine 2: with a ring of ``depth`` corner stages; engine 3: its
     ring of ``depth`` stages of weight and sampled tiles, big and small parts of each in 3xTF32),
@@ -562,7 +577,9 @@ class LaunchConfig:
         if not self.depth:
             raise ValueError(f"tile {self.tile} does not fit shared memory for {geom.ndim}-d sampling")
         table = warp_corner_bytes(geom.ndim, self.tile, self.index64) if self.warp_corners else 0
-        self.smem_bytes = smem_bytes(dtype, geom.ndim, self.tile, self.depth, self.precision, table)
+        self.row_phases = row_phases(dtype, self.tile, self.precision, self.warp_corners)
+        self.smem_bytes = (smem_bytes(dtype, geom.ndim, self.tile, self.depth, self.precision, table)
+                           + (SWIZZLE_ALIGN if self.row_phases else 0))
         # the weights' re-layout: ENGINE 3 whole tiles of BM rows (one bulk copy each; in 3xTF32
         # each tile's big parts, then its small parts); else rows
         self.weight_kernel = "fused_weight_tiles" if engine == 3 else "fused_weight_rows"
@@ -593,7 +610,8 @@ class LaunchConfig:
         return (f"cuda/fused: {prec} {engine_name}, tile {bm}x{bn}x{bk} ({self.threads} threads), "
                 f"{'16-byte vector' if self.uniform else 'per-channel'} sampling"
                 f"{' from a sampling plan' if self.sampling_plan else ''}"
-                f"{', corners a batch of taps ahead per warp' if self.warp_corners else ''}, "
+                f"{', corners a batch of taps ahead per warp' if self.warp_corners else ''}"
+                f"{' (by row phases, into a swizzled tile)' if self.row_phases else ''}, "
                 f"taps {'inner' if self.taps_inner else 'outer'}, "
                 f"chunks of {self.chunk} samples, {'64' if self.index64 else '32'}-bit index")
 
