@@ -8,7 +8,9 @@ experiment switches: ``DCN_FUSED_PACKED_BLEND`` in fused_common.cuh, 1 by defaul
 float32 blend of the half types' corners; ``DCN_FUSED_WS_EXPERIMENT`` in deform_fused.cu, 0 by
 default, 1 or 2 for ENGINE 3 without its MMAs or without its sampling, wrong results that
 ``--time-failures`` times anyway; ``DCN_FUSED_LOADS_AHEAD`` 2, ENGINE 3's samplers with two steps
-of corner loads in flight, with ``DCN_FUSED_AHEAD_REGS`` 88 for a 64x64x32 tile's registers),
+of corner loads in flight, with ``DCN_FUSED_AHEAD_REGS`` 88 for a 64x64x32 tile's registers;
+``DCN_FUSED_ROW_PHASES`` 0, ENGINE 3's samplers and sampled tile as before session 35's row
+phases),
 then runs ``fused_tiles.py`` with the
 arguments after ``--`` in this process: the same checks against the strict float32 reference
 and the same timings. Run it once per variant, in one device call, and compare the tables
