@@ -396,8 +396,9 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     // phase without bank conflicts, where the unswizzled core matrices took 4-way conflicts (ncu,
     // H200, B=8 C256 fp16: 16 shared wavefronts a store, 8 a corner load; NOTES-gpu.md session
     // 35). A thread then samples NV positions, v * 4 + lane / 8 of its warp's PPW, one vector
-    // each, from the warp's corner batches. The swizzle repeats every 1024 bytes, from where the
-    // dynamic shared memory is moved up to (cuda_fused.smem_bytes counts the 1 KiB).
+    // each, from the warp's corner batches. The swizzle repeats every 1024 bytes: the dynamic
+    // shared memory is lifted to the next such boundary (cuda_fused.LaunchConfig asks for the
+    // 1 KiB more, SWIZZLE_ALIGN).
     constexpr bool ROW_PHASES = ENGINE == 3 && WARP_CORNERS && BK * (int)sizeof(T) == 128 && SPLIT == 1 &&
                                 DCN_FUSED_LOADS_AHEAD == 1 && DCN_FUSED_ROW_PHASES;
     extern __shared__ __align__(128) unsigned char fused_smem[];
