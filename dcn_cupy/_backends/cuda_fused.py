@@ -682,7 +682,7 @@ def _views(config: LaunchConfig, workspace):
 
 def _relayout_launch(config: LaunchConfig, weight: int, wr: int, overlap: bool = False):
     """The weights' re-layout into the forward kernel's order (recorded, ``cuda._kernel_op``):
-    ENGINE 3's whole tiles (one thread per 16-byte vector of channels, every tap), else rows of
+    ENGINE 3's whole tiles (one thread per 16-byte vector of channels and tap), else rows of
     ``Cgp`` channels per (output channel, tap). ``overlap``: it may run beside the kernel before
     it (programmatic dependent launch; it waits for that kernel before it exits, so that its
     completion implies that kernel's)."""
@@ -690,9 +690,9 @@ def _relayout_launch(config: LaunchConfig, weight: int, wr: int, overlap: bool =
     kernel = config.kernel(config.weight_kernel)
     if config.weight_kernel == "fused_weight_tiles":
         bm, _, bk = config.tile[:3]
-        # one thread per vector of channels (both parts in 3xTF32), every tap
-        vectors = g.groups * config.m_tiles * bm * config.Cgp // _VEC[np.dtype(config.dtype)]
-        return _cuda._kernel_op(kernel, (min(-(-vectors // _THREADS), _MAX_GRID),), (_THREADS,), (
+        # one thread per vector of channels (both parts in 3xTF32) and tap
+        threads = g.groups * config.m_tiles * bm * config.Cgp // _VEC[np.dtype(config.dtype)] * config.K
+        return _cuda._kernel_op(kernel, (min(-(-threads // _THREADS), _MAX_GRID),), (_THREADS,), (
             _cuda._u64(weight), _cuda._u64(wr), i32(config.Cog), i32(g.groups), i32(config.Cg), i32(config.K),
             i32(bm), i32(bk), i32(config.precision)), overlap=overlap)
     rows = g.out_channels * config.Cgp
