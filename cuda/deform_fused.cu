@@ -289,8 +289,8 @@ __device__ __forceinline__ void weight_parts<float>(float v, float& big, float& 
 // One thread per (group, row, vector of VEC channels, tap) writes one 16-byte vector: 8
 // consecutive threads take the 8 rows of a core matrix (128 contiguous bytes), the taps next, so
 // that the K threads of a vector read its VEC x K values, which lie together in w, at once (one
-// thread looping over the taps waited on its loads K times: B=8 C256 56x56 fp16, H200, the
-// forward 3 us faster; NOTES-gpu.md session 36).
+// thread looping over the taps waited on its loads K times). H200, whole forward: B=8 C256 56x56
+// fp16 131 -> 126 us, TF32 228 -> 226; B=16 C512 14x14 3xTF32 323 -> 325 (NOTES-gpu.md session 36).
 template <typename T, typename I>
 __global__ void fused_weight_tiles(const T* __restrict__ w, T* __restrict__ wt, const int Cog, const int groups,
                                    const int Cg, const int K, const int BM, const int BK, const int precision) {
