@@ -85,6 +85,13 @@
 #ifndef DCN_FUSED_LOADS_AHEAD
 #define DCN_FUSED_LOADS_AHEAD 1
 #endif
+// Experiment switch of ENGINE 3: 1 peels the samplers' last step off their loop, so that the
+// loop has no branch at its head (ptxas there waited on the step's corner loads before the
+// barrier on the next free slot in some instantiations: PLAN 0's 256-row tiles, see
+// NOTES-gpu.md session 37).
+#ifndef DCN_FUSED_PEEL_LAST_STEP
+#define DCN_FUSED_PEEL_LAST_STEP 0
+#endif
 // With 2, the samplers' registers per thread once the roles split (0: the launch's): the MMA
 // warpgroups drop to what is left (at least 48), as 3xTF32's split does the other way round.
 #ifndef DCN_FUSED_AHEAD_REGS
@@ -1073,7 +1080,17 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 fused::wait_prerequisites();   // xcl, wr and the sampling plan written
                 if constexpr (!MMA_WEIGHTS) weight_bulk(0);
                 if (SAMPLE) sample_load(0);
-                if constexpr (AHEAD == 1) {
+                if constexpr (AHEAD == 1 && DCN_FUSED_PEEL_LAST_STEP) {
+                    for (int s = 0; s + 1 < steps; ++s) {
+                        if (s + 1 >= DEPTH) barrier_sync(1 + DEPTH + (s + 1) % DEPTH, THREADS);
+                        if constexpr (!MMA_WEIGHTS) weight_bulk(s + 1);
+                        if (SAMPLE) sample_store(s % DEPTH);
+                        if (SAMPLE) sample_load(s + 1);
+                        barrier_arrive(1 + s % DEPTH, THREADS);
+                    }
+                    if (SAMPLE) sample_store((steps - 1) % DEPTH);
+                    barrier_arrive(1 + (steps - 1) % DEPTH, THREADS);
+                } else if constexpr (AHEAD == 1) {
                     for (int s = 0; s < steps; ++s) {
                         const bool more = s + 1 < steps;
                         if (more) {
