@@ -85,12 +85,14 @@
 #ifndef DCN_FUSED_LOADS_AHEAD
 #define DCN_FUSED_LOADS_AHEAD 1
 #endif
-// Experiment switch of ENGINE 3: 1 peels the samplers' last step off their loop, so that the
-// loop has no branch at its head (ptxas there waited on the step's corner loads before the
-// barrier on the next free slot in some instantiations: PLAN 0's 256-row tiles, see
-// NOTES-gpu.md session 37).
+// ENGINE 3's samplers with their last step peeled off their loop (no branch at the loop's head),
+// in the half types. Where ptxas waited on a step's corner loads before the barrier on the next
+// free slot (PLAN 0's 256-row tiles), it then waits after it. Kernel time peeled / not, H200
+// (NOTES-gpu.md session 37): fp16 with the warps' corner batches 0.99x (C256, 256x64x64) to 0.96x
+// (C64, 64x64x64); TF32 256x64x32 1.06x at C256, so float keeps the loop. Experiment switch: 1
+// peels every dtype, 0 none, -1 (default) the half types.
 #ifndef DCN_FUSED_PEEL_LAST_STEP
-#define DCN_FUSED_PEEL_LAST_STEP 0
+#define DCN_FUSED_PEEL_LAST_STEP -1
 #endif
 // With 2, the samplers' registers per thread once the roles split (0: the launch's): the MMA
 // warpgroups drop to what is left (at least 48), as 3xTF32's split does the other way round.
@@ -1080,7 +1082,8 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 fused::wait_prerequisites();   // xcl, wr and the sampling plan written
                 if constexpr (!MMA_WEIGHTS) weight_bulk(0);
                 if (SAMPLE) sample_load(0);
-                if constexpr (AHEAD == 1 && DCN_FUSED_PEEL_LAST_STEP) {
+                constexpr bool PEEL = DCN_FUSED_PEEL_LAST_STEP < 0 ? sizeof(T) == 2 : DCN_FUSED_PEEL_LAST_STEP != 0;
+                if constexpr (AHEAD == 1 && PEEL) {
                     for (int s = 0; s + 1 < steps; ++s) {
                         if (s + 1 >= DEPTH) barrier_sync(1 + DEPTH + (s + 1) % DEPTH, THREADS);
                         if constexpr (!MMA_WEIGHTS) weight_bulk(s + 1);

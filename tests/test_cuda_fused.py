@@ -138,6 +138,13 @@ EXPERIMENTS = {
         "deform_fused_forward<float, int, 3, 2, 256, 64, 16, 1, true, 3, 4, 512>")),
     "ws-no-mma": ({"DCN_FUSED_WS_EXPERIMENT": 1}, (
         "deform_fused_forward<__half, int, 2, 0, 64, 64, 64, 2, true, 3, 4, 384, 2>",)),
+    # the samplers' last step peeled in every dtype (the default: the half types only), or in none
+    "peel-every-dtype": ({"DCN_FUSED_PEEL_LAST_STEP": 1}, (
+        "deform_fused_forward<float, int, 2, 1, 256, 64, 32, 1, true, 3, 4, 512, 2>",
+        "deform_fused_forward<float, int, 2, 2, 256, 64, 16, 1, true, 3, 4, 512, 1>")),
+    "peel-none": ({"DCN_FUSED_PEEL_LAST_STEP": 0}, (
+        "deform_fused_forward<__half, int, 2, 0, 256, 64, 64, 1, true, 3, 4, 512, 2>",
+        "deform_fused_forward<__nv_bfloat16, int, 3, 0, 64, 64, 64, 2, true, 3, 4, 384, 2>")),
     "row-phases-off": ({"DCN_FUSED_ROW_PHASES": 0}, (
         "deform_fused_forward<__half, int, 2, 0, 256, 64, 64, 1, true, 3, 4, 512, 2>",
         "deform_fused_forward<float, int, 3, 1, 64, 64, 32, 2, true, 3, 4, 384, 2>")),
