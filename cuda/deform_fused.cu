@@ -1083,7 +1083,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 if constexpr (!MMA_WEIGHTS) weight_bulk(0);
                 if (SAMPLE) sample_load(0);
                 constexpr bool PEEL = DCN_FUSED_PEEL_LAST_STEP < 0 ? sizeof(T) == 2 : DCN_FUSED_PEEL_LAST_STEP != 0;
-                if constexpr (AHEAD == 1 && PEEL) {
+                if constexpr (AHEAD == 1 && PEEL) {   // (steps >= 1: C_in and K are at least 1)
                     for (int s = 0; s + 1 < steps; ++s) {
                         if (s + 1 >= DEPTH) barrier_sync(1 + DEPTH + (s + 1) % DEPTH, THREADS);
                         if constexpr (!MMA_WEIGHTS) weight_bulk(s + 1);
