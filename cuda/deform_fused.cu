@@ -1083,19 +1083,9 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 if constexpr (!MMA_WEIGHTS) weight_bulk(0);
                 if (SAMPLE) sample_load(0);
                 constexpr bool PEEL = DCN_FUSED_PEEL_LAST_STEP < 0 ? sizeof(T) == 2 : DCN_FUSED_PEEL_LAST_STEP != 0;
-                if constexpr (AHEAD == 1 && PEEL) {   // (steps >= 1: C_in and K are at least 1)
-                    for (int s = 0; s + 1 < steps; ++s) {
-                        if (s + 1 >= DEPTH) barrier_sync(1 + DEPTH + (s + 1) % DEPTH, THREADS);
-                        if constexpr (!MMA_WEIGHTS) weight_bulk(s + 1);
-                        if (SAMPLE) sample_store(s % DEPTH);
-                        if (SAMPLE) sample_load(s + 1);
-                        barrier_arrive(1 + s % DEPTH, THREADS);
-                    }
-                    if (SAMPLE) sample_store((steps - 1) % DEPTH);
-                    barrier_arrive(1 + (steps - 1) % DEPTH, THREADS);
-                } else if constexpr (AHEAD == 1) {
-                    for (int s = 0; s < steps; ++s) {
-                        const bool more = s + 1 < steps;
+                if constexpr (AHEAD == 1) {
+                    // step s; `more`: a step follows (its slot awaited, its weights and loads issued)
+                    auto sampler_step = [&](int s, bool more) {
                         if (more) {
                             if (s + 1 >= DEPTH) barrier_sync(1 + DEPTH + (s + 1) % DEPTH, THREADS);
                             if constexpr (!MMA_WEIGHTS) weight_bulk(s + 1);
@@ -1103,6 +1093,12 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                         if (SAMPLE) sample_store(s % DEPTH);
                         if (more && SAMPLE) sample_load(s + 1);
                         barrier_arrive(1 + s % DEPTH, THREADS);
+                    };
+                    if constexpr (PEEL) {   // (steps >= 1: C_in and K are at least 1)
+                        for (int s = 0; s + 1 < steps; ++s) sampler_step(s, true);
+                        sampler_step(steps - 1, false);
+                    } else {
+                        for (int s = 0; s < steps; ++s) sampler_step(s, s + 1 < steps);
                     }
                 } else {
                     // step s's loads in slot s & 1, issued two steps ahead; the loop unrolled by two
