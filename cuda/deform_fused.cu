@@ -94,6 +94,16 @@
 #ifndef DCN_FUSED_PEEL_LAST_STEP
 #define DCN_FUSED_PEEL_LAST_STEP -1
 #endif
+// ENGINE 3 in 3xTF32 (DCN_PROMOTE_3XTF32): the channels of K whose products p sums before it
+// joins d in float32, in whole steps (at least one). Each promotion drains the MMA warpgroup's
+// wgmmas; a longer run drains less often but spans more of the tensor cores' truncating
+// accumulation. H200, strict float32 whole forward, 256x64x16 (4 steps a run against 1): B=16
+// C512 14x14 327 -> 311 us, relative error 6.0e-7 -> 7.6e-7 (float32 FMAs: 6.4e-7); B=8 C256
+// 56x56 511 -> 490 us, 1.94e-6 -> 2.00e-6 (NOTES-gpu.md session 38). 16 promotes every step of
+// those tiles, as before.
+#ifndef DCN_FUSED_PROMOTE_CHANNELS
+#define DCN_FUSED_PROMOTE_CHANNELS 64
+#endif
 // With 2, the samplers' registers per thread once the roles split (0: the launch's): the MMA
 // warpgroups drop to what is left (at least 48), as 3xTF32's split does the other way round.
 #ifndef DCN_FUSED_AHEAD_REGS
@@ -954,9 +964,9 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
             for (int i = 0; i < NACC; ++i) d[mi][i] = 0.0f;
-        // ENGINE 3 in 3xTF32: a step's products go to registers of their own (p), added to d in
-        // float32 once they complete: the tensor cores' accumulation truncates, so that summing a
-        // whole K of 3 products a k8 into d drifts with K (H200, B=16 C512 14x14: 2.9e-5 relative
+        // ENGINE 3 in 3xTF32: the products of a run of steps (DCN_FUSED_PROMOTE_CHANNELS) go to
+        // registers of their own (p), added to d in float32 once they complete: the tensor cores'
+        // accumulation truncates, so that summing a whole K of 3 products a k8 into d drifts with K (H200, B=16 C512 14x14: 2.9e-5 relative
         // against 6.4e-7 for float32 FMAs; NOTES-gpu.md, session 14).
         constexpr bool PROMOTE = ENGINE == 3 && SPLIT == 2 && DCN_PROMOTE_3XTF32;
         float p[MI][NACC];   // (unused, so allocated no registers, without PROMOTE)
@@ -1134,15 +1144,28 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 // thread's wgmma (async proxy)
                 proxy_fence();
                 if constexpr (PROMOTE) {
-                    // the step's products complete (its stage freed at once), then join d
-                    if (DCN_FUSED_WS_EXPERIMENT != 1) mma_issue(s % DEPTH, p, true);
+                    // p sums the products of a run of PROMOTE_STEPS steps (the first overwrites
+                    // it); once the run's last step completes, p joins d. Each stage is freed once
+                    // its MMAs are done: within a run, the previous step's after this one is issued.
+                    constexpr int PROMOTE_STEPS = DCN_FUSED_PROMOTE_CHANNELS / BK > 1 ? DCN_FUSED_PROMOTE_CHANNELS / BK : 1;
+                    auto free_stage = [&](int u) {
+                        if (u + DEPTH < steps) barrier_arrive(1 + DEPTH + u % DEPTH, THREADS);
+                        if constexpr (MMA_WEIGHTS) weight_bulk(u + DEPTH);
+                    };
+                    const bool first = s % PROMOTE_STEPS == 0;
+                    const bool last = PROMOTE_STEPS == 1 || (s + 1) % PROMOTE_STEPS == 0 || s + 1 == steps;
+                    if (DCN_FUSED_WS_EXPERIMENT != 1) mma_issue(s % DEPTH, p, first);
+                    if constexpr (PROMOTE_STEPS > 1) {
+                        wgmma_wait_pending<1>();   // step s - 1's MMAs done
+                        if (!first) free_stage(s - 1);
+                        if (!last) continue;
+                    }
                     wgmma_wait_all();
 #pragma unroll
                     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
                         for (int i = 0; i < NACC; ++i) register_fence(p[mi][i]);
-                    if (s + DEPTH < steps) barrier_arrive(1 + DEPTH + s % DEPTH, THREADS);
-                    if constexpr (MMA_WEIGHTS) weight_bulk(s + DEPTH);
+                    free_stage(s);
                     if (DCN_FUSED_WS_EXPERIMENT != 1) {
 #pragma unroll
                         for (int mi = 0; mi < MI; ++mi)

@@ -145,6 +145,10 @@ EXPERIMENTS = {
     "peel-none": ({"DCN_FUSED_PEEL_LAST_STEP": 0}, (
         "deform_fused_forward<__half, int, 2, 0, 256, 64, 64, 1, true, 3, 4, 512, 2>",
         "deform_fused_forward<__nv_bfloat16, int, 3, 0, 64, 64, 64, 2, true, 3, 4, 384, 2>")),
+    # 3xTF32's products joining the accumulators every step (the default: every 64 channels)
+    "promote-every-step": ({"DCN_FUSED_PROMOTE_CHANNELS": 16}, (
+        "deform_fused_forward<float, int, 2, 2, 256, 64, 16, 1, true, 3, 4, 512, 1>",
+        "deform_fused_forward<float, int, 2, 2, 64, 64, 32, 2, true, 3, 4, 384, 1>")),
     "row-phases-off": ({"DCN_FUSED_ROW_PHASES": 0}, (
         "deform_fused_forward<__half, int, 2, 0, 256, 64, 64, 1, true, 3, 4, 512, 2>",
         "deform_fused_forward<float, int, 3, 1, 64, 64, 32, 2, true, 3, 4, 384, 2>")),
