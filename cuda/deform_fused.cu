@@ -190,7 +190,8 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
 __device__ __forceinline__ void register_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
 // D(64xN, float) += A(64xK) * B(KxN) (D = A * B where `accumulate` is 0), both from shared
-// memory (descriptors), one warpgroup; K = 16 (half types) or 8 (TF32), N = 64 or 128. sm_90a.
+// memory (descriptors), one warpgroup; K = 16 (half types) or 8 (TF32), N = 48 (ENGINE 3's
+// 48-position tiles), 64 or 128. sm_90a.
 template <typename T, int N> struct Wgmma;
 template <> struct Wgmma<__half, 128> {
     static __device__ __forceinline__ void run(float (&d)[64], unsigned long long da, unsigned long long db,
@@ -255,6 +256,39 @@ template <> struct Wgmma<float, 64> {
             "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+            : "l"(da), "l"(db), "r"(accumulate));
+    }
+};
+template <> struct Wgmma<__half, 48> {
+    static __device__ __forceinline__ void run(float (&d)[24], unsigned long long da, unsigned long long db,
+                                               int accumulate = 1) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, p, 1, 1, 0, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+            : "l"(da), "l"(db), "r"(accumulate));
+    }
+};
+template <> struct Wgmma<__nv_bfloat16, 48> {
+    static __device__ __forceinline__ void run(float (&d)[24], unsigned long long da, unsigned long long db,
+                                               int accumulate = 1) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, p, 1, 1, 0, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+            : "l"(da), "l"(db), "r"(accumulate));
+    }
+};
+template <> struct Wgmma<float, 48> {
+    static __device__ __forceinline__ void run(float (&d)[24], unsigned long long da, unsigned long long db,
+                                               int accumulate = 1) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n48k8.f32.tf32.tf32 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, %24, %25, p, 1, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
             : "l"(da), "l"(db), "r"(accumulate));
     }
 };
@@ -381,12 +415,13 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     constexpr int WM = BM / WARPS_M, WN = 32;    // warp tile
     constexpr int MT = WM / 16, NT = WN / 8;     // mma tiles per warp
     constexpr int A_VECS = BM * BK / VEC / SAMPLERS;  // weight vectors copied per sampling thread and step
-    static_assert(A_VECS >= 1 && NV >= 1 && MT >= 1 && NT % 2 == 0 && BM * BK % (VEC * SAMPLERS) == 0 &&
-                  SAMPLERS % BN == 0, "tile shape");
+    static_assert((ENGINE == 3 || (A_VECS >= 1 && BM * BK % (VEC * SAMPLERS) == 0)) && NV >= 1 && MT >= 1 &&
+                  NT % 2 == 0 && SAMPLERS % BN == 0, "tile shape");
     static_assert(ENGINE != 2 || (UNIFORM && DEPTH >= 1), "corner pipeline: 16-byte sampler only");
     static_assert(THREADS == fused::THREADS || ENGINE == 0 || ENGINE == 3,
                   "blocks of other than 256 threads: mma.sync, or the warp-specialised wgmma");
-    static_assert(!WGMMA || (WG_ROWS % 64 == 0 && (BN == 64 || BN == 128) && (PREC != 2 || ENGINE == 3)),
+    static_assert(!WGMMA || (WG_ROWS % 64 == 0 && (BN == 64 || BN == 128 || (ENGINE == 3 && BN == 48)) &&
+                             (PREC != 2 || ENGINE == 3)),
                   "wgmma: MMA_WGS warpgroups of BM/MMA_WGS rows (m64 instructions) x BN positions; 3xTF32 on ENGINE 3");
     // (3 stages at least: the samplers fill a stage one step ahead, and the MMA warps free a
     // stage one step late, keeping one step's MMAs in flight; in 3xTF32 with DCN_PROMOTE_3XTF32
@@ -1077,13 +1112,14 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             constexpr int SAMPLER_REGS = DCN_FUSED_SAMPLER_REGS < LAUNCH_REGS ? DCN_FUSED_SAMPLER_REGS : LAUNCH_REGS;
             constexpr int MMA_REGS_FREED = LAUNCH_REGS + (LAUNCH_REGS - SAMPLER_REGS) * SAMPLERS / MMA_THREADS;
             constexpr int MMA_REGS = (MMA_REGS_FREED > 256 ? 256 : MMA_REGS_FREED) / 8 * 8;
+            // (setmaxnreg is per warpgroup: samplers of whole warpgroups only)
             constexpr bool RESPLIT = SPLIT == 2 && NV == 1 && DCN_FUSED_SAMPLER_REGS > 0 && SAMPLER_REGS >= 24 &&
-                                     SAMPLER_REGS < LAUNCH_REGS;
+                                     SAMPLER_REGS < LAUNCH_REGS && SAMPLERS % 128 == 0;
             // (experiment: two steps of loads in flight, the samplers given more)
             constexpr int AHEAD_REGS = DCN_FUSED_AHEAD_REGS / 8 * 8;
             constexpr int MMA_LEFT = (LAUNCH_REGS * THREADS - AHEAD_REGS * SAMPLERS) / MMA_THREADS / 8 * 8;
             constexpr bool GROW = AHEAD > 1 && !RESPLIT && AHEAD_REGS > LAUNCH_REGS && AHEAD_REGS <= 256 &&
-                                  MMA_LEFT >= 48;
+                                  MMA_LEFT >= 48 && SAMPLERS % 128 == 0;
             if (tid >= MMA_THREADS) {
                 if constexpr (RESPLIT) setmaxnreg_dec<SAMPLER_REGS>();
                 if constexpr (GROW) setmaxnreg_inc<AHEAD_REGS>();

@@ -124,7 +124,7 @@ def test_fused_source_defines_exactly_the_instantiated_kernels():
     for key in fused.all_module_keys():
         assert {name.split("<", 1)[0] for name in fused.name_expressions(*key)} == defined
         # ..., UNIFORM, ENGINE[, DEPTH[, THREADS[, PLAN: 1 the sampling plan, 2 the warps' corner batches]]]>
-        assert all(re.search(rf", (true|false), {key[3]}(, [1-9](, (256|384|512|640)(, [12])?)?)?>$", name)
+        assert all(re.search(rf", (true|false), {key[3]}(, [1-9](, (256|384|448|512|640)(, [12])?)?)?>$", name)
                    for name in fused.name_expressions(*key) if name.startswith("deform_fused_forward"))
 
 

@@ -91,6 +91,12 @@ DTYPES = tuple(_VEC)
 #: sampling warp samples one position's whole row into a tile in wgmma's 128-byte swizzle
 #: (``row_phases``): kernel 4-7% faster in the half types, 22-25% in TF32 at B=8 C256 56x56 and
 #: B=16 C512 14x14 (H200; NOTES-gpu.md, session 35).
+#: Its 48-position tiles (wgmma n48) fill the card where 64-position blocks leave it a partial
+#: wave: B=16 C512 14x14 gives 98 blocks of 256x64 for 132 SMs, 132 of 256x48. H200, whole
+#: forward with the warps' corner batches there: TF32 141 -> 126 us and fp16 72.7 -> 65.8 with 384
+#: samplers (640 threads), 3xTF32 311 -> 304 with 192 (448 threads; its 16-channel chunks leave
+#: 384 samplers no whole vector); 11-20% slower at B=8 C256 56x56, where the tuner keeps 256x64
+#: (NOTES-gpu.md, session 38).
 #: Its 64-row tiles have one MMA warpgroup (``tile_mma_threads``), for C_out/groups <= 64, where a
 #: 128-row tile left half its rows idle: H200, B=32 C64 56x56 whole forward, TF32 64x64x32 (2
 #: blocks per SM) 0.214 ms against 128x128x32's 0.288, 3xTF32 0.328 against 0.414; fp16
@@ -100,11 +106,11 @@ TILES = {
              (128, 64, 64, 1, 1), (256, 128, 32, 1, 1), (128, 128, 64, 1, 1),
              (64, 128, 32, 2, 0), (64, 64, 64, 2, 0), (128, 64, 64, 2, 0), (256, 64, 64, 1, 0, 512),
              (256, 64, 64, 1, 3, 512), (128, 128, 64, 1, 3, 512), (64, 64, 64, 2, 3, 384),
-             (64, 128, 32, 1, 3, 384)),
+             (64, 128, 32, 1, 3, 384), (256, 48, 64, 1, 3, 640)),
     "float": ((64, 64, 32, 1, 0), (256, 64, 32, 1, 0), (128, 128, 16, 1, 0),
               (128, 64, 32, 1, 1), (256, 128, 16, 1, 1), (128, 128, 32, 1, 1),
               (256, 64, 32, 1, 3, 512), (256, 64, 16, 1, 3, 512), (128, 128, 32, 1, 3, 512),
-              (64, 64, 32, 2, 3, 384)),
+              (64, 64, 32, 2, 3, 384), (256, 48, 32, 1, 3, 640), (256, 48, 16, 1, 3, 448)),
 }
 #: The engines that multiply with wgmma (sm_90a modules; fp16, bf16 and TF32; ENGINE 3 3xTF32 too).
 WGMMA_ENGINES = (1, 3)
