@@ -425,7 +425,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                   "wgmma: MMA_WGS warpgroups of BM/MMA_WGS rows (m64 instructions) x BN positions; 3xTF32 on ENGINE 3");
     // (3 stages at least: the samplers fill a stage one step ahead, and the MMA warps free a
     // stage one step late, keeping one step's MMAs in flight; in 3xTF32 with DCN_PROMOTE_3XTF32
-    // they free it at once, but keep the same ring)
+    // they free the last stage of each promoted run at once, but keep the same ring)
     static_assert(ENGINE != 3 || (SAMPLERS >= 128 && DEPTH >= 3 && 2 * DEPTH <= 15),
                   "warp-specialised ring: a warpgroup or more of samplers, 3 to 7 stages, 2 named barriers a stage");
     static_assert(!PLAN || (UNIFORM && ENGINE != 2), "the sampling plan: 16-byte sampler, engines 0 and 1");
@@ -1001,8 +1001,9 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             for (int i = 0; i < NACC; ++i) d[mi][i] = 0.0f;
         // ENGINE 3 in 3xTF32: the products of a run of steps (DCN_FUSED_PROMOTE_CHANNELS) go to
         // registers of their own (p), added to d in float32 once they complete: the tensor cores'
-        // accumulation truncates, so that summing a whole K of 3 products a k8 into d drifts with K (H200, B=16 C512 14x14: 2.9e-5 relative
-        // against 6.4e-7 for float32 FMAs; NOTES-gpu.md, session 14).
+        // accumulation truncates, so that summing a whole K of 3 products a k8 into d drifts with
+        // K (H200, B=16 C512 14x14: 2.9e-5 relative against 6.4e-7 for float32 FMAs; NOTES-gpu.md,
+        // session 14).
         constexpr bool PROMOTE = ENGINE == 3 && SPLIT == 2 && DCN_PROMOTE_3XTF32;
         float p[MI][NACC];   // (unused, so allocated no registers, without PROMOTE)
         // The MMAs of one step (buffer `buf`) into `acc` (d, or p overwritten: fresh), committed as one
