@@ -71,6 +71,14 @@
 #ifndef DCN_FUSED_SAMPLER_REGS
 #define DCN_FUSED_SAMPLER_REGS 96
 #endif
+// Experiment switch: the same split for ENGINE 3's other precisions where 512 or more threads
+// sample (768-thread tiles, not in TILES: at the launch's 80 registers their MMA warpgroups
+// spill); 0, the default, splits nothing there. H200, 256x64 whole forward with 512 samplers at
+// 72 registers against TILES' 256 samplers (NOTES-gpu.md session 38): B=8 C256 56x56 fp16 125.6
+// -> 120.7 us, TF32 226.3 -> 218.0 (at 64 registers TF32 261.5); not yet GPU-tested beyond that.
+#ifndef DCN_FUSED_WIDE_SAMPLER_REGS
+#define DCN_FUSED_WIDE_SAMPLER_REGS 0
+#endif
 // ENGINE 3 with the warps' corner batches and 128-byte chunk rows: each 8-lane phase of a
 // sampling warp loads and stores one position's chunk row, into a sampled tile in wgmma's
 // 128-byte swizzle (1, the default), or 4-thread slices of two positions, into the unswizzled
@@ -1108,14 +1116,17 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             // the samplers drop to SAMPLER_REGS and the MMA warpgroups rise by what that frees
             // (multiples of 8, at most 256). H200, 256x64x16: spills 84/128 bytes -> 0, whole
             // forward 12% faster at B=8 C256 56x56, 15% at B=16 C512 14x14; with 4 vectors a corner
-            // (128x128x32) the samplers spill instead, 12% slower (NOTES-gpu.md, session 15).
+            // (128x128x32) the samplers spill instead, 12% slower (NOTES-gpu.md, session 15). The
+            // other precisions split only in the DCN_FUSED_WIDE_SAMPLER_REGS experiment.
             constexpr int LAUNCH_REGS = (65536 / (MINB * THREADS) > 255 ? 255 : 65536 / (MINB * THREADS)) / 8 * 8;
-            constexpr int SAMPLER_REGS = DCN_FUSED_SAMPLER_REGS < LAUNCH_REGS ? DCN_FUSED_SAMPLER_REGS : LAUNCH_REGS;
+            constexpr int ASKED_REGS = SPLIT == 2 ? DCN_FUSED_SAMPLER_REGS
+                                                  : (SAMPLERS >= 512 ? DCN_FUSED_WIDE_SAMPLER_REGS : 0);
+            constexpr int SAMPLER_REGS = ASKED_REGS < LAUNCH_REGS ? ASKED_REGS : LAUNCH_REGS;
             constexpr int MMA_REGS_FREED = LAUNCH_REGS + (LAUNCH_REGS - SAMPLER_REGS) * SAMPLERS / MMA_THREADS;
             constexpr int MMA_REGS = (MMA_REGS_FREED > 256 ? 256 : MMA_REGS_FREED) / 8 * 8;
             // (setmaxnreg is per warpgroup: samplers of whole warpgroups only)
-            constexpr bool RESPLIT = SPLIT == 2 && NV == 1 && DCN_FUSED_SAMPLER_REGS > 0 && SAMPLER_REGS >= 24 &&
-                                     SAMPLER_REGS < LAUNCH_REGS && SAMPLERS % 128 == 0;
+            constexpr bool RESPLIT = NV == 1 && ASKED_REGS > 0 && SAMPLER_REGS >= 24 && SAMPLER_REGS < LAUNCH_REGS &&
+                                     SAMPLERS % 128 == 0;
             // (experiment: two steps of loads in flight, the samplers given more)
             constexpr int AHEAD_REGS = DCN_FUSED_AHEAD_REGS / 8 * 8;
             constexpr int MMA_LEFT = (LAUNCH_REGS * THREADS - AHEAD_REGS * SAMPLERS) / MMA_THREADS / 8 * 8;

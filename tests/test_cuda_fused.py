@@ -149,6 +149,10 @@ EXPERIMENTS = {
     "promote-every-step": ({"DCN_FUSED_PROMOTE_CHANNELS": 16}, (
         "deform_fused_forward<float, int, 2, 2, 256, 64, 16, 1, true, 3, 4, 512, 1>",
         "deform_fused_forward<float, int, 2, 2, 64, 64, 32, 2, true, 3, 4, 384, 1>")),
+    # 512 samplers (768 threads, outside TILES) with their registers split off for the MMA warpgroups
+    "wide-sampler-regs": ({"DCN_FUSED_WIDE_SAMPLER_REGS": 72}, (
+        "deform_fused_forward<__half, int, 2, 0, 256, 64, 64, 1, true, 3, 4, 768, 2>",
+        "deform_fused_forward<float, int, 2, 1, 256, 64, 32, 1, true, 3, 4, 768, 2>")),
     "row-phases-off": ({"DCN_FUSED_ROW_PHASES": 0}, (
         "deform_fused_forward<__half, int, 2, 0, 256, 64, 64, 1, true, 3, 4, 512, 2>",
         "deform_fused_forward<float, int, 3, 1, 64, 64, 32, 2, true, 3, 4, 384, 2>")),
