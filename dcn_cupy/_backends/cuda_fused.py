@@ -69,8 +69,9 @@ _VEC = {np.dtype(np.float16): 8, BFLOAT16: 8, np.dtype(np.float32): 4}
 DTYPES = tuple(_VEC)
 #: The tiles (BM output channels, BN positions, BK channels per step, MINB blocks per SM asked
 #: of the register allocator, ENGINE: 0 mma.sync, 1 wgmma, 3 warp-specialised wgmma[, THREADS
-#: per block: 256 when not given; 512 for mma.sync and ENGINE 3 tiles]) instantiated per dtype, kept from
-#: those measured (NOTES-gpu.md); one is chosen per shape (plan_config). The first of each
+#: per block: 256 when not given; 512 for mma.sync's 256x64x64, 384 to 640 for ENGINE 3's])
+#: instantiated per dtype, kept from those measured (NOTES-gpu.md); one is chosen per shape
+#: (plan_config). The first of each
 #: engine (the smallest) also has the per-channel sampler and the 64-bit indices. wgmma tiles
 #: (sm_90a) need a compute capability 9.0 device and compute fp16, bf16 and TF32, and ENGINE 3's
 #: 3xTF32 too (``tile_computes``).
