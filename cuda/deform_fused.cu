@@ -1125,13 +1125,14 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             constexpr int MMA_REGS_FREED = LAUNCH_REGS + (LAUNCH_REGS - SAMPLER_REGS) * SAMPLERS / MMA_THREADS;
             constexpr int MMA_REGS = (MMA_REGS_FREED > 256 ? 256 : MMA_REGS_FREED) / 8 * 8;
             // (setmaxnreg is per warpgroup: samplers of whole warpgroups only)
+            constexpr bool WHOLE_WARPGROUPS = SAMPLERS % 128 == 0;
             constexpr bool RESPLIT = NV == 1 && ASKED_REGS > 0 && SAMPLER_REGS >= 24 && SAMPLER_REGS < LAUNCH_REGS &&
-                                     SAMPLERS % 128 == 0;
+                                     WHOLE_WARPGROUPS;
             // (experiment: two steps of loads in flight, the samplers given more)
             constexpr int AHEAD_REGS = DCN_FUSED_AHEAD_REGS / 8 * 8;
             constexpr int MMA_LEFT = (LAUNCH_REGS * THREADS - AHEAD_REGS * SAMPLERS) / MMA_THREADS / 8 * 8;
             constexpr bool GROW = AHEAD > 1 && !RESPLIT && AHEAD_REGS > LAUNCH_REGS && AHEAD_REGS <= 256 &&
-                                  MMA_LEFT >= 48 && SAMPLERS % 128 == 0;
+                                  MMA_LEFT >= 48 && WHOLE_WARPGROUPS;
             if (tid >= MMA_THREADS) {
                 if constexpr (RESPLIT) setmaxnreg_dec<SAMPLER_REGS>();
                 if constexpr (GROW) setmaxnreg_inc<AHEAD_REGS>();
