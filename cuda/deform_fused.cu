@@ -71,13 +71,14 @@
 #ifndef DCN_FUSED_SAMPLER_REGS
 #define DCN_FUSED_SAMPLER_REGS 96
 #endif
-// Experiment switch: the same split for ENGINE 3's other precisions where 512 or more threads
-// sample (768-thread tiles, not in TILES: at the launch's 80 registers their MMA warpgroups
-// spill); 0, the default, splits nothing there. H200, 256x64 whole forward with 512 samplers at
-// 72 registers against TILES' 256 samplers (NOTES-gpu.md session 38): B=8 C256 56x56 fp16 125.6
-// -> 120.7 us, TF32 226.3 -> 218.0 (at 64 registers TF32 261.5); not yet GPU-tested beyond that.
+// The same split for ENGINE 3's other precisions where 512 or more threads sample (the 768-thread
+// tiles: at the launch's 80 registers their MMA warpgroups spill 740-870 bytes; with 72 for the
+// samplers, none in 1D and 2D, while 3D's samplers spill, so cuda_fused builds no 3D kernel of
+// them). H200, 256x64 whole forward with 512 samplers at 72 registers against 256 samplers
+// (NOTES-gpu.md session 38): B=8 C256 56x56 fp16 125.6 -> 120.7 us, TF32 226.3 -> 218.0 (at 64
+// registers TF32 261.5). Experiment switch: 0 splits nothing there.
 #ifndef DCN_FUSED_WIDE_SAMPLER_REGS
-#define DCN_FUSED_WIDE_SAMPLER_REGS 0
+#define DCN_FUSED_WIDE_SAMPLER_REGS 72
 #endif
 // ENGINE 3 with the warps' corner batches and 128-byte chunk rows: each 8-lane phase of a
 // sampling warp loads and stores one position's chunk row, into a sampled tile in wgmma's
@@ -1117,7 +1118,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             // (multiples of 8, at most 256). H200, 256x64x16: spills 84/128 bytes -> 0, whole
             // forward 12% faster at B=8 C256 56x56, 15% at B=16 C512 14x14; with 4 vectors a corner
             // (128x128x32) the samplers spill instead, 12% slower (NOTES-gpu.md, session 15). The
-            // other precisions split only in the DCN_FUSED_WIDE_SAMPLER_REGS experiment.
+            // other precisions split where 512 or more threads sample (DCN_FUSED_WIDE_SAMPLER_REGS).
             constexpr int LAUNCH_REGS = (65536 / (MINB * THREADS) > 255 ? 255 : 65536 / (MINB * THREADS)) / 8 * 8;
             constexpr int ASKED_REGS = SPLIT == 2 ? DCN_FUSED_SAMPLER_REGS
                                                   : (SAMPLERS >= 512 ? DCN_FUSED_WIDE_SAMPLER_REGS : 0);

@@ -124,7 +124,7 @@ def test_fused_source_defines_exactly_the_instantiated_kernels():
     for key in fused.all_module_keys():
         assert {name.split("<", 1)[0] for name in fused.name_expressions(*key)} == defined
         # ..., UNIFORM, ENGINE[, DEPTH[, THREADS[, PLAN: 1 the sampling plan, 2 the warps' corner batches]]]>
-        assert all(re.search(rf", (true|false), {key[3]}(, [1-9](, (256|384|448|512|640)(, [12])?)?)?>$", name)
+        assert all(re.search(rf", (true|false), {key[3]}(, [1-9](, (256|384|448|512|640|768)(, [12])?)?)?>$", name)
                    for name in fused.name_expressions(*key) if name.startswith("deform_fused_forward"))
 
 
@@ -149,8 +149,8 @@ EXPERIMENTS = {
     "promote-every-step": ({"DCN_FUSED_PROMOTE_CHANNELS": 16}, (
         "deform_fused_forward<float, int, 2, 2, 256, 64, 16, 1, true, 3, 4, 512, 1>",
         "deform_fused_forward<float, int, 2, 2, 64, 64, 32, 2, true, 3, 4, 384, 1>")),
-    # 512 samplers (768 threads, outside TILES) with their registers split off for the MMA warpgroups
-    "wide-sampler-regs": ({"DCN_FUSED_WIDE_SAMPLER_REGS": 72}, (
+    # 512 samplers (768 threads) at the launch's registers, their MMA warpgroups spilling (the A/B's other side)
+    "wide-sampler-regs-none": ({"DCN_FUSED_WIDE_SAMPLER_REGS": 0}, (
         "deform_fused_forward<__half, int, 2, 0, 256, 64, 64, 1, true, 3, 4, 768, 2>",
         "deform_fused_forward<float, int, 2, 1, 256, 64, 32, 1, true, 3, 4, 768, 2>")),
     "row-phases-off": ({"DCN_FUSED_ROW_PHASES": 0}, (
@@ -527,13 +527,13 @@ def engine_tile(engine, precision):
     return tile
 
 
-def tile_runs(tile, precision) -> bool:
-    """Whether ``tile`` runs here in ``precision``: the wgmma tiles on compute capability 9.0,
-    ENGINE 1 in fp16, bf16 and TF32 only, ENGINE 3 where its ring fits (3xTF32 stages are twice
-    as long)."""
+def tile_runs(tile, precision, ndim: int = 2) -> bool:
+    """Whether ``tile`` runs here in ``precision`` and N = ``ndim``: the wgmma tiles on compute
+    capability 9.0, ENGINE 1 in fp16, bf16 and TF32 only, ENGINE 3 where its ring fits (3xTF32
+    stages are twice as long) and (its 512-sampler tiles) not in 3D."""
     fused = _fused()
     return ((not fused.is_wgmma(tile) or fused.wgmma_available())
-            and fused.tile_builds(DTYPE[precision], 2, tile, PREC[precision]))
+            and fused.tile_builds(DTYPE[precision], ndim, tile, PREC[precision]))
 
 
 def run_fused(arrays: dict, params: dict, precision: str, ndim: int, engine=None):
@@ -649,7 +649,7 @@ def test_sampling_plan_gives_the_corners_each_thread_computes(ndim):
         for precision in PRECISIONS:
             arrays, params = by_width[64 if precision == "float32" else 128]
             for tile in fused._tiles(DTYPE[precision]):
-                if tile[4] == 2 or not tile_runs(tile, precision):
+                if tile[4] == 2 or not tile_runs(tile, precision, ndim):
                     continue
                 if not serves(arrays, params, precision, tile):
                     continue
@@ -683,7 +683,7 @@ def test_warp_corner_batches_give_the_corners_each_thread_computes(ndim):
                 if precision == "float32" and c_in != 64:
                     continue   # (3xTF32's tolerance is set for 64 channels)
                 for tile in fused._tiles(DTYPE[precision]):
-                    if tile[4] not in (0, 3) or not tile_runs(tile, precision) or not serves(arrays, params, precision, tile):
+                    if tile[4] not in (0, 3) or not tile_runs(tile, precision, ndim) or not serves(arrays, params, precision, tile):
                         continue
                     for taps_inner in (True, False):
                         batched, expected, config = run_fused_tile(arrays, params, precision, tile, taps_inner,
@@ -809,7 +809,7 @@ def test_every_half_tile_in_every_dimension(ndim):
         expected = reference.deform_conv(**{k: a.astype(dtype).astype(np.float64) for k, a in arrays.items()},
                                          **params)
         for tile in fused._tiles(dtype):
-            if not tile_runs(tile, precision):
+            if not tile_runs(tile, precision, ndim):
                 continue
             for taps_inner in (True, False):
                 config = fused.LaunchConfig(geom, dtype, False, tile=tile, taps_inner=taps_inner)

@@ -69,7 +69,7 @@ _VEC = {np.dtype(np.float16): 8, BFLOAT16: 8, np.dtype(np.float32): 4}
 DTYPES = tuple(_VEC)
 #: The tiles (BM output channels, BN positions, BK channels per step, MINB blocks per SM asked
 #: of the register allocator, ENGINE: 0 mma.sync, 1 wgmma, 3 warp-specialised wgmma[, THREADS
-#: per block: 256 when not given; 512 for mma.sync's 256x64x64, 384 to 640 for ENGINE 3's])
+#: per block: 256 when not given; 512 for mma.sync's 256x64x64, 384 to 768 for ENGINE 3's])
 #: instantiated per dtype, kept from those measured (NOTES-gpu.md); one is chosen per shape
 #: (plan_config). The first of each
 #: engine (the smallest) also has the per-channel sampler and the 64-bit indices. wgmma tiles
@@ -98,6 +98,10 @@ DTYPES = tuple(_VEC)
 #: samplers (640 threads), 3xTF32 311 -> 304 with 192 (448 threads; its 16-channel chunks leave
 #: 384 samplers no whole vector); 11-20% slower at B=8 C256 56x56, where the tuner keeps 256x64
 #: (NOTES-gpu.md, session 38).
+#: Its 768-thread 256x64 tiles have 512 samplers, given 72 registers each so that the MMA
+#: warpgroups hold their accumulators unspilled (``WIDE_SAMPLERS``; 1D and 2D only). H200, whole
+#: forward at B=8 C256 56x56 against the 512-thread tile: fp16 125.6 -> 120.7 us, TF32 226.3 ->
+#: 218.0 (NOTES-gpu.md, session 38); no 3xTF32 (its stages do not fit three times).
 #: Its 64-row tiles have one MMA warpgroup (``tile_mma_threads``), for C_out/groups <= 64, where a
 #: 128-row tile left half its rows idle: H200, B=32 C64 56x56 whole forward, TF32 64x64x32 (2
 #: blocks per SM) 0.214 ms against 128x128x32's 0.288, 3xTF32 0.328 against 0.414; fp16
@@ -107,11 +111,12 @@ TILES = {
              (128, 64, 64, 1, 1), (256, 128, 32, 1, 1), (128, 128, 64, 1, 1),
              (64, 128, 32, 2, 0), (64, 64, 64, 2, 0), (128, 64, 64, 2, 0), (256, 64, 64, 1, 0, 512),
              (256, 64, 64, 1, 3, 512), (128, 128, 64, 1, 3, 512), (64, 64, 64, 2, 3, 384),
-             (64, 128, 32, 1, 3, 384), (256, 48, 64, 1, 3, 640)),
+             (64, 128, 32, 1, 3, 384), (256, 48, 64, 1, 3, 640), (256, 64, 64, 1, 3, 768)),
     "float": ((64, 64, 32, 1, 0), (256, 64, 32, 1, 0), (128, 128, 16, 1, 0),
               (128, 64, 32, 1, 1), (256, 128, 16, 1, 1), (128, 128, 32, 1, 1),
               (256, 64, 32, 1, 3, 512), (256, 64, 16, 1, 3, 512), (128, 128, 32, 1, 3, 512),
-              (64, 64, 32, 2, 3, 384), (256, 48, 32, 1, 3, 640), (256, 48, 16, 1, 3, 448)),
+              (64, 64, 32, 2, 3, 384), (256, 48, 32, 1, 3, 640), (256, 48, 16, 1, 3, 448),
+              (256, 64, 32, 1, 3, 768)),
 }
 #: The engines that multiply with wgmma (sm_90a modules; fp16, bf16 and TF32; ENGINE 3 3xTF32 too).
 WGMMA_ENGINES = (1, 3)
@@ -178,10 +183,18 @@ def tile_computes(tile, precision: int) -> bool:
     return not (tile[4] == 1 and precision == 2)
 
 
+#: ENGINE 3's samplers per block from which the kernel gives them 72 registers
+#: (``DCN_FUSED_WIDE_SAMPLER_REGS``) and the MMA warpgroups the rest: enough for 1D and 2D
+#: corners, while 3D's spill (ptxas: 100-360 bytes a thread), so these tiles have no 3D kernels.
+WIDE_SAMPLERS = 512
+
+
 def tile_builds(dtype, ndim: int, tile, precision: int) -> bool:
-    """Whether a tile has a kernel in ``precision``: it computes that precision and its ring fits
-    shared memory (3xTF32 stages are twice as long)."""
-    return tile_computes(tile, precision) and pipeline_depth(dtype, ndim, tile, precision) > 0
+    """Whether a tile has a kernel in ``precision`` and N = ``ndim``: it computes that precision,
+    its ring fits shared memory (3xTF32 stages are twice as long), and (ENGINE 3's wide tiles) its
+    samplers' corners fit their registers."""
+    return (tile_computes(tile, precision) and pipeline_depth(dtype, ndim, tile, precision) > 0
+            and not (ndim == 3 and tile_samplers(tile) >= WIDE_SAMPLERS))
 
 
 def _tiles(dtype, index64: bool = False) -> tuple:
@@ -587,6 +600,9 @@ class LaunchConfig:
         self.depth = pipeline_depth(dtype, geom.ndim, self.tile, self.precision)
         if not self.depth:
             raise ValueError(f"tile {self.tile} does not fit shared memory for {geom.ndim}-d sampling")
+        if not tile_builds(dtype, geom.ndim, self.tile, self.precision):
+            raise ValueError(f"tile {self.tile} has no {geom.ndim}-d kernel ({tile_samplers(self.tile)} samplers "
+                             f"from {WIDE_SAMPLERS} on hold too few registers for its corners)")
         table = warp_corner_bytes(geom.ndim, self.tile, self.index64) if self.warp_corners else 0
         self.row_phases = row_phases(dtype, self.tile, self.precision, self.warp_corners)
         self.smem_bytes = (smem_bytes(dtype, geom.ndim, self.tile, self.depth, self.precision, table)
