@@ -323,6 +323,16 @@ def test_launch_config_choices():
     assert strict.tile[:5] == (256, 64, 16, 1, 3) and strict.depth == 4 and strict.smem_bytes == 160 * 1024
     assert fused.LaunchConfig(g, np.float32, False, 132).tile[4] == 0
     assert fused.pipeline_depth(np.float32, 2, (256, 64, 32, 1, 3, 512), 2) == 0   # 3 stages of 80 KiB: too long
+    # the 768-thread tiles (512 samplers at 72 registers): 1D and 2D kernels, no 3D ones, no 3xTF32
+    wide = (256, 64, 64, 1, 3, 768)
+    assert wide in fused.TILES["half"] and fused.tile_samplers(wide) == fused.WIDE_SAMPLERS
+    assert [fused.tile_builds(np.float16, n, wide, 0) for n in (1, 2, 3)] == [True, True, False]
+    assert not fused.tile_builds(np.float32, 2, (256, 64, 32, 1, 3, 768), 2)
+    assert all(t != wide for t in fused._candidates(
+        _geom((2, 256, 8, 8, 8), (256, 256, 3, 3, 3), (2, 81, 8, 8, 8), padding=1), np.float16, True))
+    with pytest.raises(ValueError, match=r"has no 3-d kernel \(512 samplers"):
+        fused.LaunchConfig(_geom((2, 256, 8, 8, 8), (256, 256, 3, 3, 3), padding=1), np.float16, False, 132,
+                           tile=wide)
     # 32-channel offset groups: not ENGINE 3 (each of its steps' 64-channel chunks in one group)
     g32 = _geom((8, 256, 56, 56), (256, 256, 3, 3), (8, 8 * 18, 56, 56), (8, 9, 56, 56), padding=1)
     assert fused.LaunchConfig(g32, np.float16, False, 132, wgmma=True).tile[4] == 1
