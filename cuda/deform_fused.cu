@@ -75,8 +75,8 @@
 // tiles: at the launch's 80 registers their MMA warpgroups spill 740-870 bytes; with 72 for the
 // samplers, none in 1D and 2D, while 3D's samplers spill, so cuda_fused builds no 3D kernel of
 // them). H200, 256x64 whole forward with 512 samplers at 72 registers against 256 samplers
-// (NOTES-gpu.md session 38): B=8 C256 56x56 fp16 125.6 -> 120.7 us, TF32 226.3 -> 218.0 (at 64
-// registers TF32 261.5). Experiment switch: 0 splits nothing there.
+// (NOTES-gpu.md sessions 38 and 39): B=8 C256 56x56 fp16 125.0 -> 119.9 us, TF32 224.7 -> 215.7
+// (at 64 registers TF32 261.5). Experiment switch: 0 splits nothing there.
 #ifndef DCN_FUSED_WIDE_SAMPLER_REGS
 #define DCN_FUSED_WIDE_SAMPLER_REGS 72
 #endif

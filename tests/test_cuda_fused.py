@@ -330,7 +330,7 @@ def test_launch_config_choices():
     assert not fused.tile_builds(np.float32, 2, (256, 64, 32, 1, 3, 768), 2)
     assert all(t != wide for t in fused._candidates(
         _geom((2, 256, 8, 8, 8), (256, 256, 3, 3, 3), (2, 81, 8, 8, 8), padding=1), np.float16, True))
-    with pytest.raises(ValueError, match=r"has no 3-d kernel \(512 samplers"):
+    with pytest.raises(ValueError, match=r"has no 3-d kernel: its 512 samplers \(WIDE_SAMPLERS = 512 or more\)"):
         fused.LaunchConfig(_geom((2, 256, 8, 8, 8), (256, 256, 3, 3, 3), padding=1), np.float16, False, 132,
                            tile=wide)
     # 32-channel offset groups: not ENGINE 3 (each of its steps' 64-channel chunks in one group)

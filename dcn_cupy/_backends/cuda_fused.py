@@ -99,9 +99,10 @@ DTYPES = tuple(_VEC)
 #: 384 samplers no whole vector); 11-20% slower at B=8 C256 56x56, where the tuner keeps 256x64
 #: (NOTES-gpu.md, session 38).
 #: Its 768-thread 256x64 tiles have 512 samplers, given 72 registers each so that the MMA
-#: warpgroups hold their accumulators unspilled (``WIDE_SAMPLERS``; 1D and 2D only). H200, whole
-#: forward at B=8 C256 56x56 against the 512-thread tile: fp16 125.6 -> 120.7 us, TF32 226.3 ->
-#: 218.0 (NOTES-gpu.md, session 38); no 3xTF32 (its stages do not fit three times).
+#: warpgroups hold their accumulators unspilled (``WIDE_SAMPLERS``; 1D and 2D only). H200, the
+#: tuner's whole forward at B=8 C256 56x56 with / without them: fp16 119.9 / 125.0 us, TF32 215.7
+#: / 224.7; not picked at the other benchmark shapes (NOTES-gpu.md, session 39). No 3xTF32: three
+#: of its stages do not fit.
 #: Its 64-row tiles have one MMA warpgroup (``tile_mma_threads``), for C_out/groups <= 64, where a
 #: 128-row tile left half its rows idle: H200, B=32 C64 56x56 whole forward, TF32 64x64x32 (2
 #: blocks per SM) 0.214 ms against 128x128x32's 0.288, 3xTF32 0.328 against 0.414; fp16
@@ -601,8 +602,9 @@ class LaunchConfig:
         if not self.depth:
             raise ValueError(f"tile {self.tile} does not fit shared memory for {geom.ndim}-d sampling")
         if not tile_builds(dtype, geom.ndim, self.tile, self.precision):
-            raise ValueError(f"tile {self.tile} has no {geom.ndim}-d kernel ({tile_samplers(self.tile)} samplers "
-                             f"from {WIDE_SAMPLERS} on hold too few registers for its corners)")
+            raise ValueError(f"tile {self.tile} has no {geom.ndim}-d kernel: its {tile_samplers(self.tile)} samplers "
+                             f"(WIDE_SAMPLERS = {WIDE_SAMPLERS} or more) get too few registers for "
+                             f"{geom.ndim}-d corners")
         table = warp_corner_bytes(geom.ndim, self.tile, self.index64) if self.warp_corners else 0
         self.row_phases = row_phases(dtype, self.tile, self.precision, self.warp_corners)
         self.smem_bytes = (smem_bytes(dtype, geom.ndim, self.tile, self.depth, self.precision, table)
