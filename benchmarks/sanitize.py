@@ -243,6 +243,22 @@ def fused_cases(quick: bool = False) -> int:
             # group alone, the one grouping they serve
             if tile[4] in (0, 3):
                 count += run(one_group, dtype, tf32, poison=True, tile=tile, warp_corners=True)
+    # ENGINE 3's persistent blocks: a grid of 2, each block running its tiles (12 samples' worth)
+    # through one ring
+    many = random_case(np.random.default_rng(998), 2, False, batch=12, channels_scale=64)
+    taps = int(np.prod(many.arrays_["weight"].shape[2:]))
+    many_one_group = dataclasses.replace(many, label=many.label + " (one offset and mask group)", arrays_=dict(
+        many.arrays_, offset=many.arrays_["offset"][:, :2 * taps], mask=many.arrays_["mask"][:, :taps]))
+    blocks, persistent = fu.PERSISTENT_BLOCKS, fu.PERSISTENT
+    try:
+        fu.PERSISTENT_BLOCKS, fu.PERSISTENT = 2, True
+        for dtype, tf32 in ((np.float16, False), (np.float32, True)):
+            for tile in fu._tiles(dtype):
+                if fu.tile_persists(tile, fu.precision_of(dtype, tf32)) and fu.wgmma_available():
+                    count += run(many, dtype, tf32, poison=True, tile=tile, sampling_plan=True)
+                    count += run(many_one_group, dtype, tf32, poison=True, tile=tile, warp_corners=True)
+    finally:
+        fu.PERSISTENT_BLOCKS, fu.PERSISTENT = blocks, persistent
     if quick:
         return count
     # one-sample chunks of the channels-last copy (a sample is never split) and 64-bit indices

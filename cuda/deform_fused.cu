@@ -53,7 +53,10 @@
 // per multiprocessor asked of the register allocator), UNIFORM (16-byte-vector sampler), ENGINE,
 // DEPTH (ENGINE 2's and ENGINE 3's rings), THREADS (per block: 256, or 512 for mma.sync tiles,
 // which halves each thread's accumulators and sampling for a tile as tall as 256 rows; ENGINE 3:
-// 256 MMA threads, 128 for a 64-row tile, plus the samplers). Dynamic shared memory:
+// 256 MMA threads, 128 for a 64-row tile, plus the samplers), PLAN, PERSIST (ENGINE 3 with two
+// MMA warpgroups: a block computes tiles blockIdx.x, blockIdx.x + gridDim.x, ... through one
+// ring, the samplers filling the next tile's stages while the MMA warps finish and store a tile;
+// persistent grids of the blocks the device holds at once). Dynamic shared memory:
 // 2 * (BM + BN) * (BK + PAD) elements of T (PAD = 0 for wgmma); ENGINE 3: DEPTH * (BM + BN) * BK,
 // twice that in 3xTF32; ENGINE 2: cuda_fused.smem_bytes.
 
@@ -397,7 +400,7 @@ __global__ void fused_weight_tiles(const T* __restrict__ w, T* __restrict__ wt, 
 }
 
 template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool UNIFORM, int ENGINE,
-          int DEPTH = 1, int THREADS = fused::THREADS, int PLAN = 0>
+          int DEPTH = 1, int THREADS = fused::THREADS, int PLAN = 0, bool PERSIST = false>
 __global__ void __launch_bounds__(THREADS, MINB)
 deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const T* __restrict__ offset,
                      const T* __restrict__ mask, const T* __restrict__ bias, T* __restrict__ y,
@@ -438,6 +441,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     static_assert(ENGINE != 3 || (SAMPLERS >= 128 && DEPTH >= 3 && 2 * DEPTH <= 15),
                   "warp-specialised ring: a warpgroup or more of samplers, 3 to 7 stages, 2 named barriers a stage");
     static_assert(!PLAN || (UNIFORM && ENGINE != 2), "the sampling plan: 16-byte sampler, engines 0 and 1");
+    static_assert(!PERSIST || ENGINE == 3, "persistent blocks: ENGINE 3");
     constexpr bool WARP_CORNERS = PLAN == 2;
     static_assert(!WARP_CORNERS || ((ENGINE == 0 || ENGINE == 3) && 32 % TPP == 0 && SAMPLERS % 32 == 0),
                   "corner batches per warp: engines 0 and 3, a warp's lanes a whole number of positions");
@@ -493,12 +497,24 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     const int per_go = offset == nullptr ? channels : divide(channels, offset_groups);
     const int per_gm = mask == nullptr ? channels : divide(channels, mask_groups);
     const int m_tiles = (Cog + BM - 1) / BM;
-    const I bid = blockIdx.x;
-    const int tiles_mg = m_tiles * groups;   // blocks of one position tile
-    const I pt = tiles_mg == 1 ? bid : bid / tiles_mg;
-    const int grp = divide((int)(bid - pt * tiles_mg), m_tiles);
-    const int m0 = ((int)(bid - pt * tiles_mg) - grp * m_tiles) * BM;
-    const I p0 = pt * BN;
+    const int tiles_mg = m_tiles * groups;   // tiles of one position tile
+    // Output tile `tile`: positions p0.. (position tile pt), group grp, its output channels m0...
+    // A block computes tile blockIdx.x; ENGINE 3 in a grid of fewer blocks than tiles (persistent
+    // blocks, cuda_fused.LaunchConfig.persistent) then tiles blockIdx.x + gridDim.x, ... too.
+    I pt, p0;
+    int grp, m0;
+    auto tile_coords = [&](I tile, int& grp_, int& m0_) {
+        const I pt_ = tiles_mg == 1 ? tile : tile / tiles_mg;
+        grp_ = divide((int)(tile - pt_ * tiles_mg), m_tiles);
+        m0_ = ((int)(tile - pt_ * tiles_mg) - grp_ * m_tiles) * BM;
+        return pt_;
+    };
+    auto enter_tile = [&](I tile) {
+        pt = tile_coords(tile, grp, m0);
+        p0 = pt * BN;
+    };
+    enter_tile(blockIdx.x);
+    const I tiles = (BQ + BN - 1) / BN * tiles_mg;
     const int chunks = (Cg + BK - 1) / BK;
     const int steps = K * chunks;
     // Step order: taps inner (a chunk of channels for every tap, then the next chunk: the
@@ -542,22 +558,28 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     const int sh = ROW_PHASES ? (lane & 7) * VEC : (ptid % TPP) * (INTERLEAVED ? VEC : CPT);
     // the position whose offsets and mask this thread reads: its sampling position, or (PLAN 2)
     // position lane % PPW of its warp's, whose corners it computes for tap lane / PPW of a batch
-    const I sp = p0 + (WARP_CORNERS ? (ptid >> 5) * PPW + (lane % PPW) : sn);
-    const bool svalid = sp < BQ;
+    const int sp_in_tile = WARP_CORNERS ? (ptid >> 5) * PPW + (lane % PPW) : sn;
+    I sp;
+    bool svalid;
     int qc[N];
-    const T* off_q = nullptr;
-    const T* msk_q = nullptr;
-    I sample_row = 0;
-    {
+    const T* off_q;
+    const T* msk_q;
+    I sample_row;
+    fused::Sampler<I, N> smp;
+    // (per tile: the position's coordinates, offset and mask pointers and sample row, the
+    // sampler's corner set forgotten)
+    auto enter_position = [&]() {
+        sp = p0 + sp_in_tile;
+        svalid = sp < BQ;
         const I b = svalid ? sp / Q : 0;
         const I q = svalid ? sp % Q : 0;
         dcn::unravel_in_range<N, I>(q, g.out_size, qc);
-        if (offset != nullptr) off_q = offset + b * offset_bstride + q;
-        if (mask != nullptr) msk_q = mask + b * mask_bstride + q;
+        off_q = offset == nullptr ? nullptr : offset + b * offset_bstride + q;
+        msk_q = mask == nullptr ? nullptr : mask + b * mask_bstride + q;
         sample_row = b * S;
-    }
-    fused::Sampler<I, N> smp;
-    smp.reset();
+        smp.reset();
+    };
+    enter_position();
     // ENGINE 3 keeps AHEAD steps of loads in flight, each in a slot of raw (and of raw_weight,
     // its corners' weights, where AHEAD > 1: smp then already holds a later step's)
     constexpr int AHEAD = ENGINE == 3 ? DCN_FUSED_LOADS_AHEAD : 1;
@@ -1058,6 +1080,26 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
 #pragma unroll
                 for (int i = 0; i < NACC; ++i) register_fence(acc[mi][i]);
         };
+        // Epilogue: d[mi][4j + e] is row 64*mi + 16*(warp%4) + lane/4 + 8*(e/2) of the
+        // warpgroup's rows, position 8j + 2*(lane%4) + e%2. The output offsets of the thread's
+        // positions first, with one division (one a stored value was 32 divisions a thread).
+        auto epilogue = [&]() {
+            const int gq = lane >> 2, tq = lane & 3;
+            I ybase[BN / 8][2];
+            fused::output_offsets<I, BN / 8>(ybase, p0 + 2 * tq, Q, BQ, out_channels);
+            const bool pairs = fused::pairs_aligned(y, ybase, Q);
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int o = m0 + wg * WG_ROWS + mi * 64 + (warp & 3) * 16 + gq + h * 8;
+                    if (o >= Cog) continue;
+                    const int oc = grp * Cog + o;
+                    const float bv = bias == nullptr ? 0.0f : Traits<T>::load(bias[oc]);
+                    fused::store_row(y + (I)oc * Q, ybase, pairs,
+                                     [&](int j, int e) { return d[mi][4 * j + 2 * h + e] + bv; });
+                }
+        };
         if constexpr (ENGINE == 1) {
             for (int s = 0; s < steps; ++s) {
                 const int cur = s & 1;
@@ -1076,6 +1118,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 proxy_fence();
                 __syncthreads();
             }
+            epilogue();
         } else {
             // ENGINE 3, warp-specialised: the samplers fill a ring of DEPTH stages (weight tile by a
             // bulk copy, sampled tile by their own stores) as far ahead as it allows, while the MMA
@@ -1092,20 +1135,35 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             // copying its own rows measured 5-10% slower at B=8 C256 TF32 and float32, NOTES-gpu.md
             // session 28). A sampler keeps one step in flight: step s + 1's corner loads are issued
             // before step s's stage is stored (its blend waits on its loads).
+            // Persistent blocks (a grid of fewer blocks than tiles): the block's tiles run through
+            // one ring, their steps counted on from one tile to the next (the block's step u is in
+            // stage u % DEPTH), so that the samplers fill the next tile's stages while the MMA
+            // warps finish a tile and store it; a sampler's loads run one step ahead within a tile.
             constexpr bool MMA_WEIGHTS = MMA_WGS == 1;   // who issues the weight copies
+            // PERSIST (instantiated where cuda_fused.tile_persists): two MMA warpgroups, not 3xTF32.
+            // The one MMA warpgroup's weight copies and 3xTF32's second accumulators left no
+            // registers for the tile loop's state (ptxas: spills of 20-160 bytes grew to
+            // 500-1700). Without it, the kernel is the one-tile-a-block kernel it was.
+            static_assert(!PERSIST || (MMA_WGS == 2 && SPLIT == 1),
+                          "persistent blocks: two MMA warpgroups, not 3xTF32");
+            constexpr bool PERSISTENT = PERSIST;
             __shared__ __align__(8) unsigned long long weight_full[DEPTH];
-            // step's weight tile into its stage (free by then), by the thread named above (the
-            // MMA thread asks for DEPTH steps ahead, past the last step too)
-            auto weight_bulk = [&](int step) {
-                const T* const w_tiles = wr + ((I)grp * m_tiles + m0 / BM) * K * chunks * (SPLIT * BM * BK);
+            const int block_steps = PERSISTENT ? ((int)((tiles - 1 - blockIdx.x) / gridDim.x) + 1) * steps
+                                               : steps;   // (cuda_fused.LaunchConfig.grid: below 2^31)
+            // The weight tile of step `step` of the tile of group grp_ and first row m0_ into the
+            // stage of the block's step u (free by then), by the thread named above. Its tap and
+            // chunk from the thread's step cursor: a sampler's own (reset with each tile), the MMA
+            // thread's for its copies.
+            auto weight_bulk = [&](int grp_, int m0_, int step, int u) {
                 if (tid != (MMA_WEIGHTS ? 0 : MMA_THREADS)) return;
-                if (MMA_WEIGHTS && step >= steps) return;
+                const T* const w_tiles = wr + ((I)grp_ * m_tiles + m0_ / BM) * K * chunks * (SPLIT * BM * BK);
                 constexpr unsigned WEIGHT_BYTES = SPLIT * BM * BK * sizeof(T);
-                const int stage = step % DEPTH, t = step_tap(step), ch = step_chunk(step);
+                const int stage = u % DEPTH, t = step_tap(step), ch = step_chunk(step);
                 mbarrier_expect(&weight_full[stage], WEIGHT_BYTES);
                 bulk_copy(As0 + stage * A_BUF, w_tiles + ((I)t * chunks + ch) * (SPLIT * BM * BK), WEIGHT_BYTES,
                           &weight_full[stage]);
             };
+            auto reset_cursor = [&]() { cur_step = cur_tap = cur_chunk = 0; };
             if (tid == 0) {
 #pragma unroll
                 for (int k = 0; k < DEPTH; ++k) mbarrier_init(&weight_full[k]);
@@ -1138,124 +1196,159 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 if constexpr (RESPLIT) setmaxnreg_dec<SAMPLER_REGS>();
                 if constexpr (GROW) setmaxnreg_inc<AHEAD_REGS>();
                 constexpr bool SAMPLE = DCN_FUSED_WS_EXPERIMENT != 2;
-                corner_batch(0);   // (offsets and mask only: before the wait)
-                fused::wait_prerequisites();   // xcl, wr and the sampling plan written
-                if constexpr (!MMA_WEIGHTS) weight_bulk(0);
-                if (SAMPLE) sample_load(0);
                 constexpr bool PEEL = DCN_FUSED_PEEL_LAST_STEP < 0 ? sizeof(T) == 2 : DCN_FUSED_PEEL_LAST_STEP != 0;
-                if constexpr (AHEAD == 1) {
-                    // step s; `more`: a step follows (its slot awaited, its weights and loads issued)
-                    auto sampler_step = [&](int s, bool more) {
-                        if (more) {
-                            if (s + 1 >= DEPTH) barrier_sync(1 + DEPTH + (s + 1) % DEPTH, THREADS);
-                            if constexpr (!MMA_WEIGHTS) weight_bulk(s + 1);
+                I tile = blockIdx.x;
+                for (int u0 = 0;;) {   // u0: the block's step of the tile's first
+                    corner_batch(0);   // (offsets and mask only: before the wait)
+                    if (u0 == 0) fused::wait_prerequisites();   // xcl, wr and the sampling plan written
+                    if (u0 >= DEPTH) barrier_sync(1 + DEPTH + u0 % DEPTH, THREADS);   // (the tile's first stage)
+                    if constexpr (!MMA_WEIGHTS) weight_bulk(grp, m0, 0, u0);
+                    if (SAMPLE) sample_load(0);
+                    if constexpr (AHEAD == 1) {
+                        // step s; `more`: a step of the tile follows (its slot awaited, its weights
+                        // and loads issued)
+                        auto sampler_step = [&](int s, bool more) {
+                            const int u = u0 + s;
+                            if (more) {
+                                if (u + 1 >= DEPTH) barrier_sync(1 + DEPTH + (u + 1) % DEPTH, THREADS);
+                                if constexpr (!MMA_WEIGHTS) weight_bulk(grp, m0, s + 1, u + 1);
+                            }
+                            if (SAMPLE) sample_store(u % DEPTH);
+                            if (more && SAMPLE) sample_load(s + 1);
+                            barrier_arrive(1 + u % DEPTH, THREADS);
+                        };
+                        if constexpr (PEEL) {   // (steps >= 1: C_in and K are at least 1)
+                            for (int s = 0; s + 1 < steps; ++s) sampler_step(s, true);
+                            sampler_step(steps - 1, false);
+                        } else {
+                            for (int s = 0; s < steps; ++s) sampler_step(s, s + 1 < steps);
                         }
-                        if (SAMPLE) sample_store(s % DEPTH);
-                        if (more && SAMPLE) sample_load(s + 1);
-                        barrier_arrive(1 + s % DEPTH, THREADS);
-                    };
-                    if constexpr (PEEL) {   // (steps >= 1: C_in and K are at least 1)
-                        for (int s = 0; s + 1 < steps; ++s) sampler_step(s, true);
-                        sampler_step(steps - 1, false);
                     } else {
-                        for (int s = 0; s < steps; ++s) sampler_step(s, s + 1 < steps);
-                    }
-                } else {
-                    // step s's loads in slot s & 1, issued two steps ahead; the loop unrolled by two
-                    // so that every slot index is a constant once inlined (registers, not local memory)
-                    if (SAMPLE && steps > 1) sample_load(1, 1);
-                    auto sampler_step = [&](int s, int k) {
-                        if (s + 1 < steps) {
-                            if (s + 1 >= DEPTH) barrier_sync(1 + DEPTH + (s + 1) % DEPTH, THREADS);
-                            if constexpr (!MMA_WEIGHTS) weight_bulk(s + 1);
+                        // step s's loads in slot s & 1, issued two steps ahead; the loop unrolled by
+                        // two so that every slot index is a constant once inlined (registers, not
+                        // local memory)
+                        if (SAMPLE && steps > 1) sample_load(1, 1);
+                        auto sampler_step = [&](int s, int k) {
+                            const int u = u0 + s;
+                            if (s + 1 < steps) {
+                                if (u + 1 >= DEPTH) barrier_sync(1 + DEPTH + (u + 1) % DEPTH, THREADS);
+                                if constexpr (!MMA_WEIGHTS) weight_bulk(grp, m0, s + 1, u + 1);
+                            }
+                            if (SAMPLE) sample_store(u % DEPTH, k);
+                            if (SAMPLE && s + 2 < steps) sample_load(s + 2, k);
+                            barrier_arrive(1 + u % DEPTH, THREADS);
+                        };
+                        for (int s = 0; s < steps; s += 2) {
+                            sampler_step(s, 0);
+                            if (s + 1 < steps) sampler_step(s + 1, 1);
                         }
-                        if (SAMPLE) sample_store(s % DEPTH, k);
-                        if (SAMPLE && s + 2 < steps) sample_load(s + 2, k);
-                        barrier_arrive(1 + s % DEPTH, THREADS);
-                    };
-                    for (int s = 0; s < steps; s += 2) {
-                        sampler_step(s, 0);
-                        if (s + 1 < steps) sampler_step(s + 1, 1);
                     }
+                    u0 += steps;
+                    tile += gridDim.x;
+                    if (!PERSISTENT || tile >= tiles) break;
+                    enter_tile(tile);
+                    enter_position();
+                    batch_smp.reset();
+                    batch_key = -1;
+                    reset_cursor();
                 }
                 return;
             }
             if constexpr (RESPLIT) setmaxnreg_inc<MMA_REGS>();
             if constexpr (GROW) setmaxnreg_dec<(GROW ? MMA_LEFT : 256)>();
+            // MMA_WEIGHTS: the block's next step whose weight tile is to be copied (issued in step
+            // order, DEPTH ahead of the MMAs), that step of its tile, and the tile's coordinates
+            int w_next = 0, w_step = 0, w_grp = grp, w_m0 = m0;
+            I w_tile = blockIdx.x;
+            auto weight_ahead = [&]() {
+                if (w_next >= block_steps) return;
+                if (PERSISTENT && w_step == steps) {
+                    w_step = 0;
+                    w_tile += gridDim.x;
+                    tile_coords(w_tile, w_grp, w_m0);
+                    reset_cursor();
+                }
+                weight_bulk(w_grp, w_m0, PERSISTENT ? w_step : w_next, w_next);
+                ++w_step;
+                ++w_next;
+            };
+            // the MMAs of the block's step u done: its stage to the samplers, whose wait for the
+            // block's step u + DEPTH this arrival matches (MMA_WEIGHTS: with that step's weights)
+            auto free_stage = [&](int u) {
+                if (u + DEPTH < block_steps) barrier_arrive(1 + DEPTH + u % DEPTH, THREADS);
+                if constexpr (MMA_WEIGHTS) weight_ahead();
+            };
             fused::wait_prerequisites();   // wr written
             if constexpr (MMA_WEIGHTS) {
 #pragma unroll 1
-                for (int s = 0; s < DEPTH; ++s) weight_bulk(s);
+                for (int s = 0; s < DEPTH; ++s) weight_ahead();
             }
-            for (int s = 0; s < steps; ++s) {
-                barrier_sync(1 + s % DEPTH, THREADS);
-                mbarrier_wait(&weight_full[s % DEPTH], (s / DEPTH) & 1);
-                // the samplers' generic-proxy stores, ordered by the barrier, made visible to this
-                // thread's wgmma (async proxy)
-                proxy_fence();
-                if constexpr (PROMOTE) {
-                    // p sums the products of a run of PROMOTE_STEPS steps (the first overwrites
-                    // it); once the run's last step completes, p joins d. Each stage is freed once
-                    // its MMAs are done: within a run, the previous step's after this one is issued.
-                    constexpr int PROMOTE_STEPS = DCN_FUSED_PROMOTE_CHANNELS / BK > 1 ? DCN_FUSED_PROMOTE_CHANNELS / BK : 1;
-                    auto free_stage = [&](int u) {
-                        if (u + DEPTH < steps) barrier_arrive(1 + DEPTH + u % DEPTH, THREADS);
-                        if constexpr (MMA_WEIGHTS) weight_bulk(u + DEPTH);
-                    };
-                    const bool first = s % PROMOTE_STEPS == 0;
-                    const bool last = PROMOTE_STEPS == 1 || (s + 1) % PROMOTE_STEPS == 0 || s + 1 == steps;
-                    if (DCN_FUSED_WS_EXPERIMENT != 1) mma_issue(s % DEPTH, p, first);
-                    if constexpr (PROMOTE_STEPS > 1) {
-                        wgmma_wait_pending<1>();   // step s - 1's MMAs done
-                        if (!first) free_stage(s - 1);
-                        if (!last) continue;
-                    }
-                    wgmma_wait_all();
-#pragma unroll
-                    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                        for (int i = 0; i < NACC; ++i) register_fence(p[mi][i]);
-                    free_stage(s);
-                    if (DCN_FUSED_WS_EXPERIMENT != 1) {
+            I tile = blockIdx.x;
+            for (int u0 = 0;;) {   // u0: the block's step of the tile's first
+                for (int s = 0; s < steps; ++s) {
+                    const int u = u0 + s;
+                    barrier_sync(1 + u % DEPTH, THREADS);
+                    mbarrier_wait(&weight_full[u % DEPTH], (u / DEPTH) & 1);
+                    // the samplers' generic-proxy stores, ordered by the barrier, made visible to this
+                    // thread's wgmma (async proxy)
+                    proxy_fence();
+                    if constexpr (PROMOTE) {
+                        // p sums the products of a run of PROMOTE_STEPS steps (the first overwrites
+                        // it); once the run's last step completes, p joins d. Each stage is freed once
+                        // its MMAs are done: within a run, the previous step's after this one is issued.
+                        constexpr int PROMOTE_STEPS = DCN_FUSED_PROMOTE_CHANNELS / BK > 1 ? DCN_FUSED_PROMOTE_CHANNELS / BK : 1;
+                        const bool first = s % PROMOTE_STEPS == 0;
+                        const bool last = PROMOTE_STEPS == 1 || (s + 1) % PROMOTE_STEPS == 0 || s + 1 == steps;
+                        if (DCN_FUSED_WS_EXPERIMENT != 1) mma_issue(u % DEPTH, p, first);
+                        if constexpr (PROMOTE_STEPS > 1) {
+                            wgmma_wait_pending<1>();   // step u - 1's MMAs done
+                            if (!first) free_stage(u - 1);
+                            if (!last) continue;
+                        }
+                        wgmma_wait_all();
 #pragma unroll
                         for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-                            for (int i = 0; i < NACC; ++i) d[mi][i] += p[mi][i];
+                            for (int i = 0; i < NACC; ++i) register_fence(p[mi][i]);
+                        free_stage(u);
+                        if (DCN_FUSED_WS_EXPERIMENT != 1) {
+#pragma unroll
+                            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                                for (int i = 0; i < NACC; ++i) d[mi][i] += p[mi][i];
+                        }
+                    } else {
+                        if (DCN_FUSED_WS_EXPERIMENT != 1) mma_issue(u % DEPTH, d, false);
+                        wgmma_wait_pending<1>();   // step u - 1's MMAs have read their stage
+#pragma unroll
+                        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                            for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
+                        if (s >= 1) free_stage(u - 1);
                     }
-                } else {
-                    if (DCN_FUSED_WS_EXPERIMENT != 1) mma_issue(s % DEPTH, d, false);
-                    wgmma_wait_pending<1>();   // step s - 1's MMAs have read their stage
-#pragma unroll
-                    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                        for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
-                    if (s >= 1 && s - 1 + DEPTH < steps) barrier_arrive(1 + DEPTH + (s - 1) % DEPTH, THREADS);
-                    if (MMA_WEIGHTS && s >= 1) weight_bulk(s - 1 + DEPTH);
                 }
+                wgmma_wait_all();
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                    for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
+                if constexpr (PERSISTENT && !PROMOTE) free_stage(u0 + steps - 1);   // (the tile's last stage)
+                epilogue();
+                u0 += steps;
+                tile += gridDim.x;
+                if (!PERSISTENT || tile >= tiles) break;
+                enter_tile(tile);
+                // (p too: its last value dead during the epilogue, not carried to the next tile's
+                // first wgmma, whose runtime scale-d reads it)
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                    for (int i = 0; i < NACC; ++i) {
+                        d[mi][i] = 0.0f;
+                        if constexpr (PROMOTE) p[mi][i] = 0.0f;
+                    }
             }
-            wgmma_wait_all();
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
         }
-        // Epilogue: d[mi][4j + e] is row 64*mi + 16*(warp%4) + lane/4 + 8*(e/2) of the
-        // warpgroup's rows, position 8j + 2*(lane%4) + e%2. The output offsets of the thread's
-        // positions first, with one division (one a stored value was 32 divisions a thread).
-        const int gq = lane >> 2, tq = lane & 3;
-        I ybase[BN / 8][2];
-        fused::output_offsets<I, BN / 8>(ybase, p0 + 2 * tq, Q, BQ, out_channels);
-        const bool pairs = fused::pairs_aligned(y, ybase, Q);
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int o = m0 + wg * WG_ROWS + mi * 64 + (warp & 3) * 16 + gq + h * 8;
-                if (o >= Cog) continue;
-                const int oc = grp * Cog + o;
-                const float bv = bias == nullptr ? 0.0f : Traits<T>::load(bias[oc]);
-                fused::store_row(y + (I)oc * Q, ybase, pairs, [&](int j, int e) { return d[mi][4 * j + 2 * h + e] + bv; });
-            }
 #else
         __trap();   // wgmma kernels are built for sm_90a only
 #endif

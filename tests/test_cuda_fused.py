@@ -123,8 +123,10 @@ def test_fused_source_defines_exactly_the_instantiated_kernels():
     defined = set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(", source))
     for key in fused.all_module_keys():
         assert {name.split("<", 1)[0] for name in fused.name_expressions(*key)} == defined
-        # ..., UNIFORM, ENGINE[, DEPTH[, THREADS[, PLAN: 1 the sampling plan, 2 the warps' corner batches]]]>
-        assert all(re.search(rf", (true|false), {key[3]}(, [1-9](, (256|384|448|512|640|768)(, [12])?)?)?>$", name)
+        # ..., UNIFORM, ENGINE[, DEPTH[, THREADS[, PLAN: 1 the sampling plan, 2 the warps' corner
+        # batches[, PERSIST]]]]>
+        assert all(re.search(rf", (true|false), {key[3]}(, [1-9](, (256|384|448|512|640|768)"
+                             rf"(, [12]|, [012], true)?)?)?>$", name)
                    for name in fused.name_expressions(*key) if name.startswith("deform_fused_forward"))
 
 
@@ -306,7 +308,7 @@ def test_sampling_plan_chunks_keep_it_within_the_channels_last_copy():
     assert chunk(three_d, np.float16, True) == 1   # 27 x 8 x 8 = 1728 bytes against 64
 
 
-def test_launch_config_choices():
+def test_launch_config_choices(monkeypatch):
     fused = _fused()
     # the benchmark shape: uniform sampler, 128-channel tiles, 32-bit indices, bounded workspace
     g = _geom((8, 256, 56, 56), (256, 256, 3, 3), (8, 18, 56, 56), (8, 9, 56, 56), padding=1)
@@ -367,6 +369,30 @@ def test_launch_config_choices():
     assert strict64.tile == (64, 64, 32, 2, 3, 384) and strict64.depth == 3 and strict64.smem_bytes == 96 * 1024
     assert fused.tile_mma_threads(strict64.tile) == 128 and fused.tile_samplers(strict64.tile) == 256
     assert fused.pipeline_depth(np.float32, 2, (64, 64, 32, 2, 3, 384), 1) == 4
+    # persistent blocks: kernels of ENGINE 3 with two MMA warpgroups, not 3xTF32, 32-bit indices;
+    # untuned, the rule takes them in the half types where a chunk's tiles outnumber the blocks
+    # the device holds at once; a grid of at most PERSISTENT_BLOCKS (or those blocks)
+    assert fused.tile_persists((256, 64, 64, 1, 3, 768), 0) and fused.tile_persists((256, 64, 32, 1, 3, 512), 1)
+    assert not fused.tile_persists((256, 64, 16, 1, 3, 512), 2)
+    assert not fused.tile_persists((64, 64, 64, 2, 3, 384), 0) and not fused.tile_persists((256, 64, 64, 1, 0, 512), 0)
+    assert not strict.persistent and not strict64.persistent and "persistent" not in strict.description
+    g = _geom((8, 256, 56, 56), (256, 256, 3, 3), (8, 18, 56, 56), (8, 9, 56, 56), padding=1)
+    wide32 = (256, 64, 32, 1, 3, 768)
+    c = fused.LaunchConfig(g, np.float16, False, 132, tile=wide)
+    assert c.persistent and c.steps == 36 and "persistent blocks" in c.description and c.blocks(8) == 392
+    assert fused.kernel_name(np.float16, False, 2, 0, wide, True, 0, True).endswith(", 4, 768, 0, true>")
+    assert not fused.LaunchConfig(g, np.float16, False, 132, tile=wide, persistent=False).persistent
+    assert not fused.LaunchConfig(g, np.float16, False, 392, tile=wide).persistent   # one wave
+    assert not fused.LaunchConfig(g, np.float32, True, 132, tile=wide32).persistent     # TF32: tuned only
+    assert fused.LaunchConfig(g, np.float32, True, 132, tile=wide32, persistent=True).persistent
+    names = fused.name_expressions(np.float16, 2, False, 3)
+    assert sum(name.endswith(", true>") for name in names) == 3 * sum(
+        fused.tile_persists(t, 0) for t in fused.TILES["half"])   # (every PLAN)
+    assert not any(name.endswith(", true>") for name in fused.name_expressions(np.float16, 2, True, 3))
+    monkeypatch.setattr(fused, "PERSISTENT_BLOCKS", 100)
+    assert c.grid(8, None) == 100 and c.grid(1, None) == 49
+    c.steps = 2**31 // 3    # a block's steps past 32 bits: one tile a block
+    assert c.grid(8, None) == 392
 
 
 def test_row_phases_rule():
@@ -404,7 +430,9 @@ def test_forward_launches_address_every_chunk(monkeypatch, tile, plan):
     B, C, H, K, it = 5, 64, 9, 9, 2
     g = _geom((B, C, H, H), (C, C, 3, 3), (B, 2 * K, H, H), (B, K, H, H), (C,), padding=1)
     monkeypatch.setattr(fused, "WORKSPACE_LIMIT_BYTES", 1)   # one-sample chunks
-    config = fused.LaunchConfig(g, np.float16, False, 132, tile=tile, sampling_plan=plan)
+    monkeypatch.setattr(fused, "PERSISTENT_BLOCKS", 1)      # (a chunk's 2 tiles: one persistent block)
+    config = fused.LaunchConfig(g, np.float16, False, 132, tile=tile, sampling_plan=plan, persistent=True)
+    assert config.persistent == (tile[4] == 3)
     assert config.chunk == 1 and config.sampling_plan == plan
     monkeypatch.setattr(fused.LaunchConfig, "kernel", lambda self, name: name)
     monkeypatch.setattr(fused._cuda, "_kernel_op",
@@ -428,7 +456,8 @@ def test_forward_launches_address_every_chunk(monkeypatch, tile, plan):
         a = forward[3]
         assert [int(v) for v in a[:6]] == [ws + xcl_at, ws + wr_at, off + k * 2 * K * Q * it, msk + k * K * Q * it,
                                            b, out + k * C * Q * it]
-        assert int(a[7]) == 1 and forward[1] == (config.blocks(1),) and forward[2] == (config.threads,)
+        assert config.blocks(1) == 2 and forward[1] == (1 if config.persistent else 2,)
+        assert int(a[7]) == 1 and forward[2] == (config.threads,)
         assert forward[4] == config.smem_bytes
         if plan:
             p = chunk[1][3]
@@ -761,6 +790,50 @@ def test_large_output_channel_tiles_and_batch_spanning_tiles():
             assert serves(arrays, params, precision, tile), tile
             got, expected, _ = run_fused_tile(arrays, params, precision, tile)
             assert relative_error(got, expected) < TOL[precision], (precision, tile)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_persistent_blocks_compute_every_tile_as_one_tile_blocks_do(monkeypatch, ndim):
+    """ENGINE 3's persistent blocks (grids of 1, 3 and 7 blocks here, so that each block runs
+    many tiles through one ring: position tiles spanning samples, two output-channel tiles, two
+    conv groups, a partial last tile) give the bits of one tile a block, and the reference's
+    values: every tile that persists, each corner source, both step orders, fp16/bf16/TF32."""
+    cupy = _cupy()
+    fused = _fused()
+    rng = np.random.default_rng(60 + ndim)
+    arrays, params = wide_case(rng, ndim, groups=2, offset_groups=1, mask_groups=1, c_in=128, c_out=512,
+                               batch=12, stride=(1,) * ndim, padding=(1,) * ndim, dilation=(1,) * ndim)
+    geom = _case_geom(arrays, params)
+    ran = 0
+    for precision in ("float16", "bfloat16", "tf32"):
+        dtype = DTYPE[precision]
+        dev = {k: cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
+        expected = reference.deform_conv(**{k: a.astype(dtype).astype(np.float64) for k, a in arrays.items()},
+                                         **params)
+        for tile in fused._tiles(dtype):
+            if not (fused.tile_persists(tile, PREC[precision]) and tile_runs(tile, precision, ndim)):
+                continue
+            for taps_inner, plan, warp in ((True, False, False), (False, True, False), (False, False, True)):
+                kwargs = dict(tile=tile, taps_inner=taps_inner, sampling_plan=plan, warp_corners=warp)
+                single = fused.LaunchConfig(geom, dtype, precision == "tf32", persistent=False, **kwargs)
+                config = fused.LaunchConfig(geom, dtype, precision == "tf32", persistent=True, **kwargs)
+                assert config.persistent and not single.persistent and "persistent blocks" in config.description
+                want = cupy.full(geom.y_shape, np.nan, dtype=dtype)
+                fused.run_forward(single, dev["input"], dev["weight"], dev["offset"], dev["mask"], dev["bias"], want)
+                want = cupy.asnumpy(want)
+                assert relative_error(want.astype(np.float64), expected) < TOL[precision], (precision, tile)
+                tiles = config.blocks(geom.batch)
+                for blocks in (1, 3, 7):
+                    monkeypatch.setattr(fused, "PERSISTENT_BLOCKS", blocks)
+                    assert config.grid(geom.batch, config.kernel("forward")) == min(blocks, tiles) < tiles
+                    out = cupy.full(geom.y_shape, np.nan, dtype=dtype)
+                    fused.run_forward(config, dev["input"], dev["weight"], dev["offset"], dev["mask"], dev["bias"],
+                                      out)
+                    np.testing.assert_array_equal(cupy.asnumpy(out), want, err_msg=f"{precision} {tile} {blocks}")
+                ran += 1
+    if not ran:
+        pytest.skip("persistent tiles: ENGINE 3, compute capability 9.0")
 
 
 @pytest.mark.gpu

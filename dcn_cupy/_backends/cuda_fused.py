@@ -140,6 +140,20 @@ _ALIGN = 256
 MAX_PLAN_SEGMENTS = 8
 #: None: as above; True / False: the plan forced on (where it can serve) / off (tests, benchmarks).
 SAMPLING_PLAN = None
+#: ENGINE 3 in persistent blocks (kernels of their own, PERSIST): a grid of as many blocks as the
+#: device holds at once, each computing tiles blockIdx.x, blockIdx.x + gridDim.x, ... through one
+#: ring, so that its samplers fill the next tile's stages while its MMA warps finish a tile and
+#: store it (a wave's fill, drain and epilogue were 13% of B=8 C256 56x56 fp16's forward,
+#: NOTES-gpu.md session 39). Only tiles that ``tile_persists``, with 32-bit indices. H200, whole
+#: forward, one tile a block / persistent: fp16 B=8 C256 56x56 120.3 / 114.4 us, 1D B=16 C256
+#: L4096 145.4 / 126.0; TF32 1D 239.1 / 232.0 but B=8 C256 56x56 (768 threads) 215.9 / 221.7; one
+#: wave (B=16 C512 14x14) level (session 40). The tuner times both where a chunk's tiles
+#: outnumber the blocks the device holds (``persists_by_rule``); untuned, the rule takes them
+#: there in the half types. None: so; True / False: forced (tests, benchmarks).
+PERSISTENT = None
+#: None: a persistent grid of the blocks the device holds at once; a number: at most that many
+#: blocks (tests and sanitizers: several tiles a block at small shapes).
+PERSISTENT_BLOCKS = None
 
 
 def module_source() -> str:
@@ -166,6 +180,12 @@ def tile_mma_threads(tile) -> int:
 def tile_samplers(tile) -> int:
     """Threads per block that sample (all, but for ENGINE 3's MMA threads)."""
     return tile_threads(tile) - tile_mma_threads(tile)
+
+
+def tile_persists(tile, precision: int) -> bool:
+    """Whether a tile's kernel may run in persistent blocks (the kernel's PERSISTENT): ENGINE 3
+    with two MMA warpgroups, not in 3xTF32 (the others lack the registers for the tile loop)."""
+    return tile[4] == 3 and tile_mma_threads(tile) == 256 and precision != 2
 
 
 def is_wgmma(tile) -> bool:
@@ -266,15 +286,19 @@ def pipeline_depth(dtype, ndim: int, tile: tuple, precision: int = 0) -> int:
                 if smem_bytes(dtype, ndim, tile, d, precision) <= budget), default=0)
 
 
-def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, uniform: bool, plan: int = 0) -> str:
+def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, uniform: bool, plan: int = 0,
+                persist: bool = False) -> str:
     """The forward kernel's name expression; ``plan`` its PLAN: 0 each sampling thread computes its
-    corners, 1 from the sampling plan in global memory, 2 from its warp's corner batches."""
+    corners, 1 from the sampling plan in global memory, 2 from its warp's corner batches;
+    ``persist`` its PERSIST (persistent blocks, where ``tile_persists``)."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
     bm, bn, bk, minb, engine = tile[:5]
     threads = tile_threads(tile)
     depth = pipeline_depth(dtype, ndim, tile, prec)
-    if plan:
+    if persist:
+        rest = f", {depth}, {threads}, {int(plan)}, true"
+    elif plan:
         rest = f", {depth}, {threads}, {int(plan)}"
     else:
         rest = f", {depth}" if engine in (2, 3) else (", 1" if threads != _THREADS else "")
@@ -286,15 +310,17 @@ def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, uniform
 def name_expressions(dtype, ndim: int, index64: bool, engine: int = 0) -> tuple:
     """Every kernel instantiation of one module (one dtype, one N, one index width, one engine:
     0 mma.sync, built for the device's architecture; 1 and 3 wgmma, built for sm_90a); the 16-byte
-    sampler of engines 0, 1 and 3 with and without the sampling plan."""
+    sampler of engines 0, 1 and 3 with and without the sampling plan; ENGINE 3's in persistent
+    blocks too where ``tile_persists`` (32-bit indices)."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
-    names = [kernel_name(dtype, index64, ndim, prec, tile, uniform, plan)
+    names = [kernel_name(dtype, index64, ndim, prec, tile, uniform, plan, persist)
              for prec in _precisions(dtype) for tile in _tiles(dtype, index64) for uniform in (True, False)
-             for plan in (0, 1, 2)
+             for plan in (0, 1, 2) for persist in (False, True)
              if tile[4] == engine and tile_builds(dtype, ndim, tile, prec)
              and (uniform or tile == _per_channel_tile(dtype, engine))
-             and not (plan and (not uniform or engine == 2)) and not (plan == 2 and engine not in (0, 3))]
+             and not (plan and (not uniform or engine == 2)) and not (plan == 2 and engine not in (0, 3))
+             and not (persist and (index64 or not uniform or not tile_persists(tile, prec)))]
     names += [f"fused_channels_last<{t}, {i}>", f"fused_weight_rows<{t}, {i}>", f"fused_weight_tiles<{t}, {i}>",
               f"fused_sampling_plan<{t}, {i}, {ndim}>", f"fused_channel_totals<{t}, {i}>"]
     names += [f"fused_columns<{t}, {i}, {ndim}, {vectors}>" for vectors in COLUMN_VECTORS]
@@ -508,6 +534,11 @@ def _candidates(geom, dtype, wgmma: bool, index64: bool = False, precision: int 
     return fitting or [min(tiles)]
 
 
+def persists_by_rule(config, multiprocessors: int) -> bool:
+    """The untuned choice of persistent blocks (``PERSISTENT``): where they may, in the half types."""
+    return config.can_persist and config.fills_more_than_once(multiprocessors) and config.precision == 0
+
+
 def _choose_tile(geom, dtype, positions: int, multiprocessors: int, wgmma: bool, index64: bool = False,
                  precision: int = 0) -> tuple:
     """The tile of a shape without timing: among the candidates, wgmma ones first where allowed
@@ -536,10 +567,11 @@ class LaunchConfig:
     ``sampling_plan``: the corners from the chunk's sampling plan (None: the rule,
     ``SAMPLING_PLAN``); ``warp_corners``: from the sampling warps' corner batches (``PLAN`` 2),
     where asked and they serve (engines 0 and 3, one offset and one mask group, no sampling plan).
+    ``persistent``: ENGINE 3 in persistent blocks (None: the rule, ``PERSISTENT``).
     """
 
     def __init__(self, geom, dtype, allow_tf32: bool, multiprocessors: int = 132, tile=None, wgmma=False,
-                 taps_inner: bool = False, sampling_plan=None, warp_corners: bool = False):
+                 taps_inner: bool = False, sampling_plan=None, warp_corners: bool = False, persistent=None):
         dtype = np.dtype(dtype)
         if dtype not in _VEC:
             raise ValueError(f"cuda/fused serves float16, bfloat16 and float32, got {dtype}")
@@ -598,6 +630,11 @@ class LaunchConfig:
             _warp_corners_serve(geom, self.tile)
         self.plan_elems = n * self.Q * plan_entries if self.sampling_plan else 0
         self.m_tiles = -(-self.Cog // bm)
+        self.steps = self.K * -(-self.Cg // bk)   # a tile's (tap, channel chunk) steps
+        if persistent is None:
+            persistent = persists_by_rule(self, multiprocessors) if PERSISTENT is None else PERSISTENT
+        self.persistent = self.can_persist and bool(persistent)
+        self._resident = None   # blocks the device holds at once (persistent grids; at the first launch)
         self.depth = pipeline_depth(dtype, geom.ndim, self.tile, self.precision)
         if not self.depth:
             raise ValueError(f"tile {self.tile} does not fit shared memory for {geom.ndim}-d sampling")
@@ -640,20 +677,51 @@ class LaunchConfig:
                 f"{'16-byte vector' if self.uniform else 'per-channel'} sampling"
                 f"{' from a sampling plan' if self.sampling_plan else ''}"
                 f"{', corners a batch of taps ahead per warp' if self.warp_corners else ''}"
-                f"{' (by row phases, into a swizzled tile)' if self.row_phases else ''}, "
+                f"{' (by row phases, into a swizzled tile)' if self.row_phases else ''}"
+                f"{', persistent blocks' if self.persistent else ''}, "
                 f"taps {'inner' if self.taps_inner else 'outer'}, "
                 f"chunks of {self.chunk} samples, {'64' if self.index64 else '32'}-bit index")
 
+    @property
+    def can_persist(self) -> bool:
+        """Whether this launch has a kernel in persistent blocks (``tile_persists``, 32-bit indices)."""
+        return tile_persists(self.tile, self.precision) and not self.index64 and self.uniform
+
+    def fills_more_than_once(self, multiprocessors: int) -> bool:
+        """Whether a chunk has more tiles than ``multiprocessors`` hold at once (tile[3] blocks
+        each): where a persistent grid differs from one block a tile."""
+        return self.blocks(self.chunk) > multiprocessors * self.tile[3]
+
     def blocks(self, n: int) -> int:
-        """Blocks of the fused kernel for a chunk of n samples."""
+        """Output tiles of the fused kernel for a chunk of n samples (one block each unless persistent)."""
         return -(-n * self.Q // self.tile[1]) * self.m_tiles * self.geom.groups
+
+    def grid(self, n: int, function) -> int:
+        """Blocks of the fused kernel (``function``) for a chunk of n samples: one a tile, or
+        (persistent) as many as the device holds at once, where that is fewer and a block's
+        steps stay within the kernel's 32-bit step count."""
+        tiles = self.blocks(n)
+        if not self.persistent:
+            return tiles
+        cap = PERSISTENT_BLOCKS
+        if cap is None:
+            if self._resident is None:
+                from cupy.cuda import driver
+                function = function.kernel if hasattr(function, "kernel") else function   # (a RawKernel's)
+                per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, self.threads, self.smem_bytes)
+                self._resident = per_sm * _multiprocessors()
+            cap = self._resident
+        grid = min(tiles, cap)
+        if grid < 1 or -(-tiles // grid) * self.steps >= 2**31:
+            return tiles
+        return grid
 
     def kernel(self, name: str):
         g = self.geom
         i = "long long" if self.index64 else "int"
         if name == "forward":
             expr = kernel_name(self.dtype, self.index64, g.ndim, self.precision, self.tile, self.uniform,
-                               2 if self.warp_corners else int(self.sampling_plan))
+                               2 if self.warp_corners else int(self.sampling_plan), self.persistent)
             fn = _function(expr, self.dtype, g.ndim, self.index64, self.tile[4])
             # static shared memory (ENGINE 3's mbarriers) counts towards the 48 KiB allowed
             # without the attribute: it is set for any dynamic size
@@ -786,7 +854,7 @@ def forward_launches(config: LaunchConfig, inputs, strides, out: int, workspace:
                                         i32(g.in_channels), i32(max(g.offset_groups, 1)),
                                         i32(max(g.mask_groups, 1)), i32(config.seg_len), i32(config.segments),
                                         index(off_bs), index(msk_bs)), overlap=False))
-        ops.append(op(forward, (config.blocks(n),), (config.threads,), (
+        ops.append(op(forward, (config.grid(n, forward),), (config.threads,), (
             u64(xcl), u64(wr), offset_n, mask_n, at(bias, 0), u64(out + start * g.out_channels * config.Q * it),
             struct, i32(n), i32(g.in_channels), i32(config.Cp), i32(g.out_channels), i32(g.groups),
             i32(max(g.offset_groups, 1)), i32(max(g.mask_groups, 1)), i32(config.Cgp), index(off_bs),
@@ -907,7 +975,8 @@ def _time_versus(g, dtype, allow_tf32: bool, config) -> tuple:
     """(fused ms, im2col ms) of one batch chunk ``g`` (:func:`fused_versus_im2col`)."""
     args, out = _random_arguments(g, dtype)
     fused = LaunchConfig(g, dtype, allow_tf32, _multiprocessors(), tile=config.tile, taps_inner=config.taps_inner,
-                         sampling_plan=config.sampling_plan, warp_corners=config.warp_corners)
+                         sampling_plan=config.sampling_plan, warp_corners=config.warp_corners,
+                         persistent=config.persistent)
     fused_ws = cupy.empty(fused.workspace_bytes, dtype=np.uint8)
     im2col = _cuda._Forward(_cuda._spec(g, dtype, allow_tf32))
     im2col_ws = cupy.empty(im2col.workspace_bytes, dtype=np.uint8)
@@ -935,16 +1004,18 @@ def plan_config(geom, dtype, allow_tf32: bool) -> LaunchConfig:
             return static
         with private_pool():
             choice = _tuned[key] = _fastest_choice(geom, dtype, allow_tf32, static, sms, wgmma)
-    tile, taps_inner, sampling_plan, warp_corners = choice
+    tile, taps_inner, sampling_plan, warp_corners, persistent = choice
     return LaunchConfig(geom, dtype, allow_tf32, sms, tile=tile, taps_inner=taps_inner, sampling_plan=sampling_plan,
-                        warp_corners=warp_corners)
+                        warp_corners=warp_corners, persistent=persistent)
 
 
 def _fastest_choice(geom, dtype, allow_tf32: bool, static, sms: int, wgmma: bool) -> tuple:
-    """(tile, taps_inner, sampling_plan, warp_corners) of the candidate whose forward of one batch
-    chunk is fastest: each tile with its threads' own corners, from the sampling plan where it can
-    serve, and from its warps' corner batches where they serve (unless SAMPLING_PLAN forces the
-    plan on or off; with the plan, that chunk may take several of the plan's smaller chunks)."""
+    """(tile, taps_inner, sampling_plan, warp_corners, persistent) of the candidate whose forward
+    of one batch chunk is fastest: each tile with its threads' own corners, from the sampling plan
+    where it can serve, and from its warps' corner batches where they serve (unless SAMPLING_PLAN
+    forces the plan on or off; with the plan, that chunk may take several of the plan's smaller
+    chunks); each in one block a tile and, where it can and the chunk's tiles outnumber the
+    blocks the device holds, in persistent blocks (unless PERSISTENT forces them on or off)."""
     g = geom.with_batch(static.chunk)
     args, out = _random_arguments(g, dtype)
     orders = (True, False) if g.kernel_volume > 1 and g.in_channels_per_group > 32 else (True,)
@@ -956,13 +1027,19 @@ def _fastest_choice(geom, dtype, allow_tf32: bool, static, sms: int, wgmma: bool
                if (not plan or forced or (_uniform(geom, tile) and tile[4] != 2
                                           and plan_segments(geom)[1] <= MAX_PLAN_SEGMENTS))
                and (not warp or (_uniform(geom, tile) and _warp_corners_serve(geom, tile)))]
-    configs = [LaunchConfig(g, dtype, allow_tf32, sms, tile=tile, taps_inner=taps_inner, sampling_plan=plan,
-                            warp_corners=warp)
-               for tile, taps_inner, plan, warp in choices]
+    configs = []
+    for tile, taps_inner, plan, warp in choices:
+        for persistent in ((False, True) if PERSISTENT is None else (PERSISTENT,)):
+            config = LaunchConfig(g, dtype, allow_tf32, sms, tile=tile, taps_inner=taps_inner, sampling_plan=plan,
+                                  warp_corners=warp, persistent=persistent)
+            if persistent and PERSISTENT is None and not (config.persistent and config.fills_more_than_once(sms)):
+                continue
+            configs.append(config)
     # 3 rounds of 3 (a pick of one run of gpu.py was 1.5x the best candidate with 2 of 2)
     times = _time_configs(configs, args, out, rounds=3, repeats=3)
     cupy.cuda.get_current_stream().synchronize()
-    return choices[times.index(min(times))]
+    best = configs[times.index(min(times))]
+    return best.tile, best.taps_inner, best.sampling_plan, best.warp_corners, best.persistent
 
 
 def fused_conv_forward(x, weight, offset, mask, bias, geom, out, *, allow_tf32: bool, workspace=None) -> None:
