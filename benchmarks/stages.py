@@ -300,12 +300,13 @@ def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
                         np.int32(c.Cp), np.int32(geom.out_channels), np.int32(geom.groups), np.int32(1),
                         np.int32(1), np.int32(c.Cgp), index(fu._batch_stride(off)), index(fu._batch_stride(msk)),
                         np.int32(taps_inner), plan_rows, plan_weights, np.int32(c.seg_len))
-                k = t(lambda: kern((c.blocks(n),), (c.threads,), args, shared_mem=c.smem_bytes))
+                grid = c.grid(n, kern)   # (persistent where the rule takes them: fewer blocks than tiles)
+                k = t(lambda: kern((grid,), (c.threads,), args, shared_mem=c.smem_bytes))
                 label = ("kernel alone, tile %dx%dx%d minb %d eng %d" % tile[:5] + f" {c.threads}t"
                          + (" taps in" if taps_inner else " taps out"))
                 print(f"  {label:<48} {k:8.3f} ms  {flop / k / 1e9:7.1f} TFLOP/s "
-                      f"({c.blocks(n)} blocks, {fu.num_registers(kern)} regs, {'vector' if c.uniform else 'per-channel'})",
-                      flush=True)
+                      f"({grid} blocks{' persistent' if c.persistent else ''}, {fu.num_registers(kern)} regs, "
+                      f"{'vector' if c.uniform else 'per-channel'})", flush=True)
 
 
 def fused_backward_stages(x, w, off, msk, gy, geom, name, t, deterministic=False):
