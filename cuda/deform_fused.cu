@@ -503,14 +503,10 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     // blocks, cuda_fused.LaunchConfig.persistent) then tiles blockIdx.x + gridDim.x, ... too.
     I pt, p0;
     int grp, m0;
-    auto tile_coords = [&](I tile, int& grp_, int& m0_) {
-        const I pt_ = tiles_mg == 1 ? tile : tile / tiles_mg;
-        grp_ = divide((int)(tile - pt_ * tiles_mg), m_tiles);
-        m0_ = ((int)(tile - pt_ * tiles_mg) - grp_ * m_tiles) * BM;
-        return pt_;
-    };
     auto enter_tile = [&](I tile) {
-        pt = tile_coords(tile, grp, m0);
+        pt = tiles_mg == 1 ? tile : tile / tiles_mg;
+        grp = divide((int)(tile - pt * tiles_mg), m_tiles);
+        m0 = ((int)(tile - pt * tiles_mg) - grp * m_tiles) * BM;
         p0 = pt * BN;
     };
     enter_tile(blockIdx.x);
@@ -1144,16 +1140,15 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             // The one MMA warpgroup's weight copies and 3xTF32's second accumulators left no
             // registers for the tile loop's state (ptxas: spills of 20-160 bytes grew to
             // 500-1700). Without it, the kernel is the one-tile-a-block kernel it was.
-            static_assert(!PERSIST || (MMA_WGS == 2 && SPLIT == 1),
-                          "persistent blocks: two MMA warpgroups, not 3xTF32");
+            static_assert(!PERSIST || (MMA_WGS == 2 && SPLIT == 1 && !MMA_WEIGHTS),
+                          "persistent blocks: two MMA warpgroups (the first sampler copies the weights), not 3xTF32");
             constexpr bool PERSISTENT = PERSIST;
             __shared__ __align__(8) unsigned long long weight_full[DEPTH];
             const int block_steps = PERSISTENT ? ((int)((tiles - 1 - blockIdx.x) / gridDim.x) + 1) * steps
                                                : steps;   // (cuda_fused.LaunchConfig.grid: below 2^31)
             // The weight tile of step `step` of the tile of group grp_ and first row m0_ into the
             // stage of the block's step u (free by then), by the thread named above. Its tap and
-            // chunk from the thread's step cursor: a sampler's own (reset with each tile), the MMA
-            // thread's for its copies.
+            // chunk from the thread's step cursor (a sampler's reset with each tile).
             auto weight_bulk = [&](int grp_, int m0_, int step, int u) {
                 if (tid != (MMA_WEIGHTS ? 0 : MMA_THREADS)) return;
                 const T* const w_tiles = wr + ((I)grp_ * m_tiles + m0_ / BM) * K * chunks * (SPLIT * BM * BK);
@@ -1163,7 +1158,6 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 bulk_copy(As0 + stage * A_BUF, w_tiles + ((I)t * chunks + ch) * (SPLIT * BM * BK), WEIGHT_BYTES,
                           &weight_full[stage]);
             };
-            auto reset_cursor = [&]() { cur_step = cur_tap = cur_chunk = 0; };
             if (tid == 0) {
 #pragma unroll
                 for (int k = 0; k < DEPTH; ++k) mbarrier_init(&weight_full[k]);
@@ -1250,26 +1244,18 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                     enter_position();
                     batch_smp.reset();
                     batch_key = -1;
-                    reset_cursor();
+                    cur_step = cur_tap = cur_chunk = 0;   // (the step cursor)
                 }
                 return;
             }
             if constexpr (RESPLIT) setmaxnreg_inc<MMA_REGS>();
             if constexpr (GROW) setmaxnreg_dec<(GROW ? MMA_LEFT : 256)>();
-            // MMA_WEIGHTS: the block's next step whose weight tile is to be copied (issued in step
-            // order, DEPTH ahead of the MMAs), that step of its tile, and the tile's coordinates
-            int w_next = 0, w_step = 0, w_grp = grp, w_m0 = m0;
-            I w_tile = blockIdx.x;
+            // MMA_WEIGHTS (one tile a block): the next step whose weight tile is to be copied,
+            // issued in step order, DEPTH ahead of the MMAs
+            int w_next = 0;
             auto weight_ahead = [&]() {
                 if (w_next >= block_steps) return;
-                if (PERSISTENT && w_step == steps) {
-                    w_step = 0;
-                    w_tile += gridDim.x;
-                    tile_coords(w_tile, w_grp, w_m0);
-                    reset_cursor();
-                }
-                weight_bulk(w_grp, w_m0, PERSISTENT ? w_step : w_next, w_next);
-                ++w_step;
+                weight_bulk(grp, m0, w_next, w_next);
                 ++w_next;
             };
             // the MMAs of the block's step u done: its stage to the samplers, whose wait for the

@@ -1002,16 +1002,18 @@ def test_non_finite_input_reaches_exactly_the_dense_convolution_pattern(wide, pr
 def test_tuner_times_each_tile_with_and_without_the_sampling_plan(monkeypatch):
     """The tuner's candidates: each tile with and without the plan where it serves (16-byte
     sampler, at most MAX_PLAN_SEGMENTS segments), the plan in smaller chunks where it is larger
-    than a sample's copy (C_in = 64 in float16); only the plan where SAMPLING_PLAN forces it on."""
+    than a sample's copy (C_in = 64 in float16); only the plan where SAMPLING_PLAN forces it on;
+    persistent blocks as the rule takes them in the half types, both ways in TF32."""
     _cupy()
     fused = _fused()
-    timed, warps = [], []
+    timed, warps, configs = [], [], []
 
-    def record(configs, args, out, rounds=2, repeats=2):
+    def record(candidates, args, out, rounds=2, repeats=2):
+        configs.append(candidates)
         timed.append([(config.sampling_plan, config.chunk, config.uniform and config.tile[4] != 2)
-                      for config in configs])
-        warps.append([config.warp_corners for config in configs])
-        return [1.0 + i for i in range(len(configs))]   # the first candidate wins
+                      for config in candidates])
+        warps.append([config.warp_corners for config in candidates])
+        return [1.0 + i for i in range(len(candidates))]   # the first candidate wins
 
     monkeypatch.setattr(fused, "_time_configs", record)
     monkeypatch.setattr(fused, "_tuned", {})
@@ -1030,6 +1032,22 @@ def test_tuner_times_each_tile_with_and_without_the_sampling_plan(monkeypatch):
     fused.plan_config(narrow, np.float16, False)
     assert any(plan for plan, _, _ in timed[1])
     assert all(plan == serves for plan, _, serves in timed[1])   # no candidate without it where it serves
+    # persistent blocks where the tiles outnumber the blocks the device holds: the half types as
+    # the rule takes them (no twin of one tile a block), TF32 timed both ways; none at 8x8
+    assert not any(config.persistent for config in configs[0])
+    monkeypatch.setattr(fused, "SAMPLING_PLAN", None)
+    big = _geom((8, 256, 56, 56), (256, 256, 3, 3), (8, 18, 56, 56), (8, 9, 56, 56), padding=1)
+    for dtype, tf32 in ((np.float16, False), (np.float32, True)):
+        monkeypatch.setattr(fused, "_tuned", {})
+        fused.plan_config(big, dtype, tf32)
+        twins = {}
+        for config in configs[-1]:
+            key = (config.tile, config.taps_inner, config.sampling_plan, config.warp_corners)
+            twins.setdefault(key, set()).add(config.persistent)
+            assert config.persistent <= config.can_persist
+        persisting = {key: found for key, found in twins.items() if fused.tile_persists(key[0], int(tf32))}
+        assert persisting and all(found == ({True} if dtype == np.float16 else {False, True})
+                                  for found in persisting.values()), (dtype, persisting)
 
 
 @pytest.mark.gpu

@@ -146,10 +146,12 @@ SAMPLING_PLAN = None
 #: store it (a wave's fill, drain and epilogue were 13% of B=8 C256 56x56 fp16's forward,
 #: NOTES-gpu.md session 39). Only tiles that ``tile_persists``, with 32-bit indices. H200, whole
 #: forward, one tile a block / persistent: fp16 B=8 C256 56x56 120.3 / 114.4 us, 1D B=16 C256
-#: L4096 145.4 / 126.0; TF32 1D 239.1 / 232.0 but B=8 C256 56x56 (768 threads) 215.9 / 221.7; one
-#: wave (B=16 C512 14x14) level (session 40). The tuner times both where a chunk's tiles
-#: outnumber the blocks the device holds (``persists_by_rule``); untuned, the rule takes them
-#: there in the half types. None: so; True / False: forced (tests, benchmarks).
+#: L4096 145.4 / 126.0, never slower in two runs (the 512-thread tile level at C256); TF32 mixed:
+#: 1D 239.1 / 232.0 but B=8 C256 56x56 (768 threads) 215.9 / 221.7, and the 512-thread tile's
+#: times varying 10-15% between runs (session 40). So the half types take them wherever a chunk's
+#: tiles outnumber the blocks the device holds at once (``persists_by_rule``, tuned or not), and
+#: the tuner times TF32 with and without them there. None: so; True / False: forced (tests,
+#: benchmarks).
 PERSISTENT = None
 #: None: a persistent grid of the blocks the device holds at once; a number: at most that many
 #: blocks (tests and sanitizers: several tiles a block at small shapes).
@@ -1014,8 +1016,9 @@ def _fastest_choice(geom, dtype, allow_tf32: bool, static, sms: int, wgmma: bool
     of one batch chunk is fastest: each tile with its threads' own corners, from the sampling plan
     where it can serve, and from its warps' corner batches where they serve (unless SAMPLING_PLAN
     forces the plan on or off; with the plan, that chunk may take several of the plan's smaller
-    chunks); each in one block a tile and, where it can and the chunk's tiles outnumber the
-    blocks the device holds, in persistent blocks (unless PERSISTENT forces them on or off)."""
+    chunks); in TF32 each in one block a tile and, where it can and the chunk's tiles outnumber
+    the blocks the device holds, in persistent blocks too; in the half types as the rule takes
+    them (``persists_by_rule``; unless PERSISTENT forces them on or off)."""
     g = geom.with_batch(static.chunk)
     args, out = _random_arguments(g, dtype)
     orders = (True, False) if g.kernel_volume > 1 and g.in_channels_per_group > 32 else (True,)
@@ -1027,19 +1030,21 @@ def _fastest_choice(geom, dtype, allow_tf32: bool, static, sms: int, wgmma: bool
                if (not plan or forced or (_uniform(geom, tile) and tile[4] != 2
                                           and plan_segments(geom)[1] <= MAX_PLAN_SEGMENTS))
                and (not warp or (_uniform(geom, tile) and _warp_corners_serve(geom, tile)))]
-    configs = []
+    configs, picks = [], []
+    # persistent blocks: the rule in the half types (None), both timed in TF32 (PERSISTENT's numbers)
+    persistence = (PERSISTENT,) if PERSISTENT is not None else (None,) if static.precision == 0 else (False, True)
     for tile, taps_inner, plan, warp in choices:
-        for persistent in ((False, True) if PERSISTENT is None else (PERSISTENT,)):
+        for persistent in persistence:
             config = LaunchConfig(g, dtype, allow_tf32, sms, tile=tile, taps_inner=taps_inner, sampling_plan=plan,
                                   warp_corners=warp, persistent=persistent)
             if persistent and PERSISTENT is None and not (config.persistent and config.fills_more_than_once(sms)):
-                continue
+                continue   # (the same grid as without)
             configs.append(config)
+            picks.append((tile, taps_inner, plan, warp, config.persistent))
     # 3 rounds of 3 (a pick of one run of gpu.py was 1.5x the best candidate with 2 of 2)
     times = _time_configs(configs, args, out, rounds=3, repeats=3)
     cupy.cuda.get_current_stream().synchronize()
-    best = configs[times.index(min(times))]
-    return best.tile, best.taps_inner, best.sampling_plan, best.warp_corners, best.persistent
+    return picks[times.index(min(times))]
 
 
 def fused_conv_forward(x, weight, offset, mask, bias, geom, out, *, allow_tf32: bool, workspace=None) -> None:
