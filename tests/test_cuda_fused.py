@@ -796,9 +796,10 @@ def test_large_output_channel_tiles_and_batch_spanning_tiles():
 @pytest.mark.parametrize("ndim", [1, 2, 3])
 def test_persistent_blocks_compute_every_tile_as_one_tile_blocks_do(monkeypatch, ndim):
     """ENGINE 3's persistent blocks (grids of 1, 3 and 7 blocks here, so that each block runs
-    many tiles through one ring: position tiles spanning samples, two output-channel tiles, two
-    conv groups, a partial last tile) give the bits of one tile a block, and the reference's
-    values: every tile that persists, each corner source, both step orders, fp16/bf16/TF32."""
+    many tiles through one ring: position tiles spanning samples and a partial last one, two conv
+    groups, two output-channel tiles of the 128-row tiles, 3 steps a tile in 1D fp16, fewer than the
+    ring's stages) give the bits of one tile a block, and the reference's values: every tile that
+    persists, each corner source, both step orders, fp16/bf16/TF32."""
     cupy = _cupy()
     fused = _fused()
     rng = np.random.default_rng(60 + ndim)

@@ -28,7 +28,8 @@ Launch parameters per shape: a tile (output channels x positions x channels per 
 MMA engine, ``mma.sync`` (any GPU of compute capability 8.0 or more) or ``wgmma`` (sm_90a, the
 MMA running asynchronously while the block samples the next step; fp16, bf16 and TF32), the
 latter also with specialised warps (ENGINE 3: two warpgroups multiply, one in a 64-row tile,
-while the others sample up to ``RING_STAGES`` steps ahead). The
+while the others sample up to ``RING_STAGES`` steps ahead; with two, also in persistent blocks,
+``PERSISTENT``, where a chunk's tiles outnumber the blocks the device holds at once). The
 candidates of ``TILES`` no taller than C_out/groups are timed once per (device, geometry, dtype,
 precision) when a forward is first planned, on random data of one batch chunk, and the fastest
 is kept (``plan_config``); during a CUDA-graph capture, or with ``DCN_CUPY_FUSED_TUNE=0``, a
