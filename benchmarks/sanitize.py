@@ -181,6 +181,14 @@ def columns_cases() -> int:
     return count
 
 
+def _first_offset_and_mask_group(case):
+    """A 2-d case with its first offset and mask group alone (the grouping the warps' corner
+    batches serve)."""
+    taps = int(np.prod(case.arrays_["weight"].shape[2:]))
+    return dataclasses.replace(case, label=case.label + " (one offset and mask group)", arrays_=dict(
+        case.arrays_, offset=case.arrays_["offset"][:, :2 * taps], mask=case.arrays_["mask"][:, :taps]))
+
+
 def fused_cases(quick: bool = False) -> int:
     from dcn_cupy import _geometry, reference
     from dcn_cupy._backends import cuda_fused as fu
@@ -227,9 +235,7 @@ def fused_cases(quick: bool = False) -> int:
     # every tile (the wgmma ones where the device has wgmma), channel counts that suit them all
     rng = np.random.default_rng(999)
     case = random_case(rng, 2, False, batch=2, channels_scale=64)
-    taps = int(np.prod(case.arrays_["weight"].shape[2:]))
-    one_group = dataclasses.replace(case, label=case.label + " (one offset and mask group)", arrays_=dict(
-        case.arrays_, offset=case.arrays_["offset"][:, :2 * taps], mask=case.arrays_["mask"][:, :taps]))
+    one_group = _first_offset_and_mask_group(case)
     for dtype, tf32 in ((np.float16, False), (np.float32, True), (np.float32, False)):
         for tile in fu._tiles(dtype):
             if fu.is_wgmma(tile) and not fu.wgmma_available() or not fu.tile_builds(dtype, 2, tile,
@@ -246,9 +252,7 @@ def fused_cases(quick: bool = False) -> int:
     # ENGINE 3's persistent blocks: a grid of 2, each block running its tiles (12 samples' worth)
     # through one ring
     many = random_case(np.random.default_rng(998), 2, False, batch=12, channels_scale=64)
-    taps = int(np.prod(many.arrays_["weight"].shape[2:]))
-    many_one_group = dataclasses.replace(many, label=many.label + " (one offset and mask group)", arrays_=dict(
-        many.arrays_, offset=many.arrays_["offset"][:, :2 * taps], mask=many.arrays_["mask"][:, :taps]))
+    many_one_group = _first_offset_and_mask_group(many)
     blocks, persistent = fu.PERSISTENT_BLOCKS, fu.PERSISTENT
     try:
         fu.PERSISTENT_BLOCKS, fu.PERSISTENT = 2, True

@@ -501,16 +501,16 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     // Output tile `tile`: positions p0.. (position tile pt), group grp, its output channels m0...
     // A block computes tile blockIdx.x; ENGINE 3 in a grid of fewer blocks than tiles (persistent
     // blocks, cuda_fused.LaunchConfig.persistent) then tiles blockIdx.x + gridDim.x, ... too.
-    I pt, p0;
+    I p0;
     int grp, m0;
     auto enter_tile = [&](I tile) {
-        pt = tiles_mg == 1 ? tile : tile / tiles_mg;
+        const I pt = tiles_mg == 1 ? tile : tile / tiles_mg;
         grp = divide((int)(tile - pt * tiles_mg), m_tiles);
         m0 = ((int)(tile - pt * tiles_mg) - grp * m_tiles) * BM;
         p0 = pt * BN;
     };
     enter_tile(blockIdx.x);
-    const I tiles = (BQ + BN - 1) / BN * tiles_mg;
+    const I tiles = (BQ + BN - 1) / BN * tiles_mg;   // (ENGINE 3's persistent blocks)
     const int chunks = (Cg + BK - 1) / BK;
     const int steps = K * chunks;
     // Step order: taps inner (a chunk of channels for every tap, then the next chunk: the
