@@ -268,11 +268,12 @@ def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
         index = np.int64 if config.index64 else np.int32
         xcl = fu._views(config, ws)[0]
         n = geom.batch
-        layout = config.kernel("fused_channels_last")
+        copy = fu.copy_kernel(x.dtype, config.S, config.Cp, fu._batch_stride(x), (x.data.ptr, xcl.data.ptr))
+        layout = config.kernel(copy)
         cl = t(lambda: layout(fu.layout_grid(n, config.Cp, config.S), (256,), (
             x, xcl, np.int32(n), np.int32(geom.in_channels), np.int32(config.Cp), index(config.S),
             index(fu._batch_stride(x)), None, None, index(0))))
-        print(f"  {'channels-last copy of x':<40} {cl:8.3f} ms")
+        print(f"  {'channels-last copy of x (' + copy + ')':<40} {cl:8.3f} ms")
         struct = be._geom_struct(geom)
         relayouts = set()
         for tile in tuple(fu._tiles(x.dtype)) + tuple(extra_tiles):

@@ -712,27 +712,41 @@ struct PlanEntries {
 // x (B, C, S), sample stride `x_bstride` -> xcl (B, S, Cp), channels >= C zero, followed by
 // one row of Cp zeros (the "zero row", row B*S: what the forward reads for a corner it does not
 // use, so that its loads need no branch). A 64x64 (channel x position) tile through shared
-// memory per block iteration, 16 elements per thread in flight each way (256 threads as 32 x 8).
+// memory per block iteration (256 threads): fused_channels_last moves one element per thread
+// each way (32 x 8 threads); fused_channels_last_vectors, where every 16-byte vector of
+// positions of x lies whole within a channel (S, x_bstride, Cp and Pp multiples of a vector,
+// aligned pointers; else it too moves elements), 16-byte vectors both ways: in along positions,
+// out along channels, the tile's rows swizzled by 16-byte chunk so that a warp's gather of a
+// vector of channels hits distinct banks (fp16; two ways in float32).
 // The fused backward's copy of grad_output may also give (each where its pointer is not null):
 // - `sums`, the bias gradient's part: each tile's per-channel sums, sums[c * rows + b * s_tiles
 //   + st] for c < C, rows = B * s_tiles, added in an order fixed by the tile (each thread its 8
-//   positions in order, then the 8 threads of a channel in order), whatever the grid;
+//   positions in order, then the 8 threads of a channel in order), whatever the grid or path;
 //   fused_channel_totals adds them;
 // - `xr`, the weight gradient's rows (fused_position_rows' gyr): xr[c * Pp + b * S + s] for c < C,
 //   zero from B*S to Pp.
-template <typename T, typename I>
-__global__ void fused_channels_last(const T* __restrict__ x, T* __restrict__ xcl, const int batch,
-                                    const int channels, const int Cp, const I S, const I x_bstride,
-                                    typename Traits<T>::acc* __restrict__ sums, T* __restrict__ xr,
-                                    const I Pp) {
+template <typename T, typename I, bool VECTORS>
+__device__ __forceinline__ void
+channels_last_copy(const T* __restrict__ x, T* __restrict__ xcl, const int batch, const int channels,
+                   const int Cp, const I S, const I x_bstride, typename Traits<T>::acc* __restrict__ sums,
+                   T* __restrict__ xr, const I Pp) {
     typedef typename Traits<T>::acc A;
     constexpr int TILE = 64;
-    __shared__ T tile[TILE][TILE + 1];
+    constexpr int VEC = sizeof(T) <= 4 ? 16 / (int)sizeof(T) : 1;   // elements of a 16-byte vector
+    constexpr int CHUNKS = TILE / VEC;                                // 16-byte chunks of a tile row
+    // element path: tile[c][s] at c * (TILE + 1) + s; vector path: at c * TILE + swizzled(c, s)
+    __shared__ __align__(16) T tile[TILE * (TILE + 1)];
     __shared__ A part[8][TILE];
     const I s_tiles = (S + TILE - 1) / TILE;
     const int c_tiles = (Cp + TILE - 1) / TILE;
     const I blocks = (I)batch * c_tiles * s_tiles;
     const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;   // 256 threads: 32 x 8
+    const auto aligned = [](const void* p) { return ((unsigned long long)p & 15) == 0; };
+    const bool vectors = VECTORS && VEC > 1 && S % VEC == 0 && x_bstride % VEC == 0 && Cp % VEC == 0 && aligned(x)
+                         && aligned(xcl) && (xr == nullptr || (Pp % VEC == 0 && aligned(xr)));
+    // the vector path's element (channel row r, position p) of the tile: chunk p / VEC of row r
+    // at chunk (p / VEC) ^ (r / VEC) (a bijection of a row's chunks, r < TILE)
+    const auto at = [](int r, int p) { return r * TILE + (((p / VEC) ^ (r / VEC)) % CHUNKS) * VEC + p % VEC; };
     fused::start_after_prerequisites();
     for (I blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
         const I st = blk % s_tiles;
@@ -742,36 +756,87 @@ __global__ void fused_channels_last(const T* __restrict__ x, T* __restrict__ xcl
         const I s0 = st * TILE;
         const int c0 = ct * TILE;
         const T* src = x + (I)b * x_bstride;
-        // read: threadIdx.x along positions (coalesced in x)
+        if (vectors) {
+            // read: a warp's threads along the vectors of consecutive channels' rows (coalesced in x)
 #pragma unroll
-        for (int r = ty; r < TILE; r += 8) {
-            const int c = c0 + r;
-#pragma unroll
-            for (int h = 0; h < TILE; h += 32) {
-                const I s = s0 + tx + h;
-                const bool inside = c < channels && s < S;
-                const T v = inside ? src[(I)c * S + s] : Traits<T>::store(0.0f);
-                tile[r][tx + h] = v;
-                if (xr != nullptr && inside) xr[(I)c * Pp + (I)b * S + s] = v;
+            for (int i = 0; i < TILE * CHUNKS / 256; ++i) {
+                const int e = (int)threadIdx.x + i * 256;
+                const int r = e / CHUNKS, k = e % CHUNKS;
+                const int c = c0 + r;
+                const I s = s0 + k * VEC;
+                uint4 v = make_uint4(0u, 0u, 0u, 0u);
+                if (c < channels && s < S) {   // (s < S: the whole vector, S a multiple of VEC)
+                    v = *reinterpret_cast<const uint4*>(src + (I)c * S + s);
+                    if (xr != nullptr) *reinterpret_cast<uint4*>(xr + (I)c * Pp + (I)b * S + s) = v;
+                }
+                *reinterpret_cast<uint4*>(tile + at(r, k * VEC)) = v;
             }
-        }
-        __syncthreads();
-        // write: threadIdx.x along channels (coalesced in xcl)
-        A sum[TILE / 32] = {};
+            __syncthreads();
+            // write: a warp's threads along the channel vectors of consecutive positions (coalesced in xcl)
 #pragma unroll
-        for (int r = ty; r < TILE; r += 8) {
-            const I s = s0 + r;
+            for (int i = 0; i < TILE * CHUNKS / 256; ++i) {
+                const int e = (int)threadIdx.x + i * 256;
+                const int p = e / CHUNKS, q = e % CHUNKS;
+                const I s = s0 + p;
+                const int c = c0 + q * VEC;
+                if (s < S && c < Cp) {
+                    // the vector's 4 words from its VEC channels' bits (half types: two per word)
+                    unsigned w[4];
 #pragma unroll
-            for (int h = 0; h < TILE; h += 32) {
-                const int c = c0 + tx + h;
-                const T v = tile[tx + h][r];
-                if (s < S && c < Cp) xcl[((I)b * S + s) * Cp + c] = v;
-                sum[h / 32] += Traits<T>::load(v);   // zero past S and C
+                    for (int j = 0; j < 4; ++j) {
+                        if constexpr (VEC == 8) {
+                            const unsigned short* bits = reinterpret_cast<const unsigned short*>(tile);
+                            w[j] = bits[at(q * VEC + 2 * j, p)] | (unsigned)bits[at(q * VEC + 2 * j + 1, p)] << 16;
+                        } else {
+                            w[j] = reinterpret_cast<const unsigned*>(tile)[at(q * VEC + j, p)];
+                        }
+                    }
+                    *reinterpret_cast<uint4*>(xcl + ((I)b * S + s) * Cp + c) = make_uint4(w[0], w[1], w[2], w[3]);
+                }
             }
-        }
-        if (sums != nullptr) {
+            if (sums != nullptr) {   // the element path's order, from the tile
+                A sum[TILE / 32] = {};
 #pragma unroll
-            for (int h = 0; h < TILE; h += 32) part[ty][tx + h] = sum[h / 32];
+                for (int r = ty; r < TILE; r += 8) {
+#pragma unroll
+                    for (int h = 0; h < TILE; h += 32) sum[h / 32] += Traits<T>::load(tile[at(tx + h, r)]);
+                }
+#pragma unroll
+                for (int h = 0; h < TILE; h += 32) part[ty][tx + h] = sum[h / 32];
+            }
+        } else {
+            T (*rows)[TILE + 1] = reinterpret_cast<T (*)[TILE + 1]>(tile);
+            // read: threadIdx.x along positions (coalesced in x)
+#pragma unroll
+            for (int r = ty; r < TILE; r += 8) {
+                const int c = c0 + r;
+#pragma unroll
+                for (int h = 0; h < TILE; h += 32) {
+                    const I s = s0 + tx + h;
+                    const bool inside = c < channels && s < S;
+                    const T v = inside ? src[(I)c * S + s] : Traits<T>::store(0.0f);
+                    rows[r][tx + h] = v;
+                    if (xr != nullptr && inside) xr[(I)c * Pp + (I)b * S + s] = v;
+                }
+            }
+            __syncthreads();
+            // write: threadIdx.x along channels (coalesced in xcl)
+            A sum[TILE / 32] = {};
+#pragma unroll
+            for (int r = ty; r < TILE; r += 8) {
+                const I s = s0 + r;
+#pragma unroll
+                for (int h = 0; h < TILE; h += 32) {
+                    const int c = c0 + tx + h;
+                    const T v = rows[tx + h][r];
+                    if (s < S && c < Cp) xcl[((I)b * S + s) * Cp + c] = v;
+                    sum[h / 32] += Traits<T>::load(v);   // zero past S and C
+                }
+            }
+            if (sums != nullptr) {
+#pragma unroll
+                for (int h = 0; h < TILE; h += 32) part[ty][tx + h] = sum[h / 32];
+            }
         }
         __syncthreads();
         if (sums != nullptr && threadIdx.x < TILE && c0 + (int)threadIdx.x < channels) {
@@ -789,6 +854,27 @@ __global__ void fused_channels_last(const T* __restrict__ x, T* __restrict__ xcl
                 xr[(e / pad) * Pp + (I)batch * S + e % pad] = Traits<T>::store(0.0f);
         }
     }
+}
+
+template <typename T, typename I>
+__global__ void
+fused_channels_last(const T* __restrict__ x, T* __restrict__ xcl, const int batch, const int channels,
+                    const int Cp, const I S, const I x_bstride, typename Traits<T>::acc* __restrict__ sums,
+                    T* __restrict__ xr, const I Pp) {
+    channels_last_copy<T, I, false>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp);
+}
+
+// Experiment switch: blocks of fused_channels_last_vectors an SM must hold (its registers:
+// unbounded, ptxas took 116-128 for the loads in flight; 4 gives 61-64, no spills).
+#ifndef DCN_LAYOUT_MIN_BLOCKS
+#define DCN_LAYOUT_MIN_BLOCKS 4
+#endif
+template <typename T, typename I>
+__global__ void __launch_bounds__(256, DCN_LAYOUT_MIN_BLOCKS)
+fused_channels_last_vectors(const T* __restrict__ x, T* __restrict__ xcl, const int batch, const int channels,
+                            const int Cp, const I S, const I x_bstride, typename Traits<T>::acc* __restrict__ sums,
+                            T* __restrict__ xr, const I Pp) {
+    channels_last_copy<T, I, true>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp);
 }
 
 // The bias gradient from fused_channels_last's tile sums of a batch chunk: v = the sum of

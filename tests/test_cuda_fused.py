@@ -158,6 +158,9 @@ EXPERIMENTS = {
     "row-phases-off": ({"DCN_FUSED_ROW_PHASES": 0}, (
         "deform_fused_forward<__half, int, 2, 0, 256, 64, 64, 1, true, 3, 4, 512, 2>",
         "deform_fused_forward<float, int, 3, 1, 64, 64, 32, 2, true, 3, 4, 384, 2>")),
+    # the channels-last copy held to 6 blocks an SM (40 registers; the default 4)
+    "layout-min-blocks-6": ({"DCN_LAYOUT_MIN_BLOCKS": 6}, (
+        "fused_channels_last<__half, int>", "fused_channels_last<float, long long>")),
 }
 
 
@@ -790,6 +793,78 @@ def test_large_output_channel_tiles_and_batch_spanning_tiles():
             assert serves(arrays, params, precision, tile), tile
             got, expected, _ = run_fused_tile(arrays, params, precision, tile)
             assert relative_error(got, expected) < TOL[precision], (precision, tile)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["float16", "bfloat16", "float32"])
+def test_channels_last_copy_by_vectors_and_by_elements(precision):
+    """The channels-last copy: x (B, C, S) -> (B, S, Cp) with channels from C on and the row
+    after the batch zero, the per-tile channel sums and the weight gradient's rows (``xr``) too,
+    by ``fused_channels_last`` (one element a thread) and by ``fused_channels_last_vectors``
+    (16-byte vectors where S, the sample stride and Cp are multiples of one and x is aligned;
+    else elements: x one element past an aligned address). Every way gives the transpose and
+    bitwise the same sums. Partial channel and position tiles, a padded sample stride, a grid
+    smaller than the tiles (grid-stride)."""
+    cupy = _cupy()
+    fused = _fused()
+    dtype = DTYPE[precision]
+    vec = 16 // dtype.itemsize
+    t = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}[precision]
+    kernels = [fused._function(f"{name}<{t}, int>", dtype, 2, False)
+               for name in ("fused_channels_last", "fused_channels_last_vectors")]
+    rng = np.random.default_rng(11)
+    # (B, C, S, sample stride): S = 200 is 3 position tiles and 8 more; S = 21 no whole vectors
+    for B, C, S, stride in ((3, 80, 200, 80 * 200), (2, 37, 24, 37 * 24 + vec), (2, 16, 21, 16 * 21),
+                            (1, 70, 64, 70 * 64)):
+        Cp = -(-C // vec) * vec
+        s_tiles = -(-S // 64)
+        Pp = -(-(B * S) // vec) * vec
+        values = rng.standard_normal((B, stride)).astype(dtype)
+        x = values[:, :C * S].reshape(B, C, S)
+        expected = np.zeros((B * S + 1, Cp), dtype=dtype)
+        expected[:B * S, :C] = x.transpose(0, 2, 1).reshape(B * S, C)
+        rows = np.zeros((C, Pp), dtype=dtype)
+        rows[:, :B * S] = x.transpose(1, 0, 2).reshape(C, B * S)
+        results = []
+        for shift in (0, 1):   # x aligned, or one element past
+            buffer = np.zeros(B * stride + vec, dtype=dtype)
+            buffer[shift:shift + B * stride] = values.reshape(-1)
+            buffer = cupy.asarray(buffer)
+            for copy in kernels:
+                for grid in (fused.layout_grid(B, Cp, S), (3,)):
+                    xcl = cupy.asarray(np.full((B * S + 1) * Cp, 7, dtype=dtype))   # poisoned
+                    sums = cupy.full(C * B * s_tiles, np.nan, dtype=np.float32)
+                    xr = cupy.asarray(np.full(C * Pp, 7, dtype=dtype))
+                    copy(grid, (256,), (buffer[shift:], xcl, np.int32(B), np.int32(C), np.int32(Cp), np.int32(S),
+                                        np.int32(stride), sums, xr, np.int32(Pp)))
+                    got = cupy.asnumpy(xcl).reshape(B * S + 1, Cp)
+                    where = (C, S, shift, copy is kernels[1], grid)
+                    np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8), err_msg=str(where))
+                    np.testing.assert_array_equal(cupy.asnumpy(xr).reshape(C, Pp).view(np.uint8),
+                                                  rows.view(np.uint8), err_msg=str(where))
+                    results.append(cupy.asnumpy(sums).tobytes())
+            per_tile = np.zeros((C, B, s_tiles * 64))
+            per_tile[:, :, :S] = x.astype(np.float64).transpose(1, 0, 2)
+            np.testing.assert_allclose(cupy.asnumpy(sums).reshape(C, B, s_tiles),
+                                       per_tile.reshape(C, B, s_tiles, 64).sum(axis=3), rtol=1e-5, atol=1e-5)
+        assert len(results) == 8 and len(set(results)) == 1, (C, S)
+
+
+def test_copy_kernel_rule():
+    """The channels-last copy in 16-byte vectors only where each vector is whole and aligned
+    and the copy is large enough (``VECTOR_COPY_POSITIONS``, at least one 64-channel tile)."""
+    fused = _fused()
+    big = fused.VECTOR_COPY_POSITIONS
+    h, f = np.float16, np.float32
+    vectors, elements = "fused_channels_last_vectors", "fused_channels_last"
+    assert fused.copy_kernel(h, 3136, 256, 256 * 3136, (1 << 20, 2 << 20)) == vectors
+    assert fused.copy_kernel(f, 4096, 64, 0, (1 << 20, 2 << 20, 0)) == vectors   # broadcast batch, no xr
+    assert fused.copy_kernel(h, 196, 512, 512 * 196, (1 << 20, 2 << 20)) == elements    # not whole vectors
+    assert fused.copy_kernel(f, 196, 512, 512 * 196, (1 << 20, 2 << 20)) == elements    # below the rule
+    assert fused.copy_kernel(f, 32768, 32, 32 * 32768, (1 << 20, 2 << 20)) == elements  # under one channel tile
+    assert fused.copy_kernel(h, big, 64, 64 * big + 4, (1 << 20, 2 << 20)) == elements  # sample stride
+    assert fused.copy_kernel(h, big, 64, 64 * big, ((1 << 20) + 2, 2 << 20)) == elements  # x misaligned
+    assert fused.copy_kernel(f, big, 68, 68 * big, (1 << 20, 2 << 20, (3 << 20) + 8)) == elements  # xr misaligned
 
 
 @pytest.mark.gpu

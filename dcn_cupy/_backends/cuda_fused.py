@@ -324,7 +324,8 @@ def name_expressions(dtype, ndim: int, index64: bool, engine: int = 0) -> tuple:
              and (uniform or tile == _per_channel_tile(dtype, engine))
              and not (plan and (not uniform or engine == 2)) and not (plan == 2 and engine not in (0, 3))
              and not (persist and (index64 or not uniform or not tile_persists(tile, prec)))]
-    names += [f"fused_channels_last<{t}, {i}>", f"fused_weight_rows<{t}, {i}>", f"fused_weight_tiles<{t}, {i}>",
+    names += [f"fused_channels_last<{t}, {i}>", f"fused_channels_last_vectors<{t}, {i}>",
+              f"fused_weight_rows<{t}, {i}>", f"fused_weight_tiles<{t}, {i}>",
               f"fused_sampling_plan<{t}, {i}, {ndim}>", f"fused_channel_totals<{t}, {i}>"]
     names += [f"fused_columns<{t}, {i}, {ndim}, {vectors}>" for vectors in COLUMN_VECTORS]
     return tuple(names)
@@ -411,6 +412,29 @@ def _function(name: str, dtype, ndim: int, index64: bool, engine: int = 0, names
             _modules[mkey] = module
         fn = _functions[(device, name)] = module.get_function(name)
     return fn
+
+
+#: The channels-last copy moves 16-byte vectors (``fused_channels_last_vectors``) where they
+#: serve (``copy_kernel``), its channels fill at least one 64-channel tile and a sample has at
+#: least this many positions; else one element a thread (``fused_channels_last``). H200, the copy
+#: alone, elements / vectors us (NOTES-gpu.md, session 41): B=8 C256 56x56 fp16 10.2 / 9.3, float32
+#: 17.9 / 14.6; B=16 C256 L4096 fp16 36.4 / 23.3, float32 45.1 / 35.3; but B=16 C512 14x14 float32
+#: with the bias sums 6.9 / 7.5, B=2 C32 32^3 float32 7.1 / 7.8.
+VECTOR_COPY_POSITIONS = 1024
+
+
+def copy_kernel(dtype, positions: int, channels: int, sample_stride: int, addresses) -> str:
+    """The channels-last copy's kernel for one launch over ``positions`` a sample and
+    ``channels`` (padded) channels of ``dtype``: ``fused_channels_last_vectors`` where every
+    16-byte vector of a channel's positions is whole and aligned (``positions``, ``channels`` and
+    ``sample_stride``, in elements, multiples of a vector; every non-zero address of
+    ``addresses`` 16-byte aligned) and the rule (``VECTOR_COPY_POSITIONS``) takes it, else
+    ``fused_channels_last``."""
+    vec = _VEC[np.dtype(dtype)]
+    whole = positions % vec == 0 and channels % vec == 0 and sample_stride % vec == 0 \
+        and all(int(a) % 16 == 0 for a in addresses)
+    wanted = channels >= _LAYOUT_TILE and positions >= VECTOR_COPY_POSITIONS
+    return "fused_channels_last_vectors" if whole and wanted else "fused_channels_last"
 
 
 def layout_grid(samples: int, channels: int, positions: int) -> tuple:
@@ -835,7 +859,8 @@ def forward_launches(config: LaunchConfig, inputs, strides, out: int, workspace:
         return _cuda._kernel_op(function, grid, block, args, shared_mem,
                                 overlap=overlap and _cuda._follows_kernel(ops))
 
-    layout, forward = config.kernel("fused_channels_last"), config.kernel("forward")
+    layout = config.kernel(copy_kernel(config.dtype, config.S, config.Cp, x_bs, (x, xcl)))
+    forward = config.kernel("forward")
     struct = config.struct
     for start in range(0, g.batch, config.chunk):
         n = min(config.chunk, g.batch - start)
@@ -1217,7 +1242,7 @@ class FusedBackend:
             raise ValueError(reason)
         with cupy.cuda.Device(spec.device_id):
             config = plan_config(spec.geom, spec.dtype, bool(spec.allow_tf32))
-            for name in (config.weight_kernel, "fused_channels_last", "forward") + (
+            for name in (config.weight_kernel, "fused_channels_last", "fused_channels_last_vectors", "forward") + (
                     ("fused_sampling_plan",) if config.sampling_plan else ()):
                 config.kernel(name)   # compile now, never during a CUDA-graph capture
         return FusedForward(config)

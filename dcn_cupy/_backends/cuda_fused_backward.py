@@ -263,8 +263,8 @@ def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
               for prec in _fused._precisions(dtype) for tile in _weight_tiles(dtype, ndim, prec)
               for plan in (False, True)]
     names += [f"{kernel}<{t}, {i}>" for kernel in
-              ("fused_channels_last", "fused_store", "fused_position_rows", "fused_weight_sum",
-               "fused_channel_totals")]
+              ("fused_channels_last", "fused_channels_last_vectors", "fused_store", "fused_position_rows",
+               "fused_weight_sum", "fused_channel_totals")]
     names += [f"fused_channels_first<{t}, {i}, {_bool(fixed)}>" for fixed in (False, True)]
     names += [f"fused_sampling_plan<{t}, {i}, {ndim}>", f"fused_gradient_plan<{t}, {i}, {ndim}>"]
     return tuple(names)
@@ -654,7 +654,9 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
         return _cuda._kernel_op(function, grid, block, args, shared_mem,
                                 overlap=waits and _cuda._follows_kernel(ops))
 
-    layout = kernel("fused_channels_last")
+    def layout(positions, channels, sample_stride, *addresses):   # the channels-last copy's kernel
+        return kernel(_fused.copy_kernel(config.dtype, positions, channels, sample_stride, addresses))
+
     cols = config.Cg * config.K   # a row of the weight (C_out, C/G, K)
     # the accumulators cleared (the deterministic ones' partial sums are stored, not added):
     # the first chunk's before everything else, so that its kernels follow one another
@@ -678,7 +680,8 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
     if data:
         # wt[g, c, t, o]: the weight seen as G samples of C_out/G channels over C/G * K positions,
         # laid out channels-last (zero past C_out/G, then a zero row): the data kernel's A rows
-        ops.append(op(layout, _fused.layout_grid(g.groups, config.Cogp, cols), (_THREADS,), (
+        ops.append(op(layout(cols, config.Cogp, config.Cog * cols, w, view["wt"]),
+                      _fused.layout_grid(g.groups, config.Cogp, cols), (_THREADS,), (
             u64(w), u64(view["wt"]), i32(g.groups), i32(config.Cog), i32(config.Cogp), index(cols),
             index(config.Cog * cols), None, None, index(0))))
     det = config.deterministic and bool(gx)
@@ -696,11 +699,13 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
         pp = _fused._round_up(n * config.Q, _VEC[config.dtype])
         rows_copied = data and gw and ROWS_FROM_COPY
         if (g_off or g_m or gw) and not input_copied:   # the corner values
-            ops.append(op(layout, _fused.layout_grid(n, config.Cp, config.S), (_THREADS,), (
+            ops.append(op(layout(config.S, config.Cp, x_bs, x, view["xcl"]),
+                          _fused.layout_grid(n, config.Cp, config.S), (_THREADS,), (
                 u64(x + start * x_bs * it), u64(view["xcl"]), i32(n), i32(g.in_channels), i32(config.Cp),
                 index(config.S), index(x_bs), None, None, index(0))))
         if data or gb:   # grad_output channels-last, with its tile sums for the bias gradient
-            ops.append(op(layout, _fused.layout_grid(n, config.Cop, config.Q), (_THREADS,), (
+            ops.append(op(layout(config.Q, config.Cop, gy_bs, gy, view["gycl"], view["gyr"] if rows_copied else 0),
+                          _fused.layout_grid(n, config.Cop, config.Q), (_THREADS,), (
                 gy_n, u64(view["gycl"]), i32(n), i32(g.out_channels), i32(config.Cop), index(config.Q),
                 index(gy_bs), u64(view["bias_sums"]) if gb else None, u64(view["gyr"]) if rows_copied else None,
                 index(pp))))
@@ -1002,7 +1007,7 @@ class FusedBackwardBackend:
                                     fused_weight=fused_weight_choice(spec.geom, spec.dtype, spec.allow_tf32,
                                                                      getattr(spec, "transposed", False)),
                                     deterministic=spec.deterministic)
-            names = ["fused_channels_last", "fused_channels_first", "fused_store", "fused_channel_totals",
+            names = ["fused_channels_last", "fused_channels_last_vectors", "fused_channels_first", "fused_store", "fused_channel_totals",
                      "fused_position_rows", "fused_weight_sum", "fused_sampling_plan", "fused_gradient_plan",
                      "data", "weight"]
             if config.deterministic:
