@@ -130,12 +130,17 @@ template <> struct StagedValue<true> { typedef double type; };
 // iteration (256 threads as 32 x 8), as fused_channels_last the other way. FIXED: the source is
 // the deterministic scatter's fixed-point accumulator gxq with its flags (fixed_point.cuh; the
 // sample's exponent from the bounds, as in the scatter) instead of gxcl.
-template <typename T, typename I, bool FIXED>
-__global__ void fused_channels_first(const float* __restrict__ gxcl, const dcn_u64* __restrict__ gxq,
-                                     const unsigned* __restrict__ flags, const dcn_u64* __restrict__ weight_bound,
-                                     const dcn_u64* __restrict__ gy_bounds, const dcn_u64* __restrict__ mask_bounds,
-                                     const int log2_count, const T* __restrict__ bias, T* __restrict__ gx,
-                                     const int batch, const int channels, const int Cpa, const I S, const I gx_bstride) {
+// fused_channels_first_vectors (float32 source only): the same in 16-byte vectors where every
+// vector of a channel's positions of gx is whole and aligned (S and gx_bstride multiples of a
+// vector, gx and gxcl aligned; else it too moves elements): in, a float4 of channels a thread
+// (a warp's 8 channel quads of 4 positions, each stored as 4 floats to distinct banks), out, a
+// vector of positions a thread; each value rounded as the element path rounds it.
+template <typename T, typename I, bool FIXED, bool VECTORS>
+__device__ __forceinline__ void channels_first_copy(
+    const float* __restrict__ gxcl, const dcn_u64* __restrict__ gxq, const unsigned* __restrict__ flags,
+    const dcn_u64* __restrict__ weight_bound, const dcn_u64* __restrict__ gy_bounds,
+    const dcn_u64* __restrict__ mask_bounds, const int log2_count, const T* __restrict__ bias, T* __restrict__ gx,
+    const int batch, const int channels, const int Cpa, const I S, const I gx_bstride) {
     fused::start_after_prerequisites();
     typedef typename StagedValue<FIXED>::type V;
     constexpr int TILE = 64;
@@ -144,6 +149,9 @@ __global__ void fused_channels_first(const float* __restrict__ gxcl, const dcn_u
     const int c_tiles = (channels + TILE - 1) / TILE;
     const I blocks = (I)batch * c_tiles * s_tiles;
     const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;   // 256 threads: 32 x 8
+    constexpr int VEC = 16 / (int)sizeof(T);   // positions of a 16-byte vector of gx
+    const bool vectors = VECTORS && !FIXED && S % VEC == 0 && gx_bstride % VEC == 0 && Cpa % 4 == 0
+                         && ((unsigned long long)gx & 15) == 0 && ((unsigned long long)gxcl & 15) == 0;
     for (I blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
         const I st = blk % s_tiles;
         const I rest = blk / s_tiles;
@@ -151,6 +159,46 @@ __global__ void fused_channels_first(const float* __restrict__ gxcl, const dcn_u
         const int b = (int)(rest / c_tiles);
         const I s0 = st * TILE;
         const int c0 = ct * TILE;
+        if constexpr (VECTORS && !FIXED) {
+            if (vectors) {
+                // read: a warp's 8 channel quads of 4 consecutive positions (128 bytes a position
+                // in gxcl); quad q's 4 floats to rows 4q..4q+3, banks 4q + j + position (mod 32)
+#pragma unroll
+                for (int i = 0; i < TILE * TILE / 4 / 256; ++i) {
+                    const int e = (int)threadIdx.x + i * 256;
+                    const int q = e % 8 + 8 * (e / (8 * TILE)), p = (e / 8) % TILE;
+                    const I s = s0 + p;
+                    const int c = c0 + 4 * q;
+                    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    if (s < S && c < channels) v = *reinterpret_cast<const float4*>(gxcl + ((I)b * S + s) * Cpa + c);
+                    tile[4 * q][p] = v.x;
+                    tile[4 * q + 1][p] = v.y;
+                    tile[4 * q + 2][p] = v.z;
+                    tile[4 * q + 3][p] = v.w;
+                }
+                __syncthreads();
+                // write: a vector of VEC positions of one channel a thread (coalesced in gx)
+                constexpr int CHUNKS = TILE / VEC;
+#pragma unroll
+                for (int i = 0; i < TILE * CHUNKS / 256; ++i) {
+                    const int e = (int)threadIdx.x + i * 256;
+                    const int r = e / CHUNKS, k = e % CHUNKS;
+                    const int c = c0 + r;
+                    const I s = s0 + k * VEC;
+                    if (c < channels && s < S) {   // (s < S: the whole vector, S a multiple of VEC)
+                        const float bv = bias == nullptr ? 0.0f : Traits<T>::load(bias[c]);
+                        T out[VEC];
+#pragma unroll
+                        for (int j = 0; j < VEC; ++j) out[j] = Traits<T>::store((float)(tile[r][k * VEC + j] + bv));
+                        uint4 bits;
+                        memcpy(&bits, out, 16);
+                        *reinterpret_cast<uint4*>(gx + (I)b * gx_bstride + (I)c * S + s) = bits;
+                    }
+                }
+                __syncthreads();
+                continue;
+            }
+        }
         int E = 0;
         if constexpr (FIXED) E = dcn_det::exponent(weight_bound, gy_bounds + b, mask_bounds == nullptr ? nullptr : mask_bounds + b,
                                                    log2_count);
@@ -188,6 +236,27 @@ __global__ void fused_channels_first(const float* __restrict__ gxcl, const dcn_u
         }
         __syncthreads();
     }
+}
+
+template <typename T, typename I, bool FIXED>
+__global__ void fused_channels_first(
+    const float* __restrict__ gxcl, const dcn_u64* __restrict__ gxq, const unsigned* __restrict__ flags,
+    const dcn_u64* __restrict__ weight_bound, const dcn_u64* __restrict__ gy_bounds,
+    const dcn_u64* __restrict__ mask_bounds, const int log2_count, const T* __restrict__ bias, T* __restrict__ gx,
+    const int batch, const int channels, const int Cpa, const I S, const I gx_bstride) {
+    channels_first_copy<T, I, FIXED, false>(gxcl, gxq, flags, weight_bound, gy_bounds, mask_bounds, log2_count, bias,
+                                            gx, batch, channels, Cpa, S, gx_bstride);
+}
+
+// (At most 64 registers, as fused_channels_last_vectors.)
+template <typename T, typename I>
+__global__ void __launch_bounds__(256, 4) fused_channels_first_vectors(
+    const float* __restrict__ gxcl, const dcn_u64* __restrict__ gxq, const unsigned* __restrict__ flags,
+    const dcn_u64* __restrict__ weight_bound, const dcn_u64* __restrict__ gy_bounds,
+    const dcn_u64* __restrict__ mask_bounds, const int log2_count, const T* __restrict__ bias, T* __restrict__ gx,
+    const int batch, const int channels, const int Cpa, const I S, const I gx_bstride) {
+    channels_first_copy<T, I, false, true>(gxcl, gxq, flags, weight_bound, gy_bounds, mask_bounds, log2_count, bias,
+                                           gx, batch, channels, Cpa, S, gx_bstride);
 }
 
 // src (slots, B, per_sample) float32 -> dst in T (sample stride dst_bstride): the offset and mask

@@ -658,6 +658,64 @@ def test_each_gradient_alone_equals_all_together(wanted):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["float16", "bfloat16", "float32"])
+def test_channels_first_by_vectors_and_by_elements(precision):
+    """The input gradient out of its float32 channels-last accumulator (B, S, Cpa) into
+    (B, C, S) of the dtype, bias added where given: ``fused_channels_first`` (one element a
+    thread) and ``fused_channels_first_vectors`` (16-byte vectors of positions where S, the
+    sample stride and gx are aligned to one; else elements: gx one element past an aligned
+    address) give bitwise the same result, the reference's rounding of accumulator + bias.
+    Partial channel and position tiles, channel counts not a multiple of 4, a padded sample
+    stride, a grid smaller than the tiles; nothing written outside the samples' channels."""
+    cupy = _cupy()
+    fb = _backward_module()
+    dtype = DTYPE[precision]
+    vec = 16 // dtype.itemsize
+    t = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}[precision]
+    kernels = [fb._function(f"fused_channels_first<{t}, int, false>", dtype, 2, False),
+               fb._function(f"fused_channels_first_vectors<{t}, int>", dtype, 2, False)]
+    rng = np.random.default_rng(12)
+    for B, C, S, stride in ((3, 80, 200, 80 * 200), (2, 37, 24, 37 * 24 + vec), (2, 16, 21, 16 * 21),
+                            (1, 70, 64, 70 * 64)):
+        Cpa = -(-C // 4) * 4
+        acc = rng.standard_normal((B, S, Cpa)).astype(np.float32)
+        for bias in (None, rng.standard_normal(C).astype(dtype)):
+            total = acc[:, :, :C].transpose(0, 2, 1) + (0 if bias is None else bias.astype(np.float32)[:, None])
+            expected = np.full((B, stride), 7, dtype=dtype)
+            expected[:, :C * S] = total.astype(dtype).reshape(B, C * S)
+            for shift in (0, 1):   # gx aligned, or one element past
+                for gx_kernel in kernels:
+                    for grid in (fb._fused.layout_grid(B, C, S), (3,)):
+                        buffer = cupy.asarray(np.full(B * stride + vec, 7, dtype=dtype))   # poisoned
+                        gx = buffer[shift:]
+                        null = np.uint64(0)
+                        gx_kernel(grid, (256,), (cupy.asarray(acc), null, null, null, null, null, np.int32(0),
+                                                 null if bias is None else cupy.asarray(bias), gx, np.int32(B),
+                                                 np.int32(C), np.int32(Cpa), np.int32(S), np.int32(stride)))
+                        got = cupy.asnumpy(buffer)[shift:shift + B * stride].reshape(B, stride)
+                        np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8),
+                                                      err_msg=str((C, S, shift, gx_kernel is kernels[1], grid)))
+
+
+def test_channels_first_kernel_rule():
+    """The input gradient's channels-first kernel in vectors only for the float32 accumulator,
+    where its vectors are whole and aligned and the rule takes them."""
+    fb = _backward_module()
+
+    def config(L, deterministic=False):
+        geom = _geometry.conv_geometry((2, 64, L), (64, 64, 3), (2, 3, L), (2, 3, L), None, padding=1)[0]
+        return fb.BackwardConfig(geom, np.float16, False, deterministic=deterministic)
+
+    vectors, elements = "fused_channels_first_vectors", "fused_channels_first"
+    aligned = (1 << 20, 2 << 20)
+    assert fb.channels_first_kernel(config(1024), 64 * 1024, aligned) == vectors
+    assert fb.channels_first_kernel(config(1024, deterministic=True), 64 * 1024, aligned) == elements
+    assert fb.channels_first_kernel(config(1024), 64 * 1024 + 4, aligned) == elements       # sample stride
+    assert fb.channels_first_kernel(config(1024), 64 * 1024, ((1 << 20) + 2, 2 << 20)) == elements   # gx
+    assert fb.channels_first_kernel(config(1000), 64 * 1000, aligned) == elements   # below VECTOR_COPY_POSITIONS
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("ndim", [1, 2, 3])
 def test_bias_gradient_from_the_copy_of_grad_output(ndim, monkeypatch):
     """The bias gradient from the tile sums of grad_output's channels-last copy: with every

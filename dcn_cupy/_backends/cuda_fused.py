@@ -414,27 +414,37 @@ def _function(name: str, dtype, ndim: int, index64: bool, engine: int = 0, names
     return fn
 
 
-#: The channels-last copy moves 16-byte vectors (``fused_channels_last_vectors``) where they
-#: serve (``copy_kernel``), its channels fill at least one 64-channel tile and a sample has at
-#: least this many positions; else one element a thread (``fused_channels_last``). H200, the copy
-#: alone, elements / vectors us (NOTES-gpu.md, session 41): B=8 C256 56x56 fp16 10.2 / 9.3, float32
-#: 17.9 / 14.6; B=16 C256 L4096 fp16 36.4 / 23.3, float32 45.1 / 35.3; but B=16 C512 14x14 float32
-#: with the bias sums 6.9 / 7.5, B=2 C32 32^3 float32 7.1 / 7.8.
+#: The layout changes between channels-first and channels-last move 16-byte vectors (the
+#: ``_vectors`` kernels) where they serve (``whole_vectors``), the channels fill at least one
+#: 64-channel tile and a sample has at least this many positions (``vectors_pay``); else one
+#: element a thread. H200, ``fused_channels_last`` alone, elements / vectors us (NOTES-gpu.md,
+#: session 41): B=8 C256 56x56 fp16 10.2 / 9.3, float32 17.9 / 14.6; B=16 C256 L4096 fp16 36.4 /
+#: 23.3, float32 45.1 / 35.3; but B=16 C512 14x14 float32 with the bias sums 6.9 / 7.5, B=2 C32
+#: 32^3 float32 7.1 / 7.8.
 VECTOR_COPY_POSITIONS = 1024
+
+
+def whole_vectors(dtype, extents, addresses) -> bool:
+    """Whether 16-byte vectors of ``dtype`` tile each of ``extents`` (elements) and every
+    non-zero address of ``addresses`` is 16-byte aligned."""
+    vec = _VEC[np.dtype(dtype)]
+    return all(int(e) % vec == 0 for e in extents) and all(int(a) % 16 == 0 for a in addresses)
+
+
+def vectors_pay(positions: int, channels: int) -> bool:
+    """The rule of the vector layout kernels (``VECTOR_COPY_POSITIONS``)."""
+    return channels >= _LAYOUT_TILE and positions >= VECTOR_COPY_POSITIONS
 
 
 def copy_kernel(dtype, positions: int, channels: int, sample_stride: int, addresses) -> str:
     """The channels-last copy's kernel for one launch over ``positions`` a sample and
     ``channels`` (padded) channels of ``dtype``: ``fused_channels_last_vectors`` where every
     16-byte vector of a channel's positions is whole and aligned (``positions``, ``channels`` and
-    ``sample_stride``, in elements, multiples of a vector; every non-zero address of
-    ``addresses`` 16-byte aligned) and the rule (``VECTOR_COPY_POSITIONS``) takes it, else
+    ``sample_stride``, in elements, multiples of a vector; ``addresses``, those of the source and
+    the destinations, 16-byte aligned) and the rule takes it (``vectors_pay``), else
     ``fused_channels_last``."""
-    vec = _VEC[np.dtype(dtype)]
-    whole = positions % vec == 0 and channels % vec == 0 and sample_stride % vec == 0 \
-        and all(int(a) % 16 == 0 for a in addresses)
-    wanted = channels >= _LAYOUT_TILE and positions >= VECTOR_COPY_POSITIONS
-    return "fused_channels_last_vectors" if whole and wanted else "fused_channels_last"
+    whole = whole_vectors(dtype, (positions, channels, sample_stride), addresses)
+    return "fused_channels_last_vectors" if whole and vectors_pay(positions, channels) else "fused_channels_last"
 
 
 def layout_grid(samples: int, channels: int, positions: int) -> tuple:

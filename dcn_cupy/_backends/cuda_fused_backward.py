@@ -266,6 +266,7 @@ def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
               ("fused_channels_last", "fused_channels_last_vectors", "fused_store", "fused_position_rows",
                "fused_weight_sum", "fused_channel_totals")]
     names += [f"fused_channels_first<{t}, {i}, {_bool(fixed)}>" for fixed in (False, True)]
+    names += [f"fused_channels_first_vectors<{t}, {i}>"]
     names += [f"fused_sampling_plan<{t}, {i}, {ndim}>", f"fused_gradient_plan<{t}, {i}, {ndim}>"]
     return tuple(names)
 
@@ -615,6 +616,17 @@ class BackwardConfig:
         return cupy.ndarray((count,), dtype=dtype, memptr=workspace.data + start)
 
 
+def channels_first_kernel(config, sample_stride: int, addresses) -> str:
+    """The kernel that takes the input gradient back from its channels-last accumulator to
+    (B, C, S) at ``addresses`` (gx, and the accumulator): ``fused_channels_first_vectors`` where
+    its 16-byte vectors of positions are whole and aligned (``S`` and ``sample_stride`` multiples
+    of a vector; the float32 accumulator only, not the deterministic mode's fixed-point one) and
+    the rule takes it (``cuda_fused.vectors_pay``), else ``fused_channels_first``."""
+    whole = not config.deterministic and _fused.whole_vectors(config.dtype, (config.S, sample_stride), addresses)
+    pays = _fused.vectors_pay(config.S, config.geom.in_channels)
+    return "fused_channels_first_vectors" if whole and pays else "fused_channels_first"
+
+
 #: The workspace buffers of the data gradients' plan (``fused_gradient_plan``'s outputs).
 GRADIENT_PLAN = ("gradient_rows", "gradient_weights", "gradient_slopes", "gradient_masks")
 
@@ -736,7 +748,8 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
                 i32(config.seg), *(u64(view[name]) if config.gradient_plan else None for name in GRADIENT_PLAN),
                 i32(config.seg_len), *fixed, i32(config.log2_count)), config.smem_bytes))
             if gx:
-                ops.append(op(kernel("fused_channels_first"), _fused.layout_grid(n, g.in_channels, config.S),
+                ops.append(op(kernel(channels_first_kernel(config, gx_bs, (gx, view["gxcl"]))),
+                              _fused.layout_grid(n, g.in_channels, config.S),
                               (_THREADS,), (
                     None if det else u64(view["gxcl"]), *fixed, i32(config.log2_count), at(bias, 0),
                     u64(gx + start * gx_bs * it), i32(n), i32(g.in_channels), i32(config.Cpa), index(config.S),
@@ -1007,7 +1020,8 @@ class FusedBackwardBackend:
                                     fused_weight=fused_weight_choice(spec.geom, spec.dtype, spec.allow_tf32,
                                                                      getattr(spec, "transposed", False)),
                                     deterministic=spec.deterministic)
-            names = ["fused_channels_last", "fused_channels_last_vectors", "fused_channels_first", "fused_store", "fused_channel_totals",
+            names = ["fused_channels_last", "fused_channels_last_vectors", "fused_channels_first",
+                     "fused_channels_first_vectors", "fused_store", "fused_channel_totals",
                      "fused_position_rows", "fused_weight_sum", "fused_sampling_plan", "fused_gradient_plan",
                      "data", "weight"]
             if config.deterministic:
