@@ -9,7 +9,8 @@ C_in * kernel size). Per call, and part of the timed forward:
 
 * the input is copied channels-last, ``(Bc, *S, Cp)`` with ``Cp`` = C_in rounded up to one
   16-byte vector, one batch chunk at a time (chunks bound that workspace by
-  ``WORKSPACE_LIMIT_BYTES``; a sample is never split);
+  ``WORKSPACE_LIMIT_BYTES``; a sample is never split), in 16-byte vectors where they are whole
+  and aligned and the rule takes them (``copy_kernel``), else one element a thread;
 * the weight is re-laid as ``(C_out, K, Cgp)`` (rows along the input channels of one tap,
   ``Cgp`` = C_in/groups rounded up to the step's channel chunk, zero-padded).
 

@@ -44,8 +44,11 @@ rows over the positions, ``(C_out, Pp)``; the input channels-last, ``(Bc*S, Cp)`
 offset, mask or weight gradient is wanted (the corner values); the weight re-laid channels-last
 per conv group as ``(G, C_in/G, K, Cogp)`` (``fused_channels_last``); the accumulators cleared,
 the kernels run, the gradients written out in their dtype and layout (the input gradient plus
-the C_in-long ``bias`` of the transposed forward). The launches are recorded once per set of addresses and
-replayed (``FusedBackward.run_pointers``, the plan's raw-address path), as cuda/im2col's are.
+the C_in-long ``bias`` of the transposed forward, ``fused_channels_first``). The layout changes
+move 16-byte vectors where they are whole and aligned and the rule takes them
+(``cuda_fused.copy_kernel``, :func:`channels_first_kernel`). The launches are recorded once per
+set of addresses and replayed (``FusedBackward.run_pointers``, the plan's raw-address path), as
+cuda/im2col's are.
 
 Where the fused weight gradient cannot serve (:func:`weight_unsupported`) or measured slower,
 ``cuda/im2col``'s (columns and a cuBLAS GEMM) runs after the fused part, on the same
