@@ -273,7 +273,7 @@ def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
         cl = t(lambda: layout(fu.layout_grid(n, config.Cp, config.S), (256,), (
             x, xcl, np.int32(n), np.int32(geom.in_channels), np.int32(config.Cp), index(config.S),
             index(fu._batch_stride(x)), None, None, index(0))))
-        print(f"  {'channels-last copy of x (' + copy + ')':<40} {cl:8.3f} ms")
+        print(f"  {'channels-last copy of x':<40} {cl:8.3f} ms  ({copy})")
         struct = be._geom_struct(geom)
         relayouts = set()
         for tile in tuple(fu._tiles(x.dtype)) + tuple(extra_tiles):
