@@ -62,6 +62,8 @@ def build(task) -> tuple:
             module._function(module.name_expressions(dtype, ndim, index64, engine)[0], dtype, ndim, index64, engine)
         elif backend in ("fused-backward", "im2col"):
             module._function(module.name_expressions(*key)[0], *key)
+            if backend == "fused-backward" and module._fused.wgmma_available():   # its sm_90a module
+                module._function(module.ws_name_expressions(*key)[0], *key)
         else:   # direct, deterministic: their kernels dict loads the whole module
             for fn in module._kernels(*key).values():
                 getattr(fn, "kernel", None)

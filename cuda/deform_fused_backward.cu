@@ -41,6 +41,7 @@
 
 #include "fused_common.cuh"
 #include "fixed_point.cuh"
+#include "wgmma.cuh"
 
 // The data kernel's operand tiles in shared memory (fused::TILE_*): swizzled 128-byte rows
 // (TILE_XOR), but strict float32 in 1D and 2D, which keeps the padded rows (TILE_PADDED). H200,
@@ -1070,6 +1071,338 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
                     }
                 }
         }
+}
+
+// gy (B, C_out, Q), sample stride gy_bstride -> gys (P / BK, C_out, BK): grad_output in segments of
+// BK positions (128 bytes; p = b*Q + q, zero from B*Q on), segment-major, so that the BM rows of
+// an output-channel tile in one segment are one contiguous block (the warp-specialised weight
+// kernel's A tile of a stage, one bulk copy); within a row, 16-byte chunk c stored at chunk
+// c ^ (r & 7), r = o % (C_out / groups) (its row within its tile: tiles start on multiples of 8),
+// which is wgmma's 128-byte swizzle; float32 values rounded to TF32 where round_tf32 (as warp_mma
+// rounds its A fragments: the TF32 wgmma would truncate them). One thread a 16-byte chunk: one
+// vector load where every sample's rows start on 16 bytes (then no chunk crosses a sample), else
+// element by element.
+template <typename T, typename I>
+__global__ void fused_position_segments(const T* __restrict__ gy, T* __restrict__ gys, const int batch,
+                                        const int out_channels, const int Cog, const I Q, const I segments,
+                                        const I gy_bstride, const int round_tf32) {
+    fused::start_after_prerequisites();
+    constexpr int VEC = 16 / sizeof(T);
+    constexpr int CHUNKS = 128 / 16;
+    const bool vector = Q % VEC == 0 && gy_bstride % VEC == 0 && (reinterpret_cast<size_t>(gy) & 15) == 0;
+    const I total = segments * out_channels * CHUNKS;
+    const I BQ = (I)batch * Q;
+    for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
+        const int c = (int)(idx % CHUNKS);
+        const I row = idx / CHUNKS;                        // seg * C_out + o
+        const int o = (int)(row % out_channels);
+        const I p0 = (row / out_channels) * (CHUNKS * VEC) + c * VEC;
+        T v[VEC];
+        if (vector && p0 + VEC <= BQ) {
+            const I b = p0 / Q;
+            *reinterpret_cast<uint4*>(v) = __ldg(reinterpret_cast<const uint4*>(gy + b * gy_bstride + (I)o * Q + (p0 - b * Q)));
+        } else {
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) {
+                const I p = p0 + k;
+                v[k] = p < BQ ? gy[(p / Q) * gy_bstride + (I)o * Q + p % Q] : Traits<T>::store(0.0f);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) v[k] = maybe_tf32(v[k], round_tf32);
+        *reinterpret_cast<uint4*>(gys + row * (CHUNKS * VEC) + ((c ^ ((o % Cog) & 7)) * VEC)) =
+            *reinterpret_cast<const uint4*>(v);
+    }
+}
+
+// The weight gradient warp-specialised on wgmma (sm_90a; fp16, bf16 and TF32): the GEMM, the
+// block mapping, the plan's corners and the partial sums of deform_fused_backward_weight (PLAN),
+// but the block's warps split into roles as in the forward's ENGINE 3. MMA_WGS warpgroups
+// (warps 0 .. 4 * MMA_WGS - 1) only multiply: each its BM / MMA_WGS output channels of the tile,
+// m64nBNk16 (k8 in TF32) from shared-memory descriptors, float32 accumulators in registers. The
+// other THREADS - 128 * MMA_WGS threads sample, filling a ring of DEPTH stages as far ahead as it
+// allows, each stage a tile pair in wgmma's 128-byte swizzle (rows of 128 bytes: BK positions,
+// K-major both):
+//   * A, BM rows of grad_output: one bulk copy (cp.async.bulk, the copy engine) of a block of gys
+//     (fused_position_segments: segment-major, swizzled, TF32-rounded), issued by the first
+//     sampler once the stage is free and completing on the stage's mbarrier;
+//   * B, BN rows of input channels: the sampled tile transposed, B[channel][position]. A warp
+//     samples 4 positions x 8 16-byte vectors (one 128-byte line of channels a position and
+//     corner: 4 lines a load); a thread blends its vector's corners (Sampler's order and
+//     rounding: the values of deform_fused_backward_weight, bitwise) and stores its VEC channels
+//     one element a row. Its k-th vector's rows are rotated by k (TF32: by k / 2), so that the 8
+//     lanes of a position write rows of 8 distinct (row & 7) in each store: with the 4 positions'
+//     columns, 32 distinct banks (half types: 16 words, 2 halves each).
+// Stage k has named barrier 1 + k ("full": the samplers arrive once their writes are visible to
+// the async proxy; the MMA warps wait, then wait for the A copy on the stage's mbarrier) and
+// 1 + DEPTH + k ("empty": the MMA warps arrive once the wgmmas reading it completed, one step
+// late; the samplers wait before refilling it). Every arrival is matched by a wait. Served where
+// every block's BN channels lie in one conv group and one plan segment
+// (cuda_fused_backward.ws_weight_unsupported). THREADS: the MMA warpgroups' 128 * MMA_WGS, then
+// the samplers. Bitwise the partial sums of deform_fused_backward_weight with the same splits.
+template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int DEPTH, int THREADS>
+__global__ void __launch_bounds__(THREADS, 1)
+deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__ xcl,
+                                const I* __restrict__ plan_rows, const float* __restrict__ plan_weights,
+                                const float* __restrict__ plan_masks, float* __restrict__ part, const Geom<N> g,
+                                const int batch, const int channels, const int Cp, const int out_channels,
+                                const int groups, const int seg_len, const int steps_per_split,
+                                const int accumulate) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using namespace fused;
+    start_after_prerequisites();
+    constexpr int VEC = Tile<T>::VEC;
+    constexpr int MMA_WGS = BM >= 128 ? BM / 128 : 1;
+    constexpr int WG_ROWS = BM / MMA_WGS;
+    constexpr int MI = WG_ROWS / 64;                  // m64 instructions per warpgroup and k step
+    constexpr int MMA_THREADS = 128 * MMA_WGS;
+    constexpr int SAMPLERS = THREADS - MMA_THREADS;
+    constexpr int ROW = 128;                          // bytes of a tile row: BK positions
+    constexpr int KSTEP = PREC == 0 ? 16 : 8;         // wgmma K
+    constexpr int NACC = BN / 2;                      // accumulators per thread and m64 instruction
+    constexpr int NC = 1 << N;
+    constexpr int LINE = ROW / (int)sizeof(T);        // channels of one 128-byte line: a warp's vectors
+    constexpr int QUADS = BK / 4;                     // 4-position groups of a step
+    constexpr int ITEMS = QUADS * (BN / LINE);        // (quad, line of channels) a step, one a warp each
+    constexpr int SAMPLER_WARPS = SAMPLERS / 32;
+    constexpr int U = ITEMS / SAMPLER_WARPS;          // items per sampling warp and step
+    constexpr int A_BYTES = BM * ROW, B_BYTES = BN * ROW, STAGE_BYTES = A_BYTES + B_BYTES;
+    static_assert(BK * (int)sizeof(T) == ROW && WG_ROWS % 64 == 0 && WG_ROWS <= 128 &&
+                  (BN == 64 || BN == 128) && BN % LINE == 0, "tile: rows of 128 bytes, m64 x n64 / n128");
+    static_assert(ITEMS % SAMPLER_WARPS == 0 && U >= 1 && SAMPLERS % 128 == 0,
+                  "sampling warpgroups: a whole number of items a warp");
+    static_assert(DEPTH >= 2 && 2 * DEPTH <= 15, "2 named barriers a stage");
+    static_assert((PREC == 0 && sizeof(T) == 2) || (PREC == 1 && sizeof(T) == 4), "the half types' MMA, or TF32");
+
+    // The ring, 1024-byte aligned (the 128-byte swizzle repeats every 8 rows; cuda_fused_backward
+    // asks for the 1 KiB more): stage k's A tile, then its B tile; then the stages' mbarriers.
+    extern __shared__ __align__(128) unsigned char fused_ws_smem[];
+    const unsigned lift = (1024u - (smem_address(fused_ws_smem) & 1023u)) & 1023u;
+    unsigned char* const ring = fused_ws_smem + lift;
+    unsigned long long* const a_full = reinterpret_cast<unsigned long long*>(ring + DEPTH * STAGE_BYTES);
+    auto full_barrier = [](int stage) { return 1 + stage; };
+    auto empty_barrier = [](int stage) { return 1 + DEPTH + stage; };
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+
+    const I Q = dcn::prod_size<N, I>(g.out_size);
+    const I S = dcn::prod_size<N, I>(g.in_size);
+    const int K = (int)dcn::prod_size<N, I>(g.ksize);
+    const I BQ = (I)batch * Q;
+    const I zero_row = (I)batch * S;
+    const int Cg = channels / groups;
+    const int Cog = out_channels / groups;
+    const int n_tiles = Cg / BN;
+    const int m_tiles = (Cog + BM - 1) / BM;
+    // block -> (split, tap, group, output-channel tile, input-channel tile), the last fastest
+    I bid = blockIdx.x;
+    const int n0 = (int)(bid % n_tiles) * BN;
+    bid /= n_tiles;
+    const int m0 = (int)(bid % m_tiles) * BM;
+    bid /= m_tiles;
+    const int grp = (int)(bid % groups);
+    bid /= groups;
+    const int t = (int)(bid % K);
+    const int split = (int)(bid / K);
+    const I first_step = (I)split * steps_per_split;  // the split's first segment of BK positions
+    const I total_steps = (BQ + BK - 1) / BK;
+    const I left = total_steps - first_step;
+    const int steps = left <= 0 ? 0 : (int)(left < steps_per_split ? left : steps_per_split);
+
+    if (tid == 0) {
+#pragma unroll
+        for (int k = 0; k < DEPTH; ++k) mbarrier_init(a_full + k);
+        mbarrier_init_fence();
+    }
+    __syncthreads();
+
+    // Registers: the launch gives every thread LAUNCH_REGS (65536 / THREADS: one block an SM); the
+    // MMA warpgroups take MMA_REGS (their accumulators, descriptors and addresses) and the
+    // samplers the rest, each side giving back or taking what the other leaves.
+    constexpr int LAUNCH_REGS = (65536 / THREADS > 255 ? 255 : 65536 / THREADS) / 8 * 8;
+    constexpr int MMA_REGS = (NACC * MI + 32 + 7) / 8 * 8;
+    constexpr int SAMPLER_LEFT = (LAUNCH_REGS * THREADS - MMA_REGS * MMA_THREADS) / SAMPLERS / 8 * 8;
+    constexpr int SAMPLER_REGS = SAMPLER_LEFT > 256 ? 256 : SAMPLER_LEFT;
+    static_assert(SAMPLER_REGS >= 56, "registers: the samplers' corners");
+    if (warp < MMA_THREADS / 32) {
+        // ---- MMA warpgroups ----
+        if constexpr (MMA_REGS < LAUNCH_REGS) setmaxnreg_dec<MMA_REGS>();
+        if constexpr (MMA_REGS > LAUNCH_REGS) setmaxnreg_inc<MMA_REGS>();
+        const int wg = warp >> 2;
+        float d[MI][NACC];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int i = 0; i < NACC; ++i) d[mi][i] = 0.0f;
+        // (128-byte swizzle, K-major: 8-row groups 1024 bytes apart; a k step is the next
+        // KSTEP elements of each row, the hardware applying the swizzle to the address)
+        const unsigned long long a_desc0 = wgmma_descriptor(ring + wg * WG_ROWS * ROW, 16, 1024) | (1ull << 62);
+        const unsigned long long b_desc0 = wgmma_descriptor(ring + A_BYTES, 16, 1024) | (1ull << 62);
+        for (int s = 0; s < steps; ++s) {
+            const int stage = s % DEPTH;
+            barrier_sync(full_barrier(stage), THREADS);
+            mbarrier_wait(a_full + stage, (unsigned)(s / DEPTH) & 1u);
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < BK / KSTEP; ++ks) {
+                const unsigned long long db = wgmma_descriptor_at(b_desc0, stage * STAGE_BYTES + ks * KSTEP * sizeof(T));
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi)
+                    Wgmma<T, BN>::run(d[mi], wgmma_descriptor_at(a_desc0, stage * STAGE_BYTES + mi * 64 * ROW +
+                                                                            ks * KSTEP * sizeof(T)), db);
+            }
+            wgmma_commit();
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
+            // step s - 1's wgmmas have read their stage: free it where the samplers will refill it
+            wgmma_wait_pending<1>();
+            if (s >= 1 && s - 1 + DEPTH < steps) barrier_arrive(empty_barrier((s - 1) % DEPTH), THREADS);
+        }
+        wgmma_wait_all();
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
+        // Epilogue: d[mi][4j + 2h + e] is output channel 64 mi + 16 (warp % 4) + lane / 4 + 8 h of
+        // the warpgroup's rows, input channel 8 j + 2 (lane % 4) + e of the tile: float2 stores
+        // (Cg and the channel even).
+        const int gq = lane >> 2, tq = lane & 3;
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int o = m0 + wg * WG_ROWS + mi * 64 + (warp & 3) * 16 + gq + h * 8;
+                if (o >= Cog) continue;
+                float* const row = part + (((I)split * out_channels + grp * Cog + o) * K + t) * Cg + n0 + 2 * tq;
+#pragma unroll
+                for (int j = 0; j < BN / 8; ++j) {
+                    float2* const at = reinterpret_cast<float2*>(row + 8 * j);
+                    float2 v = make_float2(d[mi][4 * j + 2 * h], d[mi][4 * j + 2 * h + 1]);
+                    if (accumulate) {
+                        const float2 old = *at;
+                        v.x += old.x;
+                        v.y += old.y;
+                    }
+                    *at = v;
+                }
+            }
+        return;
+    }
+
+    // ---- samplers ----
+    if constexpr (SAMPLER_REGS > LAUNCH_REGS) setmaxnreg_inc<SAMPLER_REGS>();
+    if constexpr (SAMPLER_REGS < LAUNCH_REGS) setmaxnreg_dec<SAMPLER_REGS>();
+    const int stid = tid - MMA_THREADS;
+    const int swarp = stid >> 5;
+    const int k = lane >> 2;       // this lane's 16-byte vector of a 128-byte line of channels
+    const int i4 = lane & 3;       // its position within the item's 4
+    // The rotation of its vector's element stores (the rows 8 apart share banks)
+    const int rot = sizeof(T) == 2 ? k : (k >> 1);
+    // Its plan segment: every channel of the tile lies in the first one's (the host's rule)
+    const int cabs0 = grp * Cg + n0;
+    const I plan_first = ((I)(cabs0 / seg_len) * K + t) * BQ;
+    // The A tiles: BM rows from row grp * Cog + m0 of each segment of gys
+    const T* const a_src = gys + (I)(grp * Cog + m0) * BK;
+    // The plan entries of this lane's positions in the next step, fetched a step ahead.
+    I prow[U][NC];
+    float pwt[U][NC];
+    float pmask[U];
+    auto item_quad = [&](int u) { return (swarp + SAMPLER_WARPS * u) % QUADS; };
+    auto item_line = [&](int u) { return (swarp + SAMPLER_WARPS * u) / QUADS; };
+    auto fetch_ahead = [&](int step) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const I p = (first_step + step) * BK + item_quad(u) * 4 + i4;
+            pmask[u] = 1.0f;
+            if (step < steps && p < BQ) {
+                load_words(plan_rows + (plan_first + p) * NC, prow[u]);
+                load_words(plan_weights + (plan_first + p) * NC, pwt[u]);
+                if (plan_masks != nullptr) pmask[u] = __ldg(plan_masks + plan_first + p);
+            } else {
+#pragma unroll
+                for (int c = 0; c < NC; ++c) { prow[u][c] = zero_row; pwt[u][c] = 0.0f; }
+            }
+        }
+    };
+    fetch_ahead(0);
+    for (int s = 0; s < steps; ++s) {
+        const int stage = s % DEPTH;
+        if (s >= DEPTH) barrier_sync(empty_barrier(stage), THREADS);
+        unsigned char* const a_tile = ring + stage * STAGE_BYTES;
+        unsigned char* const b_tile = a_tile + A_BYTES;
+        if (stid == 0) {   // A: one bulk copy, completing on the stage's mbarrier
+            mbarrier_expect(a_full + stage, A_BYTES);
+            bulk_copy(a_tile, a_src + (first_step + s) * out_channels * BK, A_BYTES, a_full + stage);
+        }
+        // B: the corners of this lane's positions, their vector k of line item_line(u)
+        uint4 raw[U][NC];
+        float wts[U][NC];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int ch = item_line(u) * LINE + k * VEC;   // first channel of the vector in the tile
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                const bool read = plan_masks == nullptr || (prow[u][c] >= 0 && pwt[u][c] != 0.0f);
+                const I row = read ? prow[u][c] : zero_row;
+                wts[u][c] = read ? pwt[u][c] * pmask[u] : 0.0f;
+                raw[u][c] = __ldg(reinterpret_cast<const uint4*>(xcl + row * Cp + cabs0 + ch));
+            }
+        }
+        fetch_ahead(s + 1);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            // blend (Sampler's order: corners 0..NC-1), into VEC elements of T as 32-bit words
+            unsigned wv[4];
+            if constexpr (Packed<T>::value) {
+                uint4 a = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+                for (int c = 0; c < NC; ++c) Packed<T>::fma(a, Packed<T>::weight(wts[u][c]), raw[u][c]);
+                wv[0] = a.x; wv[1] = a.y; wv[2] = a.z; wv[3] = a.w;
+            } else {
+                float acc[VEC];
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+#pragma unroll
+                for (int c = 0; c < NC; ++c) Vec<T>::add(acc, wts[u][c], raw[u][c]);
+                if constexpr (sizeof(T) == 4) {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) wv[j] = to_tf32(acc[j]);
+                } else {
+                    const uint4 a = Vec<T>::pack(acc);
+                    wv[0] = a.x; wv[1] = a.y; wv[2] = a.z; wv[3] = a.w;
+                }
+            }
+            // element j of the rotated order is channel (j + rot) % VEC of the vector
+            const int p = item_quad(u) * 4 + i4;                        // column (position in the step)
+            const int row0 = item_line(u) * LINE + k * VEC;             // the vector's first row
+            const int chunk = (p * (int)sizeof(T)) >> 4, within = (p * (int)sizeof(T)) & 15;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const int jj = (j + rot) & (VEC - 1);
+                const int r = row0 + jj;
+                unsigned char* const at = b_tile + r * ROW + ((chunk ^ (r & 7)) << 4) + within;
+                if constexpr (sizeof(T) == 4) {
+                    const unsigned lo = (jj & 1) ? wv[1] : wv[0], hi = (jj & 1) ? wv[3] : wv[2];
+                    *reinterpret_cast<unsigned*>(at) = (jj & 2) ? hi : lo;
+                } else {
+                    const int w = jj >> 1;
+                    const unsigned lo = (w & 1) ? wv[1] : wv[0], hi = (w & 1) ? wv[3] : wv[2];
+                    const unsigned word = (w & 2) ? hi : lo;
+                    *reinterpret_cast<unsigned short*>(at) = (unsigned short)((jj & 1) ? word >> 16 : word);
+                }
+            }
+        }
+        proxy_fence();
+        barrier_arrive(full_barrier(stage), THREADS);
+    }
+#endif
 }
 
 // gw[o, c, t] = sum over the splits, in order, of part[split, o, t, c] (in T).

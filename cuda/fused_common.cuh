@@ -70,6 +70,19 @@ __device__ __forceinline__ unsigned to_tf32(float v) {
     return r;
 }
 
+}  // namespace fused
+
+// v, or (float32 where round_tf32) v rounded to TF32: an operand the TF32 wgmma reads from shared
+// memory, which would truncate it, rounded as warp_mma rounds its fragments.
+template <typename T>
+__device__ __forceinline__ T maybe_tf32(T v, int) { return v; }
+template <>
+__device__ __forceinline__ float maybe_tf32<float>(float v, int round_tf32) {
+    return round_tf32 ? __uint_as_float(fused::to_tf32(v)) : v;
+}
+
+namespace fused {
+
 // 3xTF32: the TF32 rounding of v - big (v = big + small); 0 where big is not finite, so that an
 // infinite operand stays infinite (inf - inf would make the small part NaN).
 __device__ __forceinline__ unsigned split_small(float v, unsigned big) {

@@ -32,19 +32,20 @@ def nvrtc_toolchain():
 
 @pytest.fixture(scope="session")
 def compile_module(nvrtc_toolchain):
-    """``compile_module(source, filename, names)``: compile one module's instantiations to a
-    cubin for ``DCN_CUPY_NVRTC_ARCH`` (default sm_90) with the backend's options, failing the
-    test with NVRTC's log on an error, a missing lowered name, an empty cubin or a warning."""
+    """``compile_module(source, filename, names, arch=None)``: compile one module's instantiations
+    to a cubin for ``arch`` (default ``DCN_CUPY_NVRTC_ARCH``, else sm_90; the wgmma modules:
+    "sm_90a") with the backend's options, failing the test with NVRTC's log on an error, a
+    missing lowered name, an empty cubin or a warning."""
     nvrtc, _, cuda = nvrtc_toolchain
-    arch = os.environ.get("DCN_CUPY_NVRTC_ARCH", "sm_90")
+    default_arch = os.environ.get("DCN_CUPY_NVRTC_ARCH", "sm_90")
 
-    def compile_(source: str, filename: str, names) -> None:
+    def compile_(source: str, filename: str, names, arch=None) -> None:
         program = nvrtc.createProgram(source, filename, (), ())
         try:
             for name in names:
                 nvrtc.addNameExpression(program, name)
             try:
-                nvrtc.compileProgram(program, tuple(cuda.compile_options()) + (f"-arch={arch}",))
+                nvrtc.compileProgram(program, tuple(cuda.compile_options()) + (f"-arch={arch or default_arch}",))
             except nvrtc.NVRTCError:
                 pytest.fail("NVRTC compilation failed:\n" + nvrtc.getProgramLog(program))
             assert all(nvrtc.getLoweredName(program, name) for name in names)

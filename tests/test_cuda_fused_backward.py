@@ -62,6 +62,12 @@ def test_every_instantiation_compiles(key, compile_module):
     compile_module(fb.module_source(), "deform_fused_backward.cu", fb.name_expressions(*key))
 
 
+@pytest.mark.parametrize("key", _module_keys(), ids=_key_id)
+def test_warp_specialised_weight_kernel_compiles(key, compile_module):
+    fb = _backward_module()
+    compile_module(fb.module_source(), "deform_fused_backward.cu", fb.ws_name_expressions(*key), arch="sm_90a")
+
+
 def test_module_source_defines_exactly_the_instantiated_kernels():
     import re
     fb = _backward_module()
@@ -69,7 +75,8 @@ def test_module_source_defines_exactly_the_instantiated_kernels():
     assert '#line 1 "cuda/deform_fused_backward.cu"' in source and '#line 1 "cuda/fused_common.cuh"' in source
     defined = set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(", source))
     for key in fb.all_module_keys():
-        assert {name.split("<", 1)[0] for name in fb.name_expressions(*key)} == defined
+        names = fb.name_expressions(*key) + fb.ws_name_expressions(*key)
+        assert {name.split("<", 1)[0] for name in names} == defined
 
 
 def _geom(c_in=64, c_out=48, groups=1, offset_groups=1, mask_groups=1, ndim=2, batch=2):
@@ -393,7 +400,7 @@ def wide_case(rng, ndim, *, groups=2, offset_groups=2, mask_groups=1, c_in=64, c
 
 
 def run_gradients(arrays, params, grad_output, precision, tile=None, wanted=NAMES, broadcast=False, weight_tile=None,
-                  sampling_plan=None, gradient_plan=None, lane_channels=None):
+                  sampling_plan=None, gradient_plan=None, lane_channels=None, ws_weight=None):
     """The fused data gradients of float64 NumPy arrays cast to ``precision``'s dtype (outputs
     poisoned with NaN) and the float64 reference gradients of the rounded inputs; "bias" in
     ``wanted``: the bias gradient too (folded into the copy of grad_output)."""
@@ -413,7 +420,8 @@ def run_gradients(arrays, params, grad_output, precision, tile=None, wanted=NAME
     shapes = [None if arrays[k] is None else arrays[k].shape for k in ("input", "weight", "offset", "mask")]
     geom = _geometry.conv_geometry(*shapes, None, **params)[0]
     config = fb.BackwardConfig(geom, dtype, precision == "tf32", tile, weight_tile=weight_tile,
-                               sampling_plan=sampling_plan, gradient_plan=gradient_plan, lane_channels=lane_channels)
+                               sampling_plan=sampling_plan, gradient_plan=gradient_plan, lane_channels=lane_channels,
+                               ws_weight=ws_weight)
     out = {name: cupy.full(arrays[name].shape, np.nan, dtype=dtype) for name in wanted
            if name != "bias" and arrays[name] is not None}
     if "bias" in wanted:
@@ -931,6 +939,69 @@ def test_broadcast_batch_and_64bit_indices(monkeypatch):
     got, expected, config = run_gradients(arrays, params, gy, "float16")
     assert config.index64
     check(got, expected, "float16", "64-bit")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+@pytest.mark.parametrize("precision", ["float16", "bfloat16", "tf32"])
+def test_warp_specialised_weight_gradient(ndim, precision, monkeypatch):
+    """The warp-specialised wgmma weight kernel (sm_90a) against the float64 reference and the
+    mma.sync weight kernel: conv and offset groups of 64 channels, 48 output channels (a partial
+    256-row tile), steps that run past the last position, beside the data gradients (the data
+    kernel's plan) and alone (the sampling plan), 64-bit indices and one sample a chunk (its
+    partial sums added chunk after chunk)."""
+    fb = _backward_module()
+    if not fb._fused.wgmma_available():
+        pytest.skip("the warp-specialised weight kernel runs on sm_90a devices")
+    rng = np.random.default_rng(40 + ndim)
+    cases = ((dict(groups=2, c_in=128, offset_groups=2, mask_groups=1), NAMES),
+             (dict(groups=1, c_in=64, offset_groups=1, mask_groups=1), ("weight",)),
+             (dict(groups=1, c_in=128, offset_groups=2, mask_groups=2, offset=False), ("weight", "mask")))
+    for case, wanted in cases:
+        arrays, params, gy = wide_case(rng, ndim, c_out=48, batch=5, **case)
+        label = (case, wanted)
+        got, expected, config = run_gradients(arrays, params, gy, precision, wanted=wanted, ws_weight=True)
+        assert config.ws_weight and "warp-specialised" in config.description, label
+        check(got, expected, precision, label)
+        mma, _, mma_config = run_gradients(arrays, params, gy, precision, wanted=wanted, ws_weight=False)
+        assert not mma_config.ws_weight
+        assert relative_error(got["weight"], mma["weight"]) < TOL[precision] / 10, label
+    monkeypatch.setattr(fb, "_INT32_SAFE", 16)
+    got, expected, config = run_gradients(arrays, params, gy, precision, wanted=("weight",), ws_weight=True)
+    assert config.index64 and config.ws_weight
+    check(got, expected, precision, "64-bit")
+    monkeypatch.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", 1)
+    got, expected, config = run_gradients(arrays, params, gy, precision, ws_weight=True)
+    assert config.chunk == 1 and config.ws_weight
+    check(got, expected, precision, "one sample a chunk")
+
+
+def test_warp_specialised_weight_rule():
+    """Where the warp-specialised weight kernel serves (no GPU needed: ``wgmma`` given)."""
+    fb = _backward_module()
+    assert fb.ws_weight_unsupported(_geom(c_in=64, c_out=48), np.float16, 0, wgmma=True) is None
+    assert fb.ws_weight_unsupported(_geom(c_in=256, c_out=256, ndim=1), np.float32, 1, wgmma=True) is None
+    assert "sm_90a" in fb.ws_weight_unsupported(_geom(c_in=64), np.float16, 0, wgmma=False)
+    assert "3xTF32" in fb.ws_weight_unsupported(_geom(c_in=64), np.float32, 2, wgmma=True)
+    assert "C_in/groups = 32" in fb.ws_weight_unsupported(_geom(c_in=64, groups=2), np.float16, 0, wgmma=True)
+    assert "segment" in fb.ws_weight_unsupported(_geom(c_in=64, offset_groups=2), np.float16, 0, wgmma=True)
+    assert "plan segments" in fb.ws_weight_unsupported(_geom(c_in=1024, offset_groups=16), np.float16, 0, wgmma=True)
+    forced = fb.BackwardConfig(_geom(c_in=64, c_out=48), np.float16, False, ws_weight=True, wgmma=True)
+    assert forced.ws_weight and forced.sampling_plan and forced.weight_tile == fb.WS_WEIGHT_TILES["half"]
+    assert forced.weight_threads == 256 + fb.WS_SAMPLERS
+    assert forced.weight_smem_bytes == fb.ws_weight_smem_bytes(forced.weight_tile) <= 227 * 1024
+    assert forced.Pp % 64 == 0   # whole segments of grad_output
+    # the rule: at least WS_MIN_ROWS output channels a group
+    assert not fb.BackwardConfig(_geom(c_in=64, c_out=48), np.float16, False, wgmma=True).ws_weight
+    tall = fb.BackwardConfig(_geom(c_in=256, c_out=256), np.float32, True, wgmma=True)
+    assert tall.ws_weight and tall.weight_tile == (256, 64, 32, 1) and tall.Pp % 32 == 0
+    assert "warp-specialised" in tall.description
+    assert not fb.BackwardConfig(_geom(c_in=256, c_out=512, groups=4), np.float16, False, wgmma=True).ws_weight
+    assert not fb.BackwardConfig(_geom(c_in=256, c_out=256), np.float16, False, ws_weight=False, wgmma=True).ws_weight
+    assert not fb.BackwardConfig(_geom(c_in=256, c_out=256), np.float16, False, wgmma=False).ws_weight
+    assert not fb.BackwardConfig(_geom(c_in=256, c_out=256), np.float16, False, sampling_plan=False,
+                                 wgmma=True).ws_weight
+    assert not fb.BackwardConfig(_geom(c_in=256, c_out=256), np.float32, False, wgmma=True).ws_weight   # 3xTF32
 
 
 @pytest.mark.gpu

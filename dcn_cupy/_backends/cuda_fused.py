@@ -344,14 +344,15 @@ SM90A = "-arch=sm_90a"
 
 class _Sm90aModule:
     """Kernels compiled by NVRTC for sm_90a and loaded as a CUDA module (cached on disk next to
-    CuPy's kernel cache, keyed by the source, options, names and NVRTC version)."""
+    CuPy's kernel cache, keyed by the source, options, names and NVRTC version): of
+    ``deform_fused.cu``, or of the module text ``source`` named ``filename``."""
 
-    def __init__(self, names):
+    def __init__(self, names, source=None, filename=_SOURCE):
         import hashlib
         import json
         from cupy_backends.cuda.libs import nvrtc
         options = tuple(_cuda.compile_options()) + (SM90A,)
-        source = module_source()
+        source = module_source() if source is None else source
         key = hashlib.sha256(repr((source, options, tuple(names), nvrtc.getVersion())).encode()).hexdigest()[:32]
         folder = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
         path = os.path.join(folder, f"dcn_fused_sm90a_{key}")
@@ -361,14 +362,14 @@ class _Sm90aModule:
             with open(path + ".json") as fh:
                 lowered = json.load(fh)
         except OSError:
-            program = nvrtc.createProgram(source, "deform_fused.cu", (), ())
+            program = nvrtc.createProgram(source, filename, (), ())
             try:
                 for name in names:
                     nvrtc.addNameExpression(program, name)
                 try:
                     nvrtc.compileProgram(program, options)
                 except nvrtc.NVRTCError:
-                    raise RuntimeError("NVRTC failed on cuda/deform_fused.cu (sm_90a):\n"
+                    raise RuntimeError(f"NVRTC failed on cuda/{filename} (sm_90a):\n"
                                        + nvrtc.getProgramLog(program)) from None
                 lowered = {name: nvrtc.getLoweredName(program, name) for name in names}
                 cubin = nvrtc.getCUBIN(program)

@@ -159,6 +159,22 @@ WEIGHT_TILES = {
 #: -> 0.84 (session 22). In 3D the plan of 27 taps halved the chunk (C32: 0.450 -> 0.462 ms,
 #: session 6), so there the rule keeps the first condition alone.
 MAX_PLAN_SEGMENTS = 8
+#: The weight gradient warp-specialised on wgmma (``deform_fused_backward_weight_ws``, sm_90a; fp16,
+#: bf16 and TF32): its tile (BM output channels, BN input channels, BK positions a step: rows of
+#: 128 bytes, one block an SM) per precision key, the stages of its ring and its samplers (beside
+#: two MMA warpgroups). It reads the corners from a plan (the sampling plan, or the data kernel's),
+#: so it serves where the plan can be made (``ws_weight_unsupported``).
+WS_WEIGHT_TILES = {"half": (256, 64, 64, 1), "tf32": (256, 64, 32, 1)}
+WS_DEPTH = 4
+WS_SAMPLERS = 512
+#: The rule takes it where it serves and C_out/groups fills its tile's rows at least this far.
+#: H200, weight gradient alone, mma.sync kernel -> warp-specialised (NOTES-gpu.md, session 42):
+#: B=8 C256 56x56 fp16 0.241 -> 0.208 ms, TF32 0.424 -> 0.351; B=16 C512 14x14 fp16 0.189 -> 0.158,
+#: TF32 0.293 -> 0.220; 1D B=16 C256 L4096 fp16 0.216 -> 0.172, TF32 0.392 -> 0.319. At B=32 C64
+#: (a 64-row tile, measured then) it lost: fp16 0.164 -> 0.206, TF32 0.249 -> 0.347.
+WS_MIN_ROWS = 256
+#: None: the rule; True / False: forced on (where it serves) or off (tests, benchmarks).
+WS_WEIGHT = None
 #: The data kernel reads each (position, tap)'s corners, their slopes and the mask from a plan of
 #: its own (``fused_gradient_plan``, per batch chunk: 68 bytes per tap and position in 2D) instead of
 #: computing them in each of its C_in/64 channel-tile blocks, in 2D and 3D, and in 1D for float32,
@@ -254,6 +270,28 @@ def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, kernel:
     return f"deform_fused_backward_{kernel}<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}, {_bool(plan)}{det}>"
 
 
+def ws_threads(tile: tuple) -> int:
+    """Threads of the warp-specialised weight kernel: its MMA warpgroups (one per 128 rows, at
+    least one), then WS_SAMPLERS."""
+    return 128 * max(1, tile[0] // 128) + WS_SAMPLERS
+
+
+def ws_kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple) -> str:
+    """The warp-specialised weight kernel of a dtype, N, index width, precision (0 or 1) and tile."""
+    t = _cuda._CTYPES[np.dtype(dtype)]
+    i = "long long" if index64 else "int"
+    bm, bn, bk, _ = tile
+    return (f"deform_fused_backward_weight_ws<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {WS_DEPTH}, "
+            f"{ws_threads(tile)}>")
+
+
+def ws_name_expressions(dtype, ndim: int, index64: bool) -> tuple:
+    """The sm_90a module's kernels: the warp-specialised weight kernel's tiles in each wgmma
+    precision."""
+    return tuple(ws_kernel_name(dtype, index64, ndim, prec, WS_WEIGHT_TILES[weight_tile_key(dtype, prec)])
+                 for prec in _fused._precisions(dtype) if prec < 2)
+
+
 def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
     """Every kernel instantiation of one module (one dtype, one N, one index width)."""
     t = _cuda._CTYPES[np.dtype(dtype)]
@@ -267,7 +305,7 @@ def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
               for plan in (False, True)]
     names += [f"{kernel}<{t}, {i}>" for kernel in
               ("fused_channels_last", "fused_channels_last_vectors", "fused_store", "fused_position_rows",
-               "fused_weight_sum", "fused_channel_totals")]
+               "fused_weight_sum", "fused_channel_totals", "fused_position_segments")]
     names += [f"fused_channels_first<{t}, {i}, {_bool(fixed)}>" for fixed in (False, True)]
     names += [f"fused_channels_first_vectors<{t}, {i}>"]
     names += [f"fused_sampling_plan<{t}, {i}, {ndim}>", f"fused_gradient_plan<{t}, {i}, {ndim}>"]
@@ -285,17 +323,21 @@ _lock = threading.Lock()
 
 
 def _function(name: str, dtype, ndim: int, index64: bool):
-    """The kernel ``name`` on the current device; its module is compiled once per device."""
+    """The kernel ``name`` on the current device; its module (the sm_90a one for the warp-specialised
+    weight kernel) is compiled once per device."""
     device = cupy.cuda.runtime.getDevice()
     fn = _functions.get((device, name))
     if fn is None:
         with _lock:
             fn = _functions.get((device, name))
             if fn is None:
-                names = name_expressions(dtype, ndim, index64)
+                sm90a = name.startswith("deform_fused_backward_weight_ws<")
+                names = (ws_name_expressions if sm90a else name_expressions)(dtype, ndim, index64)
                 mkey = (device, names)
                 module = _modules.get(mkey)
-                if module is None:
+                if module is None and sm90a:
+                    module = _modules[mkey] = _fused._Sm90aModule(names, module_source(), _SOURCE)
+                elif module is None:
                     module = _modules[mkey] = cupy.RawModule(code=module_source(), options=_cuda.compile_options(),
                                                              name_expressions=names)
                 fn = _functions[(device, name)] = module.get_function(name)
@@ -324,6 +366,39 @@ def weight_smem_bytes(dtype, tile: tuple, precision: int) -> int:
     bm, bn, bk, _ = tile
     item, vec = np.dtype(dtype).itemsize, _VEC[np.dtype(dtype)]
     return 2 * (bm * (bk + (vec if precision == 2 else 0)) + bn * (bk + vec)) * item
+
+
+def ws_weight_smem_bytes(tile: tuple) -> int:
+    """Dynamic shared memory of the warp-specialised weight kernel: WS_DEPTH stages of both tiles
+    (rows of 128 bytes) and their mbarriers, and 1 KiB to lift the ring to the 128-byte swizzle's
+    1024-byte period."""
+    bm, bn = tile[:2]
+    return WS_DEPTH * ((bm + bn) * 128 + 8) + 1024
+
+
+def ws_weight_unsupported(geom, dtype, precision: int, wgmma=None):
+    """Why the warp-specialised weight kernel cannot serve ``geom`` in ``precision`` (None when
+    it can): wgmma (an sm_90a device; ``wgmma`` None: ask the current one) in fp16, bf16 or TF32;
+    every tile's BN channels within one conv group and one plan segment (a run of channels that
+    share their offset and mask group), at most MAX_PLAN_SEGMENTS of them (its corners come from
+    a plan)."""
+    if precision == 2:
+        return "strict float32 (3xTF32) has no warp-specialised weight kernel"
+    if wgmma is None:
+        try:
+            wgmma = _fused.wgmma_available()
+        except Exception:   # no driver or no device
+            wgmma = False
+    if not wgmma:
+        return "the warp-specialised weight kernel needs an sm_90a device (wgmma)"
+    bn = WS_WEIGHT_TILES[weight_tile_key(dtype, precision)][1]
+    seg_len, segments = plan_segments(geom)
+    for count, what in ((geom.in_channels // geom.groups, "C_in/groups"), (seg_len, "a plan segment's channels")):
+        if count % bn:
+            return f"{what} = {count} is not a multiple of {bn} (the warp-specialised weight tile's channels)"
+    if segments > MAX_PLAN_SEGMENTS:
+        return f"{segments} plan segments, more than {MAX_PLAN_SEGMENTS}"
+    return None
 
 
 def lane_sums_in_smem(lanes: int, deterministic: bool) -> bool:
@@ -452,7 +527,7 @@ class BackwardConfig:
 
     def __init__(self, geom, dtype, allow_tf32: bool, tile=None, multiprocessors: int = 132, fused_weight=None,
                  weight_tile=None, sampling_plan=None, gradient_plan=None, deterministic: bool = False,
-                 lane_channels=None):
+                 lane_channels=None, ws_weight=None, wgmma=None):
         dtype = np.dtype(dtype)
         reason = unsupported(geom, dtype)
         if reason is not None:
@@ -491,6 +566,16 @@ class BackwardConfig:
         self.weight_tile = (tuple(weight_tile) if weight_tile is not None
                             else _weight_tile(geom, dtype, self.precision))
         self.fused_weight = (weight_unsupported(geom, dtype, self.weight_tile) is None) and fused_weight is not False
+        # warp-specialised on wgmma where it serves (ws_weight / WS_WEIGHT: None the rule, at least
+        # WS_MIN_ROWS output channels a group; True forced; False off), its tile then the weight
+        # tile, its corners from a plan
+        ws = WS_WEIGHT if ws_weight is None else ws_weight
+        ws = self.Cog >= WS_MIN_ROWS if ws is None else bool(ws)
+        self.ws_weight = (ws and fused_weight is not False and weight_tile is None
+                          and (SAMPLING_PLAN if sampling_plan is None else sampling_plan) is not False
+                          and ws_weight_unsupported(geom, dtype, self.precision, wgmma) is None)
+        if self.ws_weight:
+            self.weight_tile, self.fused_weight = WS_WEIGHT_TILES[weight_tile_key(dtype, self.precision)], True
         # its corners from a sampling plan computed once per chunk (the rule: at most
         # MAX_PLAN_SEGMENTS segments of channels, and several blocks sampling each position and tap
         # or N <= 2), else in every block that samples a position
@@ -501,6 +586,7 @@ class BackwardConfig:
             sampling_plan = SAMPLING_PLAN
         rule = (self.sampled_by > 1 or geom.ndim <= 2) and self.segments <= MAX_PLAN_SEGMENTS
         self.sampling_plan = self.fused_weight and (rule if sampling_plan is None else bool(sampling_plan))
+        self.sampling_plan = self.sampling_plan or self.ws_weight
         corners = 1 << geom.ndim
         plan_entries = self.segments * self.K * corners if self.sampling_plan else 0   # per position
         buffers = int(self.S * self.Cp * it + self.Q * self.Cop * it + gx_bytes
@@ -533,7 +619,9 @@ class BackwardConfig:
         # as few chunks as the workspace bound allows, of equal size (but the last): 16 + 16, not 19 + 13
         most = max(1, min(geom.batch, int(_fused.WORKSPACE_LIMIT_BYTES) // max(per_sample, 1)))
         self.chunk = n = -(-geom.batch // -(-geom.batch // most))
-        self.Pp = _fused._round_up(n * self.Q, vec)
+        # grad_output's rows for the weight gradient: the warp-specialised kernel's in whole
+        # segments of BK positions (fused_position_segments), else in vectors
+        self.Pp = _fused._round_up(n * self.Q, wbk if self.ws_weight else vec)
         self.weight_tiles = self.K * G * -(-self.Cog // wbm) * -(-self.Cg // wbn)
         self.splits = weight_splits(self.weight_tiles, -(-n * self.Q // wbk), self.weight_tile[3] * multiprocessors)
         det = self.deterministic
@@ -547,7 +635,7 @@ class BackwardConfig:
             "goff": (n * self.off_ch * self.Q * self.slots[0], np.float32),
             "gmsk": (n * self.m_ch * self.Q * self.slots[1], np.float32),
             "wt": ((G * self.Cg * self.K + 1) * self.Cogp, dtype),
-            "gyr": (Co * self.Pp if self.fused_weight else 0, dtype),
+            "gyr": ((Co * self.Pp + (wbm * wbk if self.ws_weight else 0)) if self.fused_weight else 0, dtype),
             "part": (self.splits * Co * self.K * self.Cg if self.fused_weight else 0, np.float32),
             "plan_weights": (n * self.Q * plan_entries, np.float32),
             "gradient_weights": (n * self.Q * gradient_entries * corners, np.float32),
@@ -568,7 +656,9 @@ class BackwardConfig:
         self.workspace_bytes = total
         self.smem_bytes = data_smem_bytes(dtype, self.tile, geom.ndim, self.lane_channels, self.lanes,
                                           self.deterministic, self.precision)
-        self.weight_smem_bytes = weight_smem_bytes(dtype, self.weight_tile, self.precision)
+        self.weight_smem_bytes = (ws_weight_smem_bytes(self.weight_tile) if self.ws_weight
+                                  else weight_smem_bytes(dtype, self.weight_tile, self.precision))
+        self.weight_threads = ws_threads(self.weight_tile) if self.ws_weight else _THREADS
         self.struct = _cuda._geom_struct(geom)
 
     @property
@@ -577,8 +667,9 @@ class BackwardConfig:
         bm, bn, bk, _ = self.tile
         plan = (", the data gradients' plan" if self.plan_shared else
                 ", a sampling plan per chunk" if self.sampling_plan else "")
-        weight = (f"weight gradient fused ({self.splits} position splits, fixed-order sum{plan})" if self.fused_weight
-                  else "weight gradient through cuda/im2col")
+        ws = "warp-specialised wgmma, " if self.ws_weight else ""
+        weight = (f"weight gradient fused ({ws}{self.splits} position splits, fixed-order sum{plan})"
+                  if self.fused_weight else "weight gradient through cuda/im2col")
         data_plan = " from a plan per chunk" if self.gradient_plan else ""
         scatter = ("deterministic: fixed-point 64-bit channels-last scatter, offset and mask gradients summed in a "
                    "fixed order" if self.deterministic else "channels-last vector scatter")
@@ -601,9 +692,11 @@ class BackwardConfig:
             plan = self.gradient_plan if name == "data" else self.sampling_plan
             if name == "data":
                 tile = data_tile(tile, g.ndim)
-            fn = _function(kernel_name(self.dtype, self.index64, g.ndim, self.precision, tile, name, plan,
-                                       self.deterministic, self.lane_channels, self.lanes),
-                           self.dtype, g.ndim, self.index64)
+            full_name = (ws_kernel_name(self.dtype, self.index64, g.ndim, self.precision, tile)
+                         if name == "weight" and self.ws_weight else
+                         kernel_name(self.dtype, self.index64, g.ndim, self.precision, tile, name, plan,
+                                     self.deterministic, self.lane_channels, self.lanes))
+            fn = _function(full_name, self.dtype, g.ndim, self.index64)
             if smem > 48 * 1024:
                 _fused._allow_shared_memory(fn, smem)
             return fn
@@ -712,7 +805,7 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
         gy_n = u64(gy + start * gy_bs * it)
         # the weight gradient's rows of grad_output (gyr), from the copy where there is one
         pp = _fused._round_up(n * config.Q, _VEC[config.dtype])
-        rows_copied = data and gw and ROWS_FROM_COPY
+        rows_copied = data and gw and ROWS_FROM_COPY and not config.ws_weight
         if (g_off or g_m or gw) and not input_copied:   # the corner values
             ops.append(op(layout(config.S, config.Cp, x_bs, x, view["xcl"]),
                           _fused.layout_grid(n, config.Cp, config.S), (_THREADS,), (
@@ -765,7 +858,12 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
                         u64(view[name]), u64(target + start * bs * it), i32(n), index(per_sample), index(bs),
                         i32(slots))))
         if gw:
-            if not rows_copied:
+            if config.ws_weight:   # in segments of BK positions, segment-major
+                segments = -(-n * config.Q // config.weight_tile[2])
+                ops.append(op(kernel("fused_position_segments"), grid(segments * g.out_channels * 8), (_THREADS,), (
+                    gy_n, u64(view["gyr"]), i32(n), i32(g.out_channels), i32(config.Cog), index(config.Q),
+                    index(segments), index(gy_bs), i32(config.precision == 1))))
+            elif not rows_copied:
                 ops.append(op(kernel("fused_position_rows"), grid(g.out_channels * pp // _VEC[config.dtype]),
                               (_THREADS,), (gy_n, u64(view["gyr"]), i32(n), i32(g.out_channels), index(config.Q),
                                             index(pp), index(gy_bs))))
@@ -777,12 +875,18 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
                               (_THREADS,), (off_n, msk_n, plan_rows, plan_weights, config.struct, i32(n),
                                             i32(g.in_channels), i32(config.Go), i32(config.Gm), i32(config.seg_len),
                                             i32(config.segments), index(off_bs), index(msk_bs))))
-            ops.append(op(kernel("weight"), (config.splits * config.weight_tiles,), (_THREADS,), (
-                u64(view["gyr"]), u64(view["xcl"]), off_n, msk_n, plan_rows, plan_weights, plan_masks,
-                u64(view["part"]), config.struct, i32(n), i32(g.in_channels), i32(config.Cp), i32(g.out_channels),
-                i32(g.groups), i32(config.Go), i32(config.Gm), i32(config.seg_len), index(pp), index(off_bs),
-                index(msk_bs), i32(config.splits), i32(config.weight_steps(n)), i32(start > 0)),
-                config.weight_smem_bytes))
+            if config.ws_weight:
+                args = (u64(view["gyr"]), u64(view["xcl"]), plan_rows, plan_weights, plan_masks, u64(view["part"]),
+                        config.struct, i32(n), i32(g.in_channels), i32(config.Cp), i32(g.out_channels),
+                        i32(g.groups), i32(config.seg_len), i32(config.weight_steps(n)), i32(start > 0))
+            else:
+                args = (u64(view["gyr"]), u64(view["xcl"]), off_n, msk_n, plan_rows, plan_weights, plan_masks,
+                        u64(view["part"]), config.struct, i32(n), i32(g.in_channels), i32(config.Cp),
+                        i32(g.out_channels), i32(g.groups), i32(config.Go), i32(config.Gm), i32(config.seg_len),
+                        index(pp), index(off_bs), index(msk_bs), i32(config.splits), i32(config.weight_steps(n)),
+                        i32(start > 0))
+            ops.append(op(kernel("weight"), (config.splits * config.weight_tiles,), (config.weight_threads,), args,
+                          config.weight_smem_bytes))
     if gw:
         ops.append(op(kernel("fused_weight_sum"), grid(g.out_channels * config.Cg * config.K), (_THREADS,), (
             u64(view["part"]), u64(gw), i32(config.splits), i32(g.out_channels), i32(config.Cg), i32(config.K))))
@@ -1025,7 +1129,8 @@ class FusedBackwardBackend:
                                     deterministic=spec.deterministic)
             names = ["fused_channels_last", "fused_channels_last_vectors", "fused_channels_first",
                      "fused_channels_first_vectors", "fused_store", "fused_channel_totals",
-                     "fused_position_rows", "fused_weight_sum", "fused_sampling_plan", "fused_gradient_plan",
+                     "fused_position_rows", "fused_position_segments", "fused_weight_sum", "fused_sampling_plan",
+                     "fused_gradient_plan",
                      "data", "weight"]
             if config.deterministic:
                 names += ["weight_bound", "sample_bound"]
