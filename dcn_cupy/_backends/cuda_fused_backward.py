@@ -1,7 +1,7 @@
 """CUDA algorithm ``cuda/fused-backward``: the gradients of a deformable convolution as implicit
 GEMMs on tensor cores, with no columns or column-gradient buffer.
 
-``cuda/deform_fused_backward.cu`` has two kernels (fp16/bf16 in their format, float32 as TF32
+``cuda/deform_fused_backward.cu`` has three kernels (fp16/bf16 in their format, float32 as TF32
 when TF32 is allowed, else 3xTF32; float32 accumulation, in 3xTF32 each k8's three products
 summed apart and added in float32, so that strict float32 keeps float32 accuracy over any
 reduction):
@@ -22,7 +22,14 @@ reduction):
   In 1D and 2D, and in 3D where several of its blocks sample each position (channel tiles), the
   corners come from a sampling plan computed once per batch chunk (``fused_sampling_plan``: rows
   and weights per segment of channels, tap and position) instead of from the offsets and mask by
-  every sampling thread of every block.
+  every sampling thread of every block;
+* ``deform_fused_backward_weight_ws`` (sm_90a; fp16, bf16 and TF32): the same GEMM, splits and
+  partial sums (bitwise, at equal splits) on the forward's warp-specialised design: two MMA
+  warpgroups multiply with wgmma from a ring of shared-memory stages that 512 sampling threads
+  fill, grad_output's tile by one bulk copy a stage from ``fused_position_segments``'s
+  segment-major, swizzled (TF32: rounded) copy, the sampled tile transposed by the samplers.
+  Taken where it serves (:func:`ws_weight_unsupported`) and C_out/groups fills its 256 rows
+  (``WS_MIN_ROWS``; measured faster there, slower at C_out 64).
 
 Deterministic plans (``deterministic=True``) run the data kernel's ``DET`` instantiation: the input
 gradient is added in 64-bit fixed point (``cuda/fixed_point.cuh``, the exponents from bounds
@@ -41,7 +48,8 @@ sampling plan is made.
 Per call, one batch chunk at a time (the chunk bounds the workspace by
 ``cuda_fused.WORKSPACE_LIMIT_BYTES``): grad_output copied channels-last, ``(Bc*Q, Cop)``, and as
 rows over the positions, ``(C_out, Pp)``; the input channels-last, ``(Bc*S, Cp)``, when the
-offset, mask or weight gradient is wanted (the corner values); the weight re-laid channels-last
+offset, mask or weight gradient is wanted (the corner values; for the warp-specialised weight
+kernel, grad_output in segments of 128 bytes instead of rows); the weight re-laid channels-last
 per conv group as ``(G, C_in/G, K, Cogp)`` (``fused_channels_last``); the accumulators cleared,
 the kernels run, the gradients written out in their dtype and layout (the input gradient plus
 the C_in-long ``bias`` of the transposed forward, ``fused_channels_first``). The layout changes
