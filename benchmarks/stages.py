@@ -393,14 +393,14 @@ def fused_backward_stages(x, w, off, msk, gy, geom, name, t, deterministic=False
                 print(f"  {'sampling plan of the weight gradient':<44} {ms:8.3f} ms  ({entries} entries)")
             weight = own.kernel("weight")
             if own.ws_weight:   # warp-specialised (wgmma): grad_output in segments (filled above)
-                weight_args = (view("gyr"), view("xcl"), plan_rows, plan_weights, plan_masks, view("part"), own.struct,
-                        i32(n), i32(geom.in_channels), i32(own.Cp), i32(geom.out_channels), i32(geom.groups),
-                        i32(own.seg_len), i32(own.weight_steps(n)), i32(0))
+                weight_args = (view("gyr"), view("xcl"), plan_rows, plan_weights, plan_masks, view("part"),
+                               own.struct, i32(n), i32(geom.in_channels), i32(own.Cp), i32(geom.out_channels),
+                               i32(geom.groups), i32(own.seg_len), i32(own.weight_steps(n)), i32(0))
             else:
                 weight_args = (view("gyr"), view("xcl"), off, msk, plan_rows, plan_weights, plan_masks, view("part"),
-                        own.struct, i32(n), i32(geom.in_channels), i32(own.Cp), i32(geom.out_channels),
-                        i32(geom.groups), i32(own.Go), i32(own.Gm), i32(own.seg_len), index(own.Pp), off_bs, msk_bs,
-                        i32(own.splits), i32(own.weight_steps(n)), i32(0))
+                               own.struct, i32(n), i32(geom.in_channels), i32(own.Cp), i32(geom.out_channels),
+                               i32(geom.groups), i32(own.Go), i32(own.Gm), i32(own.seg_len), index(own.Pp), off_bs,
+                               msk_bs, i32(own.splits), i32(own.weight_steps(n)), i32(0))
             ms = t(lambda: weight((own.splits * own.weight_tiles,), (own.weight_threads,), weight_args,
                                   shared_mem=own.weight_smem_bytes), 4)
             kind = "warp-specialised " if own.ws_weight else ""

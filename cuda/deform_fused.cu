@@ -875,10 +875,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         constexpr unsigned B_K_BYTES = ROW_PHASES ? KSTEP * sizeof(T) : K_BYTES;
         auto mma_issue = [&](int buf, float (&acc)[MI][NACC], bool fresh) {
             const unsigned a_buf = buf * (A_BUF * (unsigned)sizeof(T)), b_buf = buf * (B_BUF * (unsigned)sizeof(T));
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                for (int i = 0; i < NACC; ++i) register_fence(acc[mi][i]);
+            register_fence(acc);
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < BK / KSTEP; ++ks) {
@@ -900,10 +897,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                 }
             }
             wgmma_commit();
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                for (int i = 0; i < NACC; ++i) register_fence(acc[mi][i]);
+            register_fence(acc);
         };
         // Epilogue: d[mi][4j + e] is row 64*mi + 16*(warp%4) + lane/4 + 8*(e/2) of the
         // warpgroup's rows, position 8j + 2*(lane%4) + e%2. The output offsets of the thread's
@@ -935,10 +929,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                     sample_store(cur ^ 1);
                 }
                 wgmma_wait_all();
-#pragma unroll
-                for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                    for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
+                register_fence(d);
                 copy_wait_all();
                 proxy_fence();
                 __syncthreads();
@@ -1121,10 +1112,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                             if (!last) continue;
                         }
                         wgmma_wait_all();
-#pragma unroll
-                        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                            for (int i = 0; i < NACC; ++i) register_fence(p[mi][i]);
+                        register_fence(p);
                         free_stage(u);
                         if (DCN_FUSED_WS_EXPERIMENT != 1) {
 #pragma unroll
@@ -1135,18 +1123,12 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                     } else {
                         if (DCN_FUSED_WS_EXPERIMENT != 1) mma_issue(u % DEPTH, d, false);
                         wgmma_wait_pending<1>();   // step u - 1's MMAs have read their stage
-#pragma unroll
-                        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                            for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
+                        register_fence(d);
                         if (s >= 1) free_stage(u - 1);
                     }
                 }
                 wgmma_wait_all();
-#pragma unroll
-                for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                    for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
+                register_fence(d);
                 if constexpr (PERSISTENT && !PROMOTE) free_stage(u0 + steps - 1);   // (the tile's last stage)
                 epilogue();
                 u0 += steps;

@@ -100,6 +100,24 @@ template <> struct Load4<__nv_bfloat16> {
     }
 };
 
+// A weight-gradient block's tile (both weight kernels): blockIdx.x -> (split, tap t, group grp,
+// output-channel tile m0, input-channel tile n0), the last fastest.
+struct WeightBlock { int n0, m0, grp, t, split; };
+template <typename I>
+__device__ __forceinline__ WeightBlock weight_block(I bid, int n_tiles, int m_tiles, int groups, int K, int BM,
+                                                    int BN) {
+    WeightBlock w;
+    w.n0 = (int)(bid % n_tiles) * BN;
+    bid /= n_tiles;
+    w.m0 = (int)(bid % m_tiles) * BM;
+    bid /= m_tiles;
+    w.grp = (int)(bid % groups);
+    bid /= groups;
+    w.t = (int)(bid % K);
+    w.split = (int)(bid / K);
+    return w;
+}
+
 __device__ __forceinline__ float component(const float4& v, int j) {
     return j == 0 ? v.x : (j == 1 ? v.y : (j == 2 ? v.z : v.w));
 }
@@ -849,16 +867,8 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
     const int per_gm = mask == nullptr ? channels : channels / mask_groups;
     const int n_tiles = (Cg + BN - 1) / BN;
     const int m_tiles = (Cog + BM - 1) / BM;
-    // block -> (split, tap, group, output-channel tile, input-channel tile), the last fastest
-    I bid = blockIdx.x;
-    const int n0 = (int)(bid % n_tiles) * BN;
-    bid /= n_tiles;
-    const int m0 = (int)(bid % m_tiles) * BM;
-    bid /= m_tiles;
-    const int grp = (int)(bid % groups);
-    bid /= groups;
-    const int t = (int)(bid % K);
-    const int split = (int)(bid / K);
+    const fused_bwd::WeightBlock blk = fused_bwd::weight_block<I>(blockIdx.x, n_tiles, m_tiles, groups, K, BM, BN);
+    const int n0 = blk.n0, m0 = blk.m0, grp = blk.grp, t = blk.t, split = blk.split;
     const I first = (I)split * steps_per_split * BK;
     const I total_steps = (BQ + BK - 1) / BK;
     const I left = total_steps - (I)split * steps_per_split;
@@ -1195,16 +1205,8 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
     const int Cog = out_channels / groups;
     const int n_tiles = Cg / BN;
     const int m_tiles = (Cog + BM - 1) / BM;
-    // block -> (split, tap, group, output-channel tile, input-channel tile), the last fastest
-    I bid = blockIdx.x;
-    const int n0 = (int)(bid % n_tiles) * BN;
-    bid /= n_tiles;
-    const int m0 = (int)(bid % m_tiles) * BM;
-    bid /= m_tiles;
-    const int grp = (int)(bid % groups);
-    bid /= groups;
-    const int t = (int)(bid % K);
-    const int split = (int)(bid / K);
+    const fused_bwd::WeightBlock blk = fused_bwd::weight_block<I>(blockIdx.x, n_tiles, m_tiles, groups, K, BM, BN);
+    const int n0 = blk.n0, m0 = blk.m0, grp = blk.grp, t = blk.t, split = blk.split;
     const I first_step = (I)split * steps_per_split;  // the split's first segment of BK positions
     const I total_steps = (BQ + BK - 1) / BK;
     const I left = total_steps - first_step;
@@ -1243,10 +1245,7 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
             const int stage = s % DEPTH;
             barrier_sync(full_barrier(stage), THREADS);
             mbarrier_wait(a_full + stage, (unsigned)(s / DEPTH) & 1u);
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
+            register_fence(d);
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < BK / KSTEP; ++ks) {
@@ -1257,19 +1256,13 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
                                                                             ks * KSTEP * sizeof(T)), db);
             }
             wgmma_commit();
-#pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
+            register_fence(d);
             // step s - 1's wgmmas have read their stage: free it where the samplers will refill it
             wgmma_wait_pending<1>();
             if (s >= 1 && s - 1 + DEPTH < steps) barrier_arrive(empty_barrier((s - 1) % DEPTH), THREADS);
         }
         wgmma_wait_all();
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-            for (int i = 0; i < NACC; ++i) register_fence(d[mi][i]);
+        register_fence(d);
         // Epilogue: d[mi][4j + 2h + e] is output channel 64 mi + 16 (warp % 4) + lane / 4 + 8 h of
         // the warpgroup's rows, input channel 8 j + 2 (lane % 4) + e of the tile: float2 stores
         // (Cg and the channel even).

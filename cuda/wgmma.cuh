@@ -67,6 +67,16 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
 }
 
 __device__ __forceinline__ void register_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+// Every accumulator of a warpgroup's MI m64 instructions (before wgmma_fence, after a commit or a
+// wait): the compiler neither moves their reads and writes across the asynchronous wgmmas nor
+// copies them meanwhile.
+template <int MI, int NACC>
+__device__ __forceinline__ void register_fence(float (&acc)[MI][NACC]) {
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) register_fence(acc[mi][i]);
+}
 
 // D(64xN, float) += A(64xK) * B(KxN) (D = A * B where `accumulate` is 0), both from shared
 // memory (descriptors), one warpgroup; K = 16 (half types) or 8 (TF32), N = 48 (ENGINE 3's
