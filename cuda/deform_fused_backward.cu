@@ -1091,7 +1091,8 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
 // which is wgmma's 128-byte swizzle; float32 values rounded to TF32 where round_tf32 (as warp_mma
 // rounds its A fragments: the TF32 wgmma would truncate them). One thread a 16-byte chunk: one
 // vector load where every sample's rows start on 16 bytes (then no chunk crosses a sample), else
-// element by element.
+// element by element. (The buffer has BM rows more: the kernel's tile rows past C_out/groups read
+// the next group's rows or those, into accumulator rows it never stores.)
 template <typename T, typename I>
 __global__ void fused_position_segments(const T* __restrict__ gy, T* __restrict__ gys, const int batch,
                                         const int out_channels, const int Cog, const I Q, const I segments,
