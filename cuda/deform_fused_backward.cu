@@ -762,35 +762,53 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     }
 }
 
+// Whether the position loads below may read 16-byte vectors of gy (B, C_out, Q), sample stride
+// gy_bstride: every sample's rows start on 16 bytes (Q and the sample stride multiples of VEC,
+// gy aligned), so that no aligned vector of positions crosses a sample.
+template <typename T, typename I>
+__device__ __forceinline__ bool positions_by_vectors(const T* gy, I Q, I gy_bstride) {
+    constexpr int VEC = 16 / sizeof(T);
+    return Q % VEC == 0 && gy_bstride % VEC == 0 && (reinterpret_cast<size_t>(gy) & 15) == 0;
+}
+
+// The VEC = 16 / sizeof(T) consecutive positions p0.. (p = b*Q + q, p0 a multiple of VEC; zero
+// from B*Q = BQ on) of output channel o of gy: one 16-byte load where `vector`
+// (positions_by_vectors) and they all lie before BQ, else element by element.
+template <typename T, typename I>
+__device__ __forceinline__ uint4 load_positions(const T* __restrict__ gy, I o, I p0, I Q, I BQ, I gy_bstride,
+                                                bool vector) {
+    constexpr int VEC = 16 / sizeof(T);
+    if (vector && p0 + VEC <= BQ) {
+        const I b = p0 / Q;
+        return __ldg(reinterpret_cast<const uint4*>(gy + b * gy_bstride + o * Q + (p0 - b * Q)));
+    }
+    uint4 r;
+    T* const v = reinterpret_cast<T*>(&r);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+        const I p = p0 + k;
+        v[k] = p < BQ ? gy[(p / Q) * gy_bstride + o * Q + p % Q] : Traits<T>::store(0.0f);
+    }
+    return r;
+}
+
 // gy (B, C_out, Q), sample stride gy_bstride -> gyr (C_out, Pp): each output channel's row over
 // the chunk's positions p = b*Q + q, zero from B*Q to Pp (a multiple of the 16-byte vector): the
-// A operand of the weight gradient. A thread copies VEC consecutive positions of one row: one
-// 16-byte vector each way where every sample's rows start on 16 bytes (Q and the sample stride
-// multiples of VEC, gy aligned; then no vector crosses a sample), else element by element.
+// A operand of the weight gradient. A thread copies VEC consecutive positions of one row
+// (load_positions), stored as one 16-byte vector.
 template <typename T, typename I>
 __global__ void fused_position_rows(const T* __restrict__ gy, T* __restrict__ gyr, const int batch,
                                     const int channels, const I Q, const I Pp, const I gy_bstride) {
     fused::start_after_prerequisites();
     constexpr int VEC = 16 / sizeof(T);
-    const bool vector = Q % VEC == 0 && gy_bstride % VEC == 0 && (reinterpret_cast<size_t>(gy) & 15) == 0;
+    const bool vector = positions_by_vectors(gy, Q, gy_bstride);
     const I row_vectors = Pp / VEC;
     const I total = (I)channels * row_vectors;
     const I BQ = (I)batch * Q;
     for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
         const I o = idx / row_vectors;
         const I p0 = (idx - o * row_vectors) * VEC;
-        T* dst = gyr + o * Pp + p0;
-        if (vector && p0 + VEC <= BQ) {
-            const I b = p0 / Q;
-            *reinterpret_cast<uint4*>(dst) =
-                __ldg(reinterpret_cast<const uint4*>(gy + b * gy_bstride + o * Q + (p0 - b * Q)));
-        } else {
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) {
-                const I p = p0 + k;
-                dst[k] = p < BQ ? gy[(p / Q) * gy_bstride + o * Q + p % Q] : Traits<T>::store(0.0f);
-            }
-        }
+        *reinterpret_cast<uint4*>(gyr + o * Pp + p0) = load_positions(gy, o, p0, Q, BQ, gy_bstride, vector);
     }
 }
 
@@ -1089,9 +1107,8 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
 // kernel's A tile of a stage, one bulk copy); within a row, 16-byte chunk c stored at chunk
 // c ^ (r & 7), r = o % (C_out / groups) (its row within its tile: tiles start on multiples of 8),
 // which is wgmma's 128-byte swizzle; float32 values rounded to TF32 where round_tf32 (as warp_mma
-// rounds its A fragments: the TF32 wgmma would truncate them). One thread a 16-byte chunk: one
-// vector load where every sample's rows start on 16 bytes (then no chunk crosses a sample), else
-// element by element. (The buffer has BM rows more: the kernel's tile rows past C_out/groups read
+// rounds its A fragments: the TF32 wgmma would truncate them). One thread a 16-byte chunk
+// (load_positions). (The buffer has BM rows more: the kernel's tile rows past C_out/groups read
 // the next group's rows or those, into accumulator rows it never stores.)
 template <typename T, typename I>
 __global__ void fused_position_segments(const T* __restrict__ gy, T* __restrict__ gys, const int batch,
@@ -1100,7 +1117,7 @@ __global__ void fused_position_segments(const T* __restrict__ gy, T* __restrict_
     fused::start_after_prerequisites();
     constexpr int VEC = 16 / sizeof(T);
     constexpr int CHUNKS = 128 / 16;
-    const bool vector = Q % VEC == 0 && gy_bstride % VEC == 0 && (reinterpret_cast<size_t>(gy) & 15) == 0;
+    const bool vector = positions_by_vectors(gy, Q, gy_bstride);
     const I total = segments * out_channels * CHUNKS;
     const I BQ = (I)batch * Q;
     for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
@@ -1108,21 +1125,11 @@ __global__ void fused_position_segments(const T* __restrict__ gy, T* __restrict_
         const I row = idx / CHUNKS;                        // seg * C_out + o
         const int o = (int)(row % out_channels);
         const I p0 = (row / out_channels) * (CHUNKS * VEC) + c * VEC;
-        T v[VEC];
-        if (vector && p0 + VEC <= BQ) {
-            const I b = p0 / Q;
-            *reinterpret_cast<uint4*>(v) = __ldg(reinterpret_cast<const uint4*>(gy + b * gy_bstride + (I)o * Q + (p0 - b * Q)));
-        } else {
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) {
-                const I p = p0 + k;
-                v[k] = p < BQ ? gy[(p / Q) * gy_bstride + (I)o * Q + p % Q] : Traits<T>::store(0.0f);
-            }
-        }
+        uint4 r = load_positions(gy, (I)o, p0, Q, BQ, gy_bstride, vector);
+        T* const v = reinterpret_cast<T*>(&r);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) v[k] = maybe_tf32(v[k], round_tf32);
-        *reinterpret_cast<uint4*>(gys + row * (CHUNKS * VEC) + ((c ^ ((o % Cog) & 7)) * VEC)) =
-            *reinterpret_cast<const uint4*>(v);
+        *reinterpret_cast<uint4*>(gys + row * (CHUNKS * VEC) + ((c ^ ((o % Cog) & 7)) * VEC)) = r;
     }
 }
 

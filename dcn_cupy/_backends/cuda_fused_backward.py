@@ -593,8 +593,9 @@ class BackwardConfig:
         if sampling_plan is None:
             sampling_plan = SAMPLING_PLAN
         rule = (self.sampled_by > 1 or geom.ndim <= 2) and self.segments <= MAX_PLAN_SEGMENTS
-        self.sampling_plan = self.fused_weight and (rule if sampling_plan is None else bool(sampling_plan))
-        self.sampling_plan = self.sampling_plan or self.ws_weight
+        # (the warp-specialised kernel always reads a plan)
+        self.sampling_plan = self.ws_weight or (self.fused_weight and (rule if sampling_plan is None
+                                                                       else bool(sampling_plan)))
         corners = 1 << geom.ndim
         plan_entries = self.segments * self.K * corners if self.sampling_plan else 0   # per position
         buffers = int(self.S * self.Cp * it + self.Q * self.Cop * it + gx_bytes
