@@ -1101,39 +1101,55 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
         }
 }
 
-// gy (B, C_out, Q), sample stride gy_bstride -> gys (P / BK, C_out, BK): grad_output in segments of
-// BK positions (128 bytes; p = b*Q + q, zero from B*Q on), segment-major, so that the BM rows of
-// an output-channel tile in one segment are one contiguous block (the warp-specialised weight
-// kernel's A tile of a stage, one bulk copy); within a row, 16-byte chunk c stored at chunk
-// c ^ (r & 7), r = o % (C_out / groups) (its row within its tile: tiles start on multiples of 8),
-// which is wgmma's 128-byte swizzle; float32 values rounded to TF32 where round_tf32 (as warp_mma
-// rounds its A fragments: the TF32 wgmma would truncate them). One thread a 16-byte chunk
-// (load_positions). (The buffer has BM rows more: the kernel's tile rows past C_out/groups read
-// the next group's rows or those, into accumulator rows it never stores.)
+// gy (B, C_out, Q), sample stride gy_bstride -> gys (P / BK, SPLIT, C_out, BK): grad_output in
+// segments of BK positions (128 bytes; p = b*Q + q, zero from B*Q on), segment-major, so that the
+// BM rows of an output-channel tile in one segment are one contiguous block (the warp-specialised
+// weight kernel's A tile of a stage, one bulk copy a plane); within a row, 16-byte chunk c stored
+// at chunk c ^ (r & 7), r = o % (C_out / groups) (its row within its tile: tiles start on
+// multiples of 8), which is wgmma's 128-byte swizzle. precision (float32 only): 1, values rounded
+// to TF32 (as warp_mma rounds its A fragments: the TF32 wgmma would truncate them); 2 (3xTF32),
+// SPLIT = 2 planes a segment, split_tf32's big parts, then the small ones. One thread a 16-byte
+// chunk (load_positions). (The buffer has BM rows more: the kernel's tile rows past C_out/groups
+// read the next group's rows, the next plane's or those, into accumulator rows it never stores.)
 template <typename T, typename I>
 __global__ void fused_position_segments(const T* __restrict__ gy, T* __restrict__ gys, const int batch,
                                         const int out_channels, const int Cog, const I Q, const I segments,
-                                        const I gy_bstride, const int round_tf32) {
+                                        const I gy_bstride, const int precision) {
     fused::start_after_prerequisites();
     constexpr int VEC = 16 / sizeof(T);
     constexpr int CHUNKS = 128 / 16;
     const bool vector = positions_by_vectors(gy, Q, gy_bstride);
+    const int planes = sizeof(T) == 4 && precision == 2 ? 2 : 1;
     const I total = segments * out_channels * CHUNKS;
     const I BQ = (I)batch * Q;
     for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
         const int c = (int)(idx % CHUNKS);
         const I row = idx / CHUNKS;                        // seg * C_out + o
         const int o = (int)(row % out_channels);
-        const I p0 = (row / out_channels) * (CHUNKS * VEC) + c * VEC;
+        const I seg = row / out_channels;
+        const I p0 = seg * (CHUNKS * VEC) + c * VEC;
         uint4 r = load_positions(gy, (I)o, p0, Q, BQ, gy_bstride, vector);
+        T* const at = gys + ((seg * planes) * out_channels + o) * (CHUNKS * VEC) + ((c ^ ((o % Cog) & 7)) * VEC);
+        if constexpr (sizeof(T) == 4) {
+            if (planes == 2) {
+                uint4 big, small;
+                fused::split_tf32(__uint_as_float(r.x), big.x, small.x);
+                fused::split_tf32(__uint_as_float(r.y), big.y, small.y);
+                fused::split_tf32(__uint_as_float(r.z), big.z, small.z);
+                fused::split_tf32(__uint_as_float(r.w), big.w, small.w);
+                *reinterpret_cast<uint4*>(at) = big;
+                *reinterpret_cast<uint4*>(at + (I)out_channels * (CHUNKS * VEC)) = small;
+                continue;
+            }
+        }
         T* const v = reinterpret_cast<T*>(&r);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) v[k] = maybe_tf32(v[k], round_tf32);
-        *reinterpret_cast<uint4*>(gys + row * (CHUNKS * VEC) + ((c ^ ((o % Cog) & 7)) * VEC)) = r;
+        for (int k = 0; k < VEC; ++k) v[k] = maybe_tf32(v[k], precision == 1);
+        *reinterpret_cast<uint4*>(at) = r;
     }
 }
 
-// The weight gradient warp-specialised on wgmma (sm_90a; fp16, bf16 and TF32): the GEMM, the
+// The weight gradient warp-specialised on wgmma (sm_90a; fp16, bf16, TF32, 3xTF32): the GEMM, the
 // block mapping, the plan's corners and the partial sums of deform_fused_backward_weight (PLAN),
 // but the block's warps split into roles as in the forward's ENGINE 3. MMA_WGS warpgroups
 // (warps 0 .. 4 * MMA_WGS - 1) only multiply: each its BM / MMA_WGS output channels of the tile,
@@ -1142,8 +1158,8 @@ __global__ void fused_position_segments(const T* __restrict__ gy, T* __restrict_
 // allows, each stage a tile pair in wgmma's 128-byte swizzle (rows of 128 bytes: BK positions,
 // K-major both):
 //   * A, BM rows of grad_output: one bulk copy (cp.async.bulk, the copy engine) of a block of gys
-//     (fused_position_segments: segment-major, swizzled, TF32-rounded), issued by the first
-//     sampler once the stage is free and completing on the stage's mbarrier;
+//     (fused_position_segments: segment-major, swizzled, TF32-rounded or split) a plane, issued by
+//     the first sampler once the stage is free and completing on the stage's mbarrier;
 //   * B, BN rows of input channels: the sampled tile transposed, B[channel][position]. A warp
 //     samples 4 positions x 8 16-byte vectors (one 128-byte line of channels a position and
 //     corner: 4 lines a load); a thread blends its vector's corners (Sampler's order and
@@ -1151,6 +1167,11 @@ __global__ void fused_position_segments(const T* __restrict__ gy, T* __restrict_
 //     one element a row. Its k-th vector's rows are rotated by k (TF32: by k / 2), so that the 8
 //     lanes of a position write rows of 8 distinct (row & 7) in each store: with the 4 positions'
 //     columns, 32 distinct banks (half types: 16 words, 2 halves each).
+// 3xTF32 (PREC 2): each tile a pair of planes, the big parts then the small ones (split_tf32, as
+// ENGINE 3 splits its tiles), multiplied as a_small*b_big + a_big*b_small + a_big*b_big into
+// registers of their own (p) for a run of DCN_WS_PROMOTE_POSITIONS positions, then added to the
+// accumulators in float32: the tensor cores' accumulation truncates, and a whole split's positions
+// summed into one accumulator drifts with their count (NOTES-gpu.md, session 15).
 // Stage k has named barrier 1 + k ("full": the samplers arrive once their writes are visible to
 // the async proxy; the MMA warps wait, then wait for the A copy on the stage's mbarrier) and
 // 1 + DEPTH + k ("empty": the MMA warps arrive once the wgmmas reading it completed, one step
@@ -1158,6 +1179,13 @@ __global__ void fused_position_segments(const T* __restrict__ gy, T* __restrict_
 // every block's BN channels lie in one conv group and one plan segment
 // (cuda_fused_backward.ws_weight_unsupported). THREADS: the MMA warpgroups' 128 * MMA_WGS, then
 // the samplers. Bitwise the partial sums of deform_fused_backward_weight with the same splits.
+// The warp-specialised weight kernel in 3xTF32: the positions whose products p sums before they
+// join the accumulators in float32, in whole steps (at least one). Each run's end drains the MMA
+// warpgroup's wgmmas; a longer run drains less often but spans more of the tensor cores'
+// truncating accumulation (as DCN_FUSED_PROMOTE_CHANNELS in the forward).
+#ifndef DCN_WS_PROMOTE_POSITIONS
+#define DCN_WS_PROMOTE_POSITIONS 64
+#endif
 template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int DEPTH, int THREADS>
 __global__ void __launch_bounds__(THREADS, 1)
 deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__ xcl,
@@ -1177,6 +1205,7 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
     constexpr int SAMPLERS = THREADS - MMA_THREADS;
     constexpr int ROW = 128;                          // bytes of a tile row: BK positions
     constexpr int KSTEP = PREC == 0 ? 16 : 8;         // wgmma K
+    constexpr int SPLIT = PREC == 2 ? 2 : 1;          // planes of a tile (3xTF32: big, small)
     constexpr int NACC = BN / 2;                      // accumulators per thread and m64 instruction
     constexpr int NC = 1 << N;
     constexpr int LINE = ROW / (int)sizeof(T);        // channels of one 128-byte line: a warp's vectors
@@ -1184,16 +1213,19 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
     constexpr int ITEMS = QUADS * (BN / LINE);        // (quad, line of channels) a step, one a warp each
     constexpr int SAMPLER_WARPS = SAMPLERS / 32;
     constexpr int U = ITEMS / SAMPLER_WARPS;          // items per sampling warp and step
-    constexpr int A_BYTES = BM * ROW, B_BYTES = BN * ROW, STAGE_BYTES = A_BYTES + B_BYTES;
+    constexpr int A_PLANE = BM * ROW, B_PLANE = BN * ROW;
+    constexpr int A_BYTES = SPLIT * A_PLANE, B_BYTES = SPLIT * B_PLANE, STAGE_BYTES = A_BYTES + B_BYTES;
+    constexpr int PROMOTE_STEPS = PREC == 2 ? (DCN_WS_PROMOTE_POSITIONS + BK - 1) / BK : 1;   // steps a run of p
     static_assert(BK * (int)sizeof(T) == ROW && WG_ROWS % 64 == 0 && WG_ROWS <= 128 &&
                   (BN == 64 || BN == 128) && BN % LINE == 0, "tile: rows of 128 bytes, m64 x n64 / n128");
     static_assert(ITEMS % SAMPLER_WARPS == 0 && U >= 1 && SAMPLERS % 128 == 0,
                   "sampling warpgroups: a whole number of items a warp");
     static_assert(DEPTH >= 2 && 2 * DEPTH <= 15, "2 named barriers a stage");
-    static_assert((PREC == 0 && sizeof(T) == 2) || (PREC == 1 && sizeof(T) == 4), "the half types' MMA, or TF32");
+    static_assert((PREC == 0 && sizeof(T) == 2) || (PREC >= 1 && sizeof(T) == 4), "the half types' MMA, or TF32");
 
     // The ring, 1024-byte aligned (the 128-byte swizzle repeats every 8 rows; cuda_fused_backward
-    // asks for the 1 KiB more): stage k's A tile, then its B tile; then the stages' mbarriers.
+    // asks for the 1 KiB more): stage k's A tile, then its B tile (3xTF32: each its big plane, then
+    // its small one); then the stages' mbarriers.
     extern __shared__ __align__(128) unsigned char fused_ws_smem[];
     const unsigned lift = (1024u - (smem_address(fused_ws_smem) & 1023u)) & 1023u;
     unsigned char* const ring = fused_ws_smem + lift;
@@ -1231,7 +1263,7 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
     // MMA warpgroups take MMA_REGS (their accumulators, descriptors and addresses) and the
     // samplers the rest, each side giving back or taking what the other leaves.
     constexpr int LAUNCH_REGS = (65536 / THREADS > 255 ? 255 : 65536 / THREADS) / 8 * 8;
-    constexpr int MMA_REGS = (NACC * MI + 32 + 7) / 8 * 8;
+    constexpr int MMA_REGS = (NACC * MI * SPLIT + 32 + 7) / 8 * 8;   // (3xTF32: d and p)
     constexpr int SAMPLER_LEFT = (LAUNCH_REGS * THREADS - MMA_REGS * MMA_THREADS) / SAMPLERS / 8 * 8;
     constexpr int SAMPLER_REGS = SAMPLER_LEFT > 256 ? 256 : SAMPLER_LEFT;
     static_assert(SAMPLER_REGS >= 56, "registers: the samplers' corners");
@@ -1249,24 +1281,46 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
         // KSTEP elements of each row, the hardware applying the swizzle to the address)
         const unsigned long long a_desc0 = wgmma_descriptor(ring + wg * WG_ROWS * ROW, 16, 1024) | (1ull << 62);
         const unsigned long long b_desc0 = wgmma_descriptor(ring + A_BYTES, 16, 1024) | (1ull << 62);
+        float p[MI][NACC];   // 3xTF32's run of products (unused, so allocated no registers, otherwise)
         for (int s = 0; s < steps; ++s) {
             const int stage = s % DEPTH;
             barrier_sync(full_barrier(stage), THREADS);
             mbarrier_wait(a_full + stage, (unsigned)(s / DEPTH) & 1u);
-            register_fence(d);
+            float (&acc)[MI][NACC] = SPLIT == 2 ? p : d;
+            const bool fresh = SPLIT == 2 && s % PROMOTE_STEPS == 0;   // the run's first step overwrites p
+            register_fence(acc);
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < BK / KSTEP; ++ks) {
                 const unsigned long long db = wgmma_descriptor_at(b_desc0, stage * STAGE_BYTES + ks * KSTEP * sizeof(T));
 #pragma unroll
-                for (int mi = 0; mi < MI; ++mi)
-                    Wgmma<T, BN>::run(d[mi], wgmma_descriptor_at(a_desc0, stage * STAGE_BYTES + mi * 64 * ROW +
-                                                                            ks * KSTEP * sizeof(T)), db);
+                for (int mi = 0; mi < MI; ++mi) {
+                    const unsigned long long da =
+                        wgmma_descriptor_at(a_desc0, stage * STAGE_BYTES + mi * 64 * ROW + ks * KSTEP * sizeof(T));
+                    if constexpr (SPLIT == 2) {
+                        Wgmma<T, BN>::run(acc[mi], wgmma_descriptor_at(da, A_PLANE), db, fresh && ks == 0 ? 0 : 1);
+                        Wgmma<T, BN>::run(acc[mi], da, wgmma_descriptor_at(db, B_PLANE));
+                        Wgmma<T, BN>::run(acc[mi], da, db);
+                    } else {
+                        Wgmma<T, BN>::run(acc[mi], da, db);
+                    }
+                }
             }
             wgmma_commit();
-            register_fence(d);
-            // step s - 1's wgmmas have read their stage: free it where the samplers will refill it
-            wgmma_wait_pending<1>();
+            register_fence(acc);
+            if (SPLIT == 2 && (s % PROMOTE_STEPS == PROMOTE_STEPS - 1 || s == steps - 1)) {
+                // the run's products complete: into the accumulators in float32
+                wgmma_wait_all();
+                register_fence(p);
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                    for (int i = 0; i < NACC; ++i) d[mi][i] += p[mi][i];
+            } else {
+                // step s - 1's wgmmas have read their stage
+                wgmma_wait_pending<1>();
+            }
+            // free step s - 1's stage where the samplers will refill it
             if (s >= 1 && s - 1 + DEPTH < steps) barrier_arrive(empty_barrier((s - 1) % DEPTH), THREADS);
         }
         wgmma_wait_all();
@@ -1338,9 +1392,12 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
         if (s >= DEPTH) barrier_sync(empty_barrier(stage), THREADS);
         unsigned char* const a_tile = ring + stage * STAGE_BYTES;
         unsigned char* const b_tile = a_tile + A_BYTES;
-        if (stid == 0) {   // A: one bulk copy, completing on the stage's mbarrier
+        if (stid == 0) {   // A: one bulk copy a plane, completing on the stage's mbarrier
             mbarrier_expect(a_full + stage, A_BYTES);
-            bulk_copy(a_tile, a_src + (first_step + s) * out_channels * BK, A_BYTES, a_full + stage);
+#pragma unroll
+            for (int h = 0; h < SPLIT; ++h)
+                bulk_copy(a_tile + h * A_PLANE, a_src + ((first_step + s) * SPLIT + h) * out_channels * BK, A_PLANE,
+                          a_full + stage);
         }
         // B: the corners of this lane's positions, their vector k of line item_line(u)
         uint4 raw[U][NC];
@@ -1359,8 +1416,9 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
         fetch_ahead(s + 1);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            // blend (Sampler's order: corners 0..NC-1), into VEC elements of T as 32-bit words
-            unsigned wv[4];
+            // blend (Sampler's order: corners 0..NC-1), into VEC elements of T as 32-bit words (3xTF32:
+            // the big parts wv, the small ones ws)
+            unsigned wv[4], ws[4];
             if constexpr (Packed<T>::value) {
                 uint4 a = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
@@ -1372,7 +1430,10 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
                 for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
 #pragma unroll
                 for (int c = 0; c < NC; ++c) Vec<T>::add(acc, wts[u][c], raw[u][c]);
-                if constexpr (sizeof(T) == 4) {
+                if constexpr (SPLIT == 2) {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) split_tf32(acc[j], wv[j], ws[j]);
+                } else if constexpr (sizeof(T) == 4) {
 #pragma unroll
                     for (int j = 0; j < 4; ++j) wv[j] = to_tf32(acc[j]);
                 } else {
@@ -1392,6 +1453,10 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
                 if constexpr (sizeof(T) == 4) {
                     const unsigned lo = (jj & 1) ? wv[1] : wv[0], hi = (jj & 1) ? wv[3] : wv[2];
                     *reinterpret_cast<unsigned*>(at) = (jj & 2) ? hi : lo;
+                    if constexpr (SPLIT == 2) {
+                        const unsigned slo = (jj & 1) ? ws[1] : ws[0], shi = (jj & 1) ? ws[3] : ws[2];
+                        *reinterpret_cast<unsigned*>(at + B_PLANE) = (jj & 2) ? shi : slo;
+                    }
                 } else {
                     const int w = jj >> 1;
                     const unsigned lo = (w & 1) ? wv[1] : wv[0], hi = (w & 1) ? wv[3] : wv[2];

@@ -943,7 +943,7 @@ def test_broadcast_batch_and_64bit_indices(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ndim", [1, 2, 3])
-@pytest.mark.parametrize("precision", ["float16", "bfloat16", "tf32"])
+@pytest.mark.parametrize("precision", ["float16", "bfloat16", "tf32", "float32"])
 def test_warp_specialised_weight_gradient(ndim, precision, monkeypatch):
     """The warp-specialised wgmma weight kernel (sm_90a) against the float64 reference and the
     mma.sync weight kernel: conv and offset groups of 64 channels, 48 output channels (a partial
@@ -976,20 +976,37 @@ def test_warp_specialised_weight_gradient(ndim, precision, monkeypatch):
     check(got, expected, precision, "one sample a chunk")
 
 
+@pytest.mark.gpu
+def test_warp_specialised_strict_float32_keeps_float32_accuracy_over_long_reductions(monkeypatch):
+    """The warp-specialised kernel's 3xTF32 sums its products a run of positions at a time apart
+    from the accumulators, so that over 2048 positions in one split its weight gradient keeps
+    float32 FMAs' error (about 1e-6), as the mma.sync kernel's does."""
+    fb = _backward_module()
+    if not fb._fused.wgmma_available():
+        pytest.skip("the warp-specialised weight kernel runs on sm_90a devices")
+    monkeypatch.setattr(fb, "MAX_SPLITS", 1)
+    rng = np.random.default_rng(15)
+    arrays, params, gy = wide_case(rng, 2, groups=1, offset_groups=1, mask_groups=1, c_in=64, c_out=512, batch=2,
+                                   size=32, stride=(1, 1), padding=(1, 1), dilation=(1, 1))
+    got, expected, config = run_gradients(arrays, params, gy, "float32", wanted=("weight",))
+    assert config.ws_weight and config.precision == 2 and config.splits == 1
+    assert relative_error(got["weight"], expected["weight"]) < 2e-6
+
+
 def test_warp_specialised_weight_rule():
     """Where the warp-specialised weight kernel serves (no GPU needed: ``wgmma`` given)."""
     fb = _backward_module()
     assert fb.ws_weight_unsupported(_geom(c_in=64, c_out=48), np.float16, 0, wgmma=True) is None
     assert fb.ws_weight_unsupported(_geom(c_in=256, c_out=256, ndim=1), np.float32, 1, wgmma=True) is None
     assert "sm_90a" in fb.ws_weight_unsupported(_geom(c_in=64), np.float16, 0, wgmma=False)
-    assert "3xTF32" in fb.ws_weight_unsupported(_geom(c_in=64), np.float32, 2, wgmma=True)
+    assert fb.ws_weight_unsupported(_geom(c_in=64), np.float32, 2, wgmma=True) is None
     assert "C_in/groups = 32" in fb.ws_weight_unsupported(_geom(c_in=64, groups=2), np.float16, 0, wgmma=True)
     assert "segment" in fb.ws_weight_unsupported(_geom(c_in=64, offset_groups=2), np.float16, 0, wgmma=True)
     assert "plan segments" in fb.ws_weight_unsupported(_geom(c_in=1024, offset_groups=16), np.float16, 0, wgmma=True)
     forced = fb.BackwardConfig(_geom(c_in=64, c_out=48), np.float16, False, ws_weight=True, wgmma=True)
     assert forced.ws_weight and forced.sampling_plan and forced.weight_tile == fb.WS_WEIGHT_TILES["half"]
-    assert forced.weight_threads == 256 + fb.WS_SAMPLERS
-    assert forced.weight_smem_bytes == fb.ws_weight_smem_bytes(forced.weight_tile) <= 227 * 1024
+    assert forced.weight_threads == 256 + fb.WS_RINGS["half"][1]
+    assert forced.weight_smem_bytes == fb.ws_weight_smem_bytes(np.float16, 0) <= 227 * 1024
     assert forced.Pp % 64 == 0   # whole segments of grad_output
     # the rule: at least WS_MIN_ROWS output channels a group
     assert not fb.BackwardConfig(_geom(c_in=64, c_out=48), np.float16, False, wgmma=True).ws_weight
@@ -1001,7 +1018,13 @@ def test_warp_specialised_weight_rule():
     assert not fb.BackwardConfig(_geom(c_in=256, c_out=256), np.float16, False, wgmma=False).ws_weight
     assert not fb.BackwardConfig(_geom(c_in=256, c_out=256), np.float16, False, sampling_plan=False,
                                  wgmma=True).ws_weight
-    assert not fb.BackwardConfig(_geom(c_in=256, c_out=256), np.float32, False, wgmma=True).ws_weight   # 3xTF32
+    # 3xTF32: two planes of each tile in a stage and of grad_output's segments
+    strict = fb.BackwardConfig(_geom(c_in=256, c_out=256), np.float32, False, wgmma=True)
+    assert strict.ws_weight and strict.precision == 2 and strict.weight_tile == fb.WS_WEIGHT_TILES["3xtf32"]
+    depth, samplers = fb.WS_RINGS["3xtf32"]
+    assert strict.weight_threads == 256 + samplers
+    assert strict.weight_smem_bytes == depth * (2 * (256 + 64) * 128 + 8) + 1024 <= 227 * 1024
+    assert strict.offsets["gyr"][1] == 2 * 256 * strict.Pp + 256 * 32 == 2 * tall.offsets["gyr"][1] - 256 * 32
 
 
 @pytest.mark.gpu

@@ -23,11 +23,12 @@ reduction):
   corners come from a sampling plan computed once per batch chunk (``fused_sampling_plan``: rows
   and weights per segment of channels, tap and position) instead of from the offsets and mask by
   every sampling thread of every block;
-* ``deform_fused_backward_weight_ws`` (sm_90a; fp16, bf16 and TF32): the same GEMM, splits and
-  partial sums (bitwise, at equal splits) on the forward's warp-specialised design: two MMA
-  warpgroups multiply with wgmma from a ring of shared-memory stages that 512 sampling threads
-  fill, grad_output's tile by one bulk copy a stage from ``fused_position_segments``'s
-  segment-major, swizzled (TF32: rounded) copy, the sampled tile transposed by the samplers.
+* ``deform_fused_backward_weight_ws`` (sm_90a; fp16, bf16, TF32 and 3xTF32): the same GEMM, splits
+  and partial sums (bitwise in fp16, bf16 and TF32, at equal splits) on the forward's
+  warp-specialised design: two MMA warpgroups multiply with wgmma from a ring of shared-memory
+  stages that 512 sampling threads fill (256 in 3xTF32), grad_output's tile by one bulk copy a
+  stage from ``fused_position_segments``'s segment-major, swizzled (TF32: rounded; 3xTF32: split
+  into big and small parts) copy, the sampled tile transposed by the samplers.
   Taken where it serves (:func:`ws_weight_unsupported`) and C_out/groups fills its 256 rows
   (``WS_MIN_ROWS``; measured faster there, slower at C_out 64).
 
@@ -168,13 +169,14 @@ WEIGHT_TILES = {
 #: session 6), so there the rule keeps the first condition alone.
 MAX_PLAN_SEGMENTS = 8
 #: The weight gradient warp-specialised on wgmma (``deform_fused_backward_weight_ws``, sm_90a; fp16,
-#: bf16 and TF32): its tile (BM output channels, BN input channels, BK positions a step: rows of
-#: 128 bytes, one block an SM) per precision key, the stages of its ring and its samplers (beside
-#: two MMA warpgroups). It reads the corners from a plan (the sampling plan, or the data kernel's),
-#: so it serves where the plan can be made (``ws_weight_unsupported``).
-WS_WEIGHT_TILES = {"half": (256, 64, 64, 1), "tf32": (256, 64, 32, 1)}
-WS_DEPTH = 4
-WS_SAMPLERS = 512
+#: bf16, TF32 and 3xTF32): its tile (BM output channels, BN input channels, BK positions a step:
+#: rows of 128 bytes, one block an SM) per precision key, and its ring (stages, sampling threads
+#: beside the two MMA warpgroups). It reads the corners from a plan (the sampling plan, or the data
+#: kernel's), so it serves where the plan can be made (``ws_weight_unsupported``). 3xTF32's stages
+#: hold two planes of each tile (big and small parts: 80 KiB), so two fit; its MMA warpgroups keep
+#: a second set of accumulators (160 registers), which leaves registers for 256 samplers.
+WS_WEIGHT_TILES = {"half": (256, 64, 64, 1), "tf32": (256, 64, 32, 1), "3xtf32": (256, 64, 32, 1)}
+WS_RINGS = {"half": (4, 512), "tf32": (4, 512), "3xtf32": (2, 256)}
 #: The rule takes it where it serves and C_out/groups fills its tile's rows at least this far.
 #: H200, weight gradient alone, mma.sync kernel -> warp-specialised (NOTES-gpu.md, session 42):
 #: B=8 C256 56x56 fp16 0.241 -> 0.208 ms, TF32 0.424 -> 0.351; B=16 C512 14x14 fp16 0.189 -> 0.158,
@@ -278,26 +280,26 @@ def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, kernel:
     return f"deform_fused_backward_{kernel}<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}, {_bool(plan)}{det}>"
 
 
-def ws_threads(tile: tuple) -> int:
-    """Threads of the warp-specialised weight kernel: its MMA warpgroups (one per 128 rows, at
-    least one), then WS_SAMPLERS."""
-    return 128 * max(1, tile[0] // 128) + WS_SAMPLERS
+def ws_threads(dtype, precision: int) -> int:
+    """Threads of the warp-specialised weight kernel of a dtype and precision: its MMA warpgroups
+    (one per 128 rows of its tile, at least one), then its samplers (WS_RINGS)."""
+    key = weight_tile_key(dtype, precision)
+    return 128 * max(1, WS_WEIGHT_TILES[key][0] // 128) + WS_RINGS[key][1]
 
 
-def ws_kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple) -> str:
-    """The warp-specialised weight kernel of a dtype, N, index width, precision (0 or 1) and tile."""
+def ws_kernel_name(dtype, index64: bool, ndim: int, prec: int) -> str:
+    """The warp-specialised weight kernel of a dtype, N, index width and precision (0, 1 or 2)."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
-    bm, bn, bk, _ = tile
-    return (f"deform_fused_backward_weight_ws<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {WS_DEPTH}, "
-            f"{ws_threads(tile)}>")
+    key = weight_tile_key(dtype, prec)
+    bm, bn, bk, _ = WS_WEIGHT_TILES[key]
+    return (f"deform_fused_backward_weight_ws<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {WS_RINGS[key][0]}, "
+            f"{ws_threads(dtype, prec)}>")
 
 
 def ws_name_expressions(dtype, ndim: int, index64: bool) -> tuple:
-    """The sm_90a module's kernels: the warp-specialised weight kernel's tiles in each wgmma
-    precision."""
-    return tuple(ws_kernel_name(dtype, index64, ndim, prec, WS_WEIGHT_TILES[weight_tile_key(dtype, prec)])
-                 for prec in _fused._precisions(dtype) if prec < 2)
+    """The sm_90a module's kernels: the warp-specialised weight kernel in each precision."""
+    return tuple(ws_kernel_name(dtype, index64, ndim, prec) for prec in _fused._precisions(dtype))
 
 
 def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
@@ -376,22 +378,22 @@ def weight_smem_bytes(dtype, tile: tuple, precision: int) -> int:
     return 2 * (bm * (bk + (vec if precision == 2 else 0)) + bn * (bk + vec)) * item
 
 
-def ws_weight_smem_bytes(tile: tuple) -> int:
-    """Dynamic shared memory of the warp-specialised weight kernel: WS_DEPTH stages of both tiles
-    (rows of 128 bytes) and their mbarriers, and 1 KiB to lift the ring to the 128-byte swizzle's
-    1024-byte period."""
-    bm, bn = tile[:2]
-    return WS_DEPTH * ((bm + bn) * 128 + 8) + 1024
+def ws_weight_smem_bytes(dtype, precision: int) -> int:
+    """Dynamic shared memory of the warp-specialised weight kernel of a dtype and precision: its
+    ring's stages of both tiles (rows of 128 bytes; 3xTF32: two planes each) and their mbarriers,
+    and 1 KiB to lift the ring to the 128-byte swizzle's 1024-byte period."""
+    key = weight_tile_key(dtype, precision)
+    bm, bn = WS_WEIGHT_TILES[key][:2]
+    planes = 2 if precision == 2 else 1
+    return WS_RINGS[key][0] * (planes * (bm + bn) * 128 + 8) + 1024
 
 
 def ws_weight_unsupported(geom, dtype, precision: int, wgmma=None):
     """Why the warp-specialised weight kernel cannot serve ``geom`` in ``precision`` (None when
-    it can): wgmma (an sm_90a device; ``wgmma`` None: ask the current one) in fp16, bf16 or TF32;
+    it can): wgmma (an sm_90a device; ``wgmma`` None: ask the current one);
     every tile's BN channels within one conv group and one plan segment (a run of channels that
     share their offset and mask group), at most MAX_PLAN_SEGMENTS of them (its corners come from
     a plan)."""
-    if precision == 2:
-        return "strict float32 (3xTF32) has no warp-specialised weight kernel"
     if wgmma is None:
         try:
             wgmma = _fused.wgmma_available()
@@ -631,6 +633,7 @@ class BackwardConfig:
         # grad_output's rows for the weight gradient: the warp-specialised kernel's in whole
         # segments of BK positions (fused_position_segments), else in vectors
         self.Pp = _fused._round_up(n * self.Q, wbk if self.ws_weight else vec)
+        gy_planes = 2 if self.ws_weight and self.precision == 2 else 1   # 3xTF32's big and small parts
         self.weight_tiles = self.K * G * -(-self.Cog // wbm) * -(-self.Cg // wbn)
         self.splits = weight_splits(self.weight_tiles, -(-n * self.Q // wbk), self.weight_tile[3] * multiprocessors)
         det = self.deterministic
@@ -644,7 +647,8 @@ class BackwardConfig:
             "goff": (n * self.off_ch * self.Q * self.slots[0], np.float32),
             "gmsk": (n * self.m_ch * self.Q * self.slots[1], np.float32),
             "wt": ((G * self.Cg * self.K + 1) * self.Cogp, dtype),
-            "gyr": ((Co * self.Pp + (wbm * wbk if self.ws_weight else 0)) if self.fused_weight else 0, dtype),
+            "gyr": ((Co * self.Pp * gy_planes + (wbm * wbk if self.ws_weight else 0)) if self.fused_weight else 0,
+                    dtype),
             "part": (self.splits * Co * self.K * self.Cg if self.fused_weight else 0, np.float32),
             "plan_weights": (n * self.Q * plan_entries, np.float32),
             "gradient_weights": (n * self.Q * gradient_entries * corners, np.float32),
@@ -655,7 +659,7 @@ class BackwardConfig:
         }
         self.index64 = max(max(count for count, _ in sizes.values()), geom.batch * C * self.S,
                            geom.batch * max(self.off_ch, self.m_ch) * self.Q,
-                           (n * self.Q + bn) * self.Cop, Co * (self.Pp + wbk)) > _INT32_SAFE
+                           (n * self.Q + bn) * self.Cop, Co * (self.Pp * gy_planes + wbk)) > _INT32_SAFE
         sizes["plan_rows"] = (n * self.Q * plan_entries, np.int64 if self.index64 else np.int32)
         sizes["gradient_rows"] = (n * self.Q * gradient_entries * corners, np.int64 if self.index64 else np.int32)
         self.offsets, total = {}, 0
@@ -665,9 +669,9 @@ class BackwardConfig:
         self.workspace_bytes = total
         self.smem_bytes = data_smem_bytes(dtype, self.tile, geom.ndim, self.lane_channels, self.lanes,
                                           self.deterministic, self.precision)
-        self.weight_smem_bytes = (ws_weight_smem_bytes(self.weight_tile) if self.ws_weight
+        self.weight_smem_bytes = (ws_weight_smem_bytes(dtype, self.precision) if self.ws_weight
                                   else weight_smem_bytes(dtype, self.weight_tile, self.precision))
-        self.weight_threads = ws_threads(self.weight_tile) if self.ws_weight else _THREADS
+        self.weight_threads = ws_threads(dtype, self.precision) if self.ws_weight else _THREADS
         self.struct = _cuda._geom_struct(geom)
 
     @property
@@ -701,7 +705,7 @@ class BackwardConfig:
             plan = self.gradient_plan if name == "data" else self.sampling_plan
             if name == "data":
                 tile = data_tile(tile, g.ndim)
-            full_name = (ws_kernel_name(self.dtype, self.index64, g.ndim, self.precision, tile)
+            full_name = (ws_kernel_name(self.dtype, self.index64, g.ndim, self.precision)
                          if name == "weight" and self.ws_weight else
                          kernel_name(self.dtype, self.index64, g.ndim, self.precision, tile, name, plan,
                                      self.deterministic, self.lane_channels, self.lanes))
@@ -871,7 +875,7 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
                 segments = -(-n * config.Q // config.weight_tile[2])
                 ops.append(op(kernel("fused_position_segments"), grid(segments * g.out_channels * 8), (_THREADS,), (
                     gy_n, u64(view["gyr"]), i32(n), i32(g.out_channels), i32(config.Cog), index(config.Q),
-                    index(segments), index(gy_bs), i32(config.precision == 1))))
+                    index(segments), index(gy_bs), i32(config.precision))))
             elif not rows_copied:
                 ops.append(op(kernel("fused_position_rows"), grid(g.out_channels * pp // _VEC[config.dtype]),
                               (_THREADS,), (gy_n, u64(view["gyr"]), i32(n), i32(g.out_channels), index(config.Q),
