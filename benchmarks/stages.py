@@ -374,7 +374,7 @@ def fused_backward_stages(x, w, off, msk, gy, geom, name, t, deterministic=False
         ms = t(lambda: data((own.blocks(n),), (256,), (
             view("gycl"), view("wt"), view("xcl"), off, msk, None if deterministic else view("gxcl"), view("goff"),
             view("gmsk"), own.struct, i32(n), i32(geom.in_channels), i32(own.Cp), i32(own.Cpa),
-            i32(geom.out_channels), i32(own.Cop), i32(geom.groups), i32(own.Go), i32(own.Gm), i32(own.Cogp),
+            i32(geom.out_channels), i32(own.gy_row), i32(geom.groups), i32(own.Go), i32(own.Gm), i32(own.wt_row),
             index(fb._fused._batch_stride(off)), index(fb._fused._batch_stride(msk)), i32(own.seg), *gradient_plan,
             i32(own.seg_len), *fixed, i32(own.log2_count)), shared_mem=own.smem_bytes), 4)
         print(f"  {'data-gradient kernel alone, tile %dx%dx%d' % own.tile[:3]:<44} {ms:8.3f} ms  "

@@ -27,6 +27,9 @@
 // position outside [-1, S_a) or non-finite samples 0 and gets no gradient; corners of weight
 // (slope) exactly 0 are skipped, never multiplied.
 //
+// Strict float32 (3xTF32): both operands arrive split (fused_split_planes: each row of wt and gycl
+// twice as long, split_tf32's big parts, then the small ones), each part copied to a tile of its
+// own and multiplied by fused::warp_mma_planes, no value split in the loop.
 // Template parameters: T storage type, I index type, N spatial dims, PREC (0: T's own MMA; 1:
 // TF32; 2: 3xTF32), the tile BM x BN x BK, MINB (blocks per multiprocessor asked of the register
 // allocator), PLAN (the epilogue reads each (position, tap, segment)'s corners, slopes and mask
@@ -294,6 +297,29 @@ __global__ void fused_store(const float* __restrict__ src, T* __restrict__ dst, 
     }
 }
 
+// The data kernel's operands in strict float32 (3xTF32), split once here instead of in every warp
+// that reads them (warp_mma's split: 84 instructions a k8 beside 12 MMAs): rows of 2 * half floats
+// whose first half holds the values (wt, gycl as fused_channels_last writes them, rows twice as
+// long) -> split_tf32's big parts there and the small parts in the second half. One thread a
+// float4 (half a multiple of 4, data 16-byte aligned).
+template <typename I>
+__global__ void fused_split_planes(float* __restrict__ data, const I rows, const int half) {
+    fused::start_after_prerequisites();
+    const int quads = half / 4;
+    const I total = rows * quads;
+    for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
+        float4* const at = reinterpret_cast<float4*>(data + (idx / quads) * 2 * half) + idx % quads;
+        const float4 v = *at;
+        uint4 big, small;
+        fused::split_tf32(v.x, big.x, small.x);
+        fused::split_tf32(v.y, big.y, small.y);
+        fused::split_tf32(v.z, big.z, small.z);
+        fused::split_tf32(v.w, big.w, small.w);
+        *reinterpret_cast<uint4*>(at) = big;
+        *reinterpret_cast<uint4*>(at + quads) = small;
+    }
+}
+
 // The data gradients' plan of a batch chunk: per (segment j of seg_len channels sharing an
 // offset and a mask group, tap t, position p = b*Q + q), entry e = (j * K + t) * B*Q + p, what
 // the data kernel's epilogue otherwise computes in each of its C_in/BM channel-tile blocks: the
@@ -369,13 +395,14 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     constexpr int NC = 1 << N;
     constexpr int PPW = 32 / LANES;                  // positions per warp and pass of the epilogue
     constexpr int V4 = CPL / 4;                      // a lane's channels, in fours
+    constexpr int PLANES = PREC == 2 ? 2 : 1;        // 3xTF32: each operand tile's big, then small parts
     static_assert(A_VECS >= 1 && B_VECS >= 1 && MT >= 1 && NT % 2 == 0 && BM % 64 == 0, "tile shape");
     static_assert((CPL == 4 || CPL == 8) && (!DET || CPL == 4), "channels per lane: 4, or 8 (not deterministic)");
     static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0 && LANES * CPL <= BM, "epilogue lanes");
 
     extern __shared__ __align__(128) unsigned char fused_smem[];
     T* const As0 = reinterpret_cast<T*>(fused_smem);
-    T* const Bs0 = As0 + 2 * BM * LD;
+    T* const Bs0 = As0 + 2 * PLANES * BM * LD;
     float* const Gs = reinterpret_cast<float*>(fused_smem);   // after the main loop: G[BN][GLD]
     // (not DET) after G: each lane's offset and mask partial sums, Ps[a][n][slot] (a < N: offset
     // dimension a, a = N: mask; slot: the lane's channel quad (octet) within the tile), summed per
@@ -422,22 +449,28 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     const int kv = (tid % (BK / VEC)) * VEC;
     const I a_step = (I)K * Cogp;   // wt[g, c, t, o]: one input channel's row per K * Cogp
     const T* const a_row0 = wt + (((I)grp * Cg + m0 + r0) * K + t) * Cogp + kv;
+    // 3xTF32: each row of wt and gycl holds its big parts, then its small ones (fused_split_planes;
+    // Cogp and Cop the rows' whole lengths), copied to tiles of their own
+    const int a_plane = PLANES == 2 ? Cogp / 2 : 0, b_plane = PLANES == 2 ? Cop / 2 : 0;
     auto copy_step = [&](int step, int buf) {
         const int o0 = step * BK;
 #pragma unroll
-        for (int j = 0; j < A_VECS; ++j) {
-            const int r = r0 + j * R_STEP;
-            const bool full = m0 + r < Cg;
-            copy16_async(As0 + buf * BM * LD + tile_offset<T, LAYOUT == TILE_XOR, LD>(r, kv),
-                         full ? a_row0 + j * R_STEP * a_step + o0 : wt, full);
-        }
+        for (int h = 0; h < PLANES; ++h) {
 #pragma unroll
-        for (int j = 0; j < B_VECS; ++j) {
-            const int r = r0 + j * R_STEP;
-            const I p = p0 + r;
-            const bool full = p < BQ && o0 + kv < Cog;
-            copy16_async(Bs0 + buf * BN * LD + tile_offset<T, LAYOUT == TILE_XOR, LD>(r, kv),
-                         full ? gycl + p * Cop + grp * Cog + o0 + kv : gycl, full);
+            for (int j = 0; j < A_VECS; ++j) {
+                const int r = r0 + j * R_STEP;
+                const bool full = m0 + r < Cg;
+                copy16_async(As0 + (buf * PLANES + h) * BM * LD + tile_offset<T, LAYOUT == TILE_XOR, LD>(r, kv),
+                             full ? a_row0 + j * R_STEP * a_step + o0 + h * a_plane : wt, full);
+            }
+#pragma unroll
+            for (int j = 0; j < B_VECS; ++j) {
+                const int r = r0 + j * R_STEP;
+                const I p = p0 + r;
+                const bool full = p < BQ && o0 + kv < Cog;
+                copy16_async(Bs0 + (buf * PLANES + h) * BN * LD + tile_offset<T, LAYOUT == TILE_XOR, LD>(r, kv),
+                             full ? gycl + p * Cop + grp * Cog + o0 + kv + h * b_plane : gycl, full);
+            }
         }
         copy_commit();
     };
@@ -460,8 +493,14 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
             copy_wait_all();
         }
         __syncthreads();
-        warp_mma<T, PREC, false, MT, NT, LD, BK, WM, WN, LAYOUT>(acc, As0 + cur * BM * LD, Bs0 + cur * BN * LD, wm, wn,
-                                                                 lane);
+        if constexpr (PLANES == 2) {
+            const float* const a = reinterpret_cast<const float*>(As0 + cur * 2 * BM * LD);
+            const float* const b = reinterpret_cast<const float*>(Bs0 + cur * 2 * BN * LD);
+            warp_mma_planes<MT, NT, LD, BK, WM, WN, LAYOUT>(acc, a, a + BM * LD, b, b + BN * LD, wm, wn, lane);
+        } else {
+            warp_mma<T, PREC, false, MT, NT, LD, BK, WM, WN, LAYOUT>(acc, As0 + cur * BM * LD, Bs0 + cur * BN * LD, wm,
+                                                                     wn, lane);
+        }
         __syncthreads();
     }
 

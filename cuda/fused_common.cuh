@@ -683,6 +683,43 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, co
     }
 }
 
+// warp_mma's 3xTF32 on operands split beforehand (the data kernel's strict float32: rows of
+// split_tf32's big parts and of its small ones, fused_split_planes): a warp's share of C += A * B^T
+// for one step, the big and small tiles of A and B each in shared memory as warp_mma's (LD, LAYOUT),
+// both parts' fragments by ldmatrix, three products a k8 (a_small*b_big + a_big*b_small +
+// a_big*b_big), summed apart and added in float32 (DCN_PROMOTE_3XTF32). split_tf32 gives the three
+// products of a pair one sign, so no cross term needs the finite test of warp_mma's split, and no
+// value is split in the loop: warp_mma's split took 7 instructions a fragment value, 84 a k8 beside
+// its 12 MMAs.
+template <int MT, int NT, int LD, int BK, int WM, int WN, int LAYOUT>
+__device__ __forceinline__ void warp_mma_planes(float (&acc)[MT][NT][4], const float* A_big, const float* A_small,
+                                                const float* B_big, const float* B_small, int wm, int wn, int lane) {
+    constexpr int LDA = LAYOUT == TILE_XOR_A ? BK : LD;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 8) {
+        unsigned ab[MT][4], bb[NT][2], as[MT][4], bs[NT][2];
+        ldmatrix_fragments<float, MT, NT, LD, WM, WN, LAYOUT, LDA>(ab, bb, A_big, B_big, kk, wm, wn, lane);
+        ldmatrix_fragments<float, MT, NT, LD, WM, WN, LAYOUT, LDA>(as, bs, A_small, B_small, kk, wm, wn, lane);
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                if (DCN_PROMOTE_3XTF32) {
+                    float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    mma_tf32(p, as[i], bb[j][0], bb[j][1]);
+                    mma_tf32(p, ab[i], bs[j][0], bs[j][1]);
+                    mma_tf32(p, ab[i], bb[j][0], bb[j][1]);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[i][j][e] += p[e];
+                } else {
+                    mma_tf32(acc[i][j], as[i], bb[j][0], bb[j][1]);
+                    mma_tf32(acc[i][j], ab[i], bs[j][0], bs[j][1]);
+                    mma_tf32(acc[i][j], ab[i], bb[j][0], bb[j][1]);
+                }
+            }
+    }
+}
+
 // The entries of a plan over (segment j, tap t, position p = b*Q + q), e = (j * K + t) * BQ + p,
 // for a batch chunk of `batch` samples and segments of seg_len channels (one offset group and one
 // mask group each), and the decoding of one entry.

@@ -228,15 +228,22 @@ def test_serving_rule_and_segments():
     assert fb.lane_sums_in_smem(4, True) and not fb.lane_sums_in_smem(4, False)
     assert fb.data_smem_bytes(np.float16, (64, 64, 64, 4), 2, 4, 16, False, 0) == 32768
     assert fb.data_smem_bytes(np.float32, (64, 64, 32, 4), 2, 4, 16, False, 1) == 32768
-    assert fb.data_smem_bytes(np.float32, (64, 64, 32, 4), 2, 4, 16, False, 2) == 2 * 128 * 36 * 4
-    assert fb.data_smem_bytes(np.float32, (64, 64, 32, 2), 3, 8, 4, False, 2) == 2 * 128 * 32 * 4
+    # (strict float32: a tile each of the operands' big and small parts)
+    assert fb.data_smem_bytes(np.float32, (64, 64, 32, 4), 2, 4, 16, False, 2) == 2 * 2 * 128 * 36 * 4
+    assert fb.data_smem_bytes(np.float32, (64, 64, 32, 2), 3, 8, 4, False, 2) == 2 * 2 * 128 * 32 * 4
     assert fb.data_rows_padded(2, 1) and fb.data_rows_padded(2, 2) and not fb.data_rows_padded(2, 3)
     assert not fb.data_rows_padded(0, 2) and not fb.data_rows_padded(1, 2)
     assert fb.data_smem_bytes(np.float16, (128, 64, 64, 1), 2, 4, 32, False, 0) == 64 * 132 * 4 + 3 * 64 * 33 * 4
     assert (fb.data_smem_bytes(np.float16, (128, 64, 64, 1), 3, 8, 4, False, 0)
             == fb.smem_bytes(np.float16, (128, 64, 64, 1), padded=False) == 2 * 192 * 64 * 2)
     assert fb.BackwardConfig(_geom(c_in=256), np.float16, False).smem_bytes == 32768
-    assert fb.BackwardConfig(_geom(c_in=256), np.float32, False).smem_bytes == 2 * 128 * 36 * 4
+    strict = fb.BackwardConfig(_geom(c_in=256), np.float32, False)
+    assert strict.smem_bytes == 2 * 2 * 128 * 36 * 4
+    # strict float32's operand rows: the values' big parts, then their small ones (fused_split_planes)
+    assert (strict.gy_row, strict.wt_row) == (2 * strict.Cop, 2 * strict.Cogp)
+    assert strict.offsets["gycl"][1] == (2 * 8 * 8 + 1) * 2 * 48
+    tf32 = fb.BackwardConfig(_geom(c_in=256), np.float32, True)
+    assert (tf32.gy_row, tf32.wt_row) == (tf32.Cop, tf32.Cogp)
     # the weight kernel's grad_output rows are swizzled (BK a row; padded in strict float32), its
     # sampled rows padded
     assert fb.weight_smem_bytes(np.float16, (256, 64, 128, 1), 0) == 2 * (256 * 128 + 64 * 136) * 2

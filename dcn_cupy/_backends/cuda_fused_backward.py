@@ -317,7 +317,7 @@ def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
               ("fused_channels_last", "fused_channels_last_vectors", "fused_store", "fused_position_rows",
                "fused_weight_sum", "fused_channel_totals", "fused_position_segments")]
     names += [f"fused_channels_first<{t}, {i}, {_bool(fixed)}>" for fixed in (False, True)]
-    names += [f"fused_channels_first_vectors<{t}, {i}>"]
+    names += [f"fused_channels_first_vectors<{t}, {i}>", f"fused_split_planes<{i}>"]
     names += [f"fused_sampling_plan<{t}, {i}, {ndim}>", f"fused_gradient_plan<{t}, {i}, {ndim}>"]
     return tuple(names)
 
@@ -422,7 +422,8 @@ def lane_sums_in_smem(lanes: int, deterministic: bool) -> bool:
 def data_smem_bytes(dtype, tile: tuple, ndim: int, lane_channels: int, lanes: int, deterministic: bool,
                     precision: int) -> int:
     """Dynamic shared memory of the data kernel: :func:`smem_bytes` (rows padded per
-    :func:`data_rows_padded`), reused after the main loop by the epilogue's float32 column
+    :func:`data_rows_padded`; twice that in strict float32, ``precision`` 2, whose operands come
+    as big and small parts), reused after the main loop by the epilogue's float32 column
     gradients (BN rows of BM + 4), followed (:func:`lane_sums_in_smem`) by every lane's N + 1
     offset and mask partial sums (a row of BM / lane_channels + 1 floats per position and
     value)."""
@@ -430,7 +431,8 @@ def data_smem_bytes(dtype, tile: tuple, ndim: int, lane_channels: int, lanes: in
     epilogue = bn * (bm + 4) * 4
     if lane_sums_in_smem(lanes, deterministic):
         epilogue += (ndim + 1) * bn * (bm // lane_channels + 1) * 4
-    return max(smem_bytes(dtype, tile, data_rows_padded(precision, ndim)), epilogue)
+    planes = 2 if precision == 2 else 1
+    return max(planes * smem_bytes(dtype, tile, data_rows_padded(precision, ndim)), epilogue)
 
 
 def _per_group(geom):
@@ -553,6 +555,10 @@ class BackwardConfig:
         bm, bn, bk, _ = self.tile
         self.Cp, self.Cop, self.Cpa = _fused._round_up(C, vec), _fused._round_up(Co, vec), _fused._round_up(C, 4)
         self.Cogp = _fused._round_up(self.Cog, bk)
+        # the data kernel's operand rows (wt, gycl): in strict float32 (3xTF32) twice as long, the
+        # values' big parts, then their small ones (fused_split_planes)
+        planes = 2 if self.precision == 2 else 1
+        self.wt_row, self.gy_row = self.Cogp * planes, self.Cop * planes
         self.off_ch, self.m_ch = self.Go * self.K * geom.ndim, self.Gm * self.K
         it = self.itemsize
         # deterministic: the input gradient in 64-bit fixed point (8 bytes and 2 flag bits per
@@ -600,7 +606,7 @@ class BackwardConfig:
                                                                        else bool(sampling_plan)))
         corners = 1 << geom.ndim
         plan_entries = self.segments * self.K * corners if self.sampling_plan else 0   # per position
-        buffers = int(self.S * self.Cp * it + self.Q * self.Cop * it + gx_bytes
+        buffers = int(self.S * self.Cp * it + self.Q * self.gy_row * it + gx_bytes
                       + (self.off_ch * self.slots[0] + self.m_ch * self.slots[1]) * self.Q * 4
                       + (self.Q * Co * it if self.fused_weight else 0))
         # the data kernel's corners, slopes and mask from a plan per chunk (the rule: in 2D and 3D,
@@ -638,7 +644,7 @@ class BackwardConfig:
         self.splits = weight_splits(self.weight_tiles, -(-n * self.Q // wbk), self.weight_tile[3] * multiprocessors)
         det = self.deterministic
         sizes = {
-            "xcl": ((n * self.S + 1) * self.Cp, dtype), "gycl": ((n * self.Q + 1) * self.Cop, dtype),
+            "xcl": ((n * self.S + 1) * self.Cp, dtype), "gycl": ((n * self.Q + 1) * self.gy_row, dtype),
             "gxcl": (0 if det else n * self.S * self.Cpa, np.float32),
             "gxq": (n * self.S * self.Cpa if det else 0, np.uint64),
             "gx_flags": (-(-n * self.S * self.Cpa // 16) if det else 0, np.uint32),
@@ -646,7 +652,7 @@ class BackwardConfig:
             "bounds": (2 * n if det else 0, np.uint64),        # per sample: grad_output's, then the mask's
             "goff": (n * self.off_ch * self.Q * self.slots[0], np.float32),
             "gmsk": (n * self.m_ch * self.Q * self.slots[1], np.float32),
-            "wt": ((G * self.Cg * self.K + 1) * self.Cogp, dtype),
+            "wt": ((G * self.Cg * self.K + 1) * self.wt_row, dtype),
             "gyr": ((Co * self.Pp * gy_planes + (wbm * wbk if self.ws_weight else 0)) if self.fused_weight else 0,
                     dtype),
             "part": (self.splits * Co * self.K * self.Cg if self.fused_weight else 0, np.float32),
@@ -659,7 +665,7 @@ class BackwardConfig:
         }
         self.index64 = max(max(count for count, _ in sizes.values()), geom.batch * C * self.S,
                            geom.batch * max(self.off_ch, self.m_ch) * self.Q,
-                           (n * self.Q + bn) * self.Cop, Co * (self.Pp * gy_planes + wbk)) > _INT32_SAFE
+                           (n * self.Q + bn) * self.gy_row, Co * (self.Pp * gy_planes + wbk)) > _INT32_SAFE
         sizes["plan_rows"] = (n * self.Q * plan_entries, np.int64 if self.index64 else np.int32)
         sizes["gradient_rows"] = (n * self.Q * gradient_entries * corners, np.int64 if self.index64 else np.int32)
         self.offsets, total = {}, 0
@@ -716,6 +722,8 @@ class BackwardConfig:
         if name in ("weight_bound", "sample_bound"):   # cuda/im2col-deterministic's bound kernels
             return _deterministic._kernels(self.dtype, g.ndim, self.index64)[name]
         i = "long long" if self.index64 else "int"
+        if name == "fused_split_planes":   # (float32 alone: no dtype parameter)
+            return _function(f"{name}<{i}>", self.dtype, g.ndim, self.index64)
         n = f", {g.ndim}" if name in ("fused_sampling_plan", "fused_gradient_plan") else ""
         n = f", {_bool(self.deterministic)}" if name == "fused_channels_first" else n
         return _function(f"{name}<{_cuda._CTYPES[self.dtype]}, {i}{n}>", self.dtype, g.ndim, self.index64)
@@ -793,6 +801,10 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
     if data:
         clear()
 
+    def split_op(address, rows, half):   # 3xTF32's operand rows split into big and small parts
+        return op(kernel("fused_split_planes"), grid(rows * half // 4), (_THREADS,), (u64(address), index(rows),
+                                                                                       i32(half)))
+
     def gradient_plan_op(n, off_n, msk_n):   # the data gradients' plan of a chunk of n samples
         return op(kernel("fused_gradient_plan"), grid(n * config.Q * config.K * config.segments), (_THREADS,), (
             off_n, msk_n, *(u64(view[name]) for name in GRADIENT_PLAN), config.struct, i32(n), i32(g.in_channels),
@@ -801,10 +813,12 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
     if data:
         # wt[g, c, t, o]: the weight seen as G samples of C_out/G channels over C/G * K positions,
         # laid out channels-last (zero past C_out/G, then a zero row): the data kernel's A rows
-        ops.append(op(layout(cols, config.Cogp, config.Cog * cols, w, view["wt"]),
-                      _fused.layout_grid(g.groups, config.Cogp, cols), (_THREADS,), (
-            u64(w), u64(view["wt"]), i32(g.groups), i32(config.Cog), i32(config.Cogp), index(cols),
+        ops.append(op(layout(cols, config.wt_row, config.Cog * cols, w, view["wt"]),
+                      _fused.layout_grid(g.groups, config.wt_row, cols), (_THREADS,), (
+            u64(w), u64(view["wt"]), i32(g.groups), i32(config.Cog), i32(config.wt_row), index(cols),
             index(config.Cog * cols), None, None, index(0))))
+        if config.wt_row != config.Cogp:   # 3xTF32: split
+            ops.append(split_op(view["wt"], g.groups * cols, config.Cogp))
     det = config.deterministic and bool(gx)
     if det:   # the weight's bound of the fixed-point exponents (fixed_point.cuh)
         ops.append((2, view["weight_bound"], 8))
@@ -825,11 +839,13 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
                 u64(x + start * x_bs * it), u64(view["xcl"]), i32(n), i32(g.in_channels), i32(config.Cp),
                 index(config.S), index(x_bs), None, None, index(0))))
         if data or gb:   # grad_output channels-last, with its tile sums for the bias gradient
-            ops.append(op(layout(config.Q, config.Cop, gy_bs, gy, view["gycl"], view["gyr"] if rows_copied else 0),
-                          _fused.layout_grid(n, config.Cop, config.Q), (_THREADS,), (
-                gy_n, u64(view["gycl"]), i32(n), i32(g.out_channels), i32(config.Cop), index(config.Q),
+            ops.append(op(layout(config.Q, config.gy_row, gy_bs, gy, view["gycl"], view["gyr"] if rows_copied else 0),
+                          _fused.layout_grid(n, config.gy_row, config.Q), (_THREADS,), (
+                gy_n, u64(view["gycl"]), i32(n), i32(g.out_channels), i32(config.gy_row), index(config.Q),
                 index(gy_bs), u64(view["bias_sums"]) if gb else None, u64(view["gyr"]) if rows_copied else None,
                 index(pp))))
+            if data and config.gy_row != config.Cop:   # 3xTF32: split
+                ops.append(split_op(view["gycl"], n * config.Q, config.Cop))
         if gb:
             ops.append(_fused.channel_totals_op(op, kernel("fused_channel_totals"), g.out_channels, view["bias_sums"],
                                                 view["bias_acc"], gb, index(n * config.bias_rows), start, n, g.batch))
@@ -852,8 +868,8 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
             ops.append(op(kernel("data"), (config.blocks(n),), (_THREADS,), (
                 u64(view["gycl"]), u64(view["wt"]), u64(view["xcl"]), off_n, msk_n,
                 *(u64(view[name]) if target else None for name, target in accumulators), config.struct, i32(n),
-                i32(g.in_channels), i32(config.Cp), i32(config.Cpa), i32(g.out_channels), i32(config.Cop),
-                i32(g.groups), i32(config.Go), i32(config.Gm), i32(config.Cogp), index(off_bs), index(msk_bs),
+                i32(g.in_channels), i32(config.Cp), i32(config.Cpa), i32(g.out_channels), i32(config.gy_row),
+                i32(g.groups), i32(config.Go), i32(config.Gm), i32(config.wt_row), index(off_bs), index(msk_bs),
                 i32(config.seg), *(u64(view[name]) if config.gradient_plan else None for name in GRADIENT_PLAN),
                 i32(config.seg_len), *fixed, i32(config.log2_count)), config.smem_bytes))
             if gx:
