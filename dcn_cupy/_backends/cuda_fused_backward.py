@@ -11,7 +11,9 @@ reduction):
   with 4-channel vector reductions into a channels-last float32 accumulator, and the offset and
   mask gradients are summed over each group's channels (per corner, then weighted by the
   corner's weight and slopes; added per group in shared memory or by shuffles, then one float32
-  atomic per group, position and tap);
+  atomic per group, position and tap). In 3xTF32 its operands (the weight's and grad_output's
+  channels-last rows) are split into big and small parts once (``fused_split_planes``), not in
+  every warp that reads them;
 * ``deform_fused_backward_weight``: ``grad_output . sampled^T`` over the positions, the sampled
   tile built in shared memory by the fused forward's sampler; the positions are split over
   blocks and the splits' float32 partial sums added in a fixed order (bitwise repeatable).
@@ -51,7 +53,8 @@ Per call, one batch chunk at a time (the chunk bounds the workspace by
 rows over the positions, ``(C_out, Pp)``; the input channels-last, ``(Bc*S, Cp)``, when the
 offset, mask or weight gradient is wanted (the corner values; for the warp-specialised weight
 kernel, grad_output in segments of 128 bytes instead of rows); the weight re-laid channels-last
-per conv group as ``(G, C_in/G, K, Cogp)`` (``fused_channels_last``); the accumulators cleared,
+per conv group as ``(G, C_in/G, K, Cogp)`` (``fused_channels_last``; in strict float32 both
+channels-last rows twice as long, for the split's small parts); the accumulators cleared,
 the kernels run, the gradients written out in their dtype and layout (the input gradient plus
 the C_in-long ``bias`` of the transposed forward, ``fused_channels_first``). The layout changes
 move 16-byte vectors where they are whole and aligned and the rule takes them
@@ -174,7 +177,10 @@ MAX_PLAN_SEGMENTS = 8
 #: beside the two MMA warpgroups). It reads the corners from a plan (the sampling plan, or the data
 #: kernel's), so it serves where the plan can be made (``ws_weight_unsupported``). 3xTF32's stages
 #: hold two planes of each tile (big and small parts: 80 KiB), so two fit; its MMA warpgroups keep
-#: a second set of accumulators (160 registers), which leaves registers for 256 samplers.
+#: a second set of accumulators (160 registers), which leaves registers for 256 samplers. H200,
+#: strict float32 weight gradient alone, mma.sync -> warp-specialised (NOTES-gpu.md, session 43):
+#: B=8 C256 56x56 1.406 -> 0.613 ms, B=16 C512 14x14 0.761 -> 0.362, 1D B=16 C256 L4096 1.181 ->
+#: 0.577; at B=32 C64 (forced) slower, 0.491 -> 0.649, as in the other precisions (WS_MIN_ROWS).
 WS_WEIGHT_TILES = {"half": (256, 64, 64, 1), "tf32": (256, 64, 32, 1), "3xtf32": (256, 64, 32, 1)}
 WS_RINGS = {"half": (4, 512), "tf32": (4, 512), "3xtf32": (2, 256)}
 #: The rule takes it where it serves and C_out/groups fills its tile's rows at least this far.
