@@ -567,6 +567,28 @@ __device__ __forceinline__ void ldmatrix_fragments(unsigned (&af)[MT][4], unsign
     }
 }
 
+// One m16n8k8 fragment's 3xTF32 products into acc: a_small*b_cross + a_cross*b_small + a_big*b_big
+// (the cross terms' big parts as the caller takes them: warp_mma's finite ones, else the big
+// parts). The tensor cores add into their accumulator with truncation: summed straight into acc
+// over a long K, the error grows with K (2.9e-5 at C_in * K = 4608). So (DCN_PROMOTE_3XTF32) the
+// three products go to p, which is added in float32, and the error is float32 FMAs'.
+__device__ __forceinline__ void mma_3xtf32(float (&acc)[4], const unsigned (&a_small)[4], const unsigned (&a_cross)[4],
+                                           const unsigned (&a_big)[4], unsigned b_cross0, unsigned b_cross1,
+                                           unsigned b_small0, unsigned b_small1, unsigned b_big0, unsigned b_big1) {
+    if (DCN_PROMOTE_3XTF32) {
+        float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma_tf32(p, a_small, b_cross0, b_cross1);
+        mma_tf32(p, a_cross, b_small0, b_small1);
+        mma_tf32(p, a_big, b_big0, b_big1);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[e] += p[e];
+    } else {
+        mma_tf32(acc, a_small, b_cross0, b_cross1);
+        mma_tf32(acc, a_cross, b_small0, b_small1);
+        mma_tf32(acc, a_big, b_big0, b_big1);
+    }
+}
+
 // One warp's share of C += A * B^T for one step of a block tile, A (rows x BK) and B
 // (positions x BK) in shared memory with rows of LD elements (K contiguous), the warp's tile
 // WM x WN at (wm * WM, wn * WN): MT x NT m16n8 fragments in `acc` (float32). Half types: m16n8k16
@@ -660,22 +682,10 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, co
             for (int i = 0; i < MT; ++i)
 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
-                    if (PREC == 2 && DCN_PROMOTE_3XTF32) {
-                        // The tensor cores add into their accumulator with truncation: summed
-                        // straight into acc over a long K, the error grows with K (2.9e-5 at
-                        // C_in * K = 4608). Each k8's three products go to p, which is added in
-                        // float32, so that the error is float32 FMAs'.
-                        float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                        mma_tf32(p, as[i], bbx[j][0], bbx[j][1]);
-                        mma_tf32(p, abx[i], bsm[j][0], bsm[j][1]);
-                        mma_tf32(p, ab[i], bb[j][0], bb[j][1]);
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) acc[i][j][e] += p[e];
+                    if (PREC == 2) {
+                        mma_3xtf32(acc[i][j], as[i], abx[i], ab[i], bbx[j][0], bbx[j][1], bsm[j][0], bsm[j][1],
+                                   bb[j][0], bb[j][1]);
                     } else {
-                        if (PREC == 2) {
-                            mma_tf32(acc[i][j], as[i], bbx[j][0], bbx[j][1]);
-                            mma_tf32(acc[i][j], abx[i], bsm[j][0], bsm[j][1]);
-                        }
                         mma_tf32(acc[i][j], ab[i], bb[j][0], bb[j][1]);
                     }
                 }
@@ -703,20 +713,8 @@ __device__ __forceinline__ void warp_mma_planes(float (&acc)[MT][NT][4], const f
 #pragma unroll
         for (int i = 0; i < MT; ++i)
 #pragma unroll
-            for (int j = 0; j < NT; ++j) {
-                if (DCN_PROMOTE_3XTF32) {
-                    float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    mma_tf32(p, as[i], bb[j][0], bb[j][1]);
-                    mma_tf32(p, ab[i], bs[j][0], bs[j][1]);
-                    mma_tf32(p, ab[i], bb[j][0], bb[j][1]);
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[i][j][e] += p[e];
-                } else {
-                    mma_tf32(acc[i][j], as[i], bb[j][0], bb[j][1]);
-                    mma_tf32(acc[i][j], ab[i], bs[j][0], bs[j][1]);
-                    mma_tf32(acc[i][j], ab[i], bb[j][0], bb[j][1]);
-                }
-            }
+            for (int j = 0; j < NT; ++j)
+                mma_3xtf32(acc[i][j], as[i], ab[i], ab[i], bb[j][0], bb[j][1], bs[j][0], bs[j][1], bb[j][0], bb[j][1]);
     }
 }
 
