@@ -220,6 +220,20 @@ def test_serving_rule_and_segments():
     assert narrow.lanes == 8 and "8 lanes a position" in narrow.description
     assert narrow.seg == fb.segment_lanes(_geom(c_in=64, groups=2, c_out=64), 64)   # segments unchanged
     assert fb.BackwardConfig(_geom(c_in=256), np.float16, False).lanes == 16
+    # the data tile: 64x128 where C_out/groups >= DATA_WIDE_MIN_ROWS (256) and in 3D, else 64x64
+    assert fb._tiles(np.float16)[:2] == ((64, 64, 64, 2), (64, 128, 64, 2))
+    assert fb._tiles(np.float32)[:2] == ((64, 64, 32, 2), (64, 128, 32, 2))
+    long_reduction = fb.BackwardConfig(_geom(c_out=256), np.float32, True)
+    assert long_reduction.tile == (64, 128, 32, 2) and "tile 64x128x32" in long_reduction.description
+    assert long_reduction.blocks(3) == -(-3 * 64 // 128) * 9
+    # (the epilogue's column gradients and lane sums outgrow the operand buffers' 48 KiB)
+    assert long_reduction.smem_bytes == 128 * 68 * 4 + 3 * 128 * 17 * 4 > 2 * 192 * 32 * 4
+    assert fb.BackwardConfig(_geom(c_in=64, c_out=512, groups=2), np.float16, False).tile == (64, 128, 64, 2)
+    assert fb.BackwardConfig(_geom(c_in=64, c_out=512, groups=4), np.float16, False).tile == (64, 64, 64, 2)
+    assert fb.BackwardConfig(_geom(c_out=192), np.float32, False).tile == (64, 64, 32, 2)
+    assert fb.BackwardConfig(_geom(ndim=3), np.float32, False).tile == (64, 128, 32, 2)
+    assert fb.BackwardConfig(_geom(ndim=3), np.float16, False, deterministic=True).tile == (64, 128, 64, 2)
+    assert fb.BackwardConfig(_geom(ndim=1), np.float16, False).tile == (64, 64, 64, 2)
     # the lanes' offset and mask partial sums wait in shared memory after the column gradients
     # (8 lanes a position or more, or deterministic): (N + 1) x BN x (BM / channels a lane + 1)
     # floats, within the operand buffers' 32 KiB for the 64-row tiles, beyond them for 128 rows;
@@ -335,17 +349,23 @@ def test_deterministic_configuration():
     wide = _geom(c_in=256)
     for tile in fb._tiles(np.float16):
         assert fb.BackwardConfig(wide, np.float16, False, tile, deterministic=True).seg == 16
-    assert fb.BackwardConfig(wide, np.float16, False, fb._tiles(np.float16)[1]).seg == 32
+    tall = fb._tiles(np.float16)[2]   # 128 rows: 32 lanes a position
+    assert tall[0] == 128 and fb.BackwardConfig(wide, np.float16, False, tall).seg == 32
     wide3 = _geom(c_in=256, ndim=3)
-    assert fb.BackwardConfig(wide3, np.float16, False, fb._tiles(np.float16)[1]).seg == 16   # 8 channels a lane
-    assert fb.BackwardConfig(wide3, np.float16, False, fb._tiles(np.float16)[1], lane_channels=4).seg == 32
+    assert fb.BackwardConfig(wide3, np.float16, False, tall).seg == 16   # 8 channels a lane
+    assert fb.BackwardConfig(wide3, np.float16, False, tall, lane_channels=4).seg == 32
     no_offset = fb.BackwardConfig(_geom(offset_groups=0), np.float32, False, deterministic=True)
     assert no_offset.log2_count == (no_offset.K - 1).bit_length()
-    # MINB 2 tiles: 4 blocks per SM in 1D and 2D (default and deterministic), 2 in 3D
+    # MINB 2 tiles: 4 blocks per SM in 1D and 2D (default and deterministic), 3 for 64x128, 2 in 3D
     assert fb.data_tile((64, 64, 64, 2), 2) == (64, 64, 64, 4)
     assert fb.data_tile((64, 64, 32, 2), 1) == (64, 64, 32, 4)
     assert fb.data_tile((64, 64, 64, 2), 3) == (64, 64, 64, 2)
+    assert fb.data_tile((64, 128, 32, 2), 2) == (64, 128, 32, 3)
+    assert fb.data_tile((64, 128, 64, 2), 1) == (64, 128, 64, 3)
+    assert fb.data_tile((64, 128, 64, 2), 3) == (64, 128, 64, 2)
     assert fb.data_tile((128, 64, 64, 1), 2) == (128, 64, 64, 1)
+    assert fb.kernel_name(np.float32, False, 2, 1, (64, 128, 32, 3), "data", True, True) in fb.name_expressions(
+        np.float32, 2, False)
     names = fb.name_expressions(np.float16, 2, False)
     assert "fused_channels_first<__half, int, true>" in names
     assert fb.kernel_name(np.float16, False, 2, 0, (64, 64, 64, 4), "data", False, True) in names

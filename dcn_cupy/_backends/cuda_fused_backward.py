@@ -93,24 +93,40 @@ _SOURCE = "deform_fused_backward.cu"
 _THREADS = 256
 _VEC = _fused._VEC
 #: The tiles (BM input channels, BN positions, BK output channels per step, MINB blocks per SM
-#: asked of the register allocator), per dtype. The first is the rule (``_choose_tile``): the
-#: 64-channel tile was the fastest or within 2% at B=8 C256 56x56, B=32 C64 56x56 and B=16 C512
+#: asked of the register allocator), per dtype. The rule (``_choose_tile``) takes the first or the
+#: second. 64x64 was the fastest or within 2% at B=8 C256 56x56, B=32 C64 56x56 and B=16 C512
 #: 14x14 in every precision (H200, NOTES-gpu.md "fused backward"; 256x64x32 was 1.3-3.5x slower:
 #: the scatter epilogue, not the MMA, takes the time, and taller tiles give fewer blocks).
+#: 64x128 gives each warp two MMA rows (MT 2: every B fragment used twice) and reads the weight
+#: tile once per 128 positions: ncu, B=8 C256 56x56 TF32, 358.8 M -> 275.9 M warp instructions at
+#: 71% -> 61% of issue slots. It wins where the reduction is long (C_out/groups >= DATA_WIDE_MIN_ROWS)
+#: and in 3D, and loses where it is short. H200, data gradients alone, 64x64 -> 64x128
+#: (NOTES-gpu.md, session 44): B=8 C256 56x56 TF32 0.603 -> 0.555 ms, fp16 0.410 -> 0.389, strict
+#: float32 1.098 -> 1.069; B=16 C512 14x14 TF32 0.253 -> 0.223, fp16 0.146 -> 0.138; 1D B=16 C256
+#: L4096 TF32 0.579 -> 0.552, fp16 0.377 -> 0.368; 3D B=2 C32 32^3 (MINB 2) TF32 1.267 -> 1.088,
+#: fp16 1.315 -> 1.088, strict 1.313 -> 1.133; but B=32 C64 56x56 (C_out/groups 64: two steps)
+#: TF32 0.459 -> 0.466, fp16 0.395 -> 0.400, strict 0.622 -> 0.662. 128x64 (never the rule) is
+#: kept for its 32-lane epilogue.
 TILES = {
-    "half": ((64, 64, 64, 2), (128, 64, 64, 1)),
-    "float": ((64, 64, 32, 2), (128, 64, 32, 1)),
+    "half": ((64, 64, 64, 2), (64, 128, 64, 2), (128, 64, 64, 1)),
+    "float": ((64, 64, 32, 2), (64, 128, 32, 2), (128, 64, 32, 1)),
 }
+#: The rule takes the 64x128 tile in 1D and 2D where C_out/groups is at least this (the data
+#: kernel's reduction: 8 steps of 32 in float32), in 3D always (above).
+DATA_WIDE_MIN_ROWS = 256
 #: Blocks per multiprocessor asked of the data kernel's MINB 2 tiles in 1D and 2D, default and
-#: deterministic: 63-64 registers (ptxas, sm_90: 0-36 bytes of spill, 3xTF32 28-116), 4 blocks per
-#: SM where MINB 2 gave 3 at 80 registers (the deterministic epilogue 2 at 88-94, hence MINB 3
-#: there since session 8; 3xTF32 2 at 128). The kernel is latency-bound (ncu, B=8 C256 56x56 fp16:
-#: 6 warps per scheduler, 9.6 cycles between issues, long-scoreboard and fixed-latency waits
-#: first), so the fourth block pays. H200, one process each (NOTES-gpu.md, session 19): default
-#: f+b 0.86-0.99x at the 2D, 1D and 2D transposed benchmark shapes in fp16, TF32 and fp32;
-#: deterministic backward 0.87-0.98x against MINB 3 (3xTF32: 2), bitwise equal. 3D spills 220-400
-#: bytes at 64 registers and keeps 2.
-DATA_MINB = 4
+#: deterministic, per tile width BN. 64x64: 63-64 registers (ptxas, sm_90: 0-36 bytes of spill,
+#: 3xTF32 28-116), 4 blocks per SM where MINB 2 gave 3 at 80 registers (the deterministic epilogue
+#: 2 at 88-94, hence MINB 3 there since session 8; 3xTF32 2 at 128). The kernel is latency-bound
+#: (ncu, B=8 C256 56x56 fp16: 6 warps per scheduler, 9.6 cycles between issues, long-scoreboard and
+#: fixed-latency waits first), so the fourth block pays. H200, one process each (NOTES-gpu.md,
+#: session 19): default f+b 0.86-0.99x at the 2D, 1D and 2D transposed benchmark shapes in fp16,
+#: TF32 and fp32; deterministic backward 0.87-0.98x against MINB 3 (3xTF32: 2), bitwise equal. 3D
+#: spills 220-400 bytes at 64 registers and keeps 2. 64x128: 3 (80 registers; 0-8 bytes of spill,
+#: 3xTF32 68, whose shared memory allows 2 blocks anyway); at MINB 2 (117-128 registers) its data
+#: gradients were 0.96-1.36x slower in 2D and 1D but for 1D fp16 (H200, session 44). In 3D MINB 3
+#: lost (1.07-1.15x) and 2 is kept.
+DATA_MINB = {64: 4, 128: 3}
 #: Channels per lane of the data kernel's epilogue (``epilogue_lane_channels`` chooses): 8 pays each
 #: position's corners, weights and branches once for twice the channels of 4, at the cost of
 #: registers (2D fp16 64x64x64: 101 against 80, 2 blocks per SM instead of 3). H200, data
@@ -232,10 +248,10 @@ def _tiles(dtype) -> tuple:
 
 def data_tile(tile: tuple, ndim: int) -> tuple:
     """The data kernel's instantiation of ``tile``: a MINB 2 tile in 1D and 2D asks for
-    DATA_MINB blocks per SM."""
+    DATA_MINB[BN] blocks per SM."""
     if tile[3] != 2 or ndim > 2:
         return tile
-    return tile[:3] + (DATA_MINB,)
+    return tile[:3] + (DATA_MINB[tile[1]],)
 
 
 def weight_tile_key(dtype, precision=None) -> str:
@@ -536,8 +552,10 @@ plan_segments = _fused.plan_segments
 
 
 def _choose_tile(geom, dtype) -> tuple:
-    """The rule: the first tile of the dtype (measured fastest at every benchmark shape)."""
-    return _tiles(dtype)[0]
+    """The rule: the dtype's 64x128 tile in 3D and where C_out/groups >= DATA_WIDE_MIN_ROWS, else
+    its 64x64 one (TILES)."""
+    narrow, wide = _tiles(dtype)[:2]
+    return wide if geom.ndim == 3 or geom.out_channels // geom.groups >= DATA_WIDE_MIN_ROWS else narrow
 
 
 class BackwardConfig:
