@@ -314,10 +314,7 @@ __global__ void fused_split_planes(float* __restrict__ data, const I rows, const
         float4* const at = reinterpret_cast<float4*>(data + (idx / quads) * 2 * half) + idx % quads;
         const float4 v = *at;
         uint4 big, small;
-        fused::split_tf32(v.x, big.x, small.x);
-        fused::split_tf32(v.y, big.y, small.y);
-        fused::split_tf32(v.z, big.z, small.z);
-        fused::split_tf32(v.w, big.w, small.w);
+        fused::split_tf32(reinterpret_cast<const uint4&>(v), big, small);
         *reinterpret_cast<uint4*>(at) = big;
         *reinterpret_cast<uint4*>(at + quads) = small;
     }
@@ -1175,10 +1172,7 @@ __global__ void fused_position_segments(const T* __restrict__ gy, T* __restrict_
         if constexpr (sizeof(T) == 4) {
             if (planes == 2) {
                 uint4 big, small;
-                fused::split_tf32(__uint_as_float(r.x), big.x, small.x);
-                fused::split_tf32(__uint_as_float(r.y), big.y, small.y);
-                fused::split_tf32(__uint_as_float(r.z), big.z, small.z);
-                fused::split_tf32(__uint_as_float(r.w), big.w, small.w);
+                fused::split_tf32(r, big, small);
                 *reinterpret_cast<uint4*>(at) = big;
                 *reinterpret_cast<uint4*>(at + (I)out_channels * (CHUNKS * VEC)) = small;
                 continue;

@@ -109,6 +109,14 @@ __device__ __forceinline__ void split_tf32(float v, unsigned& big, unsigned& sma
     small = to_tf32(v - __uint_as_float(b));   // exact difference, rounded: keeps its sign
 }
 
+// split_tf32 of the four float32 words of a 16-byte vector.
+__device__ __forceinline__ void split_tf32(uint4 v, uint4& big, uint4& small) {
+    split_tf32(__uint_as_float(v.x), big.x, small.x);
+    split_tf32(__uint_as_float(v.y), big.y, small.y);
+    split_tf32(__uint_as_float(v.z), big.z, small.z);
+    split_tf32(__uint_as_float(v.w), big.w, small.w);
+}
+
 // The TF32 bits `big` where finite, else 0 (the operand of a 3xTF32 cross term).
 __device__ __forceinline__ unsigned finite_or_zero(unsigned big) {
     return isfinite(__uint_as_float(big)) ? big : 0u;

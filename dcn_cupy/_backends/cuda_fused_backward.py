@@ -400,14 +400,19 @@ def weight_smem_bytes(dtype, tile: tuple, precision: int) -> int:
     return 2 * (bm * (bk + (vec if precision == 2 else 0)) + bn * (bk + vec)) * item
 
 
+def operand_planes(precision: int) -> int:
+    """Planes of a split operand: 2 in strict float32 (3xTF32: split_tf32's big parts, then the
+    small ones), else 1."""
+    return 2 if precision == 2 else 1
+
+
 def ws_weight_smem_bytes(dtype, precision: int) -> int:
     """Dynamic shared memory of the warp-specialised weight kernel of a dtype and precision: its
     ring's stages of both tiles (rows of 128 bytes; 3xTF32: two planes each) and their mbarriers,
     and 1 KiB to lift the ring to the 128-byte swizzle's 1024-byte period."""
     key = weight_tile_key(dtype, precision)
     bm, bn = WS_WEIGHT_TILES[key][:2]
-    planes = 2 if precision == 2 else 1
-    return WS_RINGS[key][0] * (planes * (bm + bn) * 128 + 8) + 1024
+    return WS_RINGS[key][0] * (operand_planes(precision) * (bm + bn) * 128 + 8) + 1024
 
 
 def ws_weight_unsupported(geom, dtype, precision: int, wgmma=None):
@@ -453,8 +458,7 @@ def data_smem_bytes(dtype, tile: tuple, ndim: int, lane_channels: int, lanes: in
     epilogue = bn * (bm + 4) * 4
     if lane_sums_in_smem(lanes, deterministic):
         epilogue += (ndim + 1) * bn * (bm // lane_channels + 1) * 4
-    planes = 2 if precision == 2 else 1
-    return max(planes * smem_bytes(dtype, tile, data_rows_padded(precision, ndim)), epilogue)
+    return max(operand_planes(precision) * smem_bytes(dtype, tile, data_rows_padded(precision, ndim)), epilogue)
 
 
 def _per_group(geom):
@@ -581,7 +585,7 @@ class BackwardConfig:
         self.Cogp = _fused._round_up(self.Cog, bk)
         # the data kernel's operand rows (wt, gycl): in strict float32 (3xTF32) twice as long, the
         # values' big parts, then their small ones (fused_split_planes)
-        planes = 2 if self.precision == 2 else 1
+        planes = operand_planes(self.precision)
         self.wt_row, self.gy_row = self.Cogp * planes, self.Cop * planes
         self.off_ch, self.m_ch = self.Go * self.K * geom.ndim, self.Gm * self.K
         it = self.itemsize
@@ -663,7 +667,7 @@ class BackwardConfig:
         # grad_output's rows for the weight gradient: the warp-specialised kernel's in whole
         # segments of BK positions (fused_position_segments), else in vectors
         self.Pp = _fused._round_up(n * self.Q, wbk if self.ws_weight else vec)
-        gy_planes = 2 if self.ws_weight and self.precision == 2 else 1   # 3xTF32's big and small parts
+        gy_planes = planes if self.ws_weight else 1   # (its segments: 3xTF32's big and small parts)
         self.weight_tiles = self.K * G * -(-self.Cog // wbm) * -(-self.Cg // wbn)
         self.splits = weight_splits(self.weight_tiles, -(-n * self.Q // wbk), self.weight_tile[3] * multiprocessors)
         det = self.deterministic
