@@ -770,8 +770,9 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
     auto multiply = [&](int abuf, int bbuf) {
-        // PREC 1: the sampler stored TF32-rounded values already
-        warp_mma<T, PREC, true, MT, NT, LD, BK, WM, WN>(acc, As0 + abuf * A_BUF, Bs0 + bbuf * B_BUF, wm, wn, lane);
+        // PREC 1: the sampler stored TF32-rounded values already, and fused_weight_rows the weights
+        warp_mma<T, PREC, ROUNDED_A | ROUNDED_B, MT, NT, LD, BK, WM, WN>(acc, As0 + abuf * A_BUF, Bs0 + bbuf * B_BUF, wm,
+                                                                        wn, lane);
     };
 
     if constexpr (ENGINE == 2) {

@@ -8,7 +8,8 @@
 // cp.async (double-buffered; rows of 128 bytes swizzled, fused::TILE_XOR, but in strict float32
 // in 1D and 2D, see DCN_DATA_TILE_LAYOUT): the weight columns wt[g, c, t, o] (A: rows c, a step
 // of K * Cogp apart, K = o contiguous; fused_channels_last of the weight) and the channels-last
-// grad_output gycl[p, o] (B: rows p). The tile then goes to shared memory (float32) and, in the
+// grad_output gycl[p, o] (B: rows p); in TF32 both rounded to TF32 by their copies
+// (fused_channels_last_tf32), so that warp_mma takes its fragments as loaded. The tile then goes to shared memory (float32) and, in the
 // epilogue, one warp per position (lanes along the channels, CPL per lane):
 //   * grad_input: G * mask * w_corner is added to the CHANNELS-LAST float32 accumulator
 //     gxcl[b, s, c] with 4-channel vector reductions (REDG.ADD.F32x4 on sm_90), CPL/4 per corner
@@ -498,8 +499,9 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
             const float* const b = reinterpret_cast<const float*>(Bs0 + cur * 2 * BN * LD);
             warp_mma_planes<MT, NT, LD, BK, WM, WN, LAYOUT>(acc, a, a + BM * LD, b, b + BN * LD, wm, wn, lane);
         } else {
-            warp_mma<T, PREC, false, MT, NT, LD, BK, WM, WN, LAYOUT>(acc, As0 + cur * BM * LD, Bs0 + cur * BN * LD, wm,
-                                                                     wn, lane);
+            // (TF32: both operands' rows rounded by their copies, fused_channels_last_tf32)
+            warp_mma<T, PREC, ROUNDED_A | ROUNDED_B, MT, NT, LD, BK, WM, WN, LAYOUT>(acc, As0 + cur * BM * LD,
+                                                                                   Bs0 + cur * BN * LD, wm, wn, lane);
         }
         __syncthreads();
     }
@@ -1110,7 +1112,7 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
                 copy_step(s + 1, cur ^ 1);
                 sample_load(s + 1);
             }
-            warp_mma<T, PREC, true, MT, NT, LD, BK, WM, WN, LAYOUT>(acc, As0 + cur * BM * LDA, Bs0 + cur * BN * LD,
+            warp_mma<T, PREC, ROUNDED_B, MT, NT, LD, BK, WM, WN, LAYOUT>(acc, As0 + cur * BM * LDA, Bs0 + cur * BN * LD,
                                                                      wm, wn, lane);
             if (more) sample_store(cur ^ 1);
             copy_wait_all();

@@ -600,10 +600,11 @@ __device__ __forceinline__ void mma_3xtf32(float (&acc)[4], const unsigned (&a_s
 // One warp's share of C += A * B^T for one step of a block tile, A (rows x BK) and B
 // (positions x BK) in shared memory with rows of LD elements (K contiguous), the warp's tile
 // WM x WN at (wm * WM, wn * WN): MT x NT m16n8 fragments in `acc` (float32). Half types: m16n8k16
-// with ldmatrix; float32: m16n8k8 TF32 with ldmatrix (PREC 1; B_ROUNDED: B holds TF32-rounded
-// values already) or 3xTF32 (PREC 2: a = big + small, three products, float32 accuracy) with
-// scalar loads, or ldmatrix from swizzled A tiles. LAYOUT: the tiles' layout (TILE_*, above).
-template <typename T, int PREC, bool B_ROUNDED, int MT, int NT, int LD, int BK, int WM, int WN,
+// with ldmatrix; float32: m16n8k8 TF32 with ldmatrix (PREC 1; ROUNDED: which of A and B hold
+// TF32-rounded values already, ROUNDED_A | ROUNDED_B) or 3xTF32 (PREC 2: a = big + small, three
+// products, float32 accuracy) with scalar loads, or ldmatrix from swizzled A tiles. LAYOUT: the tiles' layout (TILE_*, above).
+constexpr int ROUNDED_A = 1, ROUNDED_B = 2;
+template <typename T, int PREC, int ROUNDED, int MT, int NT, int LD, int BK, int WM, int WN,
           int LAYOUT = TILE_PADDED>
 __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, const T* B, int wm, int wn,
                                          int lane) {
@@ -667,7 +668,7 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, co
                                     __uint_as_float(af[i][3])};
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    ab[i][e] = to_tf32(a[e]);
+                    ab[i][e] = PREC == 1 && (ROUNDED & ROUNDED_A) ? __float_as_uint(a[e]) : to_tf32(a[e]);
                     if (PREC == 2) {
                         as[i][e] = split_small(a[e], ab[i][e]);
                         abx[i][e] = finite_or_zero(ab[i][e]);
@@ -679,7 +680,7 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, co
                 const float bv[2] = {__uint_as_float(bf[j][0]), __uint_as_float(bf[j][1])};
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    bb[j][e] = PREC == 1 && B_ROUNDED ? __float_as_uint(bv[e]) : to_tf32(bv[e]);
+                    bb[j][e] = PREC == 1 && (ROUNDED & ROUNDED_B) ? __float_as_uint(bv[e]) : to_tf32(bv[e]);
                     if (PREC == 2) {
                         bsm[j][e] = split_small(bv[e], bb[j][e]);
                         bbx[j][e] = finite_or_zero(bb[j][e]);
@@ -781,7 +782,9 @@ struct PlanEntries {
 //   fused_channel_totals adds them;
 // - `xr`, the weight gradient's rows (fused_position_rows' gyr): xr[c * Pp + b * S + s] for c < C,
 //   zero from B*S to Pp.
-template <typename T, typename I, bool VECTORS>
+// TF32 (float32): xcl's values rounded to TF32 (cvt.rna, as warp_mma rounds a fragment), so that
+// the TF32 data kernel's MMAs take its operand tiles as they are; `sums` and `xr` keep the values.
+template <typename T, typename I, bool VECTORS, bool TF32 = false>
 __device__ __forceinline__ void
 channels_last_copy(const T* __restrict__ x, T* __restrict__ xcl, const int batch, const int channels,
                    const int Cp, const I S, const I x_bstride, typename Traits<T>::acc* __restrict__ sums,
@@ -845,6 +848,7 @@ channels_last_copy(const T* __restrict__ x, T* __restrict__ xcl, const int batch
                             w[j] = bits[at(q * VEC + 2 * j, p)] | (unsigned)bits[at(q * VEC + 2 * j + 1, p)] << 16;
                         } else {
                             w[j] = reinterpret_cast<const unsigned*>(tile)[at(q * VEC + j, p)];
+                            if constexpr (TF32) w[j] = fused::to_tf32(__uint_as_float(w[j]));
                         }
                     }
                     *reinterpret_cast<uint4*>(xcl + ((I)b * S + s) * Cp + c) = make_uint4(w[0], w[1], w[2], w[3]);
@@ -885,7 +889,7 @@ channels_last_copy(const T* __restrict__ x, T* __restrict__ xcl, const int batch
                 for (int h = 0; h < TILE; h += 32) {
                     const int c = c0 + tx + h;
                     const T v = rows[tx + h][r];
-                    if (s < S && c < Cp) xcl[((I)b * S + s) * Cp + c] = v;
+                    if (s < S && c < Cp) xcl[((I)b * S + s) * Cp + c] = TF32 ? maybe_tf32(v, 1) : v;
                     sum[h / 32] += Traits<T>::load(v);   // zero past S and C
                 }
             }
@@ -931,6 +935,25 @@ fused_channels_last_vectors(const T* __restrict__ x, T* __restrict__ xcl, const 
                             const int Cp, const I S, const I x_bstride, typename Traits<T>::acc* __restrict__ sums,
                             T* __restrict__ xr, const I Pp) {
     channels_last_copy<T, I, true>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp);
+}
+
+// The two copies with xcl rounded to TF32 (float32 alone): the TF32 data kernel's operand rows.
+template <typename T, typename I>
+__global__ void
+fused_channels_last_tf32(const T* __restrict__ x, T* __restrict__ xcl, const int batch, const int channels,
+                         const int Cp, const I S, const I x_bstride, typename Traits<T>::acc* __restrict__ sums,
+                         T* __restrict__ xr, const I Pp) {
+    static_assert(sizeof(T) == 4, "TF32 rounds float32");
+    channels_last_copy<T, I, false, true>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp);
+}
+
+template <typename T, typename I>
+__global__ void __launch_bounds__(256, DCN_LAYOUT_MIN_BLOCKS)
+fused_channels_last_vectors_tf32(const T* __restrict__ x, T* __restrict__ xcl, const int batch,
+                                 const int channels, const int Cp, const I S, const I x_bstride,
+                                 typename Traits<T>::acc* __restrict__ sums, T* __restrict__ xr, const I Pp) {
+    static_assert(sizeof(T) == 4, "TF32 rounds float32");
+    channels_last_copy<T, I, true, true>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp);
 }
 
 // The bias gradient from fused_channels_last's tile sums of a batch chunk: v = the sum of

@@ -795,8 +795,15 @@ def test_large_output_channel_tiles_and_batch_spanning_tiles():
             assert relative_error(got, expected) < TOL[precision], (precision, tile)
 
 
+def tf32_rounded(values):
+    """float32 ``values`` rounded to TF32 as ``cvt.rna.tf32.f32`` rounds them (to nearest, ties
+    away from zero; 10 mantissa bits, the low 13 cleared), finite values only."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("precision", ["float16", "bfloat16", "float32", "tf32"])
 def test_channels_last_copy_by_vectors_and_by_elements(precision):
     """The channels-last copy: x (B, C, S) -> (B, S, Cp) with channels from C on and the row
     after the batch zero, the per-tile channel sums and the weight gradient's rows (``xr``) too,
@@ -804,14 +811,21 @@ def test_channels_last_copy_by_vectors_and_by_elements(precision):
     (16-byte vectors where S, the sample stride and Cp are multiples of one and x is aligned;
     else elements: x one element past an aligned address). Every way gives the transpose and
     bitwise the same sums. Partial channel and position tiles, a padded sample stride, a grid
-    smaller than the tiles (grid-stride)."""
+    smaller than the tiles (grid-stride). ``tf32``: the fused backward's ``_tf32`` copies (its
+    TF32 data kernel's operand rows), whose xcl is rounded to TF32 (ties included) while the sums
+    and xr keep the values: the sums bitwise those of the plain copies."""
     cupy = _cupy()
     fused = _fused()
     dtype = DTYPE[precision]
     vec = 16 // dtype.itemsize
-    t = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}[precision]
+    t = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "tf32": "float"}[precision]
     kernels = [fused._function(f"{name}<{t}, int>", dtype, 2, False)
                for name in ("fused_channels_last", "fused_channels_last_vectors")]
+    rounding = precision == "tf32"
+    if rounding:
+        from dcn_cupy._backends import cuda_fused_backward as fb
+        kernels += [fb._function(f"{name}_tf32<{t}, int>", dtype, 2, False)
+                    for name in ("fused_channels_last", "fused_channels_last_vectors")]
     rng = np.random.default_rng(11)
     # (B, C, S, sample stride): S = 200 is 3 position tiles and 8 more; S = 21 no whole vectors
     for B, C, S, stride in ((3, 80, 200, 80 * 200), (2, 37, 24, 37 * 24 + vec), (2, 16, 21, 16 * 21),
@@ -820,9 +834,15 @@ def test_channels_last_copy_by_vectors_and_by_elements(precision):
         s_tiles = -(-S // 64)
         Pp = -(-(B * S) // vec) * vec
         values = rng.standard_normal((B, stride)).astype(dtype)
+        if rounding:   # ties of the TF32 rounding (low 13 bits 0x1000), both signs, and their neighbours
+            bits = values.view(np.uint32)
+            bits[:, ::3] = (bits[:, ::3] & np.uint32(0xFFFFE000)) | np.uint32(0x1000)
+            bits[:, 1::7] = (bits[:, 1::7] & np.uint32(0xFFFFE000)) | np.uint32(0x0FFF)
         x = values[:, :C * S].reshape(B, C, S)
         expected = np.zeros((B * S + 1, Cp), dtype=dtype)
         expected[:B * S, :C] = x.transpose(0, 2, 1).reshape(B * S, C)
+        rounded = np.zeros_like(expected)
+        rounded[:B * S, :C] = tf32_rounded(expected[:B * S, :C])
         rows = np.zeros((C, Pp), dtype=dtype)
         rows[:, :B * S] = x.transpose(1, 0, 2).reshape(C, B * S)
         results = []
@@ -838,8 +858,10 @@ def test_channels_last_copy_by_vectors_and_by_elements(precision):
                     copy(grid, (256,), (buffer[shift:], xcl, np.int32(B), np.int32(C), np.int32(Cp), np.int32(S),
                                         np.int32(stride), sums, xr, np.int32(Pp)))
                     got = cupy.asnumpy(xcl).reshape(B * S + 1, Cp)
-                    where = (C, S, shift, copy is kernels[1], grid)
-                    np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8), err_msg=str(where))
+                    k = kernels.index(copy)
+                    where = (C, S, shift, k, grid)
+                    np.testing.assert_array_equal(got.view(np.uint8), (rounded if k >= 2 else expected).view(np.uint8),
+                                                  err_msg=str(where))
                     np.testing.assert_array_equal(cupy.asnumpy(xr).reshape(C, Pp).view(np.uint8),
                                                   rows.view(np.uint8), err_msg=str(where))
                     results.append(cupy.asnumpy(sums).tobytes())
@@ -847,7 +869,9 @@ def test_channels_last_copy_by_vectors_and_by_elements(precision):
             per_tile[:, :, :S] = x.astype(np.float64).transpose(1, 0, 2)
             np.testing.assert_allclose(cupy.asnumpy(sums).reshape(C, B, s_tiles),
                                        per_tile.reshape(C, B, s_tiles, 64).sum(axis=3), rtol=1e-5, atol=1e-5)
-        assert len(results) == 8 and len(set(results)) == 1, (C, S)
+        assert len(results) == 8 * (1 + rounding) and len(set(results)) == 1, (C, S)
+        if rounding:   # the ties were there to round
+            assert not np.array_equal(rounded.view(np.uint32), expected.view(np.uint32))
 
 
 def test_copy_kernel_rule():
@@ -865,6 +889,9 @@ def test_copy_kernel_rule():
     assert fused.copy_kernel(h, big, 64, 64 * big + 4, (1 << 20, 2 << 20)) == elements  # sample stride
     assert fused.copy_kernel(h, big, 64, 64 * big, ((1 << 20) + 2, 2 << 20)) == elements  # x misaligned
     assert fused.copy_kernel(f, big, 68, 68 * big, (1 << 20, 2 << 20, (3 << 20) + 8)) == elements  # xr misaligned
+    # rounded to TF32 (the fused backward's TF32 operand rows), by the same rule
+    assert fused.copy_kernel(f, 4096, 64, 0, (1 << 20, 2 << 20, 0), tf32=True) == vectors + "_tf32"
+    assert fused.copy_kernel(f, 196, 512, 512 * 196, (1 << 20, 2 << 20), tf32=True) == elements + "_tf32"
 
 
 @pytest.mark.gpu

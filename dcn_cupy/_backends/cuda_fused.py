@@ -438,15 +438,17 @@ def vectors_pay(positions: int, channels: int) -> bool:
     return channels >= _LAYOUT_TILE and positions >= VECTOR_COPY_POSITIONS
 
 
-def copy_kernel(dtype, positions: int, channels: int, sample_stride: int, addresses) -> str:
+def copy_kernel(dtype, positions: int, channels: int, sample_stride: int, addresses, tf32: bool = False) -> str:
     """The channels-last copy's kernel for one launch over ``positions`` a sample and
     ``channels`` (padded) channels of ``dtype``: ``fused_channels_last_vectors`` where every
     16-byte vector of a channel's positions is whole and aligned (``positions``, ``channels`` and
     ``sample_stride``, in elements, multiples of a vector; ``addresses``, those of the source and
     the destinations, 16-byte aligned) and the rule takes it (``vectors_pay``), else
-    ``fused_channels_last``."""
+    ``fused_channels_last``; with ``tf32`` (float32), its ``_tf32`` form, which rounds the copy
+    to TF32."""
     whole = whole_vectors(dtype, (positions, channels, sample_stride), addresses)
-    return "fused_channels_last_vectors" if whole and vectors_pay(positions, channels) else "fused_channels_last"
+    name = "fused_channels_last_vectors" if whole and vectors_pay(positions, channels) else "fused_channels_last"
+    return name + "_tf32" if tf32 else name
 
 
 def layout_grid(samples: int, channels: int, positions: int) -> tuple:

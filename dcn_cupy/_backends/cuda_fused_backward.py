@@ -54,7 +54,9 @@ rows over the positions, ``(C_out, Pp)``; the input channels-last, ``(Bc*S, Cp)`
 offset, mask or weight gradient is wanted (the corner values; for the warp-specialised weight
 kernel, grad_output in segments of 128 bytes instead of rows); the weight re-laid channels-last
 per conv group as ``(G, C_in/G, K, Cogp)`` (``fused_channels_last``; in strict float32 both
-channels-last rows twice as long, for the split's small parts); the accumulators cleared,
+channels-last rows twice as long, for the split's small parts; in TF32 both rounded to TF32 by
+the copy, ``fused_channels_last_tf32``, once where the data kernel would round every fragment
+it loads); the accumulators cleared,
 the kernels run, the gradients written out in their dtype and layout (the input gradient plus
 the C_in-long ``bias`` of the transposed forward, ``fused_channels_first``). The layout changes
 move 16-byte vectors where they are whole and aligned and the rule takes them
@@ -338,6 +340,8 @@ def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
     names += [f"{kernel}<{t}, {i}>" for kernel in
               ("fused_channels_last", "fused_channels_last_vectors", "fused_store", "fused_position_rows",
                "fused_weight_sum", "fused_channel_totals", "fused_position_segments")]
+    if np.dtype(dtype) == np.float32:
+        names += [f"{kernel}_tf32<{t}, {i}>" for kernel in ("fused_channels_last", "fused_channels_last_vectors")]
     names += [f"fused_channels_first<{t}, {i}, {_bool(fixed)}>" for fixed in (False, True)]
     names += [f"fused_channels_first_vectors<{t}, {i}>", f"fused_split_planes<{i}>"]
     names += [f"fused_sampling_plan<{t}, {i}, {ndim}>", f"fused_gradient_plan<{t}, {i}, {ndim}>"]
@@ -811,8 +815,12 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
         return _cuda._kernel_op(function, grid, block, args, shared_mem,
                                 overlap=waits and _cuda._follows_kernel(ops))
 
-    def layout(positions, channels, sample_stride, *addresses):   # the channels-last copy's kernel
-        return kernel(_fused.copy_kernel(config.dtype, positions, channels, sample_stride, addresses))
+    def layout(positions, channels, sample_stride, *addresses, tf32=False):   # the channels-last copy's kernel
+        return kernel(_fused.copy_kernel(config.dtype, positions, channels, sample_stride, addresses, tf32))
+
+    # TF32: the data kernel's operand rows (wt, gycl) rounded by their copies, once, where its
+    # MMAs would round every fragment they load
+    rounded = config.precision == 1
 
     cols = config.Cg * config.K   # a row of the weight (C_out, C/G, K)
     # the accumulators cleared (the deterministic ones' partial sums are stored, not added):
@@ -841,7 +849,7 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
     if data:
         # wt[g, c, t, o]: the weight seen as G samples of C_out/G channels over C/G * K positions,
         # laid out channels-last (zero past C_out/G, then a zero row): the data kernel's A rows
-        ops.append(op(layout(cols, config.wt_row, config.Cog * cols, w, view["wt"]),
+        ops.append(op(layout(cols, config.wt_row, config.Cog * cols, w, view["wt"], tf32=rounded),
                       _fused.layout_grid(g.groups, config.wt_row, cols), (_THREADS,), (
             u64(w), u64(view["wt"]), i32(g.groups), i32(config.Cog), i32(config.wt_row), index(cols),
             index(config.Cog * cols), None, None, index(0))))
@@ -867,7 +875,8 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
                 u64(x + start * x_bs * it), u64(view["xcl"]), i32(n), i32(g.in_channels), i32(config.Cp),
                 index(config.S), index(x_bs), None, None, index(0))))
         if data or gb:   # grad_output channels-last, with its tile sums for the bias gradient
-            ops.append(op(layout(config.Q, config.gy_row, gy_bs, gy, view["gycl"], view["gyr"] if rows_copied else 0),
+            ops.append(op(layout(config.Q, config.gy_row, gy_bs, gy, view["gycl"], view["gyr"] if rows_copied else 0,
+                                 tf32=rounded),
                           _fused.layout_grid(n, config.gy_row, config.Q), (_THREADS,), (
                 gy_n, u64(view["gycl"]), i32(n), i32(g.out_channels), i32(config.gy_row), index(config.Q),
                 index(gy_bs), u64(view["bias_sums"]) if gb else None, u64(view["gyr"]) if rows_copied else None,
