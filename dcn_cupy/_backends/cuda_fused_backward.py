@@ -127,7 +127,8 @@ DATA_WIDE_MIN_ROWS = 256
 #: spills 220-400 bytes at 64 registers and keeps 2. 64x128: 3 (80 registers; 0-8 bytes of spill,
 #: 3xTF32 68, whose shared memory allows 2 blocks anyway); at MINB 2 (117-128 registers) its data
 #: gradients were 0.96-1.36x slower in 2D and 1D but for 1D fp16 (H200, session 44). In 3D MINB 3
-#: lost (1.07-1.15x) and 2 is kept.
+#: lost (1.07-1.15x) and 2 is kept. 64x128 at MINB 4 (64 registers, 64 bytes of spill) was 1.7-10%
+#: slower in TF32, fp16 and deterministic mode but for 1D fp16 (level; H200, session 45).
 DATA_MINB = {64: 4, 128: 3}
 #: Channels per lane of the data kernel's epilogue (``epilogue_lane_channels`` chooses): 8 pays each
 #: position's corners, weights and branches once for twice the channels of 4, at the cost of
