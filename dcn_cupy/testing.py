@@ -21,7 +21,7 @@ import numpy as np
 
 __all__ = [
     "ARGUMENTS", "Case", "fractional_offsets", "random_case", "fixed_case", "numpy_dtype", "rounded",
-    "relative_error", "max_relative_error", "directional_derivative", "directional_error",
+    "tf32_rounded", "relative_error", "max_relative_error", "directional_derivative", "directional_error",
 ]
 
 #: The array arguments of a deformable convolution, in signature order.
@@ -180,6 +180,13 @@ def rounded(arrays: dict, dtype: str) -> dict:
     """The float64 values the arrays take after a round trip through ``dtype``."""
     return {k: None if a is None else np.asarray(a).astype(numpy_dtype(dtype)).astype(np.float64)
             for k, a in arrays.items()}
+
+
+def tf32_rounded(values) -> np.ndarray:
+    """Finite float32 ``values`` rounded to TF32 as the GPU's ``cvt.rna.tf32.f32`` rounds them:
+    to nearest, ties away from zero, 10 mantissa bits (the low 13 cleared), kept as float32."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
 def relative_error(actual, expected) -> float:

@@ -28,7 +28,7 @@ import pytest
 from dcn_cupy import _geometry, reference
 from dcn_cupy._interop import BFLOAT16
 
-from cases import fractional_offsets, random_case, relative_error
+from cases import fractional_offsets, random_case, relative_error, tf32_rounded
 
 ARCH = os.environ.get("DCN_CUPY_NVRTC_ARCH", "sm_90")
 
@@ -793,13 +793,6 @@ def test_large_output_channel_tiles_and_batch_spanning_tiles():
             assert serves(arrays, params, precision, tile), tile
             got, expected, _ = run_fused_tile(arrays, params, precision, tile)
             assert relative_error(got, expected) < TOL[precision], (precision, tile)
-
-
-def tf32_rounded(values):
-    """float32 ``values`` rounded to TF32 as ``cvt.rna.tf32.f32`` rounds them (to nearest, ties
-    away from zero; 10 mantissa bits, the low 13 cleared), finite values only."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
 @pytest.mark.gpu

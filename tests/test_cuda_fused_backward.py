@@ -25,7 +25,7 @@ import pytest
 from dcn_cupy import _geometry, reference
 from dcn_cupy._interop import BFLOAT16
 
-from cases import fractional_offsets, relative_error
+from cases import fractional_offsets, relative_error, tf32_rounded
 
 TOL = {"float16": 5e-3, "bfloat16": 4e-2, "tf32": 5e-3, "float32": 1e-5}
 DTYPE = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16, "tf32": np.dtype(np.float32),
@@ -469,6 +469,55 @@ def check(got, expected, precision, label=""):
     for name, value in got.items():
         assert np.isfinite(value).all(), (name, label)
         assert relative_error(value, expected[name]) < TOL[precision], (name, label)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["tf32", "float16"])
+def test_data_operand_rows_rounded_by_their_copies(precision):
+    """In TF32 the data kernel takes its operands' fragments as loaded, so their copies round
+    them: after a backward, the workspace's weight rows wt[g, c, t, o] and channels-last
+    grad_output gycl[p, o] hold each value rounded to TF32 (to nearest, ties away from zero, as
+    ``cvt.rna`` and the NumPy rounding below), ties included, while the channels-last input xcl
+    (corner values of the offset and mask gradients) keeps them; float16: plain copies. Groups
+    (C_out/G 24, rows padded to the step) and the weight and bias gradients beside them, which
+    must match the reference."""
+    cupy = _cupy()
+    fb = _backward_module()
+    dtype = DTYPE[precision]
+    rng = np.random.default_rng(45)
+    arrays, params, gy = wide_case(rng, 2, groups=2, offset_groups=2, mask_groups=1, c_in=64, c_out=48, batch=3,
+                                   stride=(1, 1), padding=(1, 1), dilation=(1, 1))
+    if precision == "tf32":   # ties of the rounding (low 13 bits 0x1000) in every operand
+        def with_ties(values):
+            values = np.array(values, dtype=np.float32)
+            every_third = values.view(np.uint32).reshape(-1)[::3]
+            every_third[:] = (every_third & np.uint32(0xFFFFE000)) | np.uint32(0x1000)
+            return values
+        arrays["input"], arrays["weight"], gy = with_ties(arrays["input"]), with_ties(arrays["weight"]), with_ties(gy)
+    got, expected, config = run_gradients(arrays, params, gy, precision, wanted=NAMES + ("bias",))
+    check(got, expected, precision)
+    assert config.precision == (1 if precision == "tf32" else 0) and config.chunk == 3
+    # the same backward again, on a workspace of our own: the operand rows it leaves there
+    dev = {k: cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}   # (offset and mask: both given)
+    out = {name: cupy.empty(dev[name].shape, dtype=dtype) for name in NAMES}
+    workspace = cupy.full(config.workspace_bytes, 0xFF, dtype=np.uint8)
+    fb.run_gradients(config, dict(grad_output=cupy.asarray(gy.astype(dtype)), bias=None, wanted=frozenset(NAMES),
+                                  **dev), out, workspace)
+    keep = tf32_rounded if precision == "tf32" else (lambda v: v)
+    bits = lambda a: np.ascontiguousarray(a).view(np.uint8)  # noqa: E731
+    g = config.geom
+    B, C, Co, G, K, Q, S = g.batch, g.in_channels, g.out_channels, g.groups, config.K, config.Q, config.S
+    w = arrays["weight"].astype(dtype).reshape(G, Co // G, C // G, K)               # [g, o, c, t]
+    wt = config.view(workspace, "wt").get()[:G * (C // G) * K * config.wt_row].reshape(G, C // G, K, config.wt_row)
+    np.testing.assert_array_equal(bits(wt[..., :Co // G]), bits(keep(w.transpose(0, 2, 3, 1))))
+    gycl = config.view(workspace, "gycl").get()[:B * Q * config.gy_row].reshape(B * Q, config.gy_row)
+    y = gy.astype(dtype).reshape(B, Co, Q).transpose(0, 2, 1).reshape(B * Q, Co)
+    np.testing.assert_array_equal(bits(gycl[:, :Co]), bits(keep(y)))
+    xcl = config.view(workspace, "xcl").get()[:B * S * config.Cp].reshape(B * S, config.Cp)
+    x = arrays["input"].astype(dtype).reshape(B, C, S).transpose(0, 2, 1).reshape(B * S, C)
+    np.testing.assert_array_equal(bits(xcl[:, :C]), bits(x))
+    if precision == "tf32":   # the ties were there: rounding changed some values
+        assert not np.array_equal(keep(y), y)
 
 
 @pytest.mark.gpu
