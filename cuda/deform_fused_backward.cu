@@ -9,8 +9,9 @@
 // in 1D and 2D, see DCN_DATA_TILE_LAYOUT): the weight columns wt[g, c, t, o] (A: rows c, a step
 // of K * Cogp apart, K = o contiguous; fused_channels_last of the weight) and the channels-last
 // grad_output gycl[p, o] (B: rows p); in TF32 both rounded to TF32 by their copies
-// (fused_channels_last_tf32), so that warp_mma takes its fragments as loaded. The tile then goes to shared memory (float32) and, in the
-// epilogue, one warp per position (lanes along the channels, CPL per lane):
+// (fused_channels_last_tf32), so that warp_mma takes its fragments as loaded. The tile then goes
+// to shared memory (float32) and, in the epilogue, one warp per position (lanes along the
+// channels, CPL per lane):
 //   * grad_input: G * mask * w_corner is added to the CHANNELS-LAST float32 accumulator
 //     gxcl[b, s, c] with 4-channel vector reductions (REDG.ADD.F32x4 on sm_90), CPL/4 per corner
 //     and lane, where col2im needs a scalar atomic per channel;
@@ -1112,8 +1113,8 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
                 copy_step(s + 1, cur ^ 1);
                 sample_load(s + 1);
             }
-            warp_mma<T, PREC, ROUNDED_B, MT, NT, LD, BK, WM, WN, LAYOUT>(acc, As0 + cur * BM * LDA, Bs0 + cur * BN * LD,
-                                                                     wm, wn, lane);
+            warp_mma<T, PREC, ROUNDED_B, MT, NT, LD, BK, WM, WN, LAYOUT>(acc, As0 + cur * BM * LDA,
+                                                                         Bs0 + cur * BN * LD, wm, wn, lane);
             if (more) sample_store(cur ^ 1);
             copy_wait_all();
             __syncthreads();

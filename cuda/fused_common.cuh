@@ -602,7 +602,8 @@ __device__ __forceinline__ void mma_3xtf32(float (&acc)[4], const unsigned (&a_s
 // WM x WN at (wm * WM, wn * WN): MT x NT m16n8 fragments in `acc` (float32). Half types: m16n8k16
 // with ldmatrix; float32: m16n8k8 TF32 with ldmatrix (PREC 1; ROUNDED: which of A and B hold
 // TF32-rounded values already, ROUNDED_A | ROUNDED_B) or 3xTF32 (PREC 2: a = big + small, three
-// products, float32 accuracy) with scalar loads, or ldmatrix from swizzled A tiles. LAYOUT: the tiles' layout (TILE_*, above).
+// products, float32 accuracy) with scalar loads, or ldmatrix from swizzled A tiles. LAYOUT: the
+// tiles' layout (TILE_*, above).
 constexpr int ROUNDED_A = 1, ROUNDED_B = 2;
 template <typename T, int PREC, int ROUNDED, int MT, int NT, int LD, int BK, int WM, int WN,
           int LAYOUT = TILE_PADDED>

@@ -55,11 +55,11 @@ offset, mask or weight gradient is wanted (the corner values; for the warp-speci
 kernel, grad_output in segments of 128 bytes instead of rows); the weight re-laid channels-last
 per conv group as ``(G, C_in/G, K, Cogp)`` (``fused_channels_last``; in strict float32 both
 channels-last rows twice as long, for the split's small parts; in TF32 both rounded to TF32 by
-the copy, ``fused_channels_last_tf32``, once where the data kernel would round every fragment
-it loads); the accumulators cleared,
-the kernels run, the gradients written out in their dtype and layout (the input gradient plus
-the C_in-long ``bias`` of the transposed forward, ``fused_channels_first``). The layout changes
-move 16-byte vectors where they are whole and aligned and the rule takes them
+their copies, ``fused_channels_last_tf32``: once, where the data kernel would round every
+fragment it loads); the accumulators cleared, the kernels run, the gradients written out in
+their dtype and layout (the input gradient plus the C_in-long ``bias`` of the transposed
+forward, ``fused_channels_first``). The layout changes move 16-byte vectors where they are
+whole and aligned and the rule takes them
 (``cuda_fused.copy_kernel``, :func:`channels_first_kernel`). The launches are recorded once per
 set of addresses and replayed (``FusedBackward.run_pointers``, the plan's raw-address path), as
 cuda/im2col's are.
@@ -820,7 +820,7 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
         return kernel(_fused.copy_kernel(config.dtype, positions, channels, sample_stride, addresses, tf32))
 
     # TF32: the data kernel's operand rows (wt, gycl) rounded by their copies, once, where its
-    # MMAs would round every fragment they load
+    # MMAs would round every fragment they load (the input's xcl keeps its values: corner values)
     rounded = config.precision == 1
 
     cols = config.Cg * config.K   # a row of the weight (C_out, C/G, K)
