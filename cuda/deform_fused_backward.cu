@@ -322,6 +322,26 @@ __global__ void fused_split_planes(float* __restrict__ data, const I rows, const
     }
 }
 
+// The TF32 data kernel's operand rows (wt, gycl): fused_channels_last and
+// fused_channels_last_vectors with xcl rounded to TF32 (cvt.rna once here, where warp_mma would
+// round every fragment it loads; the sums and xr keep the values). float32 alone, hence no dtype
+// parameter (as fused_split_planes). H200, TF32 data gradients alone, B=8 C256 56x56 0.557 ->
+// 0.504 ms, B=16 C512 14x14 0.224 -> 0.194, 1D 0.554 -> 0.499 (NOTES-gpu.md, session 45).
+template <typename I>
+__global__ void fused_channels_last_tf32(const float* __restrict__ x, float* __restrict__ xcl, const int batch,
+                                         const int channels, const int Cp, const I S, const I x_bstride,
+                                         float* __restrict__ sums, float* __restrict__ xr, const I Pp) {
+    channels_last_copy<float, I, false, true>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp);
+}
+
+template <typename I>
+__global__ void __launch_bounds__(256, DCN_LAYOUT_MIN_BLOCKS)
+fused_channels_last_vectors_tf32(const float* __restrict__ x, float* __restrict__ xcl, const int batch,
+                                 const int channels, const int Cp, const I S, const I x_bstride,
+                                 float* __restrict__ sums, float* __restrict__ xr, const I Pp) {
+    channels_last_copy<float, I, true, true>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp);
+}
+
 // The data gradients' plan of a batch chunk: per (segment j of seg_len channels sharing an
 // offset and a mask group, tap t, position p = b*Q + q), entry e = (j * K + t) * B*Q + p, what
 // the data kernel's epilogue otherwise computes in each of its C_in/BM channel-tile blocks: the

@@ -938,25 +938,6 @@ fused_channels_last_vectors(const T* __restrict__ x, T* __restrict__ xcl, const 
     channels_last_copy<T, I, true>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp);
 }
 
-// The two copies with xcl rounded to TF32 (float32 alone): the TF32 data kernel's operand rows.
-template <typename T, typename I>
-__global__ void
-fused_channels_last_tf32(const T* __restrict__ x, T* __restrict__ xcl, const int batch, const int channels,
-                         const int Cp, const I S, const I x_bstride, typename Traits<T>::acc* __restrict__ sums,
-                         T* __restrict__ xr, const I Pp) {
-    static_assert(sizeof(T) == 4, "TF32 rounds float32");
-    channels_last_copy<T, I, false, true>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp);
-}
-
-template <typename T, typename I>
-__global__ void __launch_bounds__(256, DCN_LAYOUT_MIN_BLOCKS)
-fused_channels_last_vectors_tf32(const T* __restrict__ x, T* __restrict__ xcl, const int batch,
-                                 const int channels, const int Cp, const I S, const I x_bstride,
-                                 typename Traits<T>::acc* __restrict__ sums, T* __restrict__ xr, const I Pp) {
-    static_assert(sizeof(T) == 4, "TF32 rounds float32");
-    channels_last_copy<T, I, true, true>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp);
-}
-
 // The bias gradient from fused_channels_last's tile sums of a batch chunk: v = the sum of
 // sums[c * rows + r] over r, one block of TOTALS_THREADS a channel (each thread its rows r =
 // threadIdx.x + k * TOTALS_THREADS in order, then a fixed tree), plus acc[c] after the first

@@ -817,7 +817,7 @@ def test_channels_last_copy_by_vectors_and_by_elements(precision):
     rounding = precision == "tf32"
     if rounding:
         from dcn_cupy._backends import cuda_fused_backward as fb
-        kernels += [fb._function(f"{name}_tf32<{t}, int>", dtype, 2, False)
+        kernels += [fb._function(f"{name}_tf32<int>", dtype, 2, False)
                     for name in ("fused_channels_last", "fused_channels_last_vectors")]
     rng = np.random.default_rng(11)
     # (B, C, S, sample stride): S = 200 is 3 position tiles and 8 more; S = 21 no whole vectors

@@ -322,6 +322,11 @@ def ws_kernel_name(dtype, index64: bool, ndim: int, prec: int) -> str:
             f"{ws_threads(dtype, prec)}>")
 
 
+#: Kernels of float32 rows alone (no dtype parameter; in every module, as the source defines
+#: them): the 3xTF32 operands' split and the TF32 operands' rounded copies.
+FLOAT32_KERNELS = ("fused_split_planes", "fused_channels_last_tf32", "fused_channels_last_vectors_tf32")
+
+
 def ws_name_expressions(dtype, ndim: int, index64: bool) -> tuple:
     """The sm_90a module's kernels: the warp-specialised weight kernel in each precision."""
     return tuple(ws_kernel_name(dtype, index64, ndim, prec) for prec in _fused._precisions(dtype))
@@ -341,10 +346,8 @@ def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
     names += [f"{kernel}<{t}, {i}>" for kernel in
               ("fused_channels_last", "fused_channels_last_vectors", "fused_store", "fused_position_rows",
                "fused_weight_sum", "fused_channel_totals", "fused_position_segments")]
-    if np.dtype(dtype) == np.float32:
-        names += [f"{kernel}_tf32<{t}, {i}>" for kernel in ("fused_channels_last", "fused_channels_last_vectors")]
     names += [f"fused_channels_first<{t}, {i}, {_bool(fixed)}>" for fixed in (False, True)]
-    names += [f"fused_channels_first_vectors<{t}, {i}>", f"fused_split_planes<{i}>"]
+    names += [f"fused_channels_first_vectors<{t}, {i}>"] + [f"{kernel}<{i}>" for kernel in FLOAT32_KERNELS]
     names += [f"fused_sampling_plan<{t}, {i}, {ndim}>", f"fused_gradient_plan<{t}, {i}, {ndim}>"]
     return tuple(names)
 
@@ -755,7 +758,7 @@ class BackwardConfig:
         if name in ("weight_bound", "sample_bound"):   # cuda/im2col-deterministic's bound kernels
             return _deterministic._kernels(self.dtype, g.ndim, self.index64)[name]
         i = "long long" if self.index64 else "int"
-        if name == "fused_split_planes":   # (float32 alone: no dtype parameter)
+        if name in FLOAT32_KERNELS:
             return _function(f"{name}<{i}>", self.dtype, g.ndim, self.index64)
         n = f", {g.ndim}" if name in ("fused_sampling_plan", "fused_gradient_plan") else ""
         n = f", {_bool(self.deterministic)}" if name == "fused_channels_first" else n
