@@ -155,10 +155,11 @@ template <> struct StagedValue<true> { typedef double type; };
 // iteration (256 threads as 32 x 8), as fused_channels_last the other way. FIXED: the source is
 // the deterministic scatter's fixed-point accumulator gxq with its flags (fixed_point.cuh; the
 // sample's exponent from the bounds, as in the scatter) instead of gxcl.
-// fused_channels_first_vectors (float32 source only): the same in 16-byte vectors where every
-// vector of a channel's positions of gx is whole and aligned (S and gx_bstride multiples of a
-// vector, gx and gxcl aligned; else it too moves elements): in, a float4 of channels a thread
-// (a warp's 8 channel quads of 4 positions, each stored as 4 floats to distinct banks), out, a
+// fused_channels_first_vectors: the same in 16-byte vectors where every vector of a channel's
+// positions of gx is whole and aligned (S and gx_bstride multiples of a vector, gx and the source
+// aligned; else it too moves elements): in, a float4 of channels a thread (a warp's 8 channel
+// quads of 4 positions, each stored as 4 floats to distinct banks), or (FIXED) a 16-byte pair of
+// fixed-point sums (a warp's 32 pairs of one position, both flags in one word: Cpa even); out, a
 // vector of positions a thread; each value rounded as the element path rounds it.
 template <typename T, typename I, bool FIXED, bool VECTORS>
 __device__ __forceinline__ void channels_first_copy(
@@ -175,8 +176,9 @@ __device__ __forceinline__ void channels_first_copy(
     const I blocks = (I)batch * c_tiles * s_tiles;
     const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;   // 256 threads: 32 x 8
     constexpr int VEC = 16 / (int)sizeof(T);   // positions of a 16-byte vector of gx
-    const bool vectors = VECTORS && !FIXED && S % VEC == 0 && gx_bstride % VEC == 0 && Cpa % 4 == 0
-                         && ((unsigned long long)gx & 15) == 0 && ((unsigned long long)gxcl & 15) == 0;
+    const void* const source = FIXED ? (const void*)gxq : (const void*)gxcl;
+    const bool vectors = VECTORS && S % VEC == 0 && gx_bstride % VEC == 0 && Cpa % (FIXED ? 2 : 4) == 0
+                         && ((unsigned long long)gx & 15) == 0 && ((unsigned long long)source & 15) == 0;
     for (I blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
         const I st = blk % s_tiles;
         const I rest = blk / s_tiles;
@@ -184,22 +186,47 @@ __device__ __forceinline__ void channels_first_copy(
         const int b = (int)(rest / c_tiles);
         const I s0 = st * TILE;
         const int c0 = ct * TILE;
-        if constexpr (VECTORS && !FIXED) {
+        if constexpr (VECTORS) {
             if (vectors) {
-                // read: a warp's 8 channel quads of 4 consecutive positions (128 bytes a position
-                // in gxcl); quad q's 4 floats to rows 4q..4q+3, banks 4q + j + position (mod 32)
+                if constexpr (FIXED) {
+                    const int E = dcn_det::exponent(weight_bound, gy_bounds + b,
+                                                    mask_bounds == nullptr ? nullptr : mask_bounds + b, log2_count);
+                    // read: a warp's 32 channel pairs of one position (512 bytes of gxq); pair
+                    // q's values to rows 2q and 2q + 1
 #pragma unroll
-                for (int i = 0; i < TILE * TILE / 4 / 256; ++i) {
-                    const int e = (int)threadIdx.x + i * 256;
-                    const int q = e % 8 + 8 * (e / (8 * TILE)), p = (e / 8) % TILE;
-                    const I s = s0 + p;
-                    const int c = c0 + 4 * q;
-                    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                    if (s < S && c < channels) v = *reinterpret_cast<const float4*>(gxcl + ((I)b * S + s) * Cpa + c);
-                    tile[4 * q][p] = v.x;
-                    tile[4 * q + 1][p] = v.y;
-                    tile[4 * q + 2][p] = v.z;
-                    tile[4 * q + 3][p] = v.w;
+                    for (int i = 0; i < TILE * TILE / 2 / 256; ++i) {
+                        const int e = (int)threadIdx.x + i * 256;
+                        const int q = e % (TILE / 2), p = e / (TILE / 2);
+                        const I s = s0 + p;
+                        const int c = c0 + 2 * q;
+                        V v0 = V(0), v1 = V(0);
+                        if (s < S && c < channels) {
+                            const I el = ((I)b * S + s) * Cpa + c;   // even: both flags in one word
+                            const ulonglong2 sums = *reinterpret_cast<const ulonglong2*>(gxq + el);
+                            const unsigned f = flags[el >> 4] >> (2 * (int)(el & 15));
+                            v0 = dcn_det::value_of(sums.x, f & 3u, E);
+                            v1 = dcn_det::value_of(sums.y, (f >> 2) & 3u, E);
+                        }
+                        tile[2 * q][p] = v0;
+                        tile[2 * q + 1][p] = v1;
+                    }
+                } else {
+                    // read: a warp's 8 channel quads of 4 consecutive positions (128 bytes a
+                    // position in gxcl); quad q's 4 floats to rows 4q..4q+3, banks 4q + j +
+                    // position (mod 32)
+#pragma unroll
+                    for (int i = 0; i < TILE * TILE / 4 / 256; ++i) {
+                        const int e = (int)threadIdx.x + i * 256;
+                        const int q = e % 8 + 8 * (e / (8 * TILE)), p = (e / 8) % TILE;
+                        const I s = s0 + p;
+                        const int c = c0 + 4 * q;
+                        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                        if (s < S && c < channels) v = *reinterpret_cast<const float4*>(gxcl + ((I)b * S + s) * Cpa + c);
+                        tile[4 * q][p] = v.x;
+                        tile[4 * q + 1][p] = v.y;
+                        tile[4 * q + 2][p] = v.z;
+                        tile[4 * q + 3][p] = v.w;
+                    }
                 }
                 __syncthreads();
                 // write: a vector of VEC positions of one channel a thread (coalesced in gx)
@@ -211,7 +238,7 @@ __device__ __forceinline__ void channels_first_copy(
                     const int c = c0 + r;
                     const I s = s0 + k * VEC;
                     if (c < channels && s < S) {   // (s < S: the whole vector, S a multiple of VEC)
-                        const float bv = bias == nullptr ? 0.0f : Traits<T>::load(bias[c]);
+                        const V bv = bias == nullptr ? V(0) : V(Traits<T>::load(bias[c]));
                         T out[VEC];
 #pragma unroll
                         for (int j = 0; j < VEC; ++j) out[j] = Traits<T>::store((float)(tile[r][k * VEC + j] + bv));
@@ -274,14 +301,52 @@ __global__ void fused_channels_first(
 }
 
 // (At most 64 registers, as fused_channels_last_vectors.)
-template <typename T, typename I>
+template <typename T, typename I, bool FIXED>
 __global__ void __launch_bounds__(256, 4) fused_channels_first_vectors(
     const float* __restrict__ gxcl, const dcn_u64* __restrict__ gxq, const unsigned* __restrict__ flags,
     const dcn_u64* __restrict__ weight_bound, const dcn_u64* __restrict__ gy_bounds,
     const dcn_u64* __restrict__ mask_bounds, const int log2_count, const T* __restrict__ bias, T* __restrict__ gx,
     const int batch, const int channels, const int Cpa, const I S, const I gx_bstride) {
-    channels_first_copy<T, I, false, true>(gxcl, gxq, flags, weight_bound, gy_bounds, mask_bounds, log2_count, bias,
+    channels_first_copy<T, I, FIXED, true>(gxcl, gxq, flags, weight_bound, gy_bounds, mask_bounds, log2_count, bias,
                                            gx, batch, channels, Cpa, S, gx_bstride);
+}
+
+// bounds[b] = max |a[b, :]| over the finite entries of each of `batch` samples of `per_sample`
+// elements, `sample_stride` elements apart (any stride, 0 included): the deterministic scatter's
+// bounds of grad_output and the mask (fixed_point.cuh), as cuda/im2col-deterministic's
+// det_sample_bound, but one sample a block: block k takes sample k / slices, its slice k % slices,
+// in 16-byte vectors where the samples are whole and aligned ones. Maxima of float values are
+// exact, so the bound is that kernel's, bitwise. `bounds` must be zero before the launch. (H200,
+// B=8 C256 56x56 fp16, grad_output and mask: 34 us as det_sample_bound, NOTES-gpu.md session 46.)
+template <typename T, typename I>
+__global__ void fused_sample_bound(const T* __restrict__ a, const I per_sample, const I sample_stride,
+                                   const int batch, const int slices, dcn_u64* __restrict__ bounds) {
+    fused::start_after_prerequisites();
+    constexpr int VEC = 16 / (int)sizeof(T);
+    const int b = (int)(blockIdx.x / slices);
+    if (b >= batch) return;
+    const T* const p = a + (I)b * sample_stride;
+    const I first = (I)(blockIdx.x % slices) * blockDim.x + threadIdx.x, step = (I)slices * blockDim.x;
+    float local = 0.0f;
+    if (per_sample % VEC == 0 && sample_stride % VEC == 0 && ((unsigned long long)a & 15) == 0) {
+        for (I i = first; i < per_sample / VEC; i += step) {
+            const uint4 bits = __ldg(reinterpret_cast<const uint4*>(p) + i);
+            T v[VEC];
+            memcpy(v, &bits, 16);
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const float m = fabsf(Traits<T>::load(v[j]));
+                if (isfinite(m)) local = fmaxf(local, m);   // finite entries only
+            }
+        }
+    } else {
+        for (I i = first; i < per_sample; i += step) {
+            const float m = fabsf(Traits<T>::load(p[i]));
+            if (isfinite(m)) local = fmaxf(local, m);
+        }
+    }
+    const double top = dcn_det::block_max((double)local);
+    if (threadIdx.x == 0) dcn_det::atomic_max_bound(bounds + b, top);
 }
 
 // src (slots, B, per_sample) float32 -> dst in T (sample stride dst_bstride): the offset and mask

@@ -93,14 +93,18 @@ __device__ __forceinline__ void accumulate_float(dcn_u64* __restrict__ acc, unsi
     if (r != 0) atomicAdd(acc + e, (dcn_u64)r);
 }
 
-// The value of element e: acc[e] * 2^-E, or the non-finite value its flags say.
-__device__ __forceinline__ double value(const dcn_u64* acc, const unsigned* __restrict__ flags, long long e, int E) {
-    const unsigned f = (flags[e >> 4] >> (2 * (int)(e & 15))) & 3u;
+// The value of a sum: bits * 2^-E, or the non-finite value its flag bits f say.
+__device__ __forceinline__ double value_of(dcn_u64 bits, unsigned f, int E) {
     if (f == 3u) return __longlong_as_double(0x7ff8000000000000ll);  // NaN
     if (f != 0u) {
         return f == 1u ? __longlong_as_double(0x7ff0000000000000ll) : __longlong_as_double((long long)0xfff0000000000000ull);
     }
-    return ldexp((double)(long long)acc[e], -E);
+    return ldexp((double)(long long)bits, -E);
+}
+
+// The value of element e: acc[e] * 2^-E, or the non-finite value its flags say.
+__device__ __forceinline__ double value(const dcn_u64* acc, const unsigned* __restrict__ flags, long long e, int E) {
+    return value_of(acc[e], (flags[e >> 4] >> (2 * (int)(e & 15))) & 3u, E);
 }
 
 }  // namespace dcn_det

@@ -757,7 +757,7 @@ def test_channels_first_by_vectors_and_by_elements(precision):
     vec = 16 // dtype.itemsize
     t = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}[precision]
     kernels = [fb._function(f"fused_channels_first<{t}, int, false>", dtype, 2, False),
-               fb._function(f"fused_channels_first_vectors<{t}, int>", dtype, 2, False)]
+               fb._function(f"fused_channels_first_vectors<{t}, int, false>", dtype, 2, False)]
     rng = np.random.default_rng(12)
     for B, C, S, stride in ((3, 80, 200, 80 * 200), (2, 37, 24, 37 * 24 + vec), (2, 16, 21, 16 * 21),
                             (1, 70, 64, 70 * 64)):
@@ -781,9 +781,114 @@ def test_channels_first_by_vectors_and_by_elements(precision):
                                                       err_msg=str((C, S, shift, gx_kernel is kernels[1], grid)))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["float16", "bfloat16", "float32"])
+def test_fixed_point_channels_first_by_vectors_and_by_elements(precision):
+    """The deterministic mode's input gradient out of its fixed-point accumulator (B, S, Cpa) of
+    64-bit sums with 2 flag bits each: ``fused_channels_first<T, I, true>`` (one element a thread)
+    and ``fused_channels_first_vectors<T, I, true>`` (a 16-byte pair of sums a thread where S, the
+    sample stride and gx are aligned to a vector; else elements) give bitwise the same result:
+    each sum times 2^-E (E from the sample's bounds, fixed_point.cuh) plus bias, rounded through
+    float32, and +inf, -inf or NaN where the flags say so. Odd channel counts (a pair's second
+    sum a padded channel), partial tiles, a padded sample stride, a grid smaller than the tiles;
+    nothing written outside the samples' channels."""
+    cupy = _cupy()
+    fb = _backward_module()
+    dtype = DTYPE[precision]
+    vec = 16 // dtype.itemsize
+    t = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}[precision]
+    kernels = [fb._function(f"fused_channels_first<{t}, int, true>", dtype, 2, False),
+               fb._function(f"fused_channels_first_vectors<{t}, int, true>", dtype, 2, False)]
+    rng = np.random.default_rng(13)
+    log2_count = 5
+    for B, C, S, stride in ((3, 80, 200, 80 * 200), (2, 37, 24, 37 * 24 + vec), (2, 16, 21, 16 * 21),
+                            (1, 70, 64, 70 * 64)):
+        Cpa = -(-C // 4) * 4
+        acc = rng.integers(-(1 << 56), 1 << 56, size=(B, S, Cpa), dtype=np.int64)
+        codes = rng.choice(4, size=(B, S, Cpa), p=(0.94, 0.02, 0.02, 0.02)).astype(np.uint32)   # 1 +inf, 2 -inf, 3 NaN
+        words = np.zeros(-(-codes.size // 16), dtype=np.uint32)
+        for k in range(16):
+            part = codes.reshape(-1)[k::16]
+            words[:part.size] |= part << np.uint32(2 * k)
+        weight_bound = np.array([1.5], dtype=np.float64)                 # frexp exponent 1
+        gy_bounds = np.array([3.0, 0.3, 17.0], dtype=np.float64)[:B]    # 2, -1, 5
+        mask_bounds = np.array([0.75, 1.0, 0.01], dtype=np.float64)[:B]  # 0, 1, -6
+        E = np.array([62 - (1 + np.frexp(g)[1] + np.frexp(m)[1] + log2_count)
+                      for g, m in zip(gy_bounds, mask_bounds)])
+        values = np.ldexp(acc.astype(np.float64), -E[:, None, None])
+        values[codes == 1], values[codes == 2], values[codes == 3] = np.inf, -np.inf, np.nan
+        device = [cupy.asarray(a) for a in (acc.view(np.uint64), words, weight_bound.view(np.uint64),
+                                            gy_bounds.view(np.uint64), mask_bounds.view(np.uint64))]
+        for bias in (None, rng.standard_normal(C).astype(dtype)):
+            total = values[:, :, :C].transpose(0, 2, 1) + (
+                0 if bias is None else bias.astype(np.float32).astype(np.float64)[:, None])
+            expected = np.full((B, stride), 7, dtype=dtype)
+            expected[:, :C * S] = total.astype(np.float32).astype(dtype).reshape(B, C * S)
+            for shift in (0, 1):   # gx aligned, or one element past
+                for gx_kernel in kernels:
+                    for grid in (fb._fused.layout_grid(B, C, S), (3,)):
+                        buffer = cupy.asarray(np.full(B * stride + vec, 7, dtype=dtype))   # poisoned
+                        gx = buffer[shift:]
+                        null = np.uint64(0)
+                        gx_kernel(grid, (256,), (null, *device, np.int32(log2_count),
+                                                 null if bias is None else cupy.asarray(bias), gx, np.int32(B),
+                                                 np.int32(C), np.int32(Cpa), np.int32(S), np.int32(stride)))
+                        got = cupy.asnumpy(buffer)[shift:shift + B * stride].reshape(B, stride)
+                        what = str((C, S, shift, gx_kernel is kernels[1], grid, bias is None))
+                        nan = np.isnan(expected.astype(np.float32))
+                        np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan, err_msg=what)
+                        np.testing.assert_array_equal(got.view(np.uint8).reshape(B, stride, -1)[~nan],
+                                                      expected.view(np.uint8).reshape(B, stride, -1)[~nan],
+                                                      err_msg=what)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["float16", "bfloat16", "float32"])
+def test_sample_bound_per_block_equals_det_sample_bound(precision):
+    """``fused_sample_bound`` (a block a slice of one sample, 16-byte vectors where the samples
+    are whole and aligned ones) gives each sample's max |value| over its finite entries, bitwise
+    cuda/im2col-deterministic's ``det_sample_bound`` (a float maximum is exact): vector and
+    element paths (per-sample lengths and strides off the vector, an address one element past),
+    a broadcast batch (stride 0), one slice and many, non-finite entries and an all-zero sample."""
+    cupy = _cupy()
+    fb = _backward_module()
+    from dcn_cupy._backends import cuda_deterministic
+    dtype = DTYPE[precision]
+    vec = 16 // dtype.itemsize
+    t = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}[precision]
+    fused = fb._function(f"fused_sample_bound<{t}, int>", dtype, 2, False)
+    det = cuda_deterministic._kernels(dtype, 2, False)["sample_bound"]
+    rng = np.random.default_rng(14)
+    for batch, per_sample, stride, shift in ((3, 64 * vec, 64 * vec, 0), (3, 64 * vec, 64 * vec, 1),
+                                             (2, 1000 * vec + 3, 1000 * vec + 5, 0), (4, 40 * vec, 0, 0),
+                                             (3, 7, 9, 0), (2, 3000 * vec, 3001 * vec, 0)):
+        data = (rng.standard_normal(batch * max(stride, per_sample) + shift) * 10).astype(dtype)
+        data[rng.integers(0, data.size, 5)] = np.inf
+        data[rng.integers(0, data.size, 5)] = -np.inf
+        data[rng.integers(0, data.size, 5)] = np.nan
+        if stride:
+            data[shift + stride:shift + stride + per_sample] = 0   # sample 1: zeros (and -0)
+            data[shift + stride] = -0.0
+        host = np.stack([data[shift + b * stride:shift + b * stride + per_sample] for b in range(batch)])
+        finite = np.where(np.isfinite(host.astype(np.float32)), np.abs(host.astype(np.float32)), 0)
+        expected = finite.max(axis=1).astype(np.float64)
+        a = cupy.asarray(data)[shift:]
+        reference_bits = cupy.zeros(batch, dtype=np.uint64)
+        det((4, batch), (256,), (a, np.int32(per_sample), np.int64(stride), np.int32(batch), reference_bits))
+        for slices in (1, 3, 64):
+            bounds = cupy.zeros(batch, dtype=np.uint64)
+            fused((batch * slices,), (256,), (a, np.int32(per_sample), np.int32(stride), np.int32(batch),
+                                              np.int32(slices), bounds))
+            got = cupy.asnumpy(bounds)
+            what = str((batch, per_sample, stride, shift, slices))
+            np.testing.assert_array_equal(got.view(np.float64), expected, err_msg=what)
+            np.testing.assert_array_equal(got, cupy.asnumpy(reference_bits), err_msg=what)
+
+
 def test_channels_first_kernel_rule():
-    """The input gradient's channels-first kernel in vectors only for the float32 accumulator,
-    where its vectors are whole and aligned and the rule takes them."""
+    """The input gradient's channels-first kernel in vectors (from the float32 accumulator or the
+    deterministic mode's fixed-point one) where its vectors are whole and aligned and the rule
+    takes them."""
     fb = _backward_module()
 
     def config(L, deterministic=False):
@@ -793,7 +898,8 @@ def test_channels_first_kernel_rule():
     vectors, elements = "fused_channels_first_vectors", "fused_channels_first"
     aligned = (1 << 20, 2 << 20)
     assert fb.channels_first_kernel(config(1024), 64 * 1024, aligned) == vectors
-    assert fb.channels_first_kernel(config(1024, deterministic=True), 64 * 1024, aligned) == elements
+    assert fb.channels_first_kernel(config(1024, deterministic=True), 64 * 1024, aligned) == vectors
+    assert fb.channels_first_kernel(config(1024, deterministic=True), 64 * 1024, (1 << 20, (2 << 20) + 8)) == elements
     assert fb.channels_first_kernel(config(1024), 64 * 1024 + 4, aligned) == elements       # sample stride
     assert fb.channels_first_kernel(config(1024), 64 * 1024, ((1 << 20) + 2, 2 << 20)) == elements   # gx
     assert fb.channels_first_kernel(config(1000), 64 * 1000, aligned) == elements   # below VECTOR_COPY_POSITIONS

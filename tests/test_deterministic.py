@@ -254,6 +254,35 @@ def _bits(a):
     return None if a is None else cupy.asnumpy(a).tobytes()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_weight_bound_is_the_largest_column_sum_in_a_fixed_order(dtype):
+    """``det_weight_bound``: max over (g, j) of sum_o |W[g, o, j]| over the finite entries, W seen
+    as (G, C_out/G, C/G * K), each column summed by 8 warps' runs of rows added in a fixed order:
+    the float64 column sums within rounding, and bitwise the same bound for every grid (one
+    block, a few, one per 32 columns); groups, row counts below and off the 8 runs, non-finite
+    weights left out."""
+    cupy = _cupy()
+    from dcn_cupy._backends import cuda_deterministic
+    kernel = cuda_deterministic._kernels(dtype, 2, False)["weight_bound"]
+    rng = np.random.default_rng(15)
+    for groups, rows, cols in ((1, 256, 2304), (3, 5, 33), (2, 37, 7), (1, 8, 100), (4, 1, 9)):
+        w = rng.standard_normal((groups, rows, cols)).astype(dtype)
+        w.reshape(-1)[rng.integers(0, w.size, 3)] = np.inf
+        w.reshape(-1)[rng.integers(0, w.size, 2)] = np.nan
+        magnitude = np.abs(w.astype(np.float64))
+        expected = np.where(np.isfinite(magnitude), magnitude, 0).sum(axis=1).max()
+        device = cupy.asarray(w)
+        found = set()
+        for blocks in (1, 3, -(-groups * cols // 32)):
+            bound = cupy.zeros(1, dtype=np.uint64)
+            kernel((blocks,), (256,), (device, np.int32(groups), np.int32(rows), np.int32(cols), bound))
+            found.add(int(cupy.asnumpy(bound)[0]))
+        assert len(found) == 1, (groups, rows, cols)
+        got = np.array(list(found), dtype=np.uint64).view(np.float64)[0]
+        assert abs(got - expected) <= 1e-13 * expected, (groups, rows, cols, got, expected)
+
+
 def _expected_gradients(case, arrays64, grad_output64):
     """Float64 gradients of the (rounded) inputs: the input gradient from the reference (by
     the adjoint definition), the others from the default CUDA backward in float64 (validated

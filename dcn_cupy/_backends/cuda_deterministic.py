@@ -211,7 +211,7 @@ class _DeterministicBackward(_cuda._Backward):
             _memset(w_bound.data.ptr, 8)
             total = G * self.Cg * K
             index = np.int64 if self.w_index64 else np.int32
-            self.w_bound((min(-(-total // _BLOCK), _MAX_GRID),), (_BLOCK,),
+            self.w_bound((min(-(-total // 32), _MAX_GRID),), (_BLOCK,),   # 32 columns a block
                          (w, np.int32(G), np.int32(self.Cog), index(self.Cg * K), w_bound))
             bounds = layout.view(ws, "bounds", (2 * self.n,))
             flags = layout.view(ws, "flags", (layout.slots["flags"][1],))

@@ -346,8 +346,9 @@ def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
     names += [f"{kernel}<{t}, {i}>" for kernel in
               ("fused_channels_last", "fused_channels_last_vectors", "fused_store", "fused_position_rows",
                "fused_weight_sum", "fused_channel_totals", "fused_position_segments")]
-    names += [f"fused_channels_first<{t}, {i}, {_bool(fixed)}>" for fixed in (False, True)]
-    names += [f"fused_channels_first_vectors<{t}, {i}>"] + [f"{kernel}<{i}>" for kernel in FLOAT32_KERNELS]
+    names += [f"{kernel}<{t}, {i}, {_bool(fixed)}>" for kernel in ("fused_channels_first", "fused_channels_first_vectors")
+              for fixed in (False, True)]
+    names += [f"fused_sample_bound<{t}, {i}>"] + [f"{kernel}<{i}>" for kernel in FLOAT32_KERNELS]
     names += [f"fused_sampling_plan<{t}, {i}, {ndim}>", f"fused_gradient_plan<{t}, {i}, {ndim}>"]
     return tuple(names)
 
@@ -761,7 +762,7 @@ class BackwardConfig:
         if name in FLOAT32_KERNELS:
             return _function(f"{name}<{i}>", self.dtype, g.ndim, self.index64)
         n = f", {g.ndim}" if name in ("fused_sampling_plan", "fused_gradient_plan") else ""
-        n = f", {_bool(self.deterministic)}" if name == "fused_channels_first" else n
+        n = f", {_bool(self.deterministic)}" if name.startswith("fused_channels_first") else n
         return _function(f"{name}<{_cuda._CTYPES[self.dtype]}, {i}{n}>", self.dtype, g.ndim, self.index64)
 
     def view(self, workspace, name: str):
@@ -771,11 +772,11 @@ class BackwardConfig:
 
 def channels_first_kernel(config, sample_stride: int, addresses) -> str:
     """The kernel that takes the input gradient back from its channels-last accumulator to
-    (B, C, S) at ``addresses`` (gx, and the accumulator): ``fused_channels_first_vectors`` where
-    its 16-byte vectors of positions are whole and aligned (``S`` and ``sample_stride`` multiples
-    of a vector; the float32 accumulator only, not the deterministic mode's fixed-point one) and
-    the rule takes it (``cuda_fused.vectors_pay``), else ``fused_channels_first``."""
-    whole = not config.deterministic and _fused.whole_vectors(config.dtype, (config.S, sample_stride), addresses)
+    (B, C, S) at ``addresses`` (gx, and the accumulator: float32, or the deterministic mode's
+    fixed-point sums): ``fused_channels_first_vectors`` where its 16-byte vectors of positions
+    are whole and aligned (``S`` and ``sample_stride`` multiples of a vector) and the rule takes it
+    (``cuda_fused.vectors_pay``), else ``fused_channels_first``."""
+    whole = _fused.whole_vectors(config.dtype, (config.S, sample_stride), addresses)
     pays = _fused.vectors_pay(config.S, config.geom.in_channels)
     return "fused_channels_first_vectors" if whole and pays else "fused_channels_first"
 
@@ -862,7 +863,8 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
     det = config.deterministic and bool(gx)
     if det:   # the weight's bound of the fixed-point exponents (fixed_point.cuh)
         ops.append((2, view["weight_bound"], 8))
-        ops.append(op(kernel("weight_bound"), grid(g.groups * cols), (_THREADS,), (
+        # (32 columns a block: det_weight_bound's warps each sum a run of its rows)
+        ops.append(op(kernel("weight_bound"), grid(g.groups * cols * (_THREADS // 32)), (_THREADS,), (
             u64(w), i32(g.groups), i32(config.Cog), index(cols), u64(view["weight_bound"])), waits=False))
         gy_bounds = view["bounds"]
         mask_bounds = gy_bounds + 8 * config.chunk if mask else 0
@@ -894,13 +896,13 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
             if start > 0:
                 clear()
             if det:   # the samples' bounds: max |grad_output[b]| and max |mask[b]|
-                bound = kernel("sample_bound")
+                bound = kernel("fused_sample_bound")
                 for array, per_sample, bs, bounds in ((gy_n, g.out_channels * config.Q, gy_bs, gy_bounds),
                                                       (msk_n, config.m_ch * config.Q, msk_bs, mask_bounds)):
-                    if bounds:   # (recorded launches are 1-d: each block walks every sample)
-                        blocks = max(1, min(-(-per_sample // (4 * _THREADS)), 1024))
-                        ops.append(op(bound, (blocks,), (_THREADS,), (
-                            array, index(per_sample), np.int64(bs), i32(n), u64(bounds)), waits=False))
+                    if bounds:   # a block a slice of a sample: 4 vectors a thread
+                        slices = max(1, min(-(-per_sample // (4 * _VEC[config.dtype] * _THREADS)), 1024))
+                        ops.append(op(bound, (n * slices,), (_THREADS,), (
+                            array, index(per_sample), index(bs), i32(n), i32(slices), u64(bounds)), waits=False))
             fixed = (u64(view["gxq"]), u64(view["gx_flags"]), u64(view["weight_bound"]), u64(gy_bounds),
                      at(mask_bounds, 0)) if det else (None,) * 5
             accumulators = (("gxcl", 0 if config.deterministic else gx), ("goff", g_off), ("gmsk", g_m))
@@ -914,7 +916,8 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
                 i32(config.seg), *(u64(view[name]) if config.gradient_plan else None for name in GRADIENT_PLAN),
                 i32(config.seg_len), *fixed, i32(config.log2_count)), config.smem_bytes))
             if gx:
-                ops.append(op(kernel(channels_first_kernel(config, gx_bs, (gx, view["gxcl"]))),
+                accumulator = view["gxq"] if det else view["gxcl"]
+                ops.append(op(kernel(channels_first_kernel(config, gx_bs, (gx, accumulator))),
                               _fused.layout_grid(n, g.in_channels, config.S),
                               (_THREADS,), (
                     None if det else u64(view["gxcl"]), *fixed, i32(config.log2_count), at(bias, 0),
@@ -1203,7 +1206,7 @@ class FusedBackwardBackend:
                      "fused_gradient_plan",
                      "data", "weight"]
             if config.deterministic:
-                names += ["weight_bound", "sample_bound"]
+                names += ["weight_bound", "fused_sample_bound"]
             for name in names:
                 config.kernel(name)   # compile now, never during a CUDA-graph capture
             weight = None if config.fused_weight else _cuda._Backward(spec)
