@@ -12,10 +12,10 @@ over default (target: at most 1.3). "determ." is the automatic choice (cuda/fuse
 fixed-point scatter where the plan takes the fused backward, else cuda/im2col-deterministic),
 "im2col-det" the same plan forced to cuda/im2col-deterministic. "bitwise" says whether 3
 deterministic runs gave the same bits (and, for information, whether 3 default runs did).
-Precisions: fp32 (strict, no TF32), fp16 and bf16.
+Precisions: fp32 (strict, no TF32), tf32 (float32 with ``allow_tf32=True``), fp16 and bf16.
 
-Usage: ``python benchmarks/deterministic.py [--quick]`` (without a CUDA device it says so and
-exits with status 0).
+Usage: ``python benchmarks/deterministic.py [--quick] [--precisions fp32,tf32,fp16,bf16]``
+(without a CUDA device it says so and exits with status 0).
 
 Measured on one NVIDIA H200 (2026-11-26, session 7, CuPy 14.2, CUDA 13, ``--quick``), ms:
 
@@ -64,7 +64,12 @@ def _inputs(dtype, B=8, C=256, H=56, W=56, seed=0):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--precisions", default="fp32,tf32,fp16,bf16", help="comma-separated, of fp32,tf32,fp16,bf16")
     args = parser.parse_args(argv)
+    precisions = args.precisions.split(",")
+    unknown = sorted(set(precisions) - {"fp32", "tf32", "fp16", "bf16"})
+    if unknown:
+        parser.error(f"--precisions: expected names among fp32,tf32,fp16,bf16, got {','.join(unknown)}")
     reason = no_gpu_reason()
     if reason is not None:
         print(f"deterministic.py: {reason}: nothing to measure.")
@@ -78,7 +83,10 @@ def main(argv=None) -> int:
     name = name.decode() if isinstance(name, bytes) else name
     rows = []
     from dcn_cupy._interop import BFLOAT16
-    for precision, dtype in (("fp32", np.float32), ("fp16", np.float16), ("bf16", BFLOAT16)):
+    for precision, dtype in (("fp32", np.float32), ("tf32", np.float32), ("fp16", np.float16), ("bf16", BFLOAT16)):
+        if precision not in precisions:
+            continue
+        tf32 = precision == "tf32"
         x, w, b, off, msk, gy = _inputs(dtype)
         for what in ("backward", "backward input", "transposed forward"):
             timings, bitwise = {}, {}
@@ -88,12 +96,12 @@ def main(argv=None) -> int:
                 if what == "transposed forward":
                     wt = cupy.ascontiguousarray(w.swapaxes(0, 1))
                     p = dcn_cupy.plan(x, wt, off, msk, b, padding=1, transposed=True, deterministic=deterministic,
-                                      allow_tf32=False, algorithm=algorithm)
+                                      allow_tf32=tf32, algorithm=algorithm)
 
                     def fn(p=p, wt=wt):
                         return p.forward(x, wt, off, msk, b)
                 else:
-                    p = dcn_cupy.plan(x, w, off, msk, b, padding=1, deterministic=deterministic, allow_tf32=False,
+                    p = dcn_cupy.plan(x, w, off, msk, b, padding=1, deterministic=deterministic, allow_tf32=tf32,
                                       algorithm=algorithm)
                     wrt = ("input",) if what == "backward input" else None
 

@@ -34,36 +34,39 @@ __device__ __forceinline__ int sample_exponent(const dcn_u64* __restrict__ weigh
 }  // namespace dcn_det
 
 // bound[0] = max over (g, j) of sum_o |W[g, o, j]| (finite entries), W seen as (G, Cog, Cg*K).
-// A block takes 32 columns (g, j) at a time, its 8 warps a run of out_per_group / 8 rows each
-// (lanes along j: coalesced), summed in order; warp 0 then adds the 8 runs in order. Fixed orders:
-// the bound is the same on every run. (One thread a column, as before session 46, kept 18 blocks
-// of the B=8 C256 3x3 weight busy for 15 us on an H200.) `bound` must be zero before the launch.
+// A block takes 32 columns (g, j) at a time (lanes along j: coalesced); each column's rows in 8
+// runs of out_per_group / 8, each summed in order by a warp (warp w: runs w, w + warps, ...),
+// then the 8 runs added in order by warp 0. The orders do not depend on the launch: the bound is
+// the same on every run and for every grid and block size (a multiple of 32 threads). One thread
+// a column, as before, kept 18 blocks busy for 15 us on the B=8 C256 3x3 weight (H200, NOTES-gpu.md
+// session 46). `bound` must be zero before the launch.
 template <typename T, typename I>
 __global__ void det_weight_bound(const T* __restrict__ weight, const int groups, const int out_per_group,
                                  const I cols, dcn_u64* __restrict__ bound) {
-    constexpr int RUNS = 8;   // warps of a 256-thread block
+    constexpr int RUNS = 8;
     __shared__ double runs[RUNS][32];
     const I total = (I)groups * cols;
-    const int lane = threadIdx.x & 31, run = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int run_rows = (out_per_group + RUNS - 1) / RUNS;
-    const int o0 = run * run_rows;
-    const int o1 = min(o0 + run_rows, out_per_group);
     double local = 0.0;
     for (I base = (I)blockIdx.x * 32; base < total; base += (I)gridDim.x * 32) {
         const I idx = base + lane;
-        double s = 0.0;
-        if (idx < total) {
-            const I g = idx / cols;
-            const I j = idx % cols;
-            const T* w = weight + g * out_per_group * cols + j;
-            for (int o = o0; o < o1; ++o) {
-                const double a = fabs((double)Traits<T>::load(w[(I)o * cols]));
-                if (isfinite(a)) s += a;
+        for (int run = warp; run < RUNS; run += warps) {
+            double s = 0.0;
+            if (idx < total) {
+                const I g = idx / cols;
+                const I j = idx % cols;
+                const T* w = weight + g * out_per_group * cols + j;
+                const int o1 = min((run + 1) * run_rows, out_per_group);
+                for (int o = run * run_rows; o < o1; ++o) {
+                    const double a = fabs((double)Traits<T>::load(w[(I)o * cols]));
+                    if (isfinite(a)) s += a;
+                }
             }
+            runs[run][lane] = s;
         }
-        runs[run][lane] = s;
         __syncthreads();
-        if (run == 0) {
+        if (warp == 0) {
             double column = 0.0;
 #pragma unroll
             for (int k = 0; k < RUNS; ++k) column += runs[k][lane];

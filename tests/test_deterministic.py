@@ -261,7 +261,7 @@ def test_weight_bound_is_the_largest_column_sum_in_a_fixed_order(dtype):
     as (G, C_out/G, C/G * K), each column summed by 8 warps' runs of rows added in a fixed order:
     the float64 column sums within rounding, and bitwise the same bound for every grid (one
     block, a few, one per 32 columns); groups, row counts below and off the 8 runs, non-finite
-    weights left out."""
+    weights left out; blocks of 64 and 32 threads too."""
     cupy = _cupy()
     from dcn_cupy._backends import cuda_deterministic
     kernel = cuda_deterministic._kernels(dtype, 2, False)["weight_bound"]
@@ -274,9 +274,9 @@ def test_weight_bound_is_the_largest_column_sum_in_a_fixed_order(dtype):
         expected = np.where(np.isfinite(magnitude), magnitude, 0).sum(axis=1).max()
         device = cupy.asarray(w)
         found = set()
-        for blocks in (1, 3, -(-groups * cols // 32)):
+        for blocks, threads in ((1, 256), (3, 256), (-(-groups * cols // 32), 256), (2, 64), (5, 32)):
             bound = cupy.zeros(1, dtype=np.uint64)
-            kernel((blocks,), (256,), (device, np.int32(groups), np.int32(rows), np.int32(cols), bound))
+            kernel((blocks,), (threads,), (device, np.int32(groups), np.int32(rows), np.int32(cols), bound))
             found.add(int(cupy.asnumpy(bound)[0]))
         assert len(found) == 1, (groups, rows, cols)
         got = np.array(list(found), dtype=np.uint64).view(np.float64)[0]
