@@ -188,27 +188,33 @@ __device__ __forceinline__ void channels_first_copy(
         const int c0 = ct * TILE;
         if constexpr (VECTORS) {
             if (vectors) {
+                // the tile as floats: FIXED rounds each value plus bias to float as it reads it (the
+                // element path's rounding; a tile of doubles read 64 bytes a thread conflicts 8-way)
+                float (*const ft)[TILE + 1] = reinterpret_cast<float (*)[TILE + 1]>(&tile[0][0]);
                 if constexpr (FIXED) {
                     const int E = dcn_det::exponent(weight_bound, gy_bounds + b,
                                                     mask_bounds == nullptr ? nullptr : mask_bounds + b, log2_count);
                     // read: a warp's 32 channel pairs of one position (512 bytes of gxq); pair
-                    // q's values to rows 2q and 2q + 1
-#pragma unroll
+                    // q's values to rows 2q and 2q + 1 (unrolled 4 deep: 64 registers, no spill)
+#pragma unroll 4
                     for (int i = 0; i < TILE * TILE / 2 / 256; ++i) {
                         const int e = (int)threadIdx.x + i * 256;
                         const int q = e % (TILE / 2), p = e / (TILE / 2);
                         const I s = s0 + p;
                         const int c = c0 + 2 * q;
-                        V v0 = V(0), v1 = V(0);
+                        float v0 = 0.0f, v1 = 0.0f;
                         if (s < S && c < channels) {
                             const I el = ((I)b * S + s) * Cpa + c;   // even: both flags in one word
                             const ulonglong2 sums = *reinterpret_cast<const ulonglong2*>(gxq + el);
                             const unsigned f = flags[el >> 4] >> (2 * (int)(el & 15));
-                            v0 = dcn_det::value_of(sums.x, f & 3u, E);
-                            v1 = dcn_det::value_of(sums.y, (f >> 2) & 3u, E);
+                            const double b0 = bias == nullptr ? 0.0 : (double)Traits<T>::load(bias[c]);
+                            const double b1 = bias == nullptr || c + 1 >= channels ? 0.0
+                                              : (double)Traits<T>::load(bias[c + 1]);
+                            v0 = (float)(dcn_det::value_of(sums.x, f & 3u, E) + b0);
+                            v1 = (float)(dcn_det::value_of(sums.y, (f >> 2) & 3u, E) + b1);
                         }
-                        tile[2 * q][p] = v0;
-                        tile[2 * q + 1][p] = v1;
+                        ft[2 * q][p] = v0;
+                        ft[2 * q + 1][p] = v1;
                     }
                 } else {
                     // read: a warp's 8 channel quads of 4 consecutive positions (128 bytes a
@@ -222,10 +228,10 @@ __device__ __forceinline__ void channels_first_copy(
                         const int c = c0 + 4 * q;
                         float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                         if (s < S && c < channels) v = *reinterpret_cast<const float4*>(gxcl + ((I)b * S + s) * Cpa + c);
-                        tile[4 * q][p] = v.x;
-                        tile[4 * q + 1][p] = v.y;
-                        tile[4 * q + 2][p] = v.z;
-                        tile[4 * q + 3][p] = v.w;
+                        ft[4 * q][p] = v.x;
+                        ft[4 * q + 1][p] = v.y;
+                        ft[4 * q + 2][p] = v.z;
+                        ft[4 * q + 3][p] = v.w;
                     }
                 }
                 __syncthreads();
@@ -238,10 +244,12 @@ __device__ __forceinline__ void channels_first_copy(
                     const int c = c0 + r;
                     const I s = s0 + k * VEC;
                     if (c < channels && s < S) {   // (s < S: the whole vector, S a multiple of VEC)
-                        const V bv = bias == nullptr ? V(0) : V(Traits<T>::load(bias[c]));
+                        const float bv = FIXED || bias == nullptr ? 0.0f : Traits<T>::load(bias[c]);
                         T out[VEC];
 #pragma unroll
-                        for (int j = 0; j < VEC; ++j) out[j] = Traits<T>::store((float)(tile[r][k * VEC + j] + bv));
+                        for (int j = 0; j < VEC; ++j) {
+                            out[j] = Traits<T>::store(FIXED ? ft[r][k * VEC + j] : (float)(ft[r][k * VEC + j] + bv));
+                        }
                         uint4 bits;
                         memcpy(&bits, out, 16);
                         *reinterpret_cast<uint4*>(gx + (I)b * gx_bstride + (I)c * S + s) = bits;
