@@ -17,18 +17,23 @@ Precisions: fp32 (strict, no TF32), tf32 (float32 with ``allow_tf32=True``), fp1
 Usage: ``python benchmarks/deterministic.py [--quick] [--precisions fp32,tf32,fp16,bf16]``
 (without a CUDA device it says so and exits with status 0).
 
-Measured on one NVIDIA H200 (2026-11-26, session 7, CuPy 14.2, CUDA 13, ``--quick``), ms:
+Measured on one NVIDIA H200 (2026-11-30, session 46, CuPy 14.2, CUDA 13, ``--quick``), ms:
 
     prec  what                 default  determ.  ratio im2col-det
-    fp32  backward               3.116    3.723   1.19      4.662
-    fp32  backward input         1.631    1.998   1.23      2.299
-    fp32  transposed forward     1.751    2.266   1.29      2.276
-    fp16  backward               0.947    1.331   1.41      2.670
-    fp16  backward input         0.425    0.774   1.82      1.612
-    fp16  transposed forward     0.427    0.776   1.82      1.598
-    bf16  backward               0.939    1.363   1.45      2.631
-    bf16  backward input         0.441    0.780   1.77      1.672
-    bf16  transposed forward     0.416    0.790   1.90      1.618
+    fp32  backward               1.679    2.080   1.24      4.490
+    fp32  backward input         0.921    1.289   1.40      2.196
+    fp32  transposed forward     0.921    1.290   1.40      2.199
+    tf32  backward               0.833    1.185   1.42      2.969
+    tf32  backward input         0.392    0.707   1.80      1.678
+    tf32  transposed forward     0.392    0.708   1.81      1.683
+    fp16  backward               0.591    0.873   1.48      2.510
+    fp16  backward input         0.321    0.604   1.88      1.513
+    fp16  transposed forward     0.322    0.604   1.88      1.517
+    bf16  backward               0.592    0.873   1.48      2.514
+    bf16  backward input         0.320    0.601   1.88      1.514
+    bf16  transposed forward     0.321    0.603   1.88      1.516
+
+Earlier sessions' tables are in ``benchmarks/README.md`` ("Deterministic backward").
 """
 
 from __future__ import annotations
