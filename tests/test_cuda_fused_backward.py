@@ -741,6 +741,41 @@ def test_each_gradient_alone_equals_all_together(wanted):
         assert relative_error(alone[name], together[name]) < 1e-6
 
 
+def _channels_first_kernels(precision, fixed):
+    """(dtype, [fused_channels_first, fused_channels_first_vectors]) of a float32 (``fixed``
+    False) or fixed-point accumulator, 32-bit index, 2D module."""
+    fb = _backward_module()
+    dtype = DTYPE[precision]
+    t = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}[precision]
+    f = "true" if fixed else "false"
+    return dtype, [fb._function(f"fused_channels_first<{t}, int, {f}>", dtype, 2, False),
+                   fb._function(f"fused_channels_first_vectors<{t}, int, {f}>", dtype, 2, False)]
+
+
+def _channels_first_cases(vec):
+    """(B, C, S, sample stride of gx): partial channel and position tiles, channel counts not a
+    multiple of 4 (37: odd), a sample stride padded by a vector, S off a vector (21)."""
+    return (3, 80, 200, 80 * 200), (2, 37, 24, 37 * 24 + vec), (2, 16, 21, 16 * 21), (1, 70, 64, 70 * 64)
+
+
+def _channels_first_outputs(kernels, sources, bias, dtype, B, C, Cpa, S, stride):
+    """(what, gx of shape (B, stride)) for each kernel, gx aligned and one element past an aligned
+    address, at the layout's grid and at a grid of 3 blocks; gx's buffer poisoned with 7.
+    ``sources``: the kernels' arguments before bias (gxcl, gxq, flags, the weight's, grad_output's
+    and mask's bounds, log2_count)."""
+    cupy = _cupy()
+    fb = _backward_module()
+    vec = 16 // dtype.itemsize
+    for shift in (0, 1):
+        for kernel in kernels:
+            for grid in (fb._fused.layout_grid(B, C, S), (3,)):
+                buffer = cupy.asarray(np.full(B * stride + vec, 7, dtype=dtype))
+                kernel(grid, (256,), (*sources, np.uint64(0) if bias is None else cupy.asarray(bias), buffer[shift:],
+                                      np.int32(B), np.int32(C), np.int32(Cpa), np.int32(S), np.int32(stride)))
+                yield (str((C, S, shift, kernel is kernels[1], grid, bias is None)),
+                       cupy.asnumpy(buffer)[shift:shift + B * stride].reshape(B, stride))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["float16", "bfloat16", "float32"])
 def test_channels_first_by_vectors_and_by_elements(precision):
@@ -752,33 +787,19 @@ def test_channels_first_by_vectors_and_by_elements(precision):
     Partial channel and position tiles, channel counts not a multiple of 4, a padded sample
     stride, a grid smaller than the tiles; nothing written outside the samples' channels."""
     cupy = _cupy()
-    fb = _backward_module()
-    dtype = DTYPE[precision]
-    vec = 16 // dtype.itemsize
-    t = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}[precision]
-    kernels = [fb._function(f"fused_channels_first<{t}, int, false>", dtype, 2, False),
-               fb._function(f"fused_channels_first_vectors<{t}, int, false>", dtype, 2, False)]
+    dtype, kernels = _channels_first_kernels(precision, fixed=False)
     rng = np.random.default_rng(12)
-    for B, C, S, stride in ((3, 80, 200, 80 * 200), (2, 37, 24, 37 * 24 + vec), (2, 16, 21, 16 * 21),
-                            (1, 70, 64, 70 * 64)):
+    for B, C, S, stride in _channels_first_cases(16 // dtype.itemsize):
         Cpa = -(-C // 4) * 4
         acc = rng.standard_normal((B, S, Cpa)).astype(np.float32)
+        null = np.uint64(0)
+        sources = (cupy.asarray(acc), null, null, null, null, null, np.int32(0))
         for bias in (None, rng.standard_normal(C).astype(dtype)):
             total = acc[:, :, :C].transpose(0, 2, 1) + (0 if bias is None else bias.astype(np.float32)[:, None])
             expected = np.full((B, stride), 7, dtype=dtype)
             expected[:, :C * S] = total.astype(dtype).reshape(B, C * S)
-            for shift in (0, 1):   # gx aligned, or one element past
-                for gx_kernel in kernels:
-                    for grid in (fb._fused.layout_grid(B, C, S), (3,)):
-                        buffer = cupy.asarray(np.full(B * stride + vec, 7, dtype=dtype))   # poisoned
-                        gx = buffer[shift:]
-                        null = np.uint64(0)
-                        gx_kernel(grid, (256,), (cupy.asarray(acc), null, null, null, null, null, np.int32(0),
-                                                 null if bias is None else cupy.asarray(bias), gx, np.int32(B),
-                                                 np.int32(C), np.int32(Cpa), np.int32(S), np.int32(stride)))
-                        got = cupy.asnumpy(buffer)[shift:shift + B * stride].reshape(B, stride)
-                        np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8),
-                                                      err_msg=str((C, S, shift, gx_kernel is kernels[1], grid)))
+            for what, got in _channels_first_outputs(kernels, sources, bias, dtype, B, C, Cpa, S, stride):
+                np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8), err_msg=what)
 
 
 @pytest.mark.gpu
@@ -793,16 +814,10 @@ def test_fixed_point_channels_first_by_vectors_and_by_elements(precision):
     sum a padded channel), partial tiles, a padded sample stride, a grid smaller than the tiles;
     nothing written outside the samples' channels."""
     cupy = _cupy()
-    fb = _backward_module()
-    dtype = DTYPE[precision]
-    vec = 16 // dtype.itemsize
-    t = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}[precision]
-    kernels = [fb._function(f"fused_channels_first<{t}, int, true>", dtype, 2, False),
-               fb._function(f"fused_channels_first_vectors<{t}, int, true>", dtype, 2, False)]
+    dtype, kernels = _channels_first_kernels(precision, fixed=True)
     rng = np.random.default_rng(13)
     log2_count = 5
-    for B, C, S, stride in ((3, 80, 200, 80 * 200), (2, 37, 24, 37 * 24 + vec), (2, 16, 21, 16 * 21),
-                            (1, 70, 64, 70 * 64)):
+    for B, C, S, stride in _channels_first_cases(16 // dtype.itemsize):
         Cpa = -(-C // 4) * 4
         acc = rng.integers(-(1 << 56), 1 << 56, size=(B, S, Cpa), dtype=np.int64)
         codes = rng.choice(4, size=(B, S, Cpa), p=(0.94, 0.02, 0.02, 0.02)).astype(np.uint32)   # 1 +inf, 2 -inf, 3 NaN
@@ -817,29 +832,19 @@ def test_fixed_point_channels_first_by_vectors_and_by_elements(precision):
                       for g, m in zip(gy_bounds, mask_bounds)])
         values = np.ldexp(acc.astype(np.float64), -E[:, None, None])
         values[codes == 1], values[codes == 2], values[codes == 3] = np.inf, -np.inf, np.nan
-        device = [cupy.asarray(a) for a in (acc.view(np.uint64), words, weight_bound.view(np.uint64),
-                                            gy_bounds.view(np.uint64), mask_bounds.view(np.uint64))]
+        sources = (np.uint64(0), *(cupy.asarray(a) for a in (acc.view(np.uint64), words, weight_bound.view(np.uint64),
+                                                              gy_bounds.view(np.uint64), mask_bounds.view(np.uint64))),
+                   np.int32(log2_count))
         for bias in (None, rng.standard_normal(C).astype(dtype)):
             total = values[:, :, :C].transpose(0, 2, 1) + (
                 0 if bias is None else bias.astype(np.float32).astype(np.float64)[:, None])
             expected = np.full((B, stride), 7, dtype=dtype)
             expected[:, :C * S] = total.astype(np.float32).astype(dtype).reshape(B, C * S)
-            for shift in (0, 1):   # gx aligned, or one element past
-                for gx_kernel in kernels:
-                    for grid in (fb._fused.layout_grid(B, C, S), (3,)):
-                        buffer = cupy.asarray(np.full(B * stride + vec, 7, dtype=dtype))   # poisoned
-                        gx = buffer[shift:]
-                        null = np.uint64(0)
-                        gx_kernel(grid, (256,), (null, *device, np.int32(log2_count),
-                                                 null if bias is None else cupy.asarray(bias), gx, np.int32(B),
-                                                 np.int32(C), np.int32(Cpa), np.int32(S), np.int32(stride)))
-                        got = cupy.asnumpy(buffer)[shift:shift + B * stride].reshape(B, stride)
-                        what = str((C, S, shift, gx_kernel is kernels[1], grid, bias is None))
-                        nan = np.isnan(expected.astype(np.float32))
-                        np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan, err_msg=what)
-                        np.testing.assert_array_equal(got.view(np.uint8).reshape(B, stride, -1)[~nan],
-                                                      expected.view(np.uint8).reshape(B, stride, -1)[~nan],
-                                                      err_msg=what)
+            nan = np.isnan(expected.astype(np.float32))
+            for what, got in _channels_first_outputs(kernels, sources, bias, dtype, B, C, Cpa, S, stride):
+                np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan, err_msg=what)
+                np.testing.assert_array_equal(got.view(np.uint8).reshape(B, stride, -1)[~nan],
+                                              expected.view(np.uint8).reshape(B, stride, -1)[~nan], err_msg=what)
 
 
 @pytest.mark.gpu
