@@ -36,8 +36,10 @@ reduction):
 
 Deterministic plans (``deterministic=True``) run the data kernel's ``DET`` instantiation: the input
 gradient is added in 64-bit fixed point (``cuda/fixed_point.cuh``, the exponents from bounds
-computed on the device by cuda/im2col-deterministic's bound kernels, non-finite values as sticky
-flags) into a channels-last integer accumulator, the offset and mask gradients are stored as
+computed on the device: the weight's by cuda/im2col-deterministic's ``det_weight_bound``, the
+samples' by ``fused_sample_bound``; non-finite values as sticky flags) into a channels-last
+integer accumulator, which ``fused_channels_first[_vectors]<T, I, true>`` turns back into the
+gradient's dtype and layout; the offset and mask gradients are stored as
 one partial sum per segment of channels and added in a fixed order, and the weight gradient's
 splits are summed in a fixed order as always: every gradient is bitwise the same from run to
 run, whatever the order of the atomics.
