@@ -40,8 +40,8 @@
 // block), DET (deterministic: the input gradient added in 64-bit fixed point to gxq, with the
 // flags and the bounds of fixed_point.cuh, where gxcl is null; the offset and mask gradients
 // stored, not added, as one partial sum per segment of channels, slot (channel within its
-// group) / (CPL * seg) of goff / gmsk, which fused_store adds in a fixed order), CPL (channels per
-// epilogue lane: 4, or 8 where every group's channels are a multiple of 8; the rule,
+// group) / (4 * seg) of goff / gmsk, which fused_store adds in a fixed order), CPL (channels per
+// epilogue lane: 4, or 8 where every group's channels are a multiple of 8, not DET; the rule,
 // cuda_fused_backward.epilogue_lane_channels, takes 8 in 3D only). 256 threads.
 // Dynamic shared memory: cuda_fused_backward.smem_bytes.
 
@@ -492,7 +492,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     constexpr int V4 = CPL / 4;                      // a lane's channels, in fours
     constexpr int PLANES = PREC == 2 ? 2 : 1;        // 3xTF32: each operand tile's big, then small parts
     static_assert(A_VECS >= 1 && B_VECS >= 1 && MT >= 1 && NT % 2 == 0 && BM % 64 == 0, "tile shape");
-    static_assert(CPL == 4 || CPL == 8, "channels per lane: 4 or 8");
+    static_assert((CPL == 4 || CPL == 8) && (!DET || CPL == 4), "channels per lane: 4, or 8 (not deterministic)");
     static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0 && LANES * CPL <= BM, "epilogue lanes");
 
     extern __shared__ __align__(128) unsigned char fused_smem[];
@@ -627,7 +627,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     const int sub = lane / LANES;             // which of the warp's PPW positions
     const int lane_c = (lane % LANES) * CPL;  // this lane's first channel within a pass
     // (DET) a pass's channels share their groups, and so its lanes their corners: every lane is
-    // active or none (C_in/groups and the group sizes are multiples of CPL * seg)
+    // active or none (C_in/groups and the group sizes are multiples of 4 * seg)
     const bool uniform = seg == LANES;
     int tc[N];
     dcn::unravel<N, int>(t, g.ksize, tc);
@@ -707,7 +707,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                             // covers consecutive 8-byte words (a lane's 4 consecutive channels would
                             // touch twice the sectors: H200, 2x slower alone)
 #pragma unroll
-                            for (int j = 0; j < CPL; ++j) {
+                            for (int j = 0; j < 4; ++j) {
                                 const int cc = uniform ? cpass + lane % LANES + LANES * j : cpass + lane_c + j;
                                 const float v = Gs[n * GLD + cc] * m;
                                 const I channel = (I)grp * Cg + m0 + cc;

@@ -137,8 +137,7 @@ DATA_MINB = {64: 4, 128: 3}
 #: registers (2D fp16 64x64x64: 101 against 80, 2 blocks per SM instead of 3). H200, data
 #: gradients alone, ms, 4 -> 8 channels a lane: 3D B=2 C32 32^3 fp16 2.10 -> 1.73, tf32 1.92 ->
 #: 1.64 (8 corners a position); B=8 C256 56x56 fp16 0.60 -> 0.78, tf32 0.98 -> 1.05; B=16 C512
-#: 14x14 equal; 1D C256 L4096 fp16 0.55 -> 0.57 (NOTES-gpu.md, session 10). So 8 in 3D only,
-#: deterministic mode too since session 46 (NOTES-gpu.md).
+#: 14x14 equal; 1D C256 L4096 fp16 0.55 -> 0.57 (NOTES-gpu.md, session 10). So 8 in 3D only.
 LANE_CHANNELS = (4, 8)
 #: Data tiles (BM) with a second epilogue instantiation at half the lanes per position, taken where
 #: a conv group's input channels fit half the tile (``epilogue_lanes``): C_in/groups = 32 under the
@@ -341,7 +340,7 @@ def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
     i = "long long" if index64 else "int"
     names = [kernel_name(dtype, index64, ndim, prec, data_tile(tile, ndim), "data", plan, det, cpl, lanes)
              for prec in _fused._precisions(dtype) for tile in _tiles(dtype) for plan in (False, True)
-             for det in (False, True) for cpl in LANE_CHANNELS if cpl == 4 or ndim == 3
+             for det in (False, True) for cpl in LANE_CHANNELS if cpl == 4 or (ndim == 3 and not det)
              for lanes in _lane_choices(tile[0], cpl)]
     names += [kernel_name(dtype, index64, ndim, prec, tile, "weight", plan)
               for prec in _fused._precisions(dtype) for tile in _weight_tiles(dtype, ndim, prec)
@@ -553,12 +552,12 @@ def epilogue_lanes(geom, bm: int, lane_channels: int) -> int:
     return choices[-1] if choices[-1] * lane_channels >= cg else choices[0]
 
 
-def epilogue_lane_channels(geom) -> int:
-    """The rule for the data kernel's channels per epilogue lane, in both modes: 8 in 3D (eight
-    corners a position: measured faster, LANE_CHANNELS) where every conv, offset and mask group's
-    channel count is a multiple of 8 (a lane's channels share their groups); else 4. A geometry
-    has one rule, so the deterministic mode's partial-sum trees are the same for every tile."""
-    if geom.ndim == 3 and all(count % 8 == 0 for count in _per_group(geom)):
+def epilogue_lane_channels(geom, deterministic: bool) -> int:
+    """The rule for the data kernel's channels per epilogue lane: 8 in 3D (eight corners a
+    position: measured faster, LANE_CHANNELS) where every conv, offset and mask group's channel
+    count is a multiple of 8 (a lane's channels share their groups) and the backward is not
+    deterministic (whose partial-sum trees assume 4); else 4."""
+    if geom.ndim == 3 and not deterministic and all(count % 8 == 0 for count in _per_group(geom)):
         return 8
     return 4
 
@@ -607,15 +606,14 @@ class BackwardConfig:
         # (deterministic: segments of at most 16 lanes, the 64-channel tile's, so that every tile
         # adds the same partial sums in the same tree: bitwise the same gradients)
         # channels per epilogue lane (lane_channels: the rule, or forced to 4 or 8)
-        rule = epilogue_lane_channels(geom)
+        rule = epilogue_lane_channels(geom, self.deterministic)
         self.lane_channels = rule if lane_channels is None else int(lane_channels)
         if self.lane_channels not in LANE_CHANNELS or (self.lane_channels != rule and self.lane_channels == 8):
             raise ValueError(f"lane_channels={lane_channels} is not served here (the rule gives {rule})")
         self.seg = segment_lanes(geom, min(bm, 64) if self.deterministic else bm, self.lane_channels)
         self.lanes = epilogue_lanes(geom, bm, self.lane_channels)
         _, per_go, per_gm = _per_group(geom)
-        self.slots = ((per_go // (self.lane_channels * self.seg), per_gm // (self.lane_channels * self.seg))
-                      if self.deterministic else (1, 1))
+        self.slots = (per_go // (4 * self.seg), per_gm // (4 * self.seg)) if self.deterministic else (1, 1)
         self.log2_count = int(max(self.Q * self.K if geom.has_offset else self.K, 1) - 1).bit_length()
         gx_bytes = self.S * self.Cpa * (8 + 0.25 if self.deterministic else 4)
         # the weight gradient: fused where each sampling thread's channels share their groups
