@@ -758,7 +758,7 @@ class BackwardConfig:
             if smem > 48 * 1024:
                 _fused._allow_shared_memory(fn, smem)
             return fn
-        if name in ("weight_bound", "sample_bound"):   # cuda/im2col-deterministic's bound kernels
+        if name == "weight_bound":   # cuda/im2col-deterministic's (the samples' bounds: fused_sample_bound)
             return _deterministic._kernels(self.dtype, g.ndim, self.index64)[name]
         i = "long long" if self.index64 else "int"
         if name in FLOAT32_KERNELS:
