@@ -203,8 +203,10 @@ def im2col_stages(x, w, off, msk, gy, geom, t, allow_tf32):
 
     def b_gemm_weight():
         handle = bx._cublas(bws)
-        for c, q, _, _, _, _, gyc, cols, *_ in bwd_chunks:
-            bx.gemms[q][0](handle, gyc.data.ptr, cols.data.ptr, w_acc.data.ptr)
+        for c, q, _, _, _, _, gyc, cols, *_ in bwd_chunks:   # (split along the positions: bx.gemm_splits)
+            for _, gemm, a, b, out in bx._weight_gemm_ops(q, gyc.data.ptr, cols.data.ptr, w_acc.data.ptr,
+                                                          bws.data.ptr):
+                gemm(handle, a, b, out)
 
     def b_gemm_cgrad():
         handle = bx._cublas(bws)

@@ -29,8 +29,8 @@
 // position outside [-1, S_a) or non-finite samples 0 and gets no gradient; corners of weight
 // (slope) exactly 0 are skipped, never multiplied.
 //
-// Strict float32 (3xTF32): both operands arrive split (fused_split_planes: each row of wt and gycl
-// twice as long, split_tf32's big parts, then the small ones), each part copied to a tile of its
+// Strict float32 (3xTF32): both operands arrive split (fused_channels_last_split: each row of wt and
+// gycl twice as long, split_tf32's big parts, then the small ones), each part copied to a tile of its
 // own and multiplied by fused::warp_mma_planes, no value split in the loop.
 //
 // Template parameters: T storage type, I index type, N spatial dims, PREC (0: T's own MMA; 1:
@@ -373,33 +373,33 @@ __global__ void fused_store(const float* __restrict__ src, T* __restrict__ dst, 
     }
 }
 
-// The data kernel's operands in strict float32 (3xTF32), split once here instead of in every warp
-// that reads them: rows of 2 * half floats whose first half holds the values (wt, gycl as
-// fused_channels_last writes them, rows twice as long) -> split_tf32's big parts there and the
-// small parts in the second half. One thread a float4 (half a multiple of 4, data 16-byte
-// aligned). The 2D data kernel, 64x64x32: 2416 -> 1824 instructions; H200, data gradients alone,
-// B=8 C256 56x56 1.537 -> 1.080 ms, B=16 C512 14x14 0.735 -> 0.483, 1D B=16 C256 L4096 1.384 ->
-// 1.032, B=32 C64 0.652 -> 0.626, 3D level (NOTES-gpu.md, session 43).
+// The data kernel's operands in strict float32 (3xTF32), split once by their channels-last copies
+// instead of in every warp that reads them: rows of 2 * Cp floats, split_tf32's big parts of the
+// values, then their small parts (channels_last_copy's SPLIT). The 2D data kernel, 64x64x32:
+// 2416 -> 1824 instructions; H200, data gradients alone, B=8 C256 56x56 1.537 -> 1.080 ms, B=16
+// C512 14x14 0.735 -> 0.483, 1D B=16 C256 L4096 1.384 -> 1.032, B=32 C64 0.652 -> 0.626, 3D level
+// (NOTES-gpu.md, session 43; then by a pass of its own over the copy, fused_split_planes, folded
+// into the copies in session 47). float32 alone, hence no dtype parameter.
 template <typename I>
-__global__ void fused_split_planes(float* __restrict__ data, const I rows, const int half) {
-    fused::start_after_prerequisites();
-    const int quads = half / 4;
-    const I total = rows * quads;
-    for (I idx = dcn::global_thread_index<I>(); idx < total; idx += dcn::global_thread_stride<I>()) {
-        float4* const at = reinterpret_cast<float4*>(data + (idx / quads) * 2 * half) + idx % quads;
-        const float4 v = *at;
-        uint4 big, small;
-        fused::split_tf32(reinterpret_cast<const uint4&>(v), big, small);
-        *reinterpret_cast<uint4*>(at) = big;
-        *reinterpret_cast<uint4*>(at + quads) = small;
-    }
+__global__ void fused_channels_last_split(const float* __restrict__ x, float* __restrict__ xcl, const int batch,
+                                          const int channels, const int Cp, const I S, const I x_bstride,
+                                          float* __restrict__ sums, float* __restrict__ xr, const I Pp) {
+    channels_last_copy<float, I, false, false, true>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp);
+}
+
+template <typename I>
+__global__ void __launch_bounds__(256, DCN_LAYOUT_MIN_BLOCKS)
+fused_channels_last_vectors_split(const float* __restrict__ x, float* __restrict__ xcl, const int batch,
+                                  const int channels, const int Cp, const I S, const I x_bstride,
+                                  float* __restrict__ sums, float* __restrict__ xr, const I Pp) {
+    channels_last_copy<float, I, true, false, true>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp);
 }
 
 // The TF32 data kernel's operand rows (wt, gycl): fused_channels_last and
 // fused_channels_last_vectors with xcl rounded to TF32 (cvt.rna once here, where warp_mma would
-// round every fragment it loads; the sums and xr keep the values). float32 alone, hence no dtype
-// parameter (as fused_split_planes). H200, TF32 data gradients alone, B=8 C256 56x56 0.557 ->
-// 0.504 ms, B=16 C512 14x14 0.224 -> 0.194, 1D 0.554 -> 0.499 (NOTES-gpu.md, session 45).
+// round every fragment it loads; the sums and xr keep the values). float32 alone, as
+// fused_channels_last_split. H200, TF32 data gradients alone, B=8 C256 56x56 0.557 -> 0.504 ms,
+// B=16 C512 14x14 0.224 -> 0.194, 1D 0.554 -> 0.499 (NOTES-gpu.md, session 45).
 template <typename I>
 __global__ void fused_channels_last_tf32(const float* __restrict__ x, float* __restrict__ xcl, const int batch,
                                          const int channels, const int Cp, const I S, const I x_bstride,
@@ -544,7 +544,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     const int kv = (tid % (BK / VEC)) * VEC;
     const I a_step = (I)K * Cogp;   // wt[g, c, t, o]: one input channel's row per K * Cogp
     const T* const a_row0 = wt + (((I)grp * Cg + m0 + r0) * K + t) * Cogp + kv;
-    // 3xTF32: each row of wt and gycl holds its big parts, then its small ones (fused_split_planes;
+    // 3xTF32: each row of wt and gycl holds its big parts, then its small ones (fused_channels_last_split;
     // Cogp and Cop the rows' whole lengths), copied to tiles of their own
     const int a_plane = PLANES == 2 ? Cogp / 2 : 0, b_plane = PLANES == 2 ? Cop / 2 : 0;
     auto copy_step = [&](int step, int buf) {

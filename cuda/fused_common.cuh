@@ -704,9 +704,9 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* A, co
 }
 
 // warp_mma's 3xTF32 on operands split beforehand (the data kernel's strict float32: rows of
-// split_tf32's big parts and of its small ones, fused_split_planes): a warp's share of C += A * B^T
-// for one step, the big and small tiles of A and B each in shared memory as warp_mma's (LD, LAYOUT),
-// both parts' fragments by ldmatrix, three products a k8 (a_small*b_big + a_big*b_small +
+// split_tf32's big parts and of its small ones, fused_channels_last_split): a warp's share of
+// C += A * B^T for one step, the big and small tiles of A and B each in shared memory as
+// warp_mma's (LD, LAYOUT), both parts' fragments by ldmatrix, three products a k8 (a_small*b_big + a_big*b_small +
 // a_big*b_big), summed apart and added in float32 (DCN_PROMOTE_3XTF32). split_tf32 gives the three
 // products of a pair one sign, so no cross term needs the finite test of warp_mma's split, and no
 // value is split in the loop (where warp_mma splits every fragment value it loads: the 2D data
@@ -785,7 +785,10 @@ struct PlanEntries {
 //   zero from B*S to Pp.
 // TF32 (float32): xcl's values rounded to TF32 (cvt.rna, as warp_mma rounds a fragment), so that
 // the TF32 data kernel's MMAs take its operand tiles as they are; `sums` and `xr` keep the values.
-template <typename T, typename I, bool VECTORS, bool TF32 = false>
+// SPLIT (float32, strict: 3xTF32): xcl's rows 2 * Cp long, split_tf32's big parts of the values
+// in the first Cp and their small parts in the second (what fused_split_planes made of a copy in
+// a pass of its own), the zero row 2 * Cp zeros.
+template <typename T, typename I, bool VECTORS, bool TF32 = false, bool SPLIT = false>
 __device__ __forceinline__ void
 channels_last_copy(const T* __restrict__ x, T* __restrict__ xcl, const int batch, const int channels,
                    const int Cp, const I S, const I x_bstride, typename Traits<T>::acc* __restrict__ sums,
@@ -801,6 +804,7 @@ channels_last_copy(const T* __restrict__ x, T* __restrict__ xcl, const int batch
     const int c_tiles = (Cp + TILE - 1) / TILE;
     const I blocks = (I)batch * c_tiles * s_tiles;
     const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;   // 256 threads: 32 x 8
+    const int row = SPLIT ? 2 * Cp : Cp;                      // xcl's row length
     const auto aligned = [](const void* p) { return ((unsigned long long)p & 15) == 0; };
     const bool vectors = VECTORS && VEC > 1 && S % VEC == 0 && x_bstride % VEC == 0 && Cp % VEC == 0 && aligned(x)
                          && aligned(xcl) && (xr == nullptr || (Pp % VEC == 0 && aligned(xr)));
@@ -852,7 +856,15 @@ channels_last_copy(const T* __restrict__ x, T* __restrict__ xcl, const int batch
                             if constexpr (TF32) w[j] = fused::to_tf32(__uint_as_float(w[j]));
                         }
                     }
-                    *reinterpret_cast<uint4*>(xcl + ((I)b * S + s) * Cp + c) = make_uint4(w[0], w[1], w[2], w[3]);
+                    T* const to = xcl + ((I)b * S + s) * row + c;
+                    if constexpr (SPLIT) {
+                        uint4 big, small;
+                        fused::split_tf32(make_uint4(w[0], w[1], w[2], w[3]), big, small);
+                        *reinterpret_cast<uint4*>(to) = big;
+                        *reinterpret_cast<uint4*>(to + Cp) = small;
+                    } else {
+                        *reinterpret_cast<uint4*>(to) = make_uint4(w[0], w[1], w[2], w[3]);
+                    }
                 }
             }
             if (sums != nullptr) {   // the element path's order, from the tile
@@ -890,7 +902,17 @@ channels_last_copy(const T* __restrict__ x, T* __restrict__ xcl, const int batch
                 for (int h = 0; h < TILE; h += 32) {
                     const int c = c0 + tx + h;
                     const T v = rows[tx + h][r];
-                    if (s < S && c < Cp) xcl[((I)b * S + s) * Cp + c] = TF32 ? maybe_tf32(v, 1) : v;
+                    if (s < S && c < Cp) {
+                        T* const to = xcl + ((I)b * S + s) * row + c;
+                        if constexpr (SPLIT) {
+                            unsigned big, small;
+                            fused::split_tf32(Traits<T>::load(v), big, small);
+                            to[0] = __uint_as_float(big);
+                            to[Cp] = __uint_as_float(small);
+                        } else {
+                            *to = TF32 ? maybe_tf32(v, 1) : v;
+                        }
+                    }
                     sum[h / 32] += Traits<T>::load(v);   // zero past S and C
                 }
             }
@@ -908,7 +930,7 @@ channels_last_copy(const T* __restrict__ x, T* __restrict__ xcl, const int batch
         }
     }
     if (blockIdx.x == 0) {
-        for (int c = ty * 32 + tx; c < Cp; c += 32 * 8) xcl[(I)batch * S * Cp + c] = Traits<T>::store(0.0f);
+        for (int c = ty * 32 + tx; c < row; c += 32 * 8) xcl[(I)batch * S * row + c] = Traits<T>::store(0.0f);
         if (xr != nullptr) {
             const I pad = Pp - (I)batch * S;
             for (I e = threadIdx.x; e < (I)channels * pad; e += blockDim.x)

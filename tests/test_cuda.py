@@ -483,6 +483,40 @@ def test_chunked_batch_equals_one_chunk(transposed, monkeypatch):
         case.forward(**case.arrays(to_gpu()), **case.params)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16], ids=["float64", "float32", "float16"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])
+def test_weight_gemm_split_along_positions(transposed, dtype, monkeypatch):
+    """The weight gradient's GEMM split along the positions (``gemm_splits``: the splits'
+    products into partial sums, added in order, the positions past the whole splits apart) gives
+    the reference's weight gradient and, to rounding, the unsplit one: 5 splits of 344
+    positions and 8 left over, 8 of 216, and none."""
+    from dcn_cupy.testing import Case, fractional_offsets
+    cuda = cuda_backend()
+    rng = np.random.default_rng(47)
+    # 3 x 24x24 positions (the transposed one's on its input grid), a 8 x 72 weight gradient
+    arrays = {"input": rng.standard_normal((3, 8, 24, 24)), "weight": rng.standard_normal((8, 8, 3, 3)),
+              "offset": fractional_offsets(rng, (3, 18, 24, 24)), "mask": rng.uniform(0.1, 1.5, (3, 9, 24, 24)),
+              "bias": None}
+    case = Case(2, transposed, arrays, dict(stride=1, padding=1, dilation=1, groups=1), "split")
+    gy = rng.standard_normal(case.reference().shape)
+    monkeypatch.setattr(cuda, "_GEMM_SPLIT_DEPTH", 64)
+    tol = {np.float64: 1e-10, np.float32: 1e-4, np.float16: HALF_GRAD_TOL[np.dtype(np.float16)]}[dtype]
+    backward = reference.deform_conv_transpose_backward if transposed else reference.deform_conv_backward
+    gy = gy.astype(dtype).astype(np.float64)
+    expected_weight = backward(gy, **rounded(case, dtype), **case.params)[1]
+    grads = {}
+    for splits in (1, 5, 8):
+        monkeypatch.setattr(cuda, "GEMM_SPLITS", splits)
+        p = dcn_cupy.plan(**case.arrays(to_gpu(dtype)), **case.params, transposed=transposed,
+                          algorithm="cuda/im2col")
+        assert (f"split {splits} ways" in str(p)) == (splits > 1), str(p)
+        g = p.backward(cupy.asarray(gy.astype(dtype)), **case.arrays(to_gpu(dtype)), wrt="weight")
+        grads[splits] = host(g.weight)
+        assert relative_error(grads[splits], expected_weight) < tol, splits
+    for splits in (5, 8):
+        assert relative_error(grads[splits], grads[1]) < (1e-13 if dtype == np.float64 else tol / 2), splits
+
+
 TILE_SETTINGS = {
     "default": {},
     "halo0": dict(TILE_HALO=0),

@@ -885,6 +885,10 @@ def test_copy_kernel_rule():
     # rounded to TF32 (the fused backward's TF32 operand rows), by the same rule
     assert fused.copy_kernel(f, 4096, 64, 0, (1 << 20, 2 << 20, 0), tf32=True) == vectors + "_tf32"
     assert fused.copy_kernel(f, 196, 512, 512 * 196, (1 << 20, 2 << 20), tf32=True) == elements + "_tf32"
+    # split into 3xTF32's planes (strict float32): the rule weighs the rows written, twice as long
+    assert fused.copy_kernel(f, 4096, 32, 32 * 4096, (1 << 20, 2 << 20), split=True) == vectors + "_split"
+    assert fused.copy_kernel(f, 4096, 16, 16 * 4096, (1 << 20, 2 << 20), split=True) == elements + "_split"
+    assert fused.copy_kernel(f, 4096, 36, 36 * 4096 + 2, (1 << 20, 2 << 20), split=True) == elements + "_split"
 
 
 @pytest.mark.gpu

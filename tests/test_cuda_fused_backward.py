@@ -253,7 +253,7 @@ def test_serving_rule_and_segments():
     assert fb.BackwardConfig(_geom(c_in=256), np.float16, False).smem_bytes == 32768
     strict = fb.BackwardConfig(_geom(c_in=256), np.float32, False)
     assert strict.smem_bytes == 2 * 2 * 128 * 36 * 4
-    # strict float32's operand rows: the values' big parts, then their small ones (fused_split_planes)
+    # strict float32's operand rows: the values' big parts, then their small ones (fused_channels_last_split)
     assert (strict.gy_row, strict.wt_row) == (2 * strict.Cop, 2 * strict.Cogp)
     assert strict.offsets["gycl"][1] == (2 * 8 * 8 + 1) * 2 * 48
     tf32 = fb.BackwardConfig(_geom(c_in=256), np.float32, True)
@@ -471,16 +471,32 @@ def check(got, expected, precision, label=""):
         assert relative_error(value, expected[name]) < TOL[precision], (name, label)
 
 
+def tf32_split(values):
+    """``fused::split_tf32`` in NumPy: (big, small) of float32 ``values``, big the TF32 truncation
+    (one TF32 unit nearer 0 where that is the value itself), small the rest rounded to TF32; both
+    the value itself for 0 and non-finite values."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    bits = values.view(np.uint32)
+    big = bits & np.uint32(0xFFFFE000)
+    big = np.where(big == bits, big - np.uint32(0x2000), big).astype(np.uint32)
+    plain = (values == 0) | ~np.isfinite(values)
+    big = np.where(plain, bits, big).view(np.float32)
+    with np.errstate(invalid="ignore"):
+        small = np.where(plain, values, tf32_rounded(values - big))
+    return big, small.astype(np.float32)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["tf32", "float16"])
+@pytest.mark.parametrize("precision", ["tf32", "float16", "float32"])
 def test_data_operand_rows_rounded_by_their_copies(precision):
     """In TF32 the data kernel takes its operands' fragments as loaded, so their copies round
     them: after a backward, the workspace's weight rows wt[g, c, t, o] and channels-last
     grad_output gycl[p, o] hold each value rounded to TF32 (to nearest, ties away from zero, as
     ``cvt.rna`` and the NumPy rounding below), ties included, while the channels-last input xcl
-    (corner values of the offset and mask gradients) keeps them; float16: plain copies. Groups
-    (C_out/G 24, rows padded to the step) and the weight and bias gradients beside them, which
-    must match the reference."""
+    (corner values of the offset and mask gradients) keeps them; in strict float32 the copies
+    split them (rows twice as long: 3xTF32's big parts, then the small ones, ``tf32_split``);
+    float16: plain copies. Groups (C_out/G 24, rows padded to the step) and the weight and bias
+    gradients beside them, which must match the reference."""
     cupy = _cupy()
     fb = _backward_module()
     dtype = DTYPE[precision]
@@ -496,7 +512,7 @@ def test_data_operand_rows_rounded_by_their_copies(precision):
         arrays["input"], arrays["weight"], gy = with_ties(arrays["input"]), with_ties(arrays["weight"]), with_ties(gy)
     got, expected, config = run_gradients(arrays, params, gy, precision, wanted=NAMES + ("bias",))
     check(got, expected, precision)
-    assert config.precision == (1 if precision == "tf32" else 0) and config.chunk == 3
+    assert config.precision == {"tf32": 1, "float16": 0, "float32": 2}[precision] and config.chunk == 3
     # the same backward again, on a workspace of our own: the operand rows it leaves there
     dev = {k: cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}   # (offset and mask: both given)
     out = {name: cupy.empty(dev[name].shape, dtype=dtype) for name in NAMES}
@@ -508,11 +524,22 @@ def test_data_operand_rows_rounded_by_their_copies(precision):
     g = config.geom
     B, C, Co, G, K, Q, S = g.batch, g.in_channels, g.out_channels, g.groups, config.K, config.Q, config.S
     w = arrays["weight"].astype(dtype).reshape(G, Co // G, C // G, K)               # [g, o, c, t]
-    wt = config.view(workspace, "wt").get()[:G * (C // G) * K * config.wt_row].reshape(G, C // G, K, config.wt_row)
-    np.testing.assert_array_equal(bits(wt[..., :Co // G]), bits(keep(w.transpose(0, 2, 3, 1))))
-    gycl = config.view(workspace, "gycl").get()[:B * Q * config.gy_row].reshape(B * Q, config.gy_row)
+    wt_all, gycl_all = config.view(workspace, "wt").get(), config.view(workspace, "gycl").get()
+    wt = wt_all[:G * (C // G) * K * config.wt_row].reshape(G, C // G, K, config.wt_row)
+    gycl = gycl_all[:B * Q * config.gy_row].reshape(B * Q, config.gy_row)
+    # each followed by its zero row, whole (the workspace was all ones)
+    assert not wt_all[wt.size:wt.size + config.wt_row].any()
+    assert not gycl_all[gycl.size:gycl.size + config.gy_row].any()
     y = gy.astype(dtype).reshape(B, Co, Q).transpose(0, 2, 1).reshape(B * Q, Co)
-    np.testing.assert_array_equal(bits(gycl[:, :Co]), bits(keep(y)))
+    rows = ((wt, w.transpose(0, 2, 3, 1), Co // G, config.Cogp), (gycl, y, Co, config.Cop))
+    for got_rows, values, count, half in rows:
+        if precision == "float32":   # big parts, small parts; zero past the values in both
+            assert got_rows.shape[-1] == 2 * half
+            for plane, expected_plane in zip((got_rows[..., :half], got_rows[..., half:]), tf32_split(values)):
+                np.testing.assert_array_equal(bits(plane[..., :count]), bits(expected_plane))
+                assert not plane[..., count:].any()
+        else:
+            np.testing.assert_array_equal(bits(got_rows[..., :count]), bits(keep(values)))
     xcl = config.view(workspace, "xcl").get()[:B * S * config.Cp].reshape(B * S, config.Cp)
     x = arrays["input"].astype(dtype).reshape(B, C, S).transpose(0, 2, 1).reshape(B * S, C)
     np.testing.assert_array_equal(bits(xcl[:, :C]), bits(x))

@@ -459,6 +459,21 @@ def test_cuda_chunking_rules():
     assert sub.output_shape == (3, 7) and sub.padding == (1 - 3, 1)
 
 
+def test_weight_gemm_splits_rule():
+    """The weight gradient's GEMM is split along the positions only where its output's 64x64
+    tiles leave multiprocessors idle, each split at least 512 positions deep, at most
+    GEMM_SPLITS, and never with several conv groups."""
+    cuda = pytest.importorskip("dcn_cupy._backends.cuda")
+    assert cuda.gemm_splits(1, 32, 864, 8192, 132) == 8        # 3D transposed C32: 14 tiles
+    assert cuda.gemm_splits(1, 32, 864, 8192, 132, most=16) == 9
+    assert cuda.gemm_splits(1, 32, 864, 2048, 132) == 4         # depth bounds it
+    assert cuda.gemm_splits(1, 256, 768, 65536, 132) == 2       # 1D C256: 48 tiles
+    assert cuda.gemm_splits(1, 256, 2304, 25088, 132) == 1      # C256 56x56: 144 tiles fill the device
+    assert cuda.gemm_splits(1, 32, 864, 1000, 132) == 1         # too shallow to split
+    assert cuda.gemm_splits(2, 16, 432, 8192, 132) == 1         # conv groups: their batch
+    assert cuda.gemm_splits(1, 32, 864, 8192, 0) == 1           # no device
+
+
 @pytest.mark.gpu
 def test_concurrent_first_use_on_the_gpu():
     """Threads racing to build (and compile) the same plan agree, and match one serial call."""

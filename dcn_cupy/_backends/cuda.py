@@ -436,7 +436,10 @@ class _Gemm:
     """``c[g] = op(a[g]) @ op(b[g]) + beta * c[g]`` over ``batch`` groups, C-contiguous row-major
     operands of fixed shapes: every cuBLAS argument but the pointers is fixed here."""
 
-    def __init__(self, batch, m, n, k, a_dtype, c_dtype, trans_a=False, trans_b=False, beta=0.0, allow_tf32=False):
+    def __init__(self, batch, m, n, k, a_dtype, c_dtype, trans_a=False, trans_b=False, beta=0.0, allow_tf32=False,
+                 depth=None):
+        # depth: the operands' row length along k where that exceeds k (a slice of k: each
+        # batch entry then the next slice of ``k``, the split weight gradient's GEMM)
         if max(m, n, k) > _INT32_MAX:
             raise ValueError(
                 f"a GEMM of size {m}x{n}x{k} exceeds cuBLAS's 32-bit sizes: one sample's output grid "
@@ -454,8 +457,14 @@ class _Gemm:
         # Row-major C (m x n) is column-major C^T (n x m) = op(B)^T op(A)^T.
         self._head = (cublas.CUBLAS_OP_T if trans_b else cublas.CUBLAS_OP_N,
                       cublas.CUBLAS_OP_T if trans_a else cublas.CUBLAS_OP_N, n, m, k, alpha)
-        self._b = (t, b_cols, b_rows * b_cols)
-        self._a = (t, a_cols, a_rows * a_cols)
+        if depth is None:
+            self._b = (t, b_cols, b_rows * b_cols)
+            self._a = (t, a_cols, a_rows * a_cols)
+        else:   # k along the rows of both (A = gy, B = columns^T): rows of ``depth``, slices k apart
+            if trans_a or not trans_b or depth > _INT32_MAX:
+                raise ValueError("a GEMM split along k takes A (m x depth) and B^T (n x depth)")
+            self._b = (t, depth, k)
+            self._a = (t, depth, k)
         self._beta = beta_
         self._c = (_CUDA_DTYPES[np.dtype(c_dtype)], n, m * n, batch, compute, cublas.CUBLAS_GEMM_DEFAULT)
 
@@ -463,6 +472,30 @@ class _Gemm:
         status = self._call(handle, *self._head, b_ptr, *self._b, a_ptr, *self._a, self._beta, c_ptr, *self._c)
         if status:
             _check(status, "cublasGemmStridedBatchedEx")
+
+
+#: The weight gradient's GEMM (grad_w += gy @ columns^T, C_out/G x C_in/G*K over a chunk's
+#: positions) split along its positions where its output has too few tiles to fill the device
+#: (cuBLAS's grid is the output's tiles: 3D B=2 C32, 32 x 864 over 8192 positions, ran 27 blocks
+#: of 32x32 in strict float32): ``gemm_splits``. Each split's product goes to a partial sum of
+#: the workspace (one strided-batched GEMM), the partial sums are added in order by a second
+#: GEMM (a row of ones times them, strict float32 or float64) into the gradient, and positions
+#: past the whole splits by a third. 1: never split.
+GEMM_SPLITS = 8
+_GEMM_TILE = 64           # the output tile the rule assumes (cuBLAS's choice is its own)
+_GEMM_SPLIT_DEPTH = 512   # positions a split takes at least
+
+
+def gemm_splits(groups: int, m: int, n: int, k: int, multiprocessors: int, most=None) -> int:
+    """The splits of the weight gradient's GEMM (``GEMM_SPLITS``): as many as keep the output's
+    64x64 tiles times the splits within the multiprocessors, each at least ``_GEMM_SPLIT_DEPTH``
+    positions deep, at most ``most`` (default ``GEMM_SPLITS``); 1 with several conv groups (their
+    batch already fills cuBLAS's grid, and one strided batch cannot slice both)."""
+    most = GEMM_SPLITS if most is None else most
+    if groups > 1:
+        return 1
+    tiles = -(-m // _GEMM_TILE) * -(-n // _GEMM_TILE)
+    return max(1, min(int(most), multiprocessors // tiles, k // _GEMM_SPLIT_DEPTH))
 
 
 def _gemm(a, b, c, trans_a: bool = False, trans_b: bool = False, beta: float = 0.0, allow_tf32=None) -> None:
@@ -1482,6 +1515,14 @@ class _Backward(_Executable):
         if half:
             layout.add("grad_w", self.G * self.Cog * self.Cg * self.K, self.acc)
             layout.add("grad_x", n * self.C * self.S, self.acc)
+        # the weight gradient's GEMM split along the positions (gemm_splits): its partial sums
+        try:
+            sms = int(cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"])
+        except Exception:   # no usable device: no split
+            sms = 0
+        self.gemm_splits = gemm_splits(self.G, self.Cog, self.Cg * self.K, nq, sms)
+        if self.gemm_splits > 1:
+            layout.add("w_split", self.gemm_splits * self.Cog * self.Cg * self.K, self.acc)
         self._column_layout(n)
         if rows is not None:
             for name, ch in (("offset", self.off_ch), ("mask", self.m_ch), ("grad_offset", self.off_ch),
@@ -1493,7 +1534,7 @@ class _Backward(_Executable):
             self.chunks = self._chunks(n, rows)
             self.final = self.kernels(final)["finalize"]
         self.final_index = np.int64 if final else np.int32
-        self.gemms = {}
+        self.gemms, self.split_gemms = {}, {}
         for c in self.chunks:
             q = c.n * c.Q
             if q not in self.gemms:
@@ -1503,7 +1544,43 @@ class _Backward(_Executable):
                     _Gemm(self.G, self.Cg * self.K, q, self.Cog, self.dtype, self.acc, trans_a=True,
                           allow_tf32=spec.allow_tf32),                                    # cgrad = W^T @ gy
                 )
+                self.split_gemms[q] = self._split_gemms(q, spec.allow_tf32)
+        if self.gemm_splits > 1:   # the row of ones the partial sums' GEMM adds them with
+            with cupy.cuda.Device(self.device_id):
+                self._ones = cupy.ones(self.gemm_splits, dtype=self.acc)
         self.description = self._describe("backward", n, rows)
+        if self.gemm_splits > 1:
+            self.description += f", weight GEMM split {self.gemm_splits} ways along the positions"
+
+    def _split_gemms(self, q: int, allow_tf32: bool):
+        """The weight gradient's GEMMs over ``q`` positions split ``gemm_splits`` ways: (the
+        splits' products into the partial sums, their sum into the gradient, the positions past the
+        whole splits or None), or None where it is not split (one GEMM, ``gemms[q][0]``)."""
+        splits = self.gemm_splits
+        if splits < 2 or q < 8 * splits:
+            return None
+        # (each split a multiple of 8 positions deep: its operands' slices 16-byte aligned)
+        m, n, depth = self.Cog, self.Cg * self.K, q // splits // 8 * 8
+        rest = q - splits * depth
+        return (_Gemm(splits, m, n, depth, self.dtype, self.acc, trans_b=True, allow_tf32=allow_tf32, depth=q),
+                _Gemm(1, 1, m * n, splits, self.acc, self.acc, beta=1.0),          # strict: partial sums as they are
+                _Gemm(1, m, n, rest, self.dtype, self.acc, trans_b=True, beta=1.0, allow_tf32=allow_tf32, depth=q)
+                if rest else None)
+
+    def _weight_gemm_ops(self, q: int, gy_cols: int, cols: int, w_acc: int, ws: int) -> list:
+        """The GEMM ops (``_replay``'s kind 1) adding the weight gradient of ``q`` positions into
+        ``w_acc``: one GEMM, or the split ones (``_split_gemms``) through the workspace's
+        partial sums."""
+        split = self.split_gemms[q]
+        if split is None:
+            return [(1, self.gemms[q][0], gy_cols, cols, w_acc)]
+        products, total, rest = split
+        partial = self.layout.ptr(ws, "w_split")
+        ops = [(1, products, gy_cols, cols, partial), (1, total, self._ones.data.ptr, partial, w_acc)]
+        if rest is not None:
+            done = self.gemm_splits * (q // self.gemm_splits // 8 * 8) * self.dtype.itemsize
+            ops.append((1, rest, gy_cols + done, cols + done, w_acc))
+        return ops
 
     def run(self, args, out, ws):
         gy, x, w = args["grad_output"], args["input"], args["weight"]
@@ -1543,7 +1620,7 @@ class _Backward(_Executable):
             ops.append((2, grad_x, B * C * S * it))
         for c in self.chunks:
             q, k = c.n * c.Q, c.kernels
-            gemm_w, gemm_cgrad = self.gemms[q]
+            gemm_cgrad = self.gemms[q][1]
             ops.append(_kernel_op(k["to_columns"], _grid(Co * q), _BLOCK1, (
                 _u64(gy + c.start * Co * Q * it), _u64(gy_cols), c.i_n, self.i_Co, c.i_q), 0))
             x_part = _at(x, c.start * C * S * it)
@@ -1553,7 +1630,7 @@ class _Backward(_Executable):
                 xcl = layout.ptr(ws, "xcl") if self.channels_last else 0
                 for kernel, grid, block, args in self._column_launches(c, x_part, off, msk, _u64(cols), _u64(xcl)):
                     ops.append(_kernel_op(kernel, grid, block, args, 0))
-                ops.append((1, gemm_w, gy_cols, cols, w_acc))
+                ops += self._weight_gemm_ops(q, gy_cols, cols, w_acc, ws)
             if not need_cgrad:
                 continue
             ops.append((1, gemm_cgrad, w, gy_cols, cgrad))
@@ -1622,7 +1699,7 @@ class _Backward(_Executable):
         for c in self.chunks:
             q = c.n * c.Q
             k = c.kernels
-            gemm_w, gemm_cgrad = self.gemms[q]
+            gemm_cgrad = self.gemms[q][1]
             gy = layout.view(ws, "gy", (G, self.Cog, q))
             if c.rows:
                 # one sample: (1, Co, rows, ...) is already the (Co, q) column layout
@@ -1638,7 +1715,9 @@ class _Backward(_Executable):
             if need_weight:
                 cols = layout.view(ws, "cols", (G, self.Cg * K, q))
                 self._sample_columns(ws, c, x_part, off, msk, cols)
-                gemm_w(handle, gy.data.ptr, cols.data.ptr, w_acc.data.ptr)
+                for _, gemm, a, b, out_ptr in self._weight_gemm_ops(q, gy.data.ptr, cols.data.ptr, w_acc.data.ptr,
+                                                                    ws.data.ptr):
+                    gemm(handle, a, b, out_ptr)
             if not need_cgrad:
                 continue
             cgrad = layout.view(ws, "cgrad", (G, self.Cg * K, q))

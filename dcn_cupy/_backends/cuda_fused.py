@@ -438,17 +438,20 @@ def vectors_pay(positions: int, channels: int) -> bool:
     return channels >= _LAYOUT_TILE and positions >= VECTOR_COPY_POSITIONS
 
 
-def copy_kernel(dtype, positions: int, channels: int, sample_stride: int, addresses, tf32: bool = False) -> str:
+def copy_kernel(dtype, positions: int, channels: int, sample_stride: int, addresses, tf32: bool = False,
+                split: bool = False) -> str:
     """The channels-last copy's kernel for one launch over ``positions`` a sample and
     ``channels`` (padded) channels of ``dtype``: ``fused_channels_last_vectors`` where every
     16-byte vector of a channel's positions is whole and aligned (``positions``, ``channels`` and
     ``sample_stride``, in elements, multiples of a vector; ``addresses``, those of the source and
     the destinations, 16-byte aligned) and the rule takes it (``vectors_pay``), else
     ``fused_channels_last``; with ``tf32`` (float32), its ``_tf32`` form, which rounds the copy
-    to TF32."""
+    to TF32; with ``split`` (float32), its ``_split`` form, which writes rows of 2 * ``channels``:
+    the values' 3xTF32 big parts, then their small parts (the rule then weighs the row's length)."""
     whole = whole_vectors(dtype, (positions, channels, sample_stride), addresses)
-    name = "fused_channels_last_vectors" if whole and vectors_pay(positions, channels) else "fused_channels_last"
-    return name + "_tf32" if tf32 else name
+    pays = vectors_pay(positions, 2 * channels if split else channels)
+    name = "fused_channels_last_vectors" if whole and pays else "fused_channels_last"
+    return name + "_tf32" if tf32 else name + "_split" if split else name
 
 
 def layout_grid(samples: int, channels: int, positions: int) -> tuple:

@@ -12,8 +12,8 @@ reduction):
   mask gradients are summed over each group's channels (per corner, then weighted by the
   corner's weight and slopes; added per group in shared memory or by shuffles, then one float32
   atomic per group, position and tap). In 3xTF32 its operands (the weight's and grad_output's
-  channels-last rows) are split into big and small parts once (``fused_split_planes``), not in
-  every warp that reads them;
+  channels-last rows) are split into big and small parts once, by their copies
+  (``fused_channels_last_split``), not in every warp that reads them;
 * ``deform_fused_backward_weight``: ``grad_output . sampled^T`` over the positions, the sampled
   tile built in shared memory by the fused forward's sampler; the positions are split over
   blocks and the splits' float32 partial sums added in a fixed order (bitwise repeatable).
@@ -325,8 +325,9 @@ def ws_kernel_name(dtype, index64: bool, ndim: int, prec: int) -> str:
 
 
 #: Kernels of float32 rows alone (no dtype parameter; in every module, as the source defines
-#: them): the 3xTF32 operands' split and the TF32 operands' rounded copies.
-FLOAT32_KERNELS = ("fused_split_planes", "fused_channels_last_tf32", "fused_channels_last_vectors_tf32")
+#: them): the 3xTF32 operands' split copies and the TF32 operands' rounded ones.
+FLOAT32_KERNELS = ("fused_channels_last_split", "fused_channels_last_vectors_split", "fused_channels_last_tf32",
+                   "fused_channels_last_vectors_tf32")
 
 
 def ws_name_expressions(dtype, ndim: int, index64: bool) -> tuple:
@@ -595,7 +596,7 @@ class BackwardConfig:
         self.Cp, self.Cop, self.Cpa = _fused._round_up(C, vec), _fused._round_up(Co, vec), _fused._round_up(C, 4)
         self.Cogp = _fused._round_up(self.Cog, bk)
         # the data kernel's operand rows (wt, gycl): in strict float32 (3xTF32) twice as long, the
-        # values' big parts, then their small ones (fused_split_planes)
+        # values' big parts, then their small ones (fused_channels_last_split)
         planes = operand_planes(self.precision)
         self.wt_row, self.gy_row = self.Cogp * planes, self.Cop * planes
         self.off_ch, self.m_ch = self.Go * self.K * geom.ndim, self.Gm * self.K
@@ -822,12 +823,13 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
         return _cuda._kernel_op(function, grid, block, args, shared_mem,
                                 overlap=waits and _cuda._follows_kernel(ops))
 
-    def layout(positions, channels, sample_stride, *addresses, tf32=False):   # the channels-last copy's kernel
-        return kernel(_fused.copy_kernel(config.dtype, positions, channels, sample_stride, addresses, tf32))
+    def layout(positions, channels, sample_stride, *addresses, tf32=False, split=False):   # the copy's kernel
+        return kernel(_fused.copy_kernel(config.dtype, positions, channels, sample_stride, addresses, tf32, split))
 
-    # TF32: the data kernel's operand rows (wt, gycl) rounded by their copies, once, where its
-    # MMAs would round every fragment they load (the input's xcl keeps its values: corner values)
-    rounded = config.precision == 1
+    # the data kernel's operand rows (wt, gycl), by their copies, once: in TF32 rounded, where its
+    # MMAs would round every fragment they load; in strict float32 split into 3xTF32's big and
+    # small parts, where its warps would split them (the input's xcl keeps its values: corner values)
+    rounded, split = config.precision == 1, config.precision == 2
 
     cols = config.Cg * config.K   # a row of the weight (C_out, C/G, K)
     # the accumulators cleared (the deterministic ones' partial sums are stored, not added):
@@ -844,10 +846,6 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
     if data:
         clear()
 
-    def split_op(address, rows, half):   # 3xTF32's operand rows split into big and small parts
-        return op(kernel("fused_split_planes"), grid(rows * half // 4), (_THREADS,), (u64(address), index(rows),
-                                                                                       i32(half)))
-
     def gradient_plan_op(n, off_n, msk_n):   # the data gradients' plan of a chunk of n samples
         return op(kernel("fused_gradient_plan"), grid(n * config.Q * config.K * config.segments), (_THREADS,), (
             off_n, msk_n, *(u64(view[name]) for name in GRADIENT_PLAN), config.struct, i32(n), i32(g.in_channels),
@@ -856,12 +854,10 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
     if data:
         # wt[g, c, t, o]: the weight seen as G samples of C_out/G channels over C/G * K positions,
         # laid out channels-last (zero past C_out/G, then a zero row): the data kernel's A rows
-        ops.append(op(layout(cols, config.wt_row, config.Cog * cols, w, view["wt"], tf32=rounded),
-                      _fused.layout_grid(g.groups, config.wt_row, cols), (_THREADS,), (
-            u64(w), u64(view["wt"]), i32(g.groups), i32(config.Cog), i32(config.wt_row), index(cols),
+        ops.append(op(layout(cols, config.Cogp, config.Cog * cols, w, view["wt"], tf32=rounded, split=split),
+                      _fused.layout_grid(g.groups, config.Cogp, cols), (_THREADS,), (
+            u64(w), u64(view["wt"]), i32(g.groups), i32(config.Cog), i32(config.Cogp), index(cols),
             index(config.Cog * cols), None, None, index(0))))
-        if config.wt_row != config.Cogp:   # 3xTF32: split
-            ops.append(split_op(view["wt"], g.groups * cols, config.Cogp))
     det = config.deterministic and bool(gx)
     if det:   # the weight's bound of the fixed-point exponents (fixed_point.cuh)
         ops.append((2, view["weight_bound"], 8))
@@ -883,14 +879,12 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
                 u64(x + start * x_bs * it), u64(view["xcl"]), i32(n), i32(g.in_channels), i32(config.Cp),
                 index(config.S), index(x_bs), None, None, index(0))))
         if data or gb:   # grad_output channels-last, with its tile sums for the bias gradient
-            ops.append(op(layout(config.Q, config.gy_row, gy_bs, gy, view["gycl"], view["gyr"] if rows_copied else 0,
-                                 tf32=rounded),
-                          _fused.layout_grid(n, config.gy_row, config.Q), (_THREADS,), (
-                gy_n, u64(view["gycl"]), i32(n), i32(g.out_channels), i32(config.gy_row), index(config.Q),
+            ops.append(op(layout(config.Q, config.Cop, gy_bs, gy, view["gycl"], view["gyr"] if rows_copied else 0,
+                                 tf32=rounded, split=split),
+                          _fused.layout_grid(n, config.Cop, config.Q), (_THREADS,), (
+                gy_n, u64(view["gycl"]), i32(n), i32(g.out_channels), i32(config.Cop), index(config.Q),
                 index(gy_bs), u64(view["bias_sums"]) if gb else None, u64(view["gyr"]) if rows_copied else None,
                 index(pp))))
-            if data and config.gy_row != config.Cop:   # 3xTF32: split
-                ops.append(split_op(view["gycl"], n * config.Q, config.Cop))
         if gb:
             ops.append(_fused.channel_totals_op(op, kernel("fused_channel_totals"), g.out_channels, view["bias_sums"],
                                                 view["bias_acc"], gb, index(n * config.bias_rows), start, n, g.batch))
