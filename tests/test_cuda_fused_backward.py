@@ -962,6 +962,51 @@ def test_bias_gradient_from_the_copy_of_grad_output(ndim, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["float32", "tf32"])
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_float32_offset_and_mask_gradients_accumulate_in_place(ndim, precision, monkeypatch):
+    """float32 offset and mask gradients whose samples lie back to back take the data kernel's
+    atomics themselves (each chunk's part cleared first, no fused_store); with a padded sample
+    stride they go through the workspace and fused_store: the reference's values either way (the
+    outputs poisoned with NaN), whole and in one-sample chunks, the two launch lists two stores
+    apart."""
+    cupy = _cupy()
+    fb = _backward_module()
+    rng = np.random.default_rng(70 + ndim)
+    arrays, params, gy = wide_case(rng, ndim, batch=3)
+    shapes = [arrays[k].shape for k in ("input", "weight", "offset", "mask")]
+    geom = _geometry.conv_geometry(*shapes, None, **params)[0]
+    dtype = np.float32
+    _, _, goff, gm, _ = reference.deform_conv_backward(
+        gy.astype(dtype).astype(np.float64), **{k: a.astype(dtype).astype(np.float64) for k, a in arrays.items()},
+        **params)
+    dev = {k: cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
+    for limit in (None, 1):
+        if limit is not None:
+            monkeypatch.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", limit)
+        config = fb.BackwardConfig(geom, dtype, precision == "tf32")
+        assert (config.chunk == 1) == (limit == 1)
+        launches = []
+        for pad in (0, 2):   # channels past the gradient's in each sample: a padded sample stride
+            out = {name: cupy.full((3, arrays[name].shape[1] + pad) + arrays[name].shape[2:], np.nan,
+                                   dtype=dtype)[:, :arrays[name].shape[1]] for name in ("offset", "mask")}
+            args = dict(grad_output=cupy.asarray(gy.astype(dtype)), bias=None, wanted=frozenset(out), **dev)
+            workspace = cupy.full(config.workspace_bytes, 0xFF, dtype=np.uint8)
+            fb.run_gradients(config, args, out, workspace)
+            for name, expected in (("offset", goff), ("mask", gm)):
+                got = cupy.asnumpy(out[name]).astype(np.float64)
+                assert np.isfinite(got).all() and relative_error(got, expected) < TOL[precision], (name, limit, pad)
+            strides = tuple(0 if a is None else fb._fused._batch_stride(a) for a in (
+                args["grad_output"], dev["input"], dev["offset"], dev["mask"], None, out["offset"], out["mask"]))
+            inputs = tuple(a.data.ptr for a in (args["grad_output"], dev["input"], dev["weight"], dev["offset"],
+                                                dev["mask"])) + (0,)
+            launches.append(len(fb._launches(config, inputs, strides, (0, 0, out["offset"].data.ptr,
+                                                                       out["mask"].data.ptr), workspace.data.ptr)))
+        chunks = -(-3 // config.chunk)
+        assert launches[1] == launches[0] + 2 * chunks, launches
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("ndim", [1, 2, 3])
 def test_weight_gradient_rows_from_the_copy_equal_their_own_copy(ndim, monkeypatch):
     """The weight gradient's rows of grad_output written by the data gradients' channels-last

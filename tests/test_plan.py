@@ -462,7 +462,7 @@ def test_cuda_chunking_rules():
 def test_weight_gemm_splits_rule():
     """The weight gradient's GEMM is split along the positions only where its output's 64x64
     tiles leave multiprocessors idle, each split at least 512 positions deep, at most
-    GEMM_SPLITS, and never with several conv groups."""
+    GEMM_SPLITS, never with several conv groups, nor in strict float32 over many positions."""
     cuda = pytest.importorskip("dcn_cupy._backends.cuda")
     assert cuda.gemm_splits(1, 32, 864, 8192, 132) == 8        # 3D transposed C32: 14 tiles
     assert cuda.gemm_splits(1, 32, 864, 8192, 132, most=16) == 9
@@ -472,6 +472,10 @@ def test_weight_gemm_splits_rule():
     assert cuda.gemm_splits(1, 32, 864, 1000, 132) == 1         # too shallow to split
     assert cuda.gemm_splits(2, 16, 432, 8192, 132) == 1         # conv groups: their batch
     assert cuda.gemm_splits(1, 32, 864, 8192, 0) == 1           # no device
+    # strict float32: not over more than _GEMM_STRICT_DEPTH positions (3D C32 32^3: 65536)
+    assert cuda.gemm_splits(1, 32, 864, 8192, 132, strict=True) == 8
+    assert cuda.gemm_splits(1, 32, 864, 65536, 132, strict=True) == 1
+    assert cuda.gemm_splits(1, 32, 864, 65536, 132) == 8
 
 
 @pytest.mark.gpu

@@ -476,23 +476,29 @@ class _Gemm:
 
 #: The weight gradient's GEMM (grad_w += gy @ columns^T, C_out/G x C_in/G*K over a chunk's
 #: positions) split along its positions where its output has too few tiles to fill the device
-#: (cuBLAS's grid is the output's tiles: 3D B=2 C32, 32 x 864 over 8192 positions, ran 27 blocks
-#: of 32x32 in strict float32): ``gemm_splits``. Each split's product goes to a partial sum of
-#: the workspace (one strided-batched GEMM), the partial sums are added in order by a second
-#: GEMM (a row of ones times them, strict float32 or float64) into the gradient, and positions
-#: past the whole splits by a third. 1: never split.
+#: (cuBLAS's grid is the output's tiles: 3D transposed B=2 C32, 32 x 864 over 8192 positions,
+#: ran 27 blocks of 32x32 in strict float32): ``gemm_splits``. Each split's product goes to a
+#: partial sum of the workspace (one strided-batched GEMM), the partial sums are added in order
+#: by a second GEMM (a row of ones times them, strict float32 or float64) into the gradient, and
+#: positions past the whole splits by a third. H200, f+b (NOTES-gpu.md, session 47): 3D
+#: transposed strict float32 0.4965 -> 0.4855 ms at 8 splits (the GEMM 0.049 -> 0.035), TF32
+#: 0.412 -> 0.402; 3D B=2 C32 32^3 TF32 2.144 -> 2.107; but 3D strict float32, 65536 positions
+#: a chunk, 2.614 -> 2.655 (4 splits 2.895): cuBLAS's strict kernel does better unsplit there,
+#: hence ``_GEMM_STRICT_DEPTH``. 1: never split.
 GEMM_SPLITS = 8
-_GEMM_TILE = 64           # the output tile the rule assumes (cuBLAS's choice is its own)
-_GEMM_SPLIT_DEPTH = 512   # positions a split takes at least
+_GEMM_TILE = 64              # the output tile the rule assumes (cuBLAS's choice is its own)
+_GEMM_SPLIT_DEPTH = 512      # positions a split takes at least
+_GEMM_STRICT_DEPTH = 16384   # strict float32: positions a chunk beyond which it is not split
 
 
-def gemm_splits(groups: int, m: int, n: int, k: int, multiprocessors: int, most=None) -> int:
+def gemm_splits(groups: int, m: int, n: int, k: int, multiprocessors: int, most=None, strict: bool = False) -> int:
     """The splits of the weight gradient's GEMM (``GEMM_SPLITS``): as many as keep the output's
     64x64 tiles times the splits within the multiprocessors, each at least ``_GEMM_SPLIT_DEPTH``
     positions deep, at most ``most`` (default ``GEMM_SPLITS``); 1 with several conv groups (their
-    batch already fills cuBLAS's grid, and one strided batch cannot slice both)."""
+    batch already fills cuBLAS's grid, and one strided batch cannot slice both), and in
+    ``strict`` float32 (no TF32) over more than ``_GEMM_STRICT_DEPTH`` positions."""
     most = GEMM_SPLITS if most is None else most
-    if groups > 1:
+    if groups > 1 or (strict and k > _GEMM_STRICT_DEPTH):
         return 1
     tiles = -(-m // _GEMM_TILE) * -(-n // _GEMM_TILE)
     return max(1, min(int(most), multiprocessors // tiles, k // _GEMM_SPLIT_DEPTH))
@@ -1520,7 +1526,8 @@ class _Backward(_Executable):
             sms = int(cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"])
         except Exception:   # no usable device: no split
             sms = 0
-        self.gemm_splits = gemm_splits(self.G, self.Cog, self.Cg * self.K, nq, sms)
+        strict = self.dtype == np.float32 and not spec.allow_tf32
+        self.gemm_splits = gemm_splits(self.G, self.Cog, self.Cg * self.K, nq, sms, strict=strict)
         if self.gemm_splits > 1:
             layout.add("w_split", self.gemm_splits * self.Cog * self.Cg * self.K, self.acc)
         self._column_layout(n)

@@ -832,19 +832,33 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
     rounded, split = config.precision == 1, config.precision == 2
 
     cols = config.Cg * config.K   # a row of the weight (C_out, C/G, K)
+    # float32 offset and mask gradients whose samples lie back to back are accumulated in place
+    # (the data kernel's float32 atomics straight into them, each chunk's part cleared first),
+    # not in the workspace and then copied (fused_store): one pass over them fewer
+    in_place = {name: bool(target) and config.dtype == np.float32 and not config.deterministic
+                and (bs == channels * config.Q or g.batch == 1)
+                for name, target, bs, channels in (("goff", g_off, goff_bs, config.off_ch),
+                                                   ("gmsk", g_m, gm_bs, config.m_ch))}
     # the accumulators cleared (the deterministic ones' partial sums are stored, not added):
     # the first chunk's before everything else, so that its kernels follow one another
     cleared = ((("gxq", gx), ("gx_flags", gx), ("bounds", gx)) if config.deterministic else
                (("gxcl", gx), ("goff", g_off), ("gmsk", g_m)))
 
-    def clear():
+    def accumulator(name, target, start):   # where the data kernel adds a gradient (chunk at `start`)
+        if not in_place.get(name):
+            return view[name] if target else 0
+        return target + start * (goff_bs if name == "goff" else gm_bs) * it
+
+    def clear(start, n):
         for name, target in cleared:
             if target:
                 _, count, dt = config.offsets[name]
-                ops.append((2, view[name], count * dt.itemsize))
+                if in_place.get(name):   # the chunk's n samples of the gradient itself
+                    count = n * (config.off_ch if name == "goff" else config.m_ch) * config.Q
+                ops.append((2, accumulator(name, target, start), count * dt.itemsize))
 
     if data:
-        clear()
+        clear(0, min(config.chunk, g.batch))
 
     def gradient_plan_op(n, off_n, msk_n):   # the data gradients' plan of a chunk of n samples
         return op(kernel("fused_gradient_plan"), grid(n * config.Q * config.K * config.segments), (_THREADS,), (
@@ -890,7 +904,7 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
                                                 view["bias_acc"], gb, index(n * config.bias_rows), start, n, g.batch))
         if data:
             if start > 0:
-                clear()
+                clear(start, n)
             if det:   # the samples' bounds: max |grad_output[b]| and max |mask[b]|
                 bound = kernel("fused_sample_bound")
                 for array, per_sample, bs, bounds in ((gy_n, g.out_channels * config.Q, gy_bs, gy_bounds),
@@ -902,11 +916,13 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
             fixed = (u64(view["gxq"]), u64(view["gx_flags"]), u64(view["weight_bound"]), u64(gy_bounds),
                      at(mask_bounds, 0)) if det else (None,) * 5
             accumulators = (("gxcl", 0 if config.deterministic else gx), ("goff", g_off), ("gmsk", g_m))
+            accumulators = [u64(accumulator(name, target, start)) if target else None
+                            for name, target in accumulators]
             if config.gradient_plan:
                 ops.append(gradient_plan_op(n, off_n, msk_n))
             ops.append(op(kernel("data"), (config.blocks(n),), (_THREADS,), (
                 u64(view["gycl"]), u64(view["wt"]), u64(view["xcl"]), off_n, msk_n,
-                *(u64(view[name]) if target else None for name, target in accumulators), config.struct, i32(n),
+                *accumulators, config.struct, i32(n),
                 i32(g.in_channels), i32(config.Cp), i32(config.Cpa), i32(g.out_channels), i32(config.gy_row),
                 i32(g.groups), i32(config.Go), i32(config.Gm), i32(config.wt_row), index(off_bs), index(msk_bs),
                 i32(config.seg), *(u64(view[name]) if config.gradient_plan else None for name in GRADIENT_PLAN),
@@ -921,7 +937,7 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
                     index(gx_bs))))
             for name, target, bs, channels, slots in (("goff", g_off, goff_bs, config.off_ch, config.slots[0]),
                                                       ("gmsk", g_m, gm_bs, config.m_ch, config.slots[1])):
-                if target:
+                if target and not in_place[name]:
                     per_sample = channels * config.Q
                     ops.append(op(kernel("fused_store"), grid(n * per_sample), (_THREADS,), (
                         u64(view[name]), u64(target + start * bs * it), i32(n), index(per_sample), index(bs),
