@@ -844,7 +844,7 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
     cleared = ((("gxq", gx), ("gx_flags", gx), ("bounds", gx)) if config.deterministic else
                (("gxcl", gx), ("goff", g_off), ("gmsk", g_m)))
 
-    def accumulator(name, target, start):   # where the data kernel adds a gradient (chunk at `start`)
+    def accumulated_at(name, target, start):   # where the data kernel adds a gradient (chunk at `start`)
         if not in_place.get(name):
             return view[name] if target else 0
         return target + start * (goff_bs if name == "goff" else gm_bs) * it
@@ -855,7 +855,7 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
                 _, count, dt = config.offsets[name]
                 if in_place.get(name):   # the chunk's n samples of the gradient itself
                     count = n * (config.off_ch if name == "goff" else config.m_ch) * config.Q
-                ops.append((2, accumulator(name, target, start), count * dt.itemsize))
+                ops.append((2, accumulated_at(name, target, start), count * dt.itemsize))
 
     if data:
         clear(0, min(config.chunk, g.batch))
@@ -916,7 +916,7 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
             fixed = (u64(view["gxq"]), u64(view["gx_flags"]), u64(view["weight_bound"]), u64(gy_bounds),
                      at(mask_bounds, 0)) if det else (None,) * 5
             accumulators = (("gxcl", 0 if config.deterministic else gx), ("goff", g_off), ("gmsk", g_m))
-            accumulators = [u64(accumulator(name, target, start)) if target else None
+            accumulators = [u64(accumulated_at(name, target, start)) if target else None
                             for name, target in accumulators]
             if config.gradient_plan:
                 ops.append(gradient_plan_op(n, off_n, msk_n))
