@@ -120,14 +120,18 @@ def test_half_types(ndim, transposed, dtype):
 @pytest.mark.parametrize("channels_scale", [8, 32], ids=["c8", "c32"])
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16, np.float32], ids=["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])
-@pytest.mark.parametrize("ndim", [1, 2])
+@pytest.mark.parametrize("ndim", [1, 2, 3])
 def test_channels_last_columns(ndim, transposed, dtype, channels_scale, monkeypatch):
     """cuda/im2col's columns from the channels-last sampler (``CHANNELS_LAST_COLUMNS``) against
     deform_im2col's and the float64 reference: forward and every gradient, with conv groups and
     offset groups != mask groups (channels per group multiples of 8), 1, 2 or 4 vectors per
-    thread (8 to 256 channels), in one chunk, in chunks of samples, and with 64-bit indices."""
+    thread (8 to 256 channels), in one chunk, in chunks of samples, and with 64-bit indices; in
+    3D for every dtype (the rule takes it for CHANNELS_LAST_COLUMNS_3D's)."""
     cuda = cuda_backend()
     dtype = np.dtype(dtype)
+    if ndim == 3:
+        assert (dtype in cuda.CHANNELS_LAST_COLUMNS_3D) == (dtype == np.float32)
+        monkeypatch.setattr(cuda, "CHANNELS_LAST_COLUMNS_3D", frozenset({dtype}))
     tol, grad_tol = HALF_TOL.get(dtype, 1e-4), HALF_GRAD_TOL.get(dtype, 1e-4)
     rng = np.random.default_rng(61 + ndim + 2 * transposed + channels_scale)
     case = random_case(rng, ndim, transposed, batch=5, channels_scale=channels_scale)

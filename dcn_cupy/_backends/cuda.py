@@ -104,8 +104,11 @@ _MAIN_SOURCE = "deform_conv.cu"
 #: the rest, and everything with False, through deform_im2col (2-byte gathers, one thread per
 #: channel and position). H200, the im2col stage alone (NOTES-gpu.md, sessions 8 and 9): B=8 C256
 #: 56x56 fp16 0.33 -> 0.112 ms, fp32 0.32 -> 0.184; B=16 C512 14x14 fp16 0.089 -> 0.035, fp32
-#: 0.086 -> 0.058; 1D C256 L4096 fp16 0.28 -> 0.107; not 3D (slower at C32).
+#: 0.086 -> 0.058; 1D C256 L4096 fp16 0.28 -> 0.107. In 3D only for the dtypes of
+#: CHANNELS_LAST_COLUMNS_3D: at B=2 C32 32^3 the half types' stage was slower (fp16 0.476 ->
+#: 0.498), float32's faster (0.554 -> 0.444; sessions 8 and 47).
 CHANNELS_LAST_COLUMNS = True
+CHANNELS_LAST_COLUMNS_3D = frozenset({np.dtype(np.float32)})
 #: Channels per 16-byte vector, the unit of the channels-last sampler.
 _COLUMN_VEC = {np.dtype(np.float16): 8, BFLOAT16: 8, np.dtype(np.float32): 4}
 _COLUMN_POSITIONS, _COLUMN_LANES = 32, 8   # fused_columns' block: positions x threads per position
@@ -1264,7 +1267,7 @@ class _Executable:
         (``CHANNELS_LAST_COLUMNS``); the chunking may still turn it off (rows of one sample)."""
         geom = self.geom
         vec = _COLUMN_VEC.get(self.dtype)
-        if not CHANNELS_LAST_COLUMNS or vec is None or geom.ndim > 2:
+        if not CHANNELS_LAST_COLUMNS or vec is None or (geom.ndim > 2 and self.dtype not in CHANNELS_LAST_COLUMNS_3D):
             return False
         per_go = self.C // self.Go if geom.has_offset else self.C
         per_gm = self.C // self.Gm if geom.has_mask else self.C
