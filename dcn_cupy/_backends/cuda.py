@@ -9,7 +9,9 @@ Per chunk (chunks bound the workspace by ``WORKSPACE_LIMIT_BYTES``):
              with atomics into a float32 (float64 for float64) buffer (through a shared-memory
              box per tile of output positions); this is also the transposed convolution's
              forward.
-* weight:    ``grad_W_g += grad_y_g @ columns_g^T`` (GEMM accumulating across chunks, beta = 1).
+* weight:    ``grad_W_g += grad_y_g @ columns_g^T`` (GEMM accumulating across chunks, beta = 1;
+             split along the positions into partial sums, added in order, where its output is
+             too small to fill the device: ``gemm_splits``).
 * offset, mask: one thread per (sample, group, tap, position) sums over the group's channels
              of column grads times the sample's derivative (offset) or the sample (mask).
 

@@ -56,13 +56,15 @@ rows over the positions, ``(C_out, Pp)``; the input channels-last, ``(Bc*S, Cp)`
 offset, mask or weight gradient is wanted (the corner values; for the warp-specialised weight
 kernel, grad_output in segments of 128 bytes instead of rows); the weight re-laid channels-last
 per conv group as ``(G, C_in/G, K, Cogp)`` (``fused_channels_last``; in strict float32 both
-channels-last rows twice as long, for the split's small parts; in TF32 both rounded to TF32 by
-their copies, ``fused_channels_last_tf32``: once, where the data kernel would round every
-fragment it loads); the accumulators cleared, the kernels run, the gradients written out in
-their dtype and layout (the input gradient plus the C_in-long ``bias`` of the transposed
-forward, ``fused_channels_first``). The layout changes move 16-byte vectors where they are
-whole and aligned and the rule takes them
-(``cuda_fused.copy_kernel``, :func:`channels_first_kernel`). The launches are recorded once per
+channels-last rows twice as long, split by their copies into the values' big and small parts,
+``fused_channels_last_split``; in TF32 both rounded to TF32 by their copies,
+``fused_channels_last_tf32``: once, where the data kernel would round every fragment it loads);
+the accumulators cleared, the kernels run, the gradients written out in their dtype and layout
+(the input gradient plus the C_in-long ``bias`` of the transposed forward,
+``fused_channels_first``; float32 offset and mask gradients whose samples lie back to back are
+the data kernel's accumulators themselves, with no copy). The layout changes move 16-byte
+vectors where they are whole and aligned and the rule takes them (``cuda_fused.copy_kernel``,
+:func:`channels_first_kernel`). The launches are recorded once per
 set of addresses and replayed (``FusedBackward.run_pointers``, the plan's raw-address path), as
 cuda/im2col's are.
 
