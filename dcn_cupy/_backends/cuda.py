@@ -1567,7 +1567,8 @@ class _Backward(_Executable):
     def _split_gemms(self, q: int, allow_tf32: bool):
         """The weight gradient's GEMMs over ``q`` positions split ``gemm_splits`` ways: (the
         splits' products into the partial sums, their sum into the gradient, the positions past the
-        whole splits or None), or None where it is not split (one GEMM, ``gemms[q][0]``)."""
+        whole splits or None, the positions the splits take), or None where it is not split (one
+        GEMM, ``gemms[q][0]``)."""
         splits = self.gemm_splits
         if splits < 2 or q < 8 * splits:
             return None
@@ -1577,7 +1578,7 @@ class _Backward(_Executable):
         return (_Gemm(splits, m, n, depth, self.dtype, self.acc, trans_b=True, allow_tf32=allow_tf32, depth=q),
                 _Gemm(1, 1, m * n, splits, self.acc, self.acc, beta=1.0),          # strict: partial sums as they are
                 _Gemm(1, m, n, rest, self.dtype, self.acc, trans_b=True, beta=1.0, allow_tf32=allow_tf32, depth=q)
-                if rest else None)
+                if rest else None, splits * depth)
 
     def _weight_gemm_ops(self, q: int, gy_cols: int, cols: int, w_acc: int, ws: int) -> list:
         """The GEMM ops (``_replay``'s kind 1) adding the weight gradient of ``q`` positions into
@@ -1586,11 +1587,11 @@ class _Backward(_Executable):
         split = self.split_gemms[q]
         if split is None:
             return [(1, self.gemms[q][0], gy_cols, cols, w_acc)]
-        products, total, rest = split
+        products, total, rest, done = split
         partial = self.layout.ptr(ws, "w_split")
         ops = [(1, products, gy_cols, cols, partial), (1, total, self._ones.data.ptr, partial, w_acc)]
         if rest is not None:
-            done = self.gemm_splits * (q // self.gemm_splits // 8 * 8) * self.dtype.itemsize
+            done *= self.dtype.itemsize
             ops.append((1, rest, gy_cols + done, cols + done, w_acc))
         return ops
 

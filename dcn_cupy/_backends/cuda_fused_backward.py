@@ -834,30 +834,34 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
     rounded, split = config.precision == 1, config.precision == 2
 
     cols = config.Cg * config.K   # a row of the weight (C_out, C/G, K)
-    # float32 offset and mask gradients whose samples lie back to back are accumulated in place
-    # (the data kernel's float32 atomics straight into them, each chunk's part cleared first),
-    # not in the workspace and then copied (fused_store): one pass over them fewer
-    in_place = {name: bool(target) and config.dtype == np.float32 and not config.deterministic
-                and (bs == channels * config.Q or g.batch == 1)
-                for name, target, bs, channels in (("goff", g_off, goff_bs, config.off_ch),
-                                                   ("gmsk", g_m, gm_bs, config.m_ch))}
+    # the offset and mask gradients: accumulator -> (output, its sample stride, elements a sample,
+    # partial-sum slots)
+    summed = {"goff": (g_off, goff_bs, config.off_ch * config.Q, config.slots[0]),
+              "gmsk": (g_m, gm_bs, config.m_ch * config.Q, config.slots[1])}
+    # float32 ones whose samples lie back to back are accumulated in place (the data kernel's
+    # float32 atomics straight into them, each chunk's part cleared first), not in the workspace
+    # and then copied (fused_store): one pass over them fewer
+    in_place = {name for name, (target, bs, per_sample, _) in summed.items()
+                if target and config.dtype == np.float32 and not config.deterministic
+                and (bs == per_sample or g.batch == 1)}
     # the accumulators cleared (the deterministic ones' partial sums are stored, not added):
     # the first chunk's before everything else, so that its kernels follow one another
     cleared = ((("gxq", gx), ("gx_flags", gx), ("bounds", gx)) if config.deterministic else
                (("gxcl", gx), ("goff", g_off), ("gmsk", g_m)))
 
-    def accumulated_at(name, target, start):   # where the data kernel adds a gradient (chunk at `start`)
-        if not in_place.get(name):
-            return view[name] if target else 0
-        return target + start * (goff_bs if name == "goff" else gm_bs) * it
+    def accumulated_at(name, start):   # where the data kernel adds a gradient (the chunk at `start`)
+        if name not in in_place:
+            return view[name]
+        target, bs, _, _ = summed[name]
+        return target + start * bs * it
 
     def clear(start, n):
         for name, target in cleared:
             if target:
                 _, count, dt = config.offsets[name]
-                if in_place.get(name):   # the chunk's n samples of the gradient itself
-                    count = n * (config.off_ch if name == "goff" else config.m_ch) * config.Q
-                ops.append((2, accumulated_at(name, target, start), count * dt.itemsize))
+                if name in in_place:   # the chunk's n samples of the gradient itself
+                    count = n * summed[name][2]
+                ops.append((2, accumulated_at(name, start), count * dt.itemsize))
 
     if data:
         clear(0, min(config.chunk, g.batch))
@@ -917,9 +921,8 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
                             array, index(per_sample), index(bs), i32(n), i32(slices), u64(bounds)), waits=False))
             fixed = (u64(view["gxq"]), u64(view["gx_flags"]), u64(view["weight_bound"]), u64(gy_bounds),
                      at(mask_bounds, 0)) if det else (None,) * 5
-            accumulators = (("gxcl", 0 if config.deterministic else gx), ("goff", g_off), ("gmsk", g_m))
-            accumulators = [u64(accumulated_at(name, target, start)) if target else None
-                            for name, target in accumulators]
+            accumulators = [u64(accumulated_at(name, start)) if target else None for name, target in (
+                ("gxcl", 0 if config.deterministic else gx), ("goff", g_off), ("gmsk", g_m))]
             if config.gradient_plan:
                 ops.append(gradient_plan_op(n, off_n, msk_n))
             ops.append(op(kernel("data"), (config.blocks(n),), (_THREADS,), (
@@ -937,10 +940,8 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
                     None if det else u64(view["gxcl"]), *fixed, i32(config.log2_count), at(bias, 0),
                     u64(gx + start * gx_bs * it), i32(n), i32(g.in_channels), i32(config.Cpa), index(config.S),
                     index(gx_bs))))
-            for name, target, bs, channels, slots in (("goff", g_off, goff_bs, config.off_ch, config.slots[0]),
-                                                      ("gmsk", g_m, gm_bs, config.m_ch, config.slots[1])):
-                if target and not in_place[name]:
-                    per_sample = channels * config.Q
+            for name, (target, bs, per_sample, slots) in summed.items():
+                if target and name not in in_place:
                     ops.append(op(kernel("fused_store"), grid(n * per_sample), (_THREADS,), (
                         u64(view[name]), u64(target + start * bs * it), i32(n), index(per_sample), index(bs),
                         i32(slots))))
