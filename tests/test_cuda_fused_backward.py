@@ -1031,6 +1031,56 @@ def test_weight_gradient_rows_from_the_copy_equal_their_own_copy(ndim, monkeypat
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ndim, precision", [(2, "float16"), (2, "tf32"), (3, "float32")])
+def test_weight_gradient_through_im2col_samples_the_fused_copy(ndim, precision, monkeypatch):
+    """cuda/im2col's weight gradient beside the fused ones samples its columns from their
+    channels-last copy of x (``SHARED_COPY``), on the workspace past it: made by the offset and
+    mask gradients' launches, else by its own into that slot. For each ``wanted``, through the
+    raw-address path and through batch-strided arrays (a workspace poisoned each call): the weight
+    gradient bitwise that of cuda/im2col with its own copy, every gradient the reference's; and
+    not shared where the fused backward cuts the batch into chunks."""
+    cupy = _cupy()
+    fb = _backward_module()
+    from dcn_cupy._backends import PlanSpec
+    rng = np.random.default_rng(80 + ndim)
+    arrays, params, gy = wide_case(rng, ndim, groups=1, offset_groups=2, mask_groups=1, c_out=32, batch=3)
+    dtype = DTYPE[precision]
+    rounded = {k: a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
+    dev = {k: cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
+    # every other sample of a batch twice as long: a batch stride, the primitive's (cuda/im2col's
+    # _direct then, on contiguous copies of the chunk's samples)
+    strided = {k: cupy.zeros((2 * a.shape[0],) + a.shape[1:], dtype)[::2] for k, a in dev.items() if k != "weight"}
+    for k, a in strided.items():
+        a[...] = dev[k]
+    strided["weight"] = dev["weight"]
+    gy_dev = cupy.asarray(gy.astype(dtype))
+    expected = dict(zip(NAMES, reference.deform_conv_backward(gy.astype(dtype).astype(np.float64), **rounded,
+                                                              **params)))
+    shapes = [arrays[k].shape for k in ("input", "weight", "offset", "mask")]
+    geom = _geometry.conv_geometry(*shapes, None, **params)[0]
+    spec = PlanSpec(geom, dtype, "cuda", cupy.cuda.runtime.getDevice(), False, precision == "tf32")
+    config = fb.BackwardConfig(geom, dtype, precision == "tf32", fused_weight=False)
+    weights = {}
+    for shared in (False, True):
+        monkeypatch.setattr(fb, "SHARED_COPY", shared)
+        executable = fb.FusedBackward(config, fb.weight_through_im2col(config, spec))
+        assert bool(executable._weight_at) == shared and executable._weight.copy_given == shared
+        for wanted in (("input", "weight", "offset", "mask"), ("weight",), ("weight", "mask"), ("input", "weight")):
+            for inputs in (dev, strided):
+                out = {name: cupy.full(arrays[name].shape, np.nan, dtype=dtype) for name in wanted}
+                workspace = cupy.full(executable.workspace_bytes, 0xFF, dtype=np.uint8)
+                executable.run(dict(grad_output=gy_dev, bias=None, wanted=frozenset(wanted), **inputs), out,
+                               workspace)
+                got = {k: cupy.asnumpy(v).astype(np.float64) for k, v in out.items()}
+                check(got, expected, precision, (shared, wanted))
+                weights.setdefault(wanted, set()).add(got["weight"].tobytes())
+    assert all(len(found) == 1 for found in weights.values()), [len(found) for found in weights.values()]
+    monkeypatch.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", 1)   # one-sample chunks: each makes its own
+    chunked = fb.BackwardConfig(geom, dtype, precision == "tf32", fused_weight=False)
+    assert chunked.chunk == 1 and not fb.weight_through_im2col(chunked, spec).copy_given
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
 def test_plans_fold_the_bias_gradient_into_the_fused_backward(deterministic):
     """A plan whose backward is cuda/fused-backward takes the fused backward's bias gradient

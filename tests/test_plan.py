@@ -372,9 +372,11 @@ def test_transposed_backward_replays_its_parts_as_one_list(ndim, deterministic, 
                 out[name].fill(np.nan)
             p.backward(gy, **dev, wrt=wrt, out={n: out[n] for n in names}, workspace=workspace)
             runs.append({n: cupy.asnumpy(out[n]) for n in names})
-        # one list unless cuda/im2col computes the weight gradient (its GEMMs): then the parts' own
+        # one list unless cuda/im2col computes the weight gradient with a channels-last copy of
+        # its own: then the parts' own
         recorded = list(p._chain.entries.values())[-1]
-        assert bool(recorded) == ("weight" not in names or p._bwd[1].config.fused_weight), (wrt, p.algorithm)
+        own = p._bwd[1].config.fused_weight or bool(p._bwd[1]._weight_at)
+        assert bool(recorded) == ("weight" not in names or own), (wrt, p.algorithm)
         if recorded and "input" in names and {"weight", "offset", "mask"} & set(names):
             # the parts' own lists, as the unchained runs recorded them; chained, grad_output's
             # channels-last copy is made once where each part takes the batch in one chunk
@@ -390,6 +392,74 @@ def test_transposed_backward_replays_its_parts_as_one_list(ndim, deterministic, 
             for grads in runs[1:]:
                 for name in names:
                     np.testing.assert_array_equal(grads[name], runs[0][name], err_msg=f"{wrt} {name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ndim", [2, 3])
+def test_transposed_backward_weight_gradient_through_im2col_shares_the_copy(ndim, monkeypatch):
+    """Where the fused backward leaves the weight gradient to cuda/im2col, that samples its
+    columns from the fused backward's channels-last copy of x (``SHARED_COPY``: in the chain, the
+    one the input gradient's forward made), on the workspace past that copy, and its GEMMs join
+    the chain's list, a CUDA graph from its second replay, with one copy of x where the parts'
+    own lists made one each. For each ``wrt``, on a poisoned workspace, chained or not: the
+    weight gradient bitwise that of cuda/im2col with its own copy, every gradient the
+    reference's. (float16: its plans take the fused forward for the input gradient, which the
+    chain needs; 3D's columns forced through the channels-last sampler.)"""
+    cupy = pytest.importorskip("cupy")
+    from dcn_cupy._backends import cuda, cuda_direct, cuda_fused
+    from dcn_cupy._backends import cuda_fused_backward as fb
+    monkeypatch.setattr(cuda_direct, "MAX_MACS", 0)
+    monkeypatch.setattr(cuda_fused, "TUNE", False)
+    monkeypatch.setattr(fb, "fused_weight_choice", lambda *args, **kwargs: False)
+    monkeypatch.setattr(cuda, "CHANNELS_LAST_COLUMNS_3D", frozenset({np.dtype(np.float16), np.dtype(np.float32)}))
+    rng = np.random.default_rng(70 + ndim)
+    case = random_case(rng, ndim, True, batch=3, channels_scale=8, bias=False)
+    dtype = np.dtype(np.float16)
+    host = case.arrays(lambda v: v.astype(dtype).astype(np.float64))
+    dev = {k: None if v is None else cupy.asarray(v.astype(dtype)) for k, v in host.items()}
+    gy64 = rng.standard_normal(_plan_of(case, arrays=dev).output_shape).astype(dtype).astype(np.float64)
+    gy = cupy.asarray(gy64.astype(dtype))
+    expected = case.backward(gy64, **host, **case.params)
+    out = {name: cupy.empty_like(a) for name, a in dev.items() if a is not None}
+    wrts = (("input", "weight", "offset", "mask"), ("weight",), ("weight", "offset"), ("input", "weight"))
+    weights, own_lists = {}, {}
+    kernels = lambda ops: sum(1 for op in ops if op[0] == 0)   # noqa: E731
+    for shared in (False, True):
+        monkeypatch.setattr(fb, "SHARED_COPY", shared)
+        p = _plan_of(case, arrays=dev, allow_tf32=False)
+        exe = p._bwd[1]
+        assert p._chain is not None and not exe.config.fused_weight, p.algorithm
+        assert bool(exe._weight_at) == shared and exe._weight.copy_given == shared, str(p)
+        assert ("its columns from the channels-last copy of the input" in str(p)) == shared
+        workspace = cupy.empty(max(p.workspace_bytes, 1), np.uint8)
+        parts = (p._bwd_input[1], exe, exe._weight)
+        for wrt in wrts:
+            for e in parts:
+                e._recordings.entries.clear()
+            for chained in (False, True, True, True):   # the chained list's second replay on: its graph
+                monkeypatch.setattr(_plan, "CHAIN_TRANSPOSED_BACKWARD", chained)
+                workspace.fill(0xFF)
+                for name in wrt:
+                    out[name].fill(np.nan)
+                p.backward(gy, **dev, wrt=wrt, out={n: out[n] for n in wrt}, workspace=workspace)
+                for name in wrt:
+                    got = cupy.asnumpy(out[name]).astype(np.float64)
+                    assert relative_error(got, getattr(expected, name)) < 2e-2, (shared, wrt, chained, name)
+                weights.setdefault(wrt, []).append(cupy.asnumpy(out["weight"]))
+            recorded = list(p._chain.entries.values())[-1]
+            assert bool(recorded) == shared, wrt
+            if not shared:   # the parts' own lists, each with its copy of x
+                own_lists[wrt] = sum(kernels(list(e._recordings.entries.values())[-1]) for e in parts
+                                     if e._recordings.entries)
+            else:
+                assert any(op[0] == 1 for op in recorded) and recorded.graph, wrt   # its GEMMs, in its graph
+                # one copy of x, where the parts made one each: the input gradient's forward, the
+                # offset and mask gradients' and the weight gradient's
+                saved = ("input" in wrt) + bool({"offset", "mask"} & set(wrt))
+                assert kernels(recorded) == own_lists[wrt] - saved, wrt
+    for wrt, runs in weights.items():
+        for got in runs[1:]:
+            np.testing.assert_array_equal(got, runs[0], err_msg=str(wrt))
 
 
 @pytest.mark.gpu
@@ -511,15 +581,20 @@ def test_concurrent_first_use_on_the_gpu():
 
 def test_cuda_graphs_step_aside_where_the_driver_has_none(monkeypatch):
     """Recorded lists of at least GRAPH_MIN_LAUNCHES kernels (and memsets) are CUDA-graph
-    candidates, lists with a GEMM or fewer kernels are not, and a driver library without the
-    graph functions leaves every list replayed launch by launch."""
+    candidates, and so are those whose GEMMs follow a handle op (which points the handle at the
+    capture stream); lists with a GEMM on the caller's handle or fewer kernels are not, and a
+    driver library without the graph functions leaves every list replayed launch by launch."""
     pytest.importorskip("cupy")
     from dcn_cupy._backends import cuda
 
-    kernel = (0, 1, 1, 32, 0, 0, None, None)
+    kernel, gemm, handle = (0, 1, 1, 32, 0, 0, None, None), (1, None, None, None, None), cuda.handle_op(0, 256, 1024)
+    assert handle == (3, 0, 256, 1024)
     assert cuda.Recordings().put((1,), [kernel] * 3).graph is None
     assert cuda.Recordings().put((1,), [kernel] * 2).graph is False
-    assert cuda.Recordings().put((1,), [kernel] * 3 + [(1, None, None, None, None)]).graph is False
+    assert cuda.Recordings().put((1,), [kernel] * 3 + [gemm]).graph is False
+    assert cuda.Recordings().put((1,), [kernel] * 3 + [handle, gemm]).graph is None
+    assert cuda.Recordings().put((1,), [kernel, gemm, handle, kernel, kernel, gemm]).graph is False
+    assert cuda.Recordings().put((1,), [handle, kernel, gemm] * 2 + [kernel]).graph is None
     monkeypatch.setattr(cuda, "GRAPHS", False)
     assert cuda.Recordings().put((1,), [kernel] * 3).graph is False
     monkeypatch.setattr(cuda, "GRAPHS", True)

@@ -866,7 +866,7 @@ def _launch_function():
     return _launch_kernel
 
 
-#: Recorded launch lists of kernels and memsets only (no GEMM), with at least this many kernel
+#: Recorded launch lists (their GEMMs, if any, on a handle op's handle), with at least this many kernel
 #: launches, run as one CUDA graph from their second replay on: one cuGraphLaunch instead of a
 #: cuLaunchKernel each (~5 µs of host time a launch on an H200's host; the 2D transposed
 #: forward+backward's 50 launches took 0.24 ms of host time against 0.22 ms of kernels,
@@ -877,16 +877,34 @@ GRAPHS = os.environ.get("DCN_CUPY_CUDA_GRAPHS", "1") != "0"
 
 class _Ops(list):
     """A recorded launch list (``_replay``'s ops) and its CUDA graph: None until built (after
-    ``replays`` replays), False where it has none (GEMMs, too few launches, or a failed build)."""
+    ``replays`` replays), False where it has none (too few launches, a GEMM that takes the
+    caller's handle, or a failed build)."""
 
     __slots__ = ("graph", "replays")
 
     def __init__(self, ops):
         super().__init__(ops)
         launches = sum(1 for op in self if op[0] == 0 and op[2])
-        self.graph = None if GRAPHS and launches >= GRAPH_MIN_LAUNCHES and all(op[0] != 1 for op in self) \
-            else False
+        self.graph = None if GRAPHS and launches >= GRAPH_MIN_LAUNCHES and _self_contained(self) else False
         self.replays = 0
+
+
+def _self_contained(ops) -> bool:
+    """Whether every GEMM of ``ops`` follows a handle op (kind 3), which points the handle at
+    the stream the list runs on: a capture stream included, so that the list can be a graph."""
+    handle = False
+    for op in ops:
+        if op[0] == 3:
+            handle = True
+        elif op[0] == 1 and not handle:
+            return False
+    return True
+
+
+def handle_op(device_id: int, workspace_ptr: int, workspace_bytes: int) -> tuple:
+    """``_replay``'s kind 3: the GEMMs after it run on this thread's cuBLAS handle of
+    ``device_id``, set to the replay's stream with this workspace (``_prepare_cublas``)."""
+    return (3, device_id, workspace_ptr, workspace_bytes)
 
 
 class _GraphExec:
@@ -998,9 +1016,10 @@ class Recordings:
 
 
 def _replay(ops, handle, stream: int) -> None:
-    """Run recorded launches on ``stream``: 0 kernel, 1 GEMM (``handle`` is set to that stream),
-    2 memset; as their CUDA graph where they have one (built on their second replay), unless
-    ``stream`` is being captured (the launches then join that capture)."""
+    """Run recorded launches on ``stream``: 0 kernel, 1 GEMM (on ``handle``, set to that stream,
+    or on the handle of the last kind 3 before it), 2 memset, 3 the handle for the GEMMs after it
+    (``handle_op``); as their CUDA graph where they have one (built on their second replay),
+    unless ``stream`` is being captured (the launches then join that capture)."""
     if type(ops) is _Ops and ops.graph is not False and _replay_graph(ops, stream):
         return
     _launch_ops(ops, handle, stream)
@@ -1051,8 +1070,10 @@ def _launch_ops(ops, handle, stream: int) -> None:
                     launch(op[1], op[2], 1, 1, op[3], 1, 1, op[4], stream, op[5], 0)
         elif kind == 1:
             op[1](handle, op[2], op[3], op[4])
-        else:
+        elif kind == 2:
             _memset(op[1], 0, op[2], stream)
+        else:
+            handle = _prepare_cublas(op[1], op[2], op[3], stream)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1237,6 +1258,7 @@ class _Executable:
 
     needs_scatter = False
     pointer_path = False      # whether run_pointers serves every call (set by the subclasses)
+    copy_given = False        # whether the caller gives the input's channels-last copy (_Backward)
 
     def __init__(self, spec):
         geom = self.geom = spec.geom
@@ -1293,8 +1315,9 @@ class _Executable:
         return n, rows
 
     def _column_layout(self, n: int) -> None:
-        """The channels-last copy of ``n`` samples and its zero row, where the sampler uses it."""
-        if self.channels_last:
+        """The channels-last copy of ``n`` samples and its zero row, where the sampler uses it
+        (and the caller does not give it)."""
+        if self.channels_last and not self.copy_given:
             self.layout.add("xcl", (n * self.S + 1) * self.C, self.dtype)
 
     def _wide_columns(self, c) -> bool:
@@ -1383,11 +1406,16 @@ class _Executable:
         part = array[start:stop]
         return part if part.flags.c_contiguous else cupy.ascontiguousarray(part)
 
-    def _sample_columns(self, ws, c, x, offset, mask, cols) -> None:
-        """Chunk ``c``'s columns into ``cols`` (arrays; the channels-last copy in ``ws``)."""
-        xcl = self.layout.view(ws, "xcl", ((c.n * self.S + 1) * self.C,)) if self.channels_last else None
+    def _sample_columns(self, ws, c, x, offset, mask, cols, copy=None) -> None:
+        """Chunk ``c``'s columns into ``cols`` (arrays; the channels-last copy in ``ws``, or
+        ``copy``'s: ``_Backward.record``)."""
+        if copy is not None:
+            xcl, made = copy
+        else:
+            xcl, made = (self.layout.view(ws, "xcl", ((c.n * self.S + 1) * self.C,)) if self.channels_last
+                         else None), False
         if c.n * c.Q > 0:
-            for kernel, grid, block, args in self._column_launches(c, x, offset, mask, cols, xcl):
+            for kernel, grid, block, args in self._column_launches(c, x, offset, mask, cols, xcl)[int(made):]:
                 kernel(grid, block, args)
 
     def _launch(self, kernel, total, args):
@@ -1502,7 +1530,11 @@ class _Backward(_Executable):
 
     needs_scatter = True
 
-    def __init__(self, spec):
+    def __init__(self, spec, shared_copy: bool = False):
+        """``shared_copy``: the caller (the fused backward, for its weight gradient) gives the
+        input's channels-last copy, the zero row included, in its own part of the workspace
+        (``copy`` of ``run``, ``run_pointers`` and ``record``), where this executable's columns
+        come from the channels-last sampler in one chunk (``copy_given``); else it makes its own."""
         super().__init__(spec)
         it, acc = self.dtype.itemsize, self.acc.itemsize
         geom = self.geom
@@ -1517,6 +1549,7 @@ class _Backward(_Executable):
         n, rows = self._chunking(per_position, fixed, per_sample, 2 * (self.off_ch + self.m_ch) * it, "backward")
         self.rows = rows
         self.pointer_path = rows is None   # run_pointers serves every call (no staging)
+        self.copy_given = bool(shared_copy) and self.channels_last and rows is None and n >= self.B
         nq = n * self.Q if rows is None else rows * self.inner
         layout = self.layout = _Layout()
         layout.add("cublas", self.cublas_bytes, np.uint8)
@@ -1595,27 +1628,45 @@ class _Backward(_Executable):
             ops.append((1, rest, gy_cols + done, cols + done, w_acc))
         return ops
 
-    def run(self, args, out, ws):
+    def _given(self, copy):
+        if self.copy_given and copy is None:
+            raise ValueError("this cuda/im2col backward samples its columns from a channels-last copy its caller "
+                             "gives (copy=(its address or array, whether it is made)), got none")
+        return copy if self.copy_given else None
+
+    def run(self, args, out, ws, copy=None):
+        """``copy``: ``(array, made)``, the channels-last copy of the input where ``copy_given``
+        (``made``: it holds the input already; else the copy is written there)."""
         gy, x, w = args["grad_output"], args["input"], args["weight"]
         offset, mask, bias, wanted = args["offset"], args["mask"], args.get("bias"), args["wanted"]
+        copy = self._given(copy)
         if REPLAY and self.rows is None and _plain_batch(gy, x, offset, mask):
             self.run_pointers((gy.data.ptr, _ptr(x), w.data.ptr, _ptr(offset), _ptr(mask), _ptr(bias)), wanted,
                               (_ptr(out.get("input")), _ptr(out.get("weight")), _ptr(out.get("offset")),
-                               _ptr(out.get("mask"))), ws.data.ptr, cupy.cuda.get_current_stream().ptr)
+                               _ptr(out.get("mask"))), ws.data.ptr, cupy.cuda.get_current_stream().ptr,
+                              None if copy is None else (copy[0].data.ptr, copy[1]))
         else:
-            self._direct(args, out, ws, self._cublas(ws))
+            self._direct(args, out, ws, self._cublas(ws), copy)
 
-    def run_pointers(self, inputs, wanted, outs, ws, stream) -> None:
+    def run_pointers(self, inputs, wanted, outs, ws, stream, copy=None) -> None:
         """``run`` on raw device addresses: inputs (grad_output, x, w, offset, mask, bias), the
         gradients' outputs (input, weight, offset, mask; 0 where not wanted), of C-contiguous
-        batched arrays, on ``stream`` (recorded launches, replayed)."""
-        key = inputs + (ws, wanted) + outs
+        batched arrays, on ``stream`` (recorded launches, replayed); ``copy`` as ``run``'s, with
+        an address."""
+        copy = self._given(copy)
+        key = inputs + (ws, wanted) + outs + (copy,)
         ops = self._recordings.get(key)
         if ops is None:
-            ops = self._recordings.put(key, self._record(*key))
+            ops = self._recordings.put(key, self._record(*inputs, ws, wanted, *outs, copy=copy))
         _replay(ops, self._cublas(ws, stream), stream)
 
-    def _record(self, gy, x, w, offset, mask, bias, ws, wanted, grad_x, grad_w, grad_off, grad_m):
+    def record(self, inputs, wanted, outs, ws, copy=None) -> list:
+        """``run_pointers``' launches, recorded and not run, for a caller that replays them in a
+        list of its own: led by the handle op (``handle_op``) its GEMMs run on."""
+        return [handle_op(self.device_id, self.layout.ptr(ws, "cublas"), self.cublas_bytes)] + self._record(
+            *inputs, ws, wanted, *outs, copy=self._given(copy))
+
+    def _record(self, gy, x, w, offset, mask, bias, ws, wanted, grad_x, grad_w, grad_off, grad_m, copy=None):
         """The launches of a call on these pointers (contiguous batch, no staging)."""
         need_input, need_weight = bool(grad_x), bool(grad_w)
         need_offset, need_mask = bool(grad_off) and bool(offset), bool(grad_m) and bool(mask)
@@ -1640,8 +1691,9 @@ class _Backward(_Executable):
             off = _at(offset, c.start * self.off_ch * Q * it)
             msk = _at(mask, c.start * self.m_ch * Q * it)
             if need_weight:
-                xcl = layout.ptr(ws, "xcl") if self.channels_last else 0
-                for kernel, grid, block, args in self._column_launches(c, x_part, off, msk, _u64(cols), _u64(xcl)):
+                xcl, made = copy if copy is not None else (layout.ptr(ws, "xcl") if self.channels_last else 0, False)
+                launches = self._column_launches(c, x_part, off, msk, _u64(cols), _u64(xcl))
+                for kernel, grid, block, args in launches[int(made):]:
                     ops.append(_kernel_op(kernel, grid, block, args, 0))
                 ops += self._weight_gemm_ops(q, gy_cols, cols, w_acc, ws)
             if not need_cgrad:
@@ -1687,7 +1739,7 @@ class _Backward(_Executable):
                 _u64(w_acc), None, _u64(grad_w), self.final_index(w_size), np.int32(1), self.final_index(1)), 0))
         return ops
 
-    def _direct(self, args, out, ws, handle):
+    def _direct(self, args, out, ws, handle, copy=None):
         gy_all, x, w = args["grad_output"], args["input"], args["weight"]
         offset, mask, bias, wanted = args["offset"], args["mask"], args.get("bias"), args["wanted"]
         need_input = "input" in wanted
@@ -1727,7 +1779,7 @@ class _Backward(_Executable):
             x_part = None if x is None else self._samples(x, c.start, c.stop)
             if need_weight:
                 cols = layout.view(ws, "cols", (G, self.Cg * K, q))
-                self._sample_columns(ws, c, x_part, off, msk, cols)
+                self._sample_columns(ws, c, x_part, off, msk, cols, copy)
                 for _, gemm, a, b, out_ptr in self._weight_gemm_ops(q, gy.data.ptr, cols.data.ptr, w_acc.data.ptr,
                                                                     ws.data.ptr):
                     gemm(handle, a, b, out_ptr)

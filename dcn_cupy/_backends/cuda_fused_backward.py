@@ -1021,8 +1021,20 @@ class FusedBackward:
     def __init__(self, config: BackwardConfig, weight_gradient=None):
         self.config = config
         self._weight = weight_gradient
-        self.workspace_bytes = max(config.workspace_bytes, weight_gradient.workspace_bytes if weight_gradient else 0)
+        # cuda/im2col's weight gradient sampling its columns from this backward's channels-last
+        # copy of x (``shares_copy``) runs on the workspace past that copy, which it leaves alone
+        self._weight_at = 0
+        if weight_gradient is not None and weight_gradient.copy_given:
+            start, count, dt = config.offsets["xcl"]
+            if start != 0 or config.Cp != config.geom.in_channels or config.chunk < config.geom.batch:
+                raise ValueError("cuda/im2col's weight gradient can take the fused backward's channels-last copy "
+                                 "only where that holds the whole batch unpadded at the workspace's start")
+            self._weight_at = _fused._round_up(count * dt.itemsize, _ALIGN)
+        self.workspace_bytes = max(config.workspace_bytes,
+                                   self._weight_at + weight_gradient.workspace_bytes if weight_gradient else 0)
         self.description = config.description
+        if self._weight_at:
+            self.description += " (its columns from the channels-last copy of the input)"
         # the raw-address path: ours always; cuda/im2col's weight gradient where it has one
         self.pointer_path = weight_gradient is None or bool(getattr(weight_gradient, "pointer_path", False))
         self._recordings = _cuda.Recordings()
@@ -1043,7 +1055,25 @@ class FusedBackward:
             return
         run_gradients(self.config, args, out, workspace)
         if "weight" in wanted and not self.config.fused_weight:
-            self._weight.run(dict(args, wanted=frozenset(("weight",))), {"weight": out["weight"]}, workspace)
+            copy = None
+            if self._weight_at:
+                made = self._copy_made(args["offset"] is not None and "offset" in wanted,
+                                       args["mask"] is not None and "mask" in wanted)
+                copy = (self.config.view(workspace, "xcl"), made)
+            self._weight.run(dict(args, wanted=frozenset(("weight",))), {"weight": out["weight"]},
+                             workspace[self._weight_at:], copy)
+
+    def _copy_made(self, offset_gradient: bool, mask_gradient: bool, input_copied: bool = False) -> bool:
+        """Whether the launches of one call leave x channels-last in the workspace (``_launches``
+        copies it for the offset and mask gradients, or found it there: ``input_copied``)."""
+        return input_copied or offset_gradient or mask_gradient
+
+    def _weight_copy(self, inputs, outs, workspace: int, input_copied: bool = False):
+        """``copy`` for cuda/im2col's weight gradient (``_cuda._Backward``), or None where it
+        makes its own."""
+        if not self._weight_at:
+            return None
+        return (workspace, self._copy_made(bool(inputs[3] and outs[2]), bool(inputs[4] and outs[3]), input_copied))
 
     def run_pointers(self, inputs, wanted, outs, workspace: int, stream: int) -> None:
         """``run`` on raw device addresses of C-contiguous batched arrays: inputs (grad_output, x,
@@ -1056,21 +1086,27 @@ class FusedBackward:
             ops = self._recordings.put(key, _launches(self.config, inputs, self._strides, outs, workspace))
         _cuda._replay(ops, None, stream)
         if outs[1] and not self.config.fused_weight:
-            self._weight.run_pointers(inputs, frozenset(("weight",)), (0, outs[1], 0, 0), workspace, stream)
+            self._weight.run_pointers(inputs, frozenset(("weight",)), (0, outs[1], 0, 0), workspace + self._weight_at,
+                                      stream, self._weight_copy(inputs, outs, workspace))
 
     def record(self, inputs, wanted, outs, workspace: int, input_channels_last=None):
         """``run_pointers``' launches, recorded and not run (``cuda._replay``'s ops), for a plan
         that replays them in one list with another executable's; None where they are not all
-        ours (a weight gradient through cuda/im2col: its GEMMs). ``input_channels_last``: what
-        the launches before these left at the workspace's start (``FusedForward.
-        channels_last_input``); where that is this backward's channels-last input, its copy is
-        left out."""
-        if outs[1] and not self.config.fused_weight:
-            return None
+        recordable (a weight gradient through cuda/im2col that makes its own channels-last copy).
+        ``input_channels_last``: what the launches before these left at the workspace's start
+        (``FusedForward.channels_last_input``); where that is this backward's channels-last
+        input, its copy is left out."""
         c = self.config
+        through = outs[1] and not c.fused_weight
+        if through and not self._weight_at:
+            return None
         copied = (input_channels_last is not None and c.chunk >= c.geom.batch and c.offsets["xcl"][0] == 0
                   and tuple(input_channels_last) == (c.Cp, c.geom.batch * c.S + 1))
-        return _launches(c, inputs, self._strides, outs, workspace, input_copied=copied)
+        ops = _launches(c, inputs, self._strides, outs, workspace, input_copied=copied)
+        if through:
+            ops += self._weight.record(inputs, frozenset(("weight",)), (0, outs[1], 0, 0), workspace + self._weight_at,
+                                       self._weight_copy(inputs, outs, workspace, copied))
+        return ops
 
 
 SERVED_DTYPES = _fused.SERVED_DTYPES
@@ -1085,6 +1121,21 @@ _fused_weight = {}
 #: the f+b peak between 131 and 275 MiB in fp16 (NOTES-gpu.md, sessions 26 and 27). B=16 C512
 #: 14x14 still takes cuda/im2col's (own 1.31x slower), B=32 C64 56x56 its own (0.73x).
 WEIGHT_COLUMNS_MARGIN = 0.95
+
+
+#: Where the weight gradient goes through cuda/im2col with columns from its channels-last
+#: sampler, that samples the fused backward's channels-last copy of x (made for the offset and
+#: mask gradients, or left by the transposed backward's input gradient) rather than a copy of its
+#: own; False: its own copy (the A/B).
+SHARED_COPY = True
+
+
+def weight_through_im2col(config: BackwardConfig, spec):
+    """cuda/im2col's backward for the weight gradient beside ``config``'s fused gradients: taking
+    their channels-last copy of x (``SHARED_COPY``) where that is the whole batch, unpadded."""
+    share = (SHARED_COPY and config.chunk >= config.geom.batch
+             and config.Cp == config.geom.in_channels)
+    return _cuda._Backward(spec, shared_copy=share)
 
 
 def _key(geom, dtype, allow_tf32: bool) -> tuple:
@@ -1132,8 +1183,8 @@ def _time_one_chunk(g, dtype, allow_tf32: bool) -> tuple:
     sms = _fused._multiprocessors()
     im2col = _cuda._Backward(spec)
     own = BackwardConfig(g, dtype, allow_tf32, multiprocessors=sms)
-    executables = [FusedBackward(own), FusedBackward(BackwardConfig(g, dtype, allow_tf32, multiprocessors=sms,
-                                                                    fused_weight=False), im2col), im2col]
+    through = BackwardConfig(g, dtype, allow_tf32, multiprocessors=sms, fused_weight=False)
+    executables = [FusedBackward(own), FusedBackward(through, weight_through_im2col(through, spec)), im2col]
     if not own.fused_weight:
         executables = executables[1:]
     (x, w, offset, mask, _), _ = _fused._random_arguments(g, dtype)
@@ -1224,7 +1275,7 @@ class FusedBackwardBackend:
                 names += ["weight_bound", "fused_sample_bound"]
             for name in names:
                 config.kernel(name)   # compile now, never during a CUDA-graph capture
-            weight = None if config.fused_weight else _cuda._Backward(spec)
+            weight = None if config.fused_weight else weight_through_im2col(config, spec)
         return FusedBackward(config, weight)
 
 
