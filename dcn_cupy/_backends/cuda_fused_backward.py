@@ -71,8 +71,8 @@ cuda/im2col's are.
 Where the fused weight gradient cannot serve (:func:`weight_unsupported`) or measured slower,
 ``cuda/im2col``'s (columns and a cuBLAS GEMM) runs after the fused part, on the same
 workspace: past the fused part's channels-last copy of x, which its columns' sampler reads
-(``weight_through_im2col``) where that holds the whole batch. The transposed convolution's forward is this backward's input gradient (duality),
-so it runs here too.
+(``weight_through_im2col``) where that holds the whole batch. The transposed convolution's
+forward is this backward's input gradient (duality), so it runs here too.
 
 Served (``FusedBackwardBackend.serves``): float16, bfloat16 and float32 on CUDA devices of
 compute capability 8.0 or more, ``deterministic`` or not, when every lane's
@@ -1023,7 +1023,7 @@ class FusedBackward:
         self.config = config
         self._weight = weight_gradient
         # cuda/im2col's weight gradient sampling its columns from this backward's channels-last
-        # copy of x (``weight_through_im2col``) runs on the workspace past that copy, which it leaves alone
+        # copy of x (``weight_through_im2col``) runs on the workspace past that copy
         self._weight_at = 0
         if weight_gradient is not None and weight_gradient.copy_given:
             start, count, dt = config.offsets["xcl"]
