@@ -1026,10 +1026,10 @@ class FusedBackward:
         # copy of x (``weight_through_im2col``) runs on the workspace past that copy
         self._weight_at = 0
         if weight_gradient is not None and weight_gradient.copy_given:
-            start, count, dt = config.offsets["xcl"]
-            if start != 0 or config.Cp != config.geom.in_channels or config.chunk < config.geom.batch:
+            if not copy_shareable(config):
                 raise ValueError("cuda/im2col's weight gradient can take the fused backward's channels-last copy "
                                  "only where that holds the whole batch unpadded at the workspace's start")
+            _, count, dt = config.offsets["xcl"]
             self._weight_at = _fused._round_up(count * dt.itemsize, _ALIGN)
         self.workspace_bytes = max(config.workspace_bytes,
                                    self._weight_at + weight_gradient.workspace_bytes if weight_gradient else 0)
@@ -1056,25 +1056,20 @@ class FusedBackward:
             return
         run_gradients(self.config, args, out, workspace)
         if "weight" in wanted and not self.config.fused_weight:
-            copy = None
-            if self._weight_at:
-                made = self._copy_made(args["offset"] is not None and "offset" in wanted,
-                                       args["mask"] is not None and "mask" in wanted)
-                copy = (self.config.view(workspace, "xcl"), made)
+            copy = self._weight_copy(self.config.view(workspace, "xcl") if self._weight_at else None,
+                                     args["offset"] is not None and "offset" in wanted,
+                                     args["mask"] is not None and "mask" in wanted)
             self._weight.run(dict(args, wanted=frozenset(("weight",))), {"weight": out["weight"]},
                              workspace[self._weight_at:], copy)
 
-    def _copy_made(self, offset_gradient: bool, mask_gradient: bool, input_copied: bool = False) -> bool:
-        """Whether the launches of one call leave x channels-last in the workspace (``_launches``
-        copies it for the offset and mask gradients, or found it there: ``input_copied``)."""
-        return input_copied or offset_gradient or mask_gradient
-
-    def _weight_copy(self, inputs, outs, workspace: int, input_copied: bool = False):
-        """``copy`` for cuda/im2col's weight gradient (``_cuda._Backward``), or None where it
-        makes its own."""
+    def _weight_copy(self, xcl, offset_gradient: bool, mask_gradient: bool, input_copied: bool = False):
+        """``copy`` for cuda/im2col's weight gradient (``_cuda._Backward``): ``(xcl, made)``, the
+        channels-last copy of x (array or address) and whether this call's launches leave it made
+        (``_launches`` copies it for the offset and mask gradients, or found it there:
+        ``input_copied``); None where it makes its own."""
         if not self._weight_at:
             return None
-        return (workspace, self._copy_made(bool(inputs[3] and outs[2]), bool(inputs[4] and outs[3]), input_copied))
+        return xcl, input_copied or offset_gradient or mask_gradient
 
     def run_pointers(self, inputs, wanted, outs, workspace: int, stream: int) -> None:
         """``run`` on raw device addresses of C-contiguous batched arrays: inputs (grad_output, x,
@@ -1088,7 +1083,8 @@ class FusedBackward:
         _cuda._replay(ops, None, stream)
         if outs[1] and not self.config.fused_weight:
             self._weight.run_pointers(inputs, frozenset(("weight",)), (0, outs[1], 0, 0), workspace + self._weight_at,
-                                      stream, self._weight_copy(inputs, outs, workspace))
+                                      stream, self._weight_copy(workspace, bool(inputs[3] and outs[2]),
+                                                                bool(inputs[4] and outs[3])))
 
     def record(self, inputs, wanted, outs, workspace: int, input_channels_last=None):
         """``run_pointers``' launches, recorded and not run (``cuda._replay``'s ops), for a plan
@@ -1106,7 +1102,8 @@ class FusedBackward:
         ops = _launches(c, inputs, self._strides, outs, workspace, input_copied=copied)
         if through:
             ops += self._weight.record(inputs, frozenset(("weight",)), (0, outs[1], 0, 0), workspace + self._weight_at,
-                                       self._weight_copy(inputs, outs, workspace, copied))
+                                       self._weight_copy(workspace, bool(inputs[3] and outs[2]),
+                                                         bool(inputs[4] and outs[3]), copied))
         return ops
 
 
@@ -1131,12 +1128,17 @@ WEIGHT_COLUMNS_MARGIN = 0.95
 SHARED_COPY = True
 
 
+def copy_shareable(config: BackwardConfig) -> bool:
+    """Whether ``config``'s channels-last copy of x is what cuda/im2col's sampler reads: the whole
+    batch, unpadded, at the workspace's start."""
+    return (config.chunk >= config.geom.batch and config.Cp == config.geom.in_channels
+            and config.offsets["xcl"][0] == 0)
+
+
 def weight_through_im2col(config: BackwardConfig, spec):
     """cuda/im2col's backward for the weight gradient beside ``config``'s fused gradients: taking
-    their channels-last copy of x (``SHARED_COPY``) where that is the whole batch, unpadded."""
-    share = (SHARED_COPY and config.chunk >= config.geom.batch
-             and config.Cp == config.geom.in_channels)
-    return _cuda._Backward(spec, shared_copy=share)
+    their channels-last copy of x (``SHARED_COPY``) where it can (``copy_shareable``)."""
+    return _cuda._Backward(spec, shared_copy=SHARED_COPY and copy_shareable(config))
 
 
 def _key(geom, dtype, allow_tf32: bool) -> tuple:
