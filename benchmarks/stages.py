@@ -274,7 +274,7 @@ def fused_stages(x, w, off, msk, geom, name, t, extra_tiles=()):
         layout = config.kernel(copy)
         cl = t(lambda: layout(fu.layout_grid(n, config.Cp, config.S), (256,), (
             x, xcl, np.int32(n), np.int32(geom.in_channels), np.int32(config.Cp), index(config.S),
-            index(fu._batch_stride(x)), None, None, index(0))))
+            index(fu._batch_stride(x)), None, None, index(0), np.int32(0))))
         print(f"  {'channels-last copy of x':<40} {cl:8.3f} ms  ({copy})")
         struct = be._geom_struct(geom)
         relayouts = set()

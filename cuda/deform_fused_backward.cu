@@ -383,16 +383,20 @@ __global__ void fused_store(const float* __restrict__ src, T* __restrict__ dst, 
 template <typename I>
 __global__ void fused_channels_last_split(const float* __restrict__ x, float* __restrict__ xcl, const int batch,
                                           const int channels, const int Cp, const I S, const I x_bstride,
-                                          float* __restrict__ sums, float* __restrict__ xr, const I Pp) {
-    channels_last_copy<float, I, false, false, true>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp);
+                                          float* __restrict__ sums, float* __restrict__ xr, const I Pp,
+                                          const int early) {
+    channels_last_copy<float, I, false, false, true>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp,
+                                                     early);
 }
 
 template <typename I>
 __global__ void __launch_bounds__(256, DCN_LAYOUT_MIN_BLOCKS)
 fused_channels_last_vectors_split(const float* __restrict__ x, float* __restrict__ xcl, const int batch,
                                   const int channels, const int Cp, const I S, const I x_bstride,
-                                  float* __restrict__ sums, float* __restrict__ xr, const I Pp) {
-    channels_last_copy<float, I, true, false, true>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp);
+                                  float* __restrict__ sums, float* __restrict__ xr, const I Pp,
+                                  const int early) {
+    channels_last_copy<float, I, true, false, true>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp,
+                                                    early);
 }
 
 // The TF32 data kernel's operand rows (wt, gycl): fused_channels_last and
@@ -403,16 +407,20 @@ fused_channels_last_vectors_split(const float* __restrict__ x, float* __restrict
 template <typename I>
 __global__ void fused_channels_last_tf32(const float* __restrict__ x, float* __restrict__ xcl, const int batch,
                                          const int channels, const int Cp, const I S, const I x_bstride,
-                                         float* __restrict__ sums, float* __restrict__ xr, const I Pp) {
-    channels_last_copy<float, I, false, true>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp);
+                                         float* __restrict__ sums, float* __restrict__ xr, const I Pp,
+                                         const int early) {
+    channels_last_copy<float, I, false, true>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp,
+                                              early);
 }
 
 template <typename I>
 __global__ void __launch_bounds__(256, DCN_LAYOUT_MIN_BLOCKS)
 fused_channels_last_vectors_tf32(const float* __restrict__ x, float* __restrict__ xcl, const int batch,
                                  const int channels, const int Cp, const I S, const I x_bstride,
-                                 float* __restrict__ sums, float* __restrict__ xr, const I Pp) {
-    channels_last_copy<float, I, true, true>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp);
+                                 float* __restrict__ sums, float* __restrict__ xr, const I Pp,
+                                 const int early) {
+    channels_last_copy<float, I, true, true>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp,
+                                             early);
 }
 
 // The data gradients' plan of a batch chunk: per (segment j of seg_len channels sharing an

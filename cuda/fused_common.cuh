@@ -788,11 +788,16 @@ struct PlanEntries {
 // SPLIT (float32, strict: 3xTF32): xcl's rows 2 * Cp long, split_tf32's big parts of the values
 // in the first Cp and their small parts in the second (what fused_split_planes made of a copy in
 // a pass of its own), the zero row 2 * Cp zeros.
+// `early` (programmatic dependent launch): the copy reads only what was ready before the kernel
+// before it started and writes what no kernel since then touches (a backward's leading copies of
+// its inputs), so it runs beside that kernel and waits for it only before it exits (its
+// completion still implies that kernel's). H200, 3D transposed strict float32: the weight's 14
+// blocks beside grad_output's copy (NOTES-gpu.md, session 49).
 template <typename T, typename I, bool VECTORS, bool TF32 = false, bool SPLIT = false>
 __device__ __forceinline__ void
 channels_last_copy(const T* __restrict__ x, T* __restrict__ xcl, const int batch, const int channels,
                    const int Cp, const I S, const I x_bstride, typename Traits<T>::acc* __restrict__ sums,
-                   T* __restrict__ xr, const I Pp) {
+                   T* __restrict__ xr, const I Pp, const int early) {
     typedef typename Traits<T>::acc A;
     constexpr int TILE = 64;
     constexpr int VEC = sizeof(T) <= 4 ? 16 / (int)sizeof(T) : 1;   // elements of a 16-byte vector
@@ -811,7 +816,8 @@ channels_last_copy(const T* __restrict__ x, T* __restrict__ xcl, const int batch
     // the vector path's element (channel row r, position p) of the tile: chunk p / VEC of row r
     // at chunk (p / VEC) ^ (r / VEC) (a bijection of a row's chunks, r < TILE)
     const auto at = [](int r, int p) { return r * TILE + (((p / VEC) ^ (r / VEC)) % CHUNKS) * VEC + p % VEC; };
-    fused::start_after_prerequisites();
+    fused::launch_dependents();
+    if (!early) fused::wait_prerequisites();
     for (I blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
         const I st = blk % s_tiles;
         const I rest = blk / s_tiles;
@@ -937,14 +943,15 @@ channels_last_copy(const T* __restrict__ x, T* __restrict__ xcl, const int batch
                 xr[(e / pad) * Pp + (I)batch * S + e % pad] = Traits<T>::store(0.0f);
         }
     }
+    if (early) fused::wait_prerequisites();
 }
 
 template <typename T, typename I>
 __global__ void
 fused_channels_last(const T* __restrict__ x, T* __restrict__ xcl, const int batch, const int channels,
                     const int Cp, const I S, const I x_bstride, typename Traits<T>::acc* __restrict__ sums,
-                    T* __restrict__ xr, const I Pp) {
-    channels_last_copy<T, I, false>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp);
+                    T* __restrict__ xr, const I Pp, const int early) {
+    channels_last_copy<T, I, false>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp, early);
 }
 
 // Experiment switch: blocks of fused_channels_last_vectors an SM must hold (its registers:
@@ -956,8 +963,8 @@ template <typename T, typename I>
 __global__ void __launch_bounds__(256, DCN_LAYOUT_MIN_BLOCKS)
 fused_channels_last_vectors(const T* __restrict__ x, T* __restrict__ xcl, const int batch, const int channels,
                             const int Cp, const I S, const I x_bstride, typename Traits<T>::acc* __restrict__ sums,
-                            T* __restrict__ xr, const I Pp) {
-    channels_last_copy<T, I, true>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp);
+                            T* __restrict__ xr, const I Pp, const int early) {
+    channels_last_copy<T, I, true>(x, xcl, batch, channels, Cp, S, x_bstride, sums, xr, Pp, early);
 }
 
 // The bias gradient from fused_channels_last's tile sums of a batch chunk: v = the sum of

@@ -849,7 +849,7 @@ def test_channels_last_copy_by_vectors_and_by_elements(precision):
                     sums = cupy.full(C * B * s_tiles, np.nan, dtype=np.float32)
                     xr = cupy.asarray(np.full(C * Pp, 7, dtype=dtype))
                     copy(grid, (256,), (buffer[shift:], xcl, np.int32(B), np.int32(C), np.int32(Cp), np.int32(S),
-                                        np.int32(stride), sums, xr, np.int32(Pp)))
+                                        np.int32(stride), sums, xr, np.int32(Pp), np.int32(0)))
                     got = cupy.asnumpy(xcl).reshape(B * S + 1, Cp)
                     k = kernels.index(copy)
                     where = (C, S, shift, k, grid)

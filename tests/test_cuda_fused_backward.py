@@ -123,6 +123,46 @@ def test_one_plan_for_both_kernels_and_equal_chunks():
     assert chunks > 1 and c.chunk == -(-16 // chunks)                  # equal chunks (but the last)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_leading_copies_start_beside_the_kernel_before_them(monkeypatch, deterministic):
+    """The launches a backward records (no GPU: kernels and launches stubbed): the list's leading
+    channels-last copies of its inputs (the weight's rows, x and grad_output of the first chunk,
+    before any other kernel) are ``early`` (they run beside the kernel before them and wait for it
+    only before they exit); every later copy waits first, since it overwrites what the chunk
+    before read. Whole batch and one-sample chunks, x's copy left out (``input_copied``),
+    deterministic mode (its weight bound's kernel comes between), and ``EARLY_COPIES`` off."""
+    fb = _backward_module()
+    geom = _geometry.conv_geometry((3, 64, 9, 9), (64, 64, 3, 3), (3, 18, 9, 9), (3, 9, 9, 9), None, stride=1,
+                                   padding=1, dilation=1, groups=1)[0]
+    monkeypatch.setattr(fb.BackwardConfig, "kernel", lambda self, name: name)
+    monkeypatch.setattr(fb._cuda, "_kernel_op", lambda kernel, grid, block, args, shared_mem=0, overlap=False:
+                        (0, kernel, args, overlap))   # (0: a kernel, as recorded)
+    inputs = tuple(k << 24 for k in range(1, 7))
+    outs = tuple(k << 24 for k in range(7, 12))
+    strides = (64 * 81, 64 * 81, 18 * 81, 9 * 81, 64 * 81, 18 * 81, 9 * 81)
+
+    def early_flags(config, **options):
+        ops = fb._launches(config, inputs, strides, outs, 12 << 24, **options)
+        copies = [op for op in ops if op[0] == 0 and op[1].startswith("fused_channels_last")]
+        assert all(isinstance(op[2][-1], np.int32) for op in copies)
+        return [int(op[2][-1]) for op in copies], [op[1] for op in ops if op[0] == 0]
+
+    whole = fb.BackwardConfig(geom, np.float16, False, deterministic=deterministic)
+    assert whole.chunk == 3
+    flags, kernels = early_flags(whole)
+    # the weight's rows, x and grad_output; in deterministic mode the weight's bound between
+    assert flags == ([1, 0, 0] if deterministic else [1, 1, 1]), kernels
+    flags, _ = early_flags(whole, input_copied=True)
+    assert flags == ([1, 0] if deterministic else [1, 1])
+    monkeypatch.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", 1)
+    chunked = fb.BackwardConfig(geom, np.float16, False, deterministic=deterministic)
+    assert chunked.chunk == 1
+    flags, _ = early_flags(chunked)
+    assert flags == ([1, 0, 0] if deterministic else [1, 1, 1]) + [0, 0] * 2
+    monkeypatch.setattr(fb, "EARLY_COPIES", False)
+    assert early_flags(chunked)[0] == [0] * 7
+
+
 def test_weight_splits_fill_whole_waves(monkeypatch):
     fb = _backward_module()
     # B=32 C64 56x56 fp16 (one chunk): 9 tiles, 1568 steps, 2 blocks x 132 SMs. 59 splits (531

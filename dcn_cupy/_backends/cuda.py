@@ -1348,7 +1348,8 @@ class _Executable:
         taps = _column_taps(tiles, self.K)
         sample_blocks = tiles * -(-self.K // taps)
         return [(copy, cuda_fused.layout_grid(c.n, self.C, self.S), (cuda_fused._THREADS,),
-                 (x, xcl, c.i_n, self.i_C, self.i_C, index(self.S), index(self.C * self.S), None, None, index(0))),
+                 (x, xcl, c.i_n, self.i_C, self.i_C, index(self.S), index(self.C * self.S), None, None, index(0),
+                  np.int32(0))),
                 (sample, (min(sample_blocks, _MAX_GRID),), (_COLUMN_POSITIONS * _COLUMN_LANES,),
                  (xcl, offset, mask, cols, c.struct, c.i_n, self.i_C, self.i_C, self.i_Go, self.i_Gm, np.int32(taps)))]
 

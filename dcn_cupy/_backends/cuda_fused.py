@@ -884,7 +884,7 @@ def forward_launches(config: LaunchConfig, inputs, strides, out: int, workspace:
         sums = workspace + config.sums_offset if input_sums else None
         ops.append(op(layout, layout_grid(n, config.Cp, config.S), (_THREADS,), (
             u64(x + start * x_bs * it), u64(xcl), i32(n), i32(g.in_channels), i32(config.Cp), index(config.S),
-            index(x_bs), None if sums is None else u64(sums), None, index(0))))
+            index(x_bs), None if sums is None else u64(sums), None, index(0), i32(0))))
         if input_sums:
             ops.append(channel_totals_op(op, config.kernel("fused_channel_totals"), g.in_channels, sums,
                                          workspace + config.sums_acc_offset, input_sums, index(n * config.sum_rows),

@@ -237,6 +237,10 @@ SAMPLING_PLAN = None
 #: 1.265 -> 1.226 ms, B=32 C64 56x56 TF32 0.880 -> 0.855, B=8 C256 TF32 1.317 -> 1.298, the
 #: weight gradient bitwise the same (NOTES-gpu.md, session 31).
 ROWS_FROM_COPY = True
+#: The list's leading channels-last copies of the call's inputs (the weight's rows, x, grad_output
+#: of the first chunk) start beside the kernel before them (``channels_last_copy``'s ``early``),
+#: not after it; False: each waits for the one before (the A/B).
+EARLY_COPIES = True
 #: Position splits of the weight gradient (partial sums added in a fixed order), at most this
 #: many: ``weight_splits`` picks the count.
 MAX_SPLITS = 64
@@ -829,6 +833,17 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
     def layout(positions, channels, sample_stride, *addresses, tf32=False, split=False):   # the copy's kernel
         return kernel(_fused.copy_kernel(config.dtype, positions, channels, sample_stride, addresses, tf32, split))
 
+    # The list's leading copies of the call's inputs (the first chunk's, before any other kernel)
+    # start beside the kernel before them (EARLY_COPIES): none reads another's output or writes
+    # what another touches, and the list's first kernel waited for all before it. Later ones
+    # overwrite what the chunk before read.
+    copies = []
+
+    def copy_op(function, grid, args):
+        early = EARLY_COPIES and len(copies) == sum(o[0] == 0 for o in ops)
+        copies.append(op(function, grid, (_THREADS,), args + (i32(early),)))
+        ops.append(copies[-1])
+
     # the data kernel's operand rows (wt, gycl), by their copies, once: in TF32 rounded, where its
     # MMAs would round every fragment they load; in strict float32 split into 3xTF32's big and
     # small parts, where its warps would split them (the input's xcl keeps its values: corner values)
@@ -875,10 +890,10 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
     if data:
         # wt[g, c, t, o]: the weight seen as G samples of C_out/G channels over C/G * K positions,
         # laid out channels-last (zero past C_out/G, then a zero row): the data kernel's A rows
-        ops.append(op(layout(cols, config.Cogp, config.Cog * cols, w, view["wt"], tf32=rounded, split=split),
-                      _fused.layout_grid(g.groups, config.Cogp, cols), (_THREADS,), (
+        copy_op(layout(cols, config.Cogp, config.Cog * cols, w, view["wt"], tf32=rounded, split=split),
+                _fused.layout_grid(g.groups, config.Cogp, cols), (
             u64(w), u64(view["wt"]), i32(g.groups), i32(config.Cog), i32(config.Cogp), index(cols),
-            index(config.Cog * cols), None, None, index(0))))
+            index(config.Cog * cols), None, None, index(0)))
     det = config.deterministic and bool(gx)
     if det:   # the weight's bound of the fixed-point exponents (fixed_point.cuh)
         ops.append((2, view["weight_bound"], 8))
@@ -895,17 +910,16 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
         pp = _fused._round_up(n * config.Q, _VEC[config.dtype])
         rows_copied = data and gw and ROWS_FROM_COPY and not config.ws_weight
         if (g_off or g_m or gw) and not input_copied:   # the corner values
-            ops.append(op(layout(config.S, config.Cp, x_bs, x, view["xcl"]),
-                          _fused.layout_grid(n, config.Cp, config.S), (_THREADS,), (
+            copy_op(layout(config.S, config.Cp, x_bs, x, view["xcl"]), _fused.layout_grid(n, config.Cp, config.S), (
                 u64(x + start * x_bs * it), u64(view["xcl"]), i32(n), i32(g.in_channels), i32(config.Cp),
-                index(config.S), index(x_bs), None, None, index(0))))
+                index(config.S), index(x_bs), None, None, index(0)))
         if data or gb:   # grad_output channels-last, with its tile sums for the bias gradient
-            ops.append(op(layout(config.Q, config.Cop, gy_bs, gy, view["gycl"], view["gyr"] if rows_copied else 0,
-                                 tf32=rounded, split=split),
-                          _fused.layout_grid(n, config.Cop, config.Q), (_THREADS,), (
+            copy_op(layout(config.Q, config.Cop, gy_bs, gy, view["gycl"], view["gyr"] if rows_copied else 0,
+                           tf32=rounded, split=split),
+                    _fused.layout_grid(n, config.Cop, config.Q), (
                 gy_n, u64(view["gycl"]), i32(n), i32(g.out_channels), i32(config.Cop), index(config.Q),
                 index(gy_bs), u64(view["bias_sums"]) if gb else None, u64(view["gyr"]) if rows_copied else None,
-                index(pp))))
+                index(pp)))
         if gb:
             ops.append(_fused.channel_totals_op(op, kernel("fused_channel_totals"), g.out_channels, view["bias_sums"],
                                                 view["bias_acc"], gb, index(n * config.bias_rows), start, n, g.batch))
