@@ -791,8 +791,9 @@ struct PlanEntries {
 // `early` (programmatic dependent launch): the copy reads only what was ready before the kernel
 // before it started and writes what no kernel since then touches (a backward's leading copies of
 // its inputs), so it runs beside that kernel and waits for it only before it exits (its
-// completion still implies that kernel's). H200, 3D transposed strict float32: the weight's 14
-// blocks beside grad_output's copy (NOTES-gpu.md, session 49).
+// completion still implies that kernel's). H200, f+b: 2D transposed strict float32 and 3D
+// transposed TF32 1% faster, B=8 C256 fp16 0.3%; 3D transposed strict float32 0.8% slower
+// (NOTES-gpu.md, session 49).
 template <typename T, typename I, bool VECTORS, bool TF32 = false, bool SPLIT = false>
 __device__ __forceinline__ void
 channels_last_copy(const T* __restrict__ x, T* __restrict__ xcl, const int batch, const int channels,
