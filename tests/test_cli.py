@@ -214,6 +214,50 @@ def test_real_cpu_benchmark_smoke(tmp_path, capsys):
     assert ("dcn_cupy", "forward") in modes and ("dcn_cupy", "forward+backward") in modes
 
 
+def test_ab_benchmark_parses_its_cases_and_steps_aside_without_a_gpu(capsys, monkeypatch):
+    """benchmarks/ab.py: cases are gpu.py's shapes by key with a precision, values Python literals
+    (a value may repeat), a bad one named in the error; without a CUDA device it says so and
+    exits 0."""
+    module = _bench.load_script(REPO / "benchmarks" / "ab.py", "_test_ab")
+    cases = module.parse_cases("3dt-fp32,14-tf32")
+    assert [(shape["name"], precision, name) for shape, precision, name in cases] == [
+        ("3D transposed B=2 C32 16^3 s2", "fp32", "3dt-fp32"), ("2D B=16 C512->512 14x14 3x3", "tf32", "14-tf32")]
+    assert cases[0][0]["transposed"] and not cases[1][0].get("transposed")
+    assert len(module.shapes()) == len(module.SHAPE_KEYS)
+    with pytest.raises(ValueError, match="SHAPE-PRECISION .* got '3dt-fp64'"):
+        module.parse_cases("3dt-fp32,3dt-fp64")
+    with pytest.raises(ValueError, match="got 'c128-fp16'"):
+        module.parse_cases("c128-fp16")
+    assert module.parse_values("False, True, 2") == [False, True, 2]
+    assert module.parse_values("4,8,4") == [4, 8, 4]
+    with pytest.raises(ValueError, match="Python literals .* got 'False,maybe'"):
+        module.parse_values("False,maybe")
+    with pytest.raises(ValueError, match="at least two values"):
+        module.parse_values("4")
+    with pytest.raises(SystemExit):
+        module.main(["cuda.GEMM_SPLITS", "--cases", "3dt-fp32", "--rounds", "0"])
+    assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
+    monkeypatch.setattr(module._gpu, "no_gpu_reason", lambda: "no CUDA device visible to CuPy")
+    assert module.main(["cuda_fused_backward.EARLY_COPIES", "--cases", "2dt-bf16"]) == 0
+    assert "benchmarks/ab.py: no CUDA device visible to CuPy: nothing to measure." in capsys.readouterr().out
+
+
+def test_ab_benchmark_resolves_backend_settings():
+    """benchmarks/ab.py's switch: MODULE.NAME, a module-level setting of a backend module (or
+    of ``_plan``); anything else is refused with a message naming it."""
+    pytest.importorskip("cupy")
+    module = _bench.load_script(REPO / "benchmarks" / "ab.py", "_test_ab_switch")
+    found, name = module.resolve_switch("cuda_fused_backward.EARLY_COPIES")
+    assert name == "EARLY_COPIES" and found.__name__ == "dcn_cupy._backends.cuda_fused_backward"
+    assert module.resolve_switch("_plan.CHAIN_TRANSPOSED_BACKWARD")[0].__name__ == "dcn_cupy._plan"
+    with pytest.raises(ValueError, match="dcn_cupy._backends.cuda has no setting 'NOPE'"):
+        module.resolve_switch("cuda.NOPE")
+    with pytest.raises(ValueError, match="must be MODULE.NAME .* got 'EARLY_COPIES'"):
+        module.resolve_switch("EARLY_COPIES")
+    with pytest.raises(ValueError, match="dcn_cupy._backends.nosuch cannot be imported"):
+        module.resolve_switch("nosuch.X")
+
+
 def test_scatter_locality_counts_a_hand_case(capsys):
     """benchmarks/scatter_locality.py: 1D, 4 positions in one block, offsets 0 (sigma 0). Taps 0 /
     1 / 2 put their corners at q - 1 + t and q + t: 7 / 7 / 5 on the grid (19), touching 4 / 4 / 3

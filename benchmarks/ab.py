@@ -1,0 +1,192 @@
+"""A/B of a backend switch: its values take turns in one process, on one GPU.
+
+    python benchmarks/ab.py cuda_fused_backward.EARLY_COPIES --cases 3dt-fp32,2dt-fp32 --rounds 5
+    python benchmarks/ab.py cuda.GEMM_SPLITS --values 4,8,12 --cases 3dt-fp32
+
+``SWITCH`` is ``MODULE.NAME``: a module-level setting of ``dcn_cupy._backends.MODULE`` (or of
+``dcn_cupy._plan``), read when a plan is built or a launch list recorded. ``--values`` are
+Python literals (default ``False,True``). A value may repeat: a second plan with the same value
+shows how far two plans of one value differ, which is the noise floor.
+
+A case is ``SHAPE-PRECISION``:
+- SHAPE is one of c256, c64, 14, 1d, 3d (``gpu.py``'s SHAPES, in order), or 2dt, 3dt (its
+  TRANSPOSED_SHAPES: stride 2, padding 1, output padding 1);
+- PRECISION is fp32 (strict), tf32, fp16 or bf16.
+
+Each case builds one plan per value, with the switch set, on ``gpu.py``'s inputs (seed 0). Then
+the values take turns, round after round. In each turn the switch is set again and the plan is
+timed on forward+backward and on the backward alone (``gpu.py``'s CUDA-event timing). The table
+gives each value's best time over the rounds, and its ratio to the first value's. The switch
+gets its old value back at the end.
+
+The A/Bs of sessions 29-49 (``scratch/ab*.py``, ``NOTES-gpu.md``) were done this way. Compare
+figures only within one run. Needs CuPy, a CUDA device and PyTorch (for gpu.py's inputs).
+Without them it says so and exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dcn_cupy import _bench  # noqa: E402
+
+_gpu = _bench.load_script(Path(__file__).resolve().parent / "gpu.py", "_ab_gpu")
+
+#: Case names of gpu.py's shapes.
+SHAPE_KEYS = ("c256", "c64", "14", "1d", "3d", "2dt", "3dt")
+
+
+def shapes() -> dict:
+    """SHAPE_KEYS -> gpu.py's shape dicts (SHAPES, then TRANSPOSED_SHAPES)."""
+    return dict(zip(SHAPE_KEYS, _gpu.SHAPES + _gpu.TRANSPOSED_SHAPES))
+
+
+def parse_cases(text: str) -> list:
+    """``"3dt-fp32,14-tf32"`` -> [(shape dict, precision, case name), ...]."""
+    found, known = [], shapes()
+    for case in (c.strip() for c in text.split(",")):
+        key, _, precision = case.partition("-")
+        if key not in known or precision not in _gpu.PRECISIONS:
+            raise ValueError(f"a case must be SHAPE-PRECISION with SHAPE in {', '.join(SHAPE_KEYS)} and "
+                             f"PRECISION in {', '.join(_gpu.PRECISIONS)}, got {case!r}")
+        found.append((known[key], precision, case))
+    return found
+
+
+def parse_values(text: str) -> list:
+    """``"False,True,2"`` -> [False, True, 2]: Python literals, each at least once."""
+    try:
+        values = [ast.literal_eval(v.strip()) for v in text.split(",")]
+    except (ValueError, SyntaxError):
+        raise ValueError(f"--values must be comma-separated Python literals (e.g. False,True or 4,8), "
+                         f"got {text!r}") from None
+    if len(values) < 2:
+        raise ValueError(f"--values needs at least two values to compare, got {text!r}")
+    return values
+
+
+def resolve_switch(name: str):
+    """``"MODULE.NAME"`` -> (the module, NAME): a module of ``dcn_cupy._backends`` (or
+    ``dcn_cupy._plan``) that has that module-level setting."""
+    module_name, _, attribute = name.partition(".")
+    if not module_name or not attribute or "." in attribute:
+        raise ValueError(f"the switch must be MODULE.NAME (e.g. cuda_fused_backward.EARLY_COPIES), got {name!r}")
+    path = "dcn_cupy._plan" if module_name == "_plan" else f"dcn_cupy._backends.{module_name}"
+    try:
+        module = importlib.import_module(path)
+    except ImportError as error:
+        raise ValueError(f"the switch's module {path} cannot be imported: {error}") from None
+    if not hasattr(module, attribute):
+        raise ValueError(f"{path} has no setting {attribute!r}")
+    return module, attribute
+
+
+def _case_arguments(shape: dict, precision: str):
+    """(plan arguments, grad_output, plan keywords) on gpu.py's inputs: a 'same' 3^N convolution,
+    or a transposed one of stride 2 (S -> 2S) for the transposed shapes."""
+    import cupy
+
+    dtype = _gpu._set_precision(precision)
+    tf32 = _gpu._allow_tf32(precision)
+    if not shape.get("transposed"):
+        x, w, b, off, msk, gy = _gpu._as_cupy(*_gpu._make_inputs(shape, dtype))
+        return (x, w, off, msk, b), gy, dict(padding=1, allow_tf32=tf32)
+    B, C_in, C_out, S = shape["B"], shape["C_in"], shape["C_out"], shape["S"]
+    n = len(S)
+    # the offsets and masks live on the input's grid (a same-size convolution's inputs)
+    x, _, _, off, msk, _ = _gpu._as_cupy(*_gpu._make_inputs(dict(shape, C_out=C_in), dtype))
+    rng = cupy.random.default_rng(1)
+    w = (rng.standard_normal((C_in, C_out) + (3,) * n, dtype=cupy.float32) / math.sqrt(C_in * 3 ** n)).astype(x.dtype)
+    b = rng.standard_normal((C_out,), dtype=cupy.float32).astype(x.dtype)
+    gy = rng.standard_normal((B, C_out) + tuple(2 * v for v in S), dtype=cupy.float32).astype(x.dtype)
+    return (x, w, off, msk, b), gy, dict(stride=2, padding=1, output_padding=1, transposed=True, allow_tf32=tf32)
+
+
+def run_case(module, attribute: str, values: list, shape: dict, precision: str, rounds: int, timing: tuple) -> list:
+    """[(value, best f+b ms, best backward ms, plan description)] for one case."""
+    import dcn_cupy
+
+    args, gy, keywords = _case_arguments(shape, precision)
+    plans = []
+    for value in values:
+        setattr(module, attribute, value)
+        plans.append(dcn_cupy.plan(*args, **keywords))
+    both = [math.inf] * len(values)
+    backward = [math.inf] * len(values)
+    for _ in range(rounds):
+        for i, (value, p) in enumerate(zip(values, plans)):
+            setattr(module, attribute, value)
+
+            def step(p=p):
+                p.forward(*args)
+                p.backward(gy, *args)
+
+            both[i] = min(both[i], _gpu._time_cupy(step, *timing))
+            backward[i] = min(backward[i], _gpu._time_cupy(lambda p=p: p.backward(gy, *args), *timing))
+    return [(value, f, b, p.algorithm) for value, f, b, p in zip(values, both, backward, plans)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks/ab.py", description=__doc__.splitlines()[0])
+    parser.add_argument("switch", help="MODULE.NAME, e.g. cuda_fused_backward.EARLY_COPIES")
+    parser.add_argument("--values", default="False,True", help="comma-separated Python literals (default False,True)")
+    parser.add_argument("--cases", default="3dt-fp32", help=f"SHAPE-PRECISION,... (SHAPE: {', '.join(SHAPE_KEYS)})")
+    parser.add_argument("--rounds", type=int, default=3, help="turns of every value (default 3)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--inner", type=int, default=10)
+    parser.add_argument("--json", default=None, help="write the results as JSON to this path (default: nowhere)")
+    args = parser.parse_args(argv)
+    try:
+        values = parse_values(args.values)
+        cases = parse_cases(args.cases)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    reason = _gpu.no_gpu_reason() or (None if _bench.torch_installed() else "PyTorch is not installed")
+    if reason is not None:
+        print(f"benchmarks/ab.py: {reason}: nothing to measure.")
+        return 0
+    try:
+        module, attribute = resolve_switch(args.switch)
+    except ValueError as error:
+        parser.error(str(error))
+    old = getattr(module, attribute)
+    results = []
+    try:
+        for shape, precision, name in cases:
+            rows = run_case(module, attribute, values, shape, precision, args.rounds,
+                            (args.warmup, args.repeats, args.inner))
+            for value, f, b, algorithm in rows:
+                results.append({"case": name, "shape": shape["name"], "precision": precision, "value": repr(value),
+                                "fwdbwd_ms": f, "bwd_ms": b, "algorithm": algorithm})
+            print(f"{name}: {rows[0][3]}", flush=True)
+    finally:
+        setattr(module, attribute, old)
+    print(f"\n{args.switch} on {_gpu._device_name()}: the best of {args.rounds} rounds, ms "
+          f"(ratio: over the first value's)")
+    print("| case | value | f+b | backward | f+b ratio | backward ratio |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    first = {}
+    for r in results:
+        base = first.setdefault(r["case"], r)
+        print(f"| {r['case']} | {r['value']} | {r['fwdbwd_ms']:.4f} | {r['bwd_ms']:.4f} | "
+              f"{r['fwdbwd_ms'] / base['fwdbwd_ms']:.3f} | {r['bwd_ms'] / base['bwd_ms']:.3f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"switch": args.switch, "rounds": args.rounds,
+                                               "device": _gpu._device_name(), "results": results}, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
