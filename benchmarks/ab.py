@@ -91,23 +91,11 @@ def resolve_switch(name: str):
 
 def _case_arguments(shape: dict, precision: str):
     """(plan arguments, grad_output, plan keywords) on gpu.py's inputs: a 'same' 3^N convolution,
-    or a transposed one of stride 2 (S -> 2S) for the transposed shapes."""
-    import cupy
-
-    dtype = _gpu._set_precision(precision)
-    tf32 = _gpu._allow_tf32(precision)
-    if not shape.get("transposed"):
-        x, w, b, off, msk, gy = _gpu._as_cupy(*_gpu._make_inputs(shape, dtype))
-        return (x, w, off, msk, b), gy, dict(padding=1, allow_tf32=tf32)
-    B, C_in, C_out, S = shape["B"], shape["C_in"], shape["C_out"], shape["S"]
-    n = len(S)
-    # the offsets and masks live on the input's grid (a same-size convolution's inputs)
-    x, _, _, off, msk, _ = _gpu._as_cupy(*_gpu._make_inputs(dict(shape, C_out=C_in), dtype))
-    rng = cupy.random.default_rng(1)
-    w = (rng.standard_normal((C_in, C_out) + (3,) * n, dtype=cupy.float32) / math.sqrt(C_in * 3 ** n)).astype(x.dtype)
-    b = rng.standard_normal((C_out,), dtype=cupy.float32).astype(x.dtype)
-    gy = rng.standard_normal((B, C_out) + tuple(2 * v for v in S), dtype=cupy.float32).astype(x.dtype)
-    return (x, w, off, msk, b), gy, dict(stride=2, padding=1, output_padding=1, transposed=True, allow_tf32=tf32)
+    or gpu.py's transposed case for the transposed shapes."""
+    if shape.get("transposed"):
+        return _gpu.transposed_case(shape, precision)
+    x, w, b, off, msk, gy = _gpu._as_cupy(*_gpu._make_inputs(shape, _gpu._set_precision(precision)))
+    return (x, w, off, msk, b), gy, dict(padding=1, allow_tf32=_gpu._allow_tf32(precision))
 
 
 def run_case(module, attribute: str, values: list, shape: dict, precision: str, rounds: int, timing: tuple) -> list:

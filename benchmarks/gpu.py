@@ -262,14 +262,12 @@ def bench_dcn(shape, precision, args, transposed_too=False, fused=True):
     return rows
 
 
-def bench_transposed(shape, precision, args):
-    """Rows of a transposed convolution (stride 2, padding 1, output_padding 1; offsets and mask
-    on its input grid): the automatic choice and forced cuda/im2col where it differs, forward
-    and forward+backward (every gradient)."""
+def transposed_case(shape, precision):
+    """``((x, w, offset, mask, bias), grad_output, plan keywords)`` of a transposed convolution
+    of ``shape`` (stride 2, padding 1, output_padding 1: S -> 2S; offsets and mask on its input
+    grid), CuPy arrays of the precision's dtype."""
     import cupy
-    import dcn_cupy
     dtype = _set_precision(precision)
-    tf32 = _allow_tf32(precision)
     B, C_in, C_out, S = shape["B"], shape["C_in"], shape["C_out"], shape["S"]
     n, K = len(S), 3 ** len(S)
     x, w, b, off, msk, _ = _as_cupy(*_make_inputs(dict(shape, C_out=C_in), dtype))
@@ -277,7 +275,15 @@ def bench_transposed(shape, precision, args):
     wt = (rng.standard_normal((C_in, C_out) + (3,) * n, dtype=cupy.float32) / math.sqrt(C_in * K)).astype(x.dtype)
     bt = rng.standard_normal((C_out,), dtype=cupy.float32).astype(x.dtype)
     gy = rng.standard_normal((B, C_out) + tuple(2 * v for v in S), dtype=cupy.float32).astype(x.dtype)
-    hyper = dict(stride=2, padding=1, output_padding=1, transposed=True, allow_tf32=tf32)
+    return ((x, wt, off, msk, bt), gy,
+            dict(stride=2, padding=1, output_padding=1, transposed=True, allow_tf32=_allow_tf32(precision)))
+
+
+def bench_transposed(shape, precision, args):
+    """Rows of a transposed convolution (``transposed_case``): the automatic choice and forced
+    cuda/im2col where it differs, forward and forward+backward (every gradient)."""
+    import dcn_cupy
+    (x, wt, off, msk, bt), gy, hyper = transposed_case(shape, precision)
     rows, seen = [], set()
     for label, options in (("dcn_cupy", {}), ("dcn_cupy cuda/im2col", {"algorithm": "cuda/im2col"})):
         p = dcn_cupy.plan(x, wt, off, msk, bt, **hyper, **options)

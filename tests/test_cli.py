@@ -242,6 +242,41 @@ def test_ab_benchmark_parses_its_cases_and_steps_aside_without_a_gpu(capsys, mon
     assert "benchmarks/ab.py: no CUDA device visible to CuPy: nothing to measure." in capsys.readouterr().out
 
 
+def test_benchmark_cases_build_conv_and_transposed_inputs(monkeypatch):
+    """gpu.py's ``transposed_case`` (which ``bench_transposed`` and ab.py take) and ab.py's
+    plain case, on NumPy stand-ins for torch's and CuPy's arrays: the transposed weight is
+    (C_in, C_out, 3^N), grad_output on the doubled grid, offsets and mask on the input's, in the
+    precision's dtype; stride 2, padding 1, output padding 1, TF32 only for tf32."""
+    import types
+
+    module = _bench.load_script(REPO / "benchmarks" / "ab.py", "_test_ab_cases")
+    gpu = module._gpu
+    rng = np.random.default_rng(0)
+
+    def make_inputs(shape, dtype, seed=0):   # gpu._make_inputs' shapes, NumPy
+        B, C_in, C_out, S = shape["B"], shape["C_in"], shape["C_out"], shape["S"]
+        n, K = len(S), 3 ** len(S)
+        return tuple(rng.standard_normal(s).astype(dtype) for s in (
+            (B, C_in) + S, (C_out, C_in) + (3,) * n, (C_out,), (B, n * K) + S, (B, K) + S, (B, C_out) + S))
+
+    monkeypatch.setattr(gpu, "_make_inputs", make_inputs)
+    monkeypatch.setattr(gpu, "_as_cupy", lambda *arrays: arrays)
+    monkeypatch.setattr(gpu, "_set_precision", lambda precision: np.float16 if precision == "fp16" else np.float32)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
+        random=types.SimpleNamespace(default_rng=np.random.default_rng), float32=np.float32))
+    shape = module.shapes()["3dt"]
+    (x, w, off, msk, b), gy, keywords = module._case_arguments(shape, "fp16")
+    assert x.shape == (2, 32, 16, 16, 16) and w.shape == (32, 32, 3, 3, 3) and b.shape == (32,)
+    assert off.shape == (2, 81, 16, 16, 16) and msk.shape == (2, 27, 16, 16, 16)
+    assert gy.shape == (2, 32, 32, 32, 32)
+    assert {a.dtype for a in (x, w, off, msk, b, gy)} == {np.dtype(np.float16)}
+    assert keywords == dict(stride=2, padding=1, output_padding=1, transposed=True, allow_tf32=False)
+    assert module._case_arguments(module.shapes()["2dt"], "tf32")[2]["allow_tf32"] is True
+    (x, w, off, msk, b), gy, keywords = module._case_arguments(module.shapes()["14"], "tf32")
+    assert x.shape == gy.shape == (16, 512, 14, 14) and w.shape == (512, 512, 3, 3)
+    assert keywords == dict(padding=1, allow_tf32=True)
+
+
 def test_ab_benchmark_resolves_backend_settings():
     """benchmarks/ab.py's switch: MODULE.NAME, a module-level setting of a backend module (or
     of ``_plan``); anything else is refused with a message naming it."""
