@@ -839,12 +839,13 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
     # start beside the kernel before them (EARLY_COPIES): none reads another's output or writes
     # what another touches, and the list's first kernel waited for all before it. Later ones
     # overwrite what the chunk before read.
-    copies = []
+    copies = 0
 
     def copy_op(function, grid, args):
-        early = EARLY_COPIES and len(copies) == sum(o[0] == 0 for o in ops)
-        copies.append(op(function, grid, (_THREADS,), args + (i32(early),)))
-        ops.append(copies[-1])
+        nonlocal copies
+        early = EARLY_COPIES and copies == sum(o[0] == 0 for o in ops)
+        copies += 1
+        ops.append(op(function, grid, (_THREADS,), args + (i32(early),)))
 
     # the data kernel's operand rows (wt, gycl), by their copies, once: in TF32 rounded, where its
     # MMAs would round every fragment they load; in strict float32 split into 3xTF32's big and
