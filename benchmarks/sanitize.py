@@ -21,8 +21,8 @@ backward (cuda/fused-backward, ``fused_backward_cases``: every gradient of conv 
 conv, every data and weight tile, the weight gradient with and without its sampling plan,
 deterministic plans (the fixed-point scatter), one-sample chunks, 64-bit indices). ``--fused-only`` runs just the fused cases (for
 racecheck; ``--fused-quick`` fewer of them); ``--columns-only`` just cuda/im2col's channels-last
-column sampler (half types and float32, 1D/2D, channels per group multiples of 8: conv and
-transposed, poisoned offsets, one-sample chunks, 64-bit); ``--robustness-only`` just the degenerate-shape
+column sampler (half types and float32, 1D/2D/3D, channels per group multiples of 8, its block
+shapes: conv and transposed, poisoned offsets, one-sample chunks, 64-bit); ``--robustness-only`` just the degenerate-shape
 and non-finite cases.
 Without a CUDA device (or CuPy) it says so and exits with status 0.
 """
@@ -163,19 +163,23 @@ def edge_case():
 
 
 def columns_cases() -> int:
-    """cuda/im2col's channels-last column sampler (half types and float32 in 1D and 2D,
-    channels per group multiples of 8; 1, 2 and 4 vectors per thread): conv and transposed,
-    poisoned offsets, one-sample chunks, 64-bit."""
+    """cuda/im2col's channels-last column sampler (half types and float32 in 1D, 2D and 3D,
+    channels per group multiples of 8; 1, 2 and 4 vectors per thread at 8, 4 or 2 threads per
+    position: ``COLUMN_MIN_LANES`` 8 and 2): conv and transposed, poisoned offsets, one-sample
+    chunks, 64-bit."""
     count = 0
-    for ndim, transposed, scale in itertools.product((1, 2), (False, True), (8, 32)):
+    for ndim, transposed, scale in itertools.product((1, 2, 3), (False, True), (8, 32)):
+        if ndim == 3 and scale == 32:   # 3D's many taps: 8 is enough
+            continue
         rng = np.random.default_rng(990 + 10 * ndim + transposed + scale)
         case = random_case(rng, ndim, transposed, batch=3, channels_scale=scale)
-        for dtype in (np.float16, BFLOAT16, np.float32):
-            with use_algorithm("cuda/im2col"):
+        for dtype, min_lanes in itertools.product((np.float16, BFLOAT16, np.float32), (8, 2)):
+            with _settings(COLUMN_MIN_LANES=min_lanes), use_algorithm("cuda/im2col"):
                 run_case(case, dtype, poison=False)
                 run_case(case, dtype, poison=True)
             limit, _ = smallest_limit(case, dtype, "cuda/im2col", whole_samples=True)
-            with _settings(_INT32_SAFE=0, WORKSPACE_LIMIT_BYTES=limit), use_algorithm("cuda/im2col"):
+            with _settings(_INT32_SAFE=0, WORKSPACE_LIMIT_BYTES=limit, COLUMN_MIN_LANES=min_lanes), \
+                    use_algorithm("cuda/im2col"):
                 run_case(case, dtype, poison=True)
             count += 3
     return count

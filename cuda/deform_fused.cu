@@ -1158,33 +1158,34 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
 //   columns[c*K + t, p] = m * sample(x[b, c], P(q, t)),  p = b*Q + q,
 // with each corner one 16-byte load of VEC consecutive channels of xcl (fused_channels_last's
 // copy, its zero row read for a corner not read) in place of deform_im2col's 2-byte gathers
-// from the channel's plane. Per block a tile of COLUMN_POSITIONS positions x CH channels and a
+// from the channel's plane. Per block a tile of 256 / LANES positions x CH channels and a
 // run of taps_per_block taps: the positions are decoded once (the divisions by the grid's sizes
-// were a fifth of a one-tap block's instructions), then per tap 8 threads per position each sample
-// VPT vectors of VEC channels (the 8 threads' vectors adjacent: 128 contiguous bytes per corner
-// row), with the corners and weights (mask included) of its (position, tap, offset group, mask
-// group) computed once per group (fused::Sampler's key; the next tap's offsets and mask fetched
-// while this tap is sampled). The half types blend in packed pairs (fused::Packed, as the fused
-// forward), float32 in float32. The tile is transposed through shared memory, and each warp
-// stores two column rows at a time, two consecutive positions per lane (one 4- or 8-byte store)
-// where the row length n*Q is even.
-constexpr int COLUMN_POSITIONS = 32;
+// were a fifth of a one-tap block's instructions), then per tap LANES threads per position each
+// sample VPT vectors of VEC channels (the LANES threads' vectors adjacent: 128 contiguous bytes
+// per corner row at 8 lanes), with the corners and weights (mask included) of its (position, tap,
+// offset group, mask group) computed once per group (fused::Sampler's key; the next tap's offsets
+// and mask fetched while this tap is sampled). The half types blend in packed pairs (fused::Packed, as the fused
+// forward), float32 in float32. Fewer lanes per position share one corner computation among
+// more vectors (few channels: the 3D sampler's 8 corners cost more than its loads). The tile is
+// transposed through shared memory and stored two consecutive positions per thread (one 4- or
+// 8-byte store) where the row length n*Q is even, consecutive threads along a row.
 constexpr int COLUMN_THREADS = 256;
 // Blocks per multiprocessor asked of the register allocator: 4 (64 registers, 32 warps) hides
 // the corner loads' latency best (H200, B=8 C256 56x56 fp16: 0.112 ms against 0.122 at 3 and
 // 0.143 with every vector's loads issued before the blends at 2; NOTES-gpu.md, session 9).
 constexpr int COLUMN_MIN_BLOCKS = 4;
 
-template <typename T, typename I, int N, int VPT>
+template <typename T, typename I, int N, int VPT, int LANES>
 __global__ void __launch_bounds__(COLUMN_THREADS, COLUMN_MIN_BLOCKS)
 fused_columns(const T* __restrict__ xcl, const T* __restrict__ offset, const T* __restrict__ mask,
               T* __restrict__ columns, const Geom<N> g, const int batch, const int channels, const int Cp,
               const int offset_groups, const int mask_groups, const int taps_per_block) {
     constexpr int VEC = fused::Tile<T>::VEC;
-    constexpr int LANES = COLUMN_THREADS / COLUMN_POSITIONS;   // threads per position
+    constexpr int POSITIONS = COLUMN_THREADS / LANES;           // positions per tile
     constexpr int CH = LANES * VEC * VPT;                       // channels per tile
-    constexpr int ROW = COLUMN_POSITIONS + 2;                   // even (paired loads), 2-way bank conflicts at most
-    constexpr int WARPS = COLUMN_THREADS / 32;
+    constexpr int ROW = POSITIONS + 2;                          // even (paired loads), 2-way bank conflicts at most
+    constexpr int PAIRS = POSITIONS / 2;                        // stores per tile row
+    static_assert(COLUMN_THREADS % LANES == 0 && POSITIONS % 2 == 0, "fused_columns: lanes per position");
     typedef typename fused::Pair<T>::bits Bits;                 // one value
     typedef typename fused::Pair<T>::type Pair;                 // two consecutive positions of one row
     constexpr int PER_WORD = 4 / (int)sizeof(T) > 0 ? 4 / (int)sizeof(T) : 1;   // values per 32-bit word
@@ -1201,11 +1202,9 @@ fused_columns(const T* __restrict__ xcl, const T* __restrict__ offset, const T* 
     auto mask_group = [&](int c) { return per_gm >= channels ? 0 : c / per_gm; };
     const int c_tiles = (channels + CH - 1) / CH;
     const int tap_runs = (K + taps_per_block - 1) / taps_per_block;
-    const I p_tiles = (BQ + COLUMN_POSITIONS - 1) / COLUMN_POSITIONS;
+    const I p_tiles = (BQ + POSITIONS - 1) / POSITIONS;
     const I blocks = p_tiles * tap_runs * c_tiles;
     const int lane_v = threadIdx.x % LANES, lane_p = threadIdx.x / LANES;   // sampling
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;             // storing
-    const int second_row = lane >> 4, pair = 2 * (lane & 15);   // which of a warp's two rows, first position
     // block -> (channel tile, run of taps, position tile), channel tiles fastest: blocks running
     // together read the same corner rows
     for (I blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
@@ -1213,7 +1212,7 @@ fused_columns(const T* __restrict__ xcl, const T* __restrict__ offset, const T* 
         const I rest = blk / c_tiles;
         const int t0 = (int)(rest % tap_runs) * taps_per_block;
         const int t1 = min(K, t0 + taps_per_block);
-        const I p0 = rest / tap_runs * COLUMN_POSITIONS;
+        const I p0 = rest / tap_runs * POSITIONS;
         const I p = p0 + lane_p;
         const bool position = p < BQ;
         const I b = position ? p / Q : 0, q = position ? p % Q : 0;
@@ -1260,10 +1259,11 @@ fused_columns(const T* __restrict__ xcl, const T* __restrict__ offset, const T* 
                     tile[cl + j][lane_p] = (Bits)(words[j / PER_WORD] >> (32 / PER_WORD * (j % PER_WORD)));
             }
             __syncthreads();
-            // two rows per warp store, lanes 0-15 the first, 16-31 the second, 2 positions each
-            const I pp = p0 + pair;
+            // (row, pair of positions) by thread, consecutive threads along a row
 #pragma unroll 4
-            for (int r = 2 * warp + second_row; r < CH; r += 2 * WARPS) {
+            for (int i = threadIdx.x; i < CH * PAIRS; i += COLUMN_THREADS) {
+                const int r = i / PAIRS, pair = 2 * (i % PAIRS);
+                const I pp = p0 + pair;
                 const int c = ct * CH + r;
                 if (c >= channels || pp >= BQ) continue;
                 Bits* dst = reinterpret_cast<Bits*>(columns + ((I)c * K + t) * BQ + pp);

@@ -126,12 +126,11 @@ def test_channels_last_columns(ndim, transposed, dtype, channels_scale, monkeypa
     deform_im2col's and the float64 reference: forward and every gradient, with conv groups and
     offset groups != mask groups (channels per group multiples of 8), 1, 2 or 4 vectors per
     thread (8 to 256 channels), in one chunk, in chunks of samples, and with 64-bit indices; in
-    3D for every dtype (the rule takes it for CHANNELS_LAST_COLUMNS_3D's)."""
+    3D for every dtype (CHANNELS_LAST_COLUMNS_3D holds all three)."""
     cuda = cuda_backend()
     dtype = np.dtype(dtype)
     if ndim == 3:
-        assert (dtype in cuda.CHANNELS_LAST_COLUMNS_3D) == (dtype == np.float32)
-        monkeypatch.setattr(cuda, "CHANNELS_LAST_COLUMNS_3D", frozenset({dtype}))
+        assert dtype in cuda.CHANNELS_LAST_COLUMNS_3D
     tol, grad_tol = HALF_TOL.get(dtype, 1e-4), HALF_GRAD_TOL.get(dtype, 1e-4)
     rng = np.random.default_rng(61 + ndim + 2 * transposed + channels_scale)
     case = random_case(rng, ndim, transposed, batch=5, channels_scale=channels_scale)
@@ -209,6 +208,42 @@ def test_channels_last_columns_odd_row_length(shape, dtype, monkeypatch):
         if old is None:
             continue
         assert relative_error(host(got), host(old)) < HALF_GRAD_TOL.get(dtype, 1e-4), name
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["float16", "float32"])
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_channels_last_columns_by_any_lanes_per_position(ndim, dtype, monkeypatch):
+    """fused_columns' block shapes (``cuda.COLUMN_MIN_LANES`` 8, 4 and 2: 1 to 4 vectors per
+    thread at 8, 4 or 2 threads per position, so 32 to 128 positions per block) give the same
+    columns bit for bit: the forward and the weight gradient (which reads them) equal across
+    shapes, and the float64 reference's; 1 to 32 vectors of channels, two offset groups, odd and
+    even row lengths (paired stores or not), partial position tiles."""
+    cuda = cuda_backend()
+    dtype = np.dtype(dtype)
+    vec = cuda._COLUMN_VEC[dtype]
+    spatial = {1: (37,), 2: (5, 7), 3: (3, 5, 3)}[ndim]
+    K = 3 ** ndim
+    for i, vectors in enumerate((1, 2, 4, 8, 16, 32)):
+        C, batch = vectors * vec, 2 + i % 2
+        groups = 2 if vectors % 2 == 0 else 1
+        rng = np.random.default_rng(1000 * ndim + vectors)
+        arrays = {"input": rng.standard_normal((batch, C, *spatial)),
+                  "weight": rng.standard_normal((8, C) + (3,) * ndim) / (C * K) ** 0.5,
+                  "offset": 2 * rng.standard_normal((batch, groups * ndim * K, *spatial)),
+                  "mask": rng.random((batch, K, *spatial))}
+        arrays = {k: a.astype(dtype) for k, a in arrays.items()}
+        grad_output = cupy.asarray(rng.standard_normal((batch, 8, *spatial)).astype(dtype))
+        gpu = {k: cupy.asarray(a) for k, a in arrays.items()}
+        expected = reference.deform_conv(**{k: a.astype(np.float64) for k, a in arrays.items()}, padding=1)
+        results = []
+        for min_lanes in (8, 4, 2):
+            monkeypatch.setattr(cuda, "COLUMN_MIN_LANES", min_lanes)
+            p = dcn_cupy.plan(**gpu, padding=1, algorithm="cuda/im2col")
+            assert "channels-last copy" in str(p), str(p)
+            results.append((cupy.asnumpy(p.forward(**gpu)), cupy.asnumpy(p.backward(grad_output, **gpu).weight)))
+        for y, gw in results[1:]:
+            assert np.array_equal(y, results[0][0]) and np.array_equal(gw, results[0][1]), (C, ndim)
+        assert relative_error(host(results[-1][0]), expected) < HALF_TOL.get(dtype, 1e-4), (C, ndim)
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])

@@ -511,6 +511,36 @@ def test_programmatic_launch_marshals_its_attribute():
     assert not plain and cuda._launch_ex(object(), None) is None   # a driver without cuLaunchKernelEx
 
 
+@pytest.mark.parametrize("min_lanes", [8, 4, 2])
+def test_column_block_shapes_are_compiled_and_fill_their_tiles(monkeypatch, min_lanes):
+    """fused_columns' rule (``cuda._column_shape``, no GPU): each (vectors, lanes) it picks, for
+    every channel count that is a multiple of the vector and N = 1, 2, 3, is an instantiation the
+    module compiles (``COLUMN_SHAPES``, at the default ``COLUMN_MIN_LANES``) and a tile of at
+    most the channels (but below ``COLUMN_MIN_LANES`` vectors: the 1 x 8 fallback); the most
+    vectors first, then the most lanes, and in 3D four vectors at four lanes or more."""
+    pytest.importorskip("cupy")
+    from dcn_cupy._backends import cuda, cuda_fused
+    default = cuda.COLUMN_MIN_LANES
+    monkeypatch.setattr(cuda, "COLUMN_MIN_LANES", min_lanes)
+    picked = set()
+    for ndim in (1, 2, 3):
+        for vec in (8, 4):
+            for channels in range(vec, 1025, vec):
+                vectors, lanes = cuda._column_shape(channels, vec, ndim)
+                picked.add((vectors, lanes))
+                assert lanes >= min_lanes or (vectors, lanes) == (1, 8)
+                assert not (ndim == 3 and vectors == 4 and lanes < 4)
+                if channels >= min_lanes * vec:
+                    assert lanes * vec * vectors <= channels, (channels, vec)
+    if min_lanes == default:
+        assert picked == set(cuda_fused.COLUMN_SHAPES)
+    assert cuda._column_shape(256, 4, 2) == cuda._column_shape(128, 4, 3) == (4, 8)
+    expected = {8: (1, 8), 4: (2, 4), 2: (4, 2)}[min_lanes]
+    assert cuda._column_shape(64, 8, 2) == cuda._column_shape(32, 4, 1) == expected
+    assert cuda._column_shape(32, 4, 3) == {8: (1, 8), 4: (2, 4), 2: (2, 4)}[min_lanes]
+    assert cuda._column_shape(32, 8, 3) == {8: (1, 8), 4: (1, 4), 2: (2, 2)}[min_lanes]
+
+
 def test_a_refused_programmatic_launch_is_made_plainly(monkeypatch):
     """A driver that refuses cuLaunchKernelEx (no GPU: a ctypes stand-in): the kernel is launched
     with cuLaunchKernel instead, same arguments and stream, and later recordings launch plainly."""

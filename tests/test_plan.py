@@ -404,14 +404,13 @@ def test_transposed_backward_weight_gradient_through_im2col_shares_the_copy(ndim
     own lists made one each. For each ``wrt``, on a poisoned workspace, chained or not: the
     weight gradient bitwise that of cuda/im2col with its own copy, every gradient the
     reference's. (float16: its plans take the fused forward for the input gradient, which the
-    chain needs; 3D's columns forced through the channels-last sampler.)"""
+    chain needs; 3D's columns come from the channels-last sampler too.)"""
     cupy = pytest.importorskip("cupy")
-    from dcn_cupy._backends import cuda, cuda_direct, cuda_fused
+    from dcn_cupy._backends import cuda_direct, cuda_fused
     from dcn_cupy._backends import cuda_fused_backward as fb
     monkeypatch.setattr(cuda_direct, "MAX_MACS", 0)
     monkeypatch.setattr(cuda_fused, "TUNE", False)
     monkeypatch.setattr(fb, "fused_weight_choice", lambda *args, **kwargs: False)
-    monkeypatch.setattr(cuda, "CHANNELS_LAST_COLUMNS_3D", frozenset({np.dtype(np.float16), np.dtype(np.float32)}))
     rng = np.random.default_rng(70 + ndim)
     case = random_case(rng, ndim, True, batch=3, channels_scale=8, bias=False)
     dtype = np.dtype(np.float16)

@@ -106,24 +106,37 @@ _MAIN_SOURCE = "deform_conv.cu"
 #: the rest, and everything with False, through deform_im2col (2-byte gathers, one thread per
 #: channel and position). H200, the im2col stage alone (NOTES-gpu.md, sessions 8 and 9): B=8 C256
 #: 56x56 fp16 0.33 -> 0.112 ms, fp32 0.32 -> 0.184; B=16 C512 14x14 fp16 0.089 -> 0.035, fp32
-#: 0.086 -> 0.058; 1D C256 L4096 fp16 0.28 -> 0.107. In 3D only for the dtypes of
-#: CHANNELS_LAST_COLUMNS_3D: at B=2 C32 32^3 the half types' stage was slower (fp16 0.476 ->
-#: 0.498), float32's faster (0.554 -> 0.444; sessions 8 and 47).
+#: 0.086 -> 0.058; 1D C256 L4096 fp16 0.28 -> 0.107. In 3D for the dtypes of
+#: CHANNELS_LAST_COLUMNS_3D: float32 since session 47 (B=2 C32 32^3, the stage 0.554 -> 0.444), the
+#: half types since session 50's block shapes (``_column_shape``; the forward of forced cuda/im2col
+#: fp16 0.513 -> 0.228 ms, bf16 0.521 -> 0.228), which no longer leave half of the threads idle
+#: at 32 channels (the stage was slower then: fp16 0.476 -> 0.498, session 8).
 CHANNELS_LAST_COLUMNS = True
-CHANNELS_LAST_COLUMNS_3D = frozenset({np.dtype(np.float32)})
+CHANNELS_LAST_COLUMNS_3D = frozenset({np.dtype(np.float32), np.dtype(np.float16), BFLOAT16})
 #: Channels per 16-byte vector, the unit of the channels-last sampler.
 _COLUMN_VEC = {np.dtype(np.float16): 8, BFLOAT16: 8, np.dtype(np.float32): 4}
-_COLUMN_POSITIONS, _COLUMN_LANES = 32, 8   # fused_columns' block: positions x threads per position
+_COLUMN_THREADS = 256   # fused_columns' block: (256 / lanes) positions x lanes threads per position
+#: The fewest threads per position fused_columns' rule (``_column_shape``) may take: 8, 4 or 2.
+COLUMN_MIN_LANES = 2
 
 
-def _column_vectors(channels: int, vec: int) -> int:
-    """fused_columns' vectors per thread: the most (4, 2 or 1) whose block tile of
-    8 * vec * vectors channels does not exceed ``channels`` (idle threads cost more than the
-    corners recomputed per vector: H200, B=32 C64 fp16 0.187 ms at 1 against 0.272 at 4)."""
-    for vectors in (4, 2):
-        if _COLUMN_LANES * vec * vectors <= channels:
-            return vectors
-    return 1
+def _column_shape(channels: int, vec: int, ndim: int) -> tuple:
+    """fused_columns' ``(vectors per thread, threads per position)``: the most vectors (4, 2,
+    then 1), at the most lanes (8, 4, then 2, down to ``COLUMN_MIN_LANES``; in 3D 4 vectors at 4
+    lanes or more), whose block tile of lanes * vec * vectors channels does not exceed
+    ``channels``; else 1 x 8, with idle threads. The threads of one position each compute its
+    corners, so more vectors a thread compute them fewer times. H200, forward of forced
+    cuda/im2col (NOTES-gpu.md, session 50), against the 1 x 8 of sessions 9-49: B=32 C64 56x56 fp16
+    4 x 2 0.838x (2 x 4 0.895x), float32 4 x 4 0.862x; B=2 C32 32^3 float32 2 x 4 0.862x (4 x 2,
+    its eight corners of four vectors at 128 positions a block, 0.916x), fp16 2 x 2 0.529x (1 x 8
+    left half of its threads idle); B=8 C256 56x56 float32 4 x 8 unchanged."""
+    for vectors in (4, 2, 1):
+        for lanes in (8, 4, 2):
+            if lanes < COLUMN_MIN_LANES or (ndim == 3 and vectors == 4 and lanes < 4):
+                continue
+            if lanes * vec * vectors <= channels:
+                return vectors, lanes
+    return 1, 8
 
 
 #: fused_columns' blocks per launch wanted at least (a few per multiprocessor): a block samples
@@ -139,7 +152,7 @@ def _column_taps(tiles: int, taps: int) -> int:
 
 def settings() -> tuple:
     """The module settings an executable is built with (part of the functional API's plan key)."""
-    return (WORKSPACE_LIMIT_BYTES, TILE_HALO, TILE_SMEM_BYTES, _INT32_SAFE, CHANNELS_LAST_COLUMNS)
+    return (WORKSPACE_LIMIT_BYTES, TILE_HALO, TILE_SMEM_BYTES, _INT32_SAFE, CHANNELS_LAST_COLUMNS, COLUMN_MIN_LANES)
 
 
 def device_context(device_id: int):
@@ -1281,9 +1294,10 @@ class _Executable:
         self._recordings = Recordings()
         self.channels_last = self._channels_last_columns()
         vec = _COLUMN_VEC.get(self.dtype, 1)
-        # fused_columns' vectors per thread and its block tile's channels
-        self.column_vectors = _column_vectors(self.C, vec)
-        self.column_tile = _COLUMN_LANES * vec * self.column_vectors
+        # fused_columns' vectors per thread, threads per position, and its block tile
+        self.column_vectors, self.column_lanes = _column_shape(self.C, vec, geom.ndim)
+        self.column_tile = self.column_lanes * vec * self.column_vectors
+        self.column_positions = _COLUMN_THREADS // self.column_lanes
         self._column_kernels = {}
 
     def _channels_last_columns(self) -> bool:
@@ -1329,7 +1343,7 @@ class _Executable:
         if found is None:
             from . import cuda_fused
             found = self._column_kernels[wide] = cuda_fused.column_kernels(self.dtype, self.geom.ndim, wide,
-                                                                           self.column_vectors)
+                                                                           self.column_vectors, self.column_lanes)
         return found
 
     def _column_launches(self, c, x, offset, mask, cols, xcl) -> list:
@@ -1344,13 +1358,13 @@ class _Executable:
         index = np.int64 if wide else np.int32
         copy, sample = self.column_kernels(wide)
         from . import cuda_fused   # (it imports this module)
-        tiles = -(-q // _COLUMN_POSITIONS) * -(-self.C // self.column_tile)
+        tiles = -(-q // self.column_positions) * -(-self.C // self.column_tile)
         taps = _column_taps(tiles, self.K)
         sample_blocks = tiles * -(-self.K // taps)
         return [(copy, cuda_fused.layout_grid(c.n, self.C, self.S), (cuda_fused._THREADS,),
                  (x, xcl, c.i_n, self.i_C, self.i_C, index(self.S), index(self.C * self.S), None, None, index(0),
                   np.int32(0))),
-                (sample, (min(sample_blocks, _MAX_GRID),), (_COLUMN_POSITIONS * _COLUMN_LANES,),
+                (sample, (min(sample_blocks, _MAX_GRID),), (_COLUMN_THREADS,),
                  (xcl, offset, mask, cols, c.struct, c.i_n, self.i_C, self.i_C, self.i_Go, self.i_Gm, np.int32(taps)))]
 
     def kernels(self, index64: bool) -> dict:

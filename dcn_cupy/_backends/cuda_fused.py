@@ -328,7 +328,7 @@ def name_expressions(dtype, ndim: int, index64: bool, engine: int = 0) -> tuple:
     names += [f"fused_channels_last<{t}, {i}>", f"fused_channels_last_vectors<{t}, {i}>",
               f"fused_weight_rows<{t}, {i}>", f"fused_weight_tiles<{t}, {i}>",
               f"fused_sampling_plan<{t}, {i}, {ndim}>", f"fused_channel_totals<{t}, {i}>"]
-    names += [f"fused_columns<{t}, {i}, {ndim}, {vectors}>" for vectors in COLUMN_VECTORS]
+    names += [f"fused_columns<{t}, {i}, {ndim}, {vectors}, {lanes}>" for vectors, lanes in COLUMN_SHAPES]
     return tuple(names)
 
 
@@ -460,17 +460,20 @@ def layout_grid(samples: int, channels: int, positions: int) -> tuple:
     return (min(samples * -(-channels // 64) * -(-positions // 64), _MAX_GRID),)
 
 
-#: fused_columns' vectors of channels per thread (its VPT), one instantiation each.
-COLUMN_VECTORS = (1, 2, 4)
+#: fused_columns' (vectors of channels per thread, threads per position), its (VPT, LANES): those
+#: ``cuda._column_shape`` takes at the default ``cuda.COLUMN_MIN_LANES``, one instantiation each
+#: (other values compile theirs when used).
+COLUMN_SHAPES = ((4, 8), (4, 4), (4, 2), (2, 4), (2, 2), (1, 2), (1, 8))
 
 
-def column_kernels(dtype, ndim: int, index64: bool, vectors: int) -> tuple:
-    """``(fused_channels_last, fused_columns)`` of one dtype, N, index width and vectors per
-    thread: cuda/im2col's channels-last sampler (``cuda._Executable``), from a module of these
-    two kernels alone, so that cuda/im2col does not compile the fused forward's tiles for them."""
+def column_kernels(dtype, ndim: int, index64: bool, vectors: int, lanes: int) -> tuple:
+    """``(fused_channels_last, fused_columns)`` of one dtype, N, index width, vectors per thread
+    and threads per position: cuda/im2col's channels-last sampler (``cuda._Executable``), from a
+    module of these two kernels alone, so that cuda/im2col does not compile the fused forward's
+    tiles for them."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
-    names = (f"fused_channels_last<{t}, {i}>", f"fused_columns<{t}, {i}, {ndim}, {vectors}>")
+    names = (f"fused_channels_last<{t}, {i}>", f"fused_columns<{t}, {i}, {ndim}, {vectors}, {lanes}>")
     return tuple(_function(name, dtype, ndim, index64, names=names) for name in names)
 
 
