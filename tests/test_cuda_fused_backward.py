@@ -134,7 +134,7 @@ def test_leading_copies_start_beside_the_kernel_before_them(monkeypatch, determi
     fb = _backward_module()
     geom = _geometry.conv_geometry((3, 64, 9, 9), (64, 64, 3, 3), (3, 18, 9, 9), (3, 9, 9, 9), None, stride=1,
                                    padding=1, dilation=1, groups=1)[0]
-    monkeypatch.setattr(fb.BackwardConfig, "kernel", lambda self, name: name)
+    monkeypatch.setattr(fb.BackwardConfig, "kernel", lambda self, name, scatter=False: name)
     monkeypatch.setattr(fb._cuda, "_kernel_op", lambda kernel, grid, block, args, shared_mem=0, overlap=False:
                         (0, kernel, args, overlap))   # (0: a kernel, as recorded)
     inputs = tuple(k << 24 for k in range(1, 7))
@@ -161,6 +161,43 @@ def test_leading_copies_start_beside_the_kernel_before_them(monkeypatch, determi
     assert flags == ([1, 0, 0] if deterministic else [1, 1, 1]) + [0, 0] * 2
     monkeypatch.setattr(fb, "EARLY_COPIES", False)
     assert early_flags(chunked)[0] == [0] * 7
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["float16", "float32"])
+def test_input_gradient_alone_takes_the_scatter_tile(monkeypatch, dtype):
+    """The data kernel launched for the input gradient alone (a transposed forward's scatter, or
+    wrt the input only) takes ``scatter_tile`` (no GPU: kernels and launches stubbed): in 3D the
+    64x64 tile, its blocks and shared memory, where the offset and mask gradients keep the rule's
+    64x128; in 2D, with a forced tile, deterministic, or ``SCATTER_NARROW_3D`` off, one tile."""
+    fb = _backward_module()
+    geom3 = _geometry.conv_geometry((2, 32, 6, 6, 6), (32, 32, 3, 3, 3), (2, 81, 6, 6, 6), (2, 27, 6, 6, 6), None,
+                                    stride=1, padding=1, dilation=1, groups=1)[0]
+    geom2 = _geometry.conv_geometry((2, 32, 9, 9), (32, 32, 3, 3), (2, 18, 9, 9), (2, 9, 9, 9), None, stride=1,
+                                    padding=1, dilation=1, groups=1)[0]
+    monkeypatch.setattr(fb.BackwardConfig, "kernel", lambda self, name, scatter=False: (name, scatter))
+    monkeypatch.setattr(fb._cuda, "_kernel_op", lambda kernel, grid, block, args, shared_mem=0, overlap=False:
+                        (0, kernel, grid, shared_mem))
+    narrow, wide = fb._tiles(dtype)[:2]
+
+    def data_launch(config, wrt):   # (scatter, grid, shared memory) of the data kernel's launch
+        inputs = tuple(k << 24 for k in range(1, 7))
+        outs = tuple((k << 24) if name in wrt else 0 for k, name in zip(range(7, 11), ("x", "w", "off", "m")))
+        ops = fb._launches(config, inputs, (1,) * 7, outs, 12 << 24)
+        (found,) = [(op[1][1], op[2], op[3]) for op in ops if op[0] == 0 and op[1][0] == "data"]
+        return found
+
+    config = fb.BackwardConfig(geom3, dtype, False)
+    assert config.tile == wide and config.scatter_tile == narrow
+    assert "(the input gradient alone: 64x64x" in config.description, config.description
+    q = geom3.output_size * 2   # the chunk's positions
+    assert data_launch(config, ("x",)) == (True, (-(-q // narrow[1]) * 27,), config.scatter_smem_bytes)
+    for wrt in (("x", "off", "m"), ("off",), ("m",)):
+        assert data_launch(config, wrt) == (False, (-(-q // wide[1]) * 27,), config.smem_bytes)
+    for other in (fb.BackwardConfig(geom2, dtype, False), fb.BackwardConfig(geom3, dtype, False, tile=wide),
+                  fb.BackwardConfig(geom3, dtype, False, deterministic=True)):
+        assert other.scatter_tile == other.tile and "input gradient alone" not in other.description
+    monkeypatch.setattr(fb, "SCATTER_NARROW_3D", False)
+    assert fb.BackwardConfig(geom3, dtype, False).scatter_tile == wide
 
 
 def test_weight_splits_fill_whole_waves(monkeypatch):
@@ -806,6 +843,26 @@ def test_each_gradient_alone_equals_all_together(wanted):
     for name in wanted:
         assert relative_error(alone[name], expected[name]) < TOL["float32"]
         assert relative_error(alone[name], together[name]) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["float16", "float32"])
+def test_input_gradient_alone_at_the_scatter_tile_in_3d(precision, monkeypatch):
+    """In 3D the input gradient alone takes the data kernel's 64x64 tile (``scatter_tile``), the
+    data gradients together its 64x128 (``SCATTER_NARROW_3D``): the input gradient alone the
+    reference's either way, and equal to the one computed together (the same sums, in the same
+    order per tile; float32 atomics may add them in another order); with offset groups != mask
+    groups, conv groups, stride, dilation, partial tiles."""
+    fb = _backward_module()
+    rng = np.random.default_rng(23)
+    arrays, params, gy = wide_case(rng, 3, c_in=64, c_out=32, batch=2)
+    together, expected, _ = run_gradients(arrays, params, gy, precision)
+    for narrow in (True, False):
+        monkeypatch.setattr(fb, "SCATTER_NARROW_3D", narrow)
+        alone, _, config = run_gradients(arrays, params, gy, precision, wanted=("input",))
+        assert config.tile[1] == 128 and config.scatter_tile[1] == (64 if narrow else 128)
+        check(alone, expected, precision, ("scatter tile", narrow))
+        assert relative_error(alone["input"], together["input"]) < TOL[precision], narrow
 
 
 def _channels_first_kernels(precision, fixed):

@@ -360,9 +360,11 @@ def test_transposed_backward_replays_its_parts_as_one_list(ndim, deterministic, 
     expected = case.backward(gy64, **host, **case.params)
     out = {name: cupy.empty_like(a) for name, a in dev.items() if a is not None}
     workspace = cupy.empty(max(p.workspace_bytes, 1), np.uint8)
+    weight_part = p._bwd[1]._weight   # cuda/im2col's weight gradient, where the fused one is not
     for wrt in (None, ("input",), ("weight", "bias"), ("offset", "mask"), ("input", "mask", "bias")):
         names = [n for n in ARGUMENTS if n in out and (wrt is None or n in wrt)]
-        for recordings in (p._bwd_input[1]._recordings, p._bwd[1]._recordings, p._bias_sum_pointers._recordings):
+        for recordings in (p._bwd_input[1]._recordings, p._bwd[1]._recordings, p._bias_sum_pointers._recordings) + (
+                (weight_part._recordings,) if weight_part is not None else ()):
             recordings.entries.clear()   # (so that the last entry is this wrt's, not an earlier one's)
         runs = []
         for chained in (False, False, True, True, True):   # a list's second replay on: its CUDA graph
@@ -383,8 +385,13 @@ def test_transposed_backward_replays_its_parts_as_one_list(ndim, deterministic, 
             lists = [list(e._recordings.entries.values())[-1] for e in (p._bwd_input[1], p._bwd[1])]
             if "bias" in names and not p._folds_bias(frozenset(names)):
                 lists.append(list(p._bias_sum_pointers._recordings.entries.values())[-1])
+            # the weight gradient through cuda/im2col on the fused copy (3D float16 here): its own
+            # list, and in the chain the handle op its GEMMs follow
+            through = "weight" in names and weight_part is not None
+            if through:
+                lists.append(list(weight_part._recordings.entries.values())[-1])
             once = p._bwd_input[1].channels_last_input() is not None and p._bwd[1].config.chunk >= 3
-            assert len(recorded) == sum(len(ops) for ops in lists) - once, wrt
+            assert len(recorded) == sum(len(ops) for ops in lists) - once + through, wrt
         for grads in runs:
             for name in names:
                 assert relative_error(grads[name], getattr(expected, name)) < 2e-2, (wrt, name)

@@ -583,6 +583,24 @@ def _choose_tile(geom, dtype) -> tuple:
     return wide if geom.ndim == 3 or geom.out_channels // geom.groups >= DATA_WIDE_MIN_ROWS else narrow
 
 
+#: The data kernel launched for the input gradient alone (a transposed convolution's forward, or
+#: a backward asked for that gradient only) takes the dtype's 64x64 tile in 3D, where the rule
+#: takes 64x128 for the data gradients together: without the offset and mask gradients' reductions
+#: the wide tile's reuse of the B fragments buys less than twice the blocks do. H200, 3D
+#: transposed B=2 C32 16^3 s2, forward (f+b less backward, one process; NOTES-gpu.md, session 50):
+#: strict float32 0.1665 -> 0.1563 ms, TF32 0.1587 -> 0.1469, fp16 0.1564 -> 0.1466, while its
+#: backward (offset and mask gradients) is 3.5-6.4% slower at 64x64. The tiles differ only in BN:
+#: the same workspace, epilogue and segments. False: one tile for every launch.
+SCATTER_NARROW_3D = True
+
+
+def _scatter_tile(geom, dtype, tile: tuple) -> tuple:
+    """The data kernel's tile for the input gradient alone (``SCATTER_NARROW_3D``), where the
+    rule's ``tile`` serves the rest."""
+    narrow, wide = _tiles(dtype)[:2]
+    return narrow if SCATTER_NARROW_3D and geom.ndim == 3 and tile == wide else tile
+
+
 class BackwardConfig:
     """What one backward of one geometry and dtype launches (chosen once per plan)."""
 
@@ -602,6 +620,11 @@ class BackwardConfig:
         self.precision = _fused.precision_of(dtype, allow_tf32)
         self.tile = tuple(tile) if tile is not None else _choose_tile(geom, dtype)
         bm, bn, bk, _ = self.tile
+        # the data kernel's tile where it computes the input gradient alone (a forced tile, and
+        # the deterministic kernels, keep one tile)
+        self.scatter_tile = (self.tile if tile is not None or deterministic
+                             else _scatter_tile(geom, dtype, self.tile))
+        assert self.scatter_tile[0] == bm and self.scatter_tile[2] == bk   # (only BN differs)
         self.Cp, self.Cop, self.Cpa = _fused._round_up(C, vec), _fused._round_up(Co, vec), _fused._round_up(C, 4)
         self.Cogp = _fused._round_up(self.Cog, bk)
         # the data kernel's operand rows (wt, gycl): in strict float32 (3xTF32) twice as long, the
@@ -724,6 +747,8 @@ class BackwardConfig:
         self.workspace_bytes = total
         self.smem_bytes = data_smem_bytes(dtype, self.tile, geom.ndim, self.lane_channels, self.lanes,
                                           self.deterministic, self.precision)
+        self.scatter_smem_bytes = data_smem_bytes(dtype, self.scatter_tile, geom.ndim, self.lane_channels,
+                                                  self.lanes, self.deterministic, self.precision)
         self.weight_smem_bytes = (ws_weight_smem_bytes(dtype, self.precision) if self.ws_weight
                                   else weight_smem_bytes(dtype, self.weight_tile, self.precision))
         self.weight_threads = ws_threads(dtype, self.precision) if self.ws_weight else _THREADS
@@ -741,22 +766,30 @@ class BackwardConfig:
         data_plan = " from a plan per chunk" if self.gradient_plan else ""
         scatter = ("deterministic: fixed-point 64-bit channels-last scatter, offset and mask gradients summed in a "
                    "fixed order" if self.deterministic else "channels-last vector scatter")
-        return (f"cuda/fused-backward: {prec} mma.sync, tile {bm}x{bn}x{bk}, {scatter}{data_plan} "
+        tiles = f"tile {bm}x{bn}x{bk}"
+        if self.scatter_tile != self.tile:
+            tiles += " (the input gradient alone: {}x{}x{})".format(*self.scatter_tile[:3])
+        return (f"cuda/fused-backward: {prec} mma.sync, {tiles}, {scatter}{data_plan} "
                 f"({self.lane_channels} channels a lane, {self.lanes} lanes a position), "
                 f"{weight}, chunks of {self.chunk} samples, {'64' if self.index64 else '32'}-bit index")
 
-    def blocks(self, n: int) -> int:
-        return -(-n * self.Q // self.tile[1]) * self.K * self.geom.groups * self.m_tiles
+    def blocks(self, n: int, scatter: bool = False) -> int:
+        """The data kernel's blocks for n samples (``scatter``: at ``scatter_tile``)."""
+        bn = (self.scatter_tile if scatter else self.tile)[1]
+        return -(-n * self.Q // bn) * self.K * self.geom.groups * self.m_tiles
 
     def weight_steps(self, n: int) -> int:
         """Steps (of BK positions) of each of the weight gradient's splits, for n samples."""
         total = -(-n * self.Q // self.weight_tile[2])
         return -(-total // self.splits)
 
-    def kernel(self, name: str):
+    def kernel(self, name: str, scatter: bool = False):
+        """The kernel function ``name`` (``scatter``: the data kernel at ``scatter_tile``)."""
         g = self.geom
         if name in ("data", "weight"):
             tile, smem = (self.tile, self.smem_bytes) if name == "data" else (self.weight_tile, self.weight_smem_bytes)
+            if name == "data" and scatter:
+                tile, smem = self.scatter_tile, self.scatter_smem_bytes
             plan = self.gradient_plan if name == "data" else self.sampling_plan
             if name == "data":
                 tile = data_tile(tile, g.ndim)
@@ -817,6 +850,7 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
     g_off, g_m = (g_off if offset else 0), (g_m if mask else 0)
     gw = gw if config.fused_weight else 0
     data = bool(gx or g_off or g_m)
+    scatter = bool(gx) and not g_off and not g_m   # the input gradient alone (config.scatter_tile)
     it = config.itemsize
     index = np.int64 if config.index64 else np.int32
     i32, u64, at = np.int32, _cuda._u64, _cuda._at
@@ -943,13 +977,14 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
                 ("gxcl", 0 if config.deterministic else gx), ("goff", g_off), ("gmsk", g_m))]
             if config.gradient_plan:
                 ops.append(gradient_plan_op(n, off_n, msk_n))
-            ops.append(op(kernel("data"), (config.blocks(n),), (_THREADS,), (
+            ops.append(op(kernel("data", scatter), (config.blocks(n, scatter),), (_THREADS,), (
                 u64(view["gycl"]), u64(view["wt"]), u64(view["xcl"]), off_n, msk_n,
                 *accumulators, config.struct, i32(n),
                 i32(g.in_channels), i32(config.Cp), i32(config.Cpa), i32(g.out_channels), i32(config.gy_row),
                 i32(g.groups), i32(config.Go), i32(config.Gm), i32(config.wt_row), index(off_bs), index(msk_bs),
                 i32(config.seg), *(u64(view[name]) if config.gradient_plan else None for name in GRADIENT_PLAN),
-                i32(config.seg_len), *fixed, i32(config.log2_count)), config.smem_bytes))
+                i32(config.seg_len), *fixed, i32(config.log2_count)),
+                config.scatter_smem_bytes if scatter else config.smem_bytes))
             if gx:
                 accumulator = view["gxq"] if det else view["gxcl"]
                 ops.append(op(kernel(channels_first_kernel(config, gx_bs, (gx, accumulator))),
@@ -1295,6 +1330,7 @@ class FusedBackwardBackend:
                 names += ["weight_bound", "fused_sample_bound"]
             for name in names:
                 config.kernel(name)   # compile now, never during a CUDA-graph capture
+            config.kernel("data", scatter=True)
             weight = None if config.fused_weight else weight_through_im2col(config, spec)
         return FusedBackward(config, weight)
 
