@@ -401,6 +401,24 @@ def test_transposed_backward_replays_its_parts_as_one_list(ndim, deterministic, 
                     np.testing.assert_array_equal(grads[name], runs[0][name], err_msg=f"{wrt} {name}")
 
 
+def test_the_transposed_chain_takes_only_executables_made_for_it():
+    """A transposed plan chains its backward's parts into one list where each executable has a
+    ``record`` (``_plan``'s test): the fused forward (the input gradient) and the fused backward
+    (the parameter gradients, given the input's channels-last copy as ``input_channels_last``).
+    cuda/im2col's executables, and cuda/im2col-deterministic's backward, have none: their
+    launches run as their own lists. (Session 48 gave cuda/im2col's backward a ``record`` for the
+    fused backward's weight gradient; transposed plans whose parameter gradients took cuda/im2col
+    then called it with the fused backward's keyword and failed.) No GPU needed."""
+    pytest.importorskip("cupy")
+    import inspect
+    from dcn_cupy._backends import cuda, cuda_deterministic, cuda_direct, cuda_fused, cuda_fused_backward
+    for cls in (cuda._Forward, cuda._Backward, cuda_deterministic._DeterministicBackward, cuda_direct._Forward):
+        assert not callable(getattr(cls, "record", None)), cls
+    assert callable(cuda._Backward.record_led_by_handle)
+    assert callable(cuda_fused.FusedForward.record)
+    assert "input_channels_last" in inspect.signature(cuda_fused_backward.FusedBackward.record).parameters
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ndim", [2, 3])
 def test_transposed_backward_weight_gradient_through_im2col_shares_the_copy(ndim, monkeypatch):

@@ -1675,9 +1675,11 @@ class _Backward(_Executable):
             ops = self._recordings.put(key, self._record(*inputs, ws, wanted, *outs, copy=copy))
         _replay(ops, self._cublas(ws, stream), stream)
 
-    def record(self, inputs, wanted, outs, ws, copy=None) -> list:
+    def record_led_by_handle(self, inputs, wanted, outs, ws, copy=None) -> list:
         """``run_pointers``' launches, recorded and not run, for a caller that replays them in a
-        list of its own: led by the handle op (``handle_op``) its GEMMs run on."""
+        list of its own: led by the handle op (``handle_op``) its GEMMs run on. (Not ``record``:
+        a plan's transposed chain takes the executables that have one, with its keywords, and
+        this backward, whole, runs as its own list there.)"""
         return [handle_op(self.device_id, self.layout.ptr(ws, "cublas"), self.cublas_bytes)] + self._record(
             *inputs, ws, wanted, *outs, copy=self._given(copy))
 

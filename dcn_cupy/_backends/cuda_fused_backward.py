@@ -1153,9 +1153,9 @@ class FusedBackward:
                   and tuple(input_channels_last) == (c.Cp, c.geom.batch * c.S + 1))
         ops = _launches(c, inputs, self._strides, outs, workspace, input_copied=copied)
         if through:
-            ops += self._weight.record(inputs, frozenset(("weight",)), (0, outs[1], 0, 0), workspace + self._weight_at,
-                                       self._weight_copy(workspace, bool(inputs[3] and outs[2]),
-                                                         bool(inputs[4] and outs[3]), copied))
+            copy = self._weight_copy(workspace, bool(inputs[3] and outs[2]), bool(inputs[4] and outs[3]), copied)
+            ops += self._weight.record_led_by_handle(inputs, frozenset(("weight",)), (0, outs[1], 0, 0),
+                                                     workspace + self._weight_at, copy)
         return ops
 
 
