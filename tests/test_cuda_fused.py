@@ -541,6 +541,22 @@ def test_column_block_shapes_are_compiled_and_fill_their_tiles(monkeypatch, min_
     assert cuda._column_shape(32, 8, 3) == {8: (1, 8), 4: (1, 4), 2: (2, 2)}[min_lanes]
 
 
+def test_column_sampler_settings_are_part_of_the_plan_key(monkeypatch):
+    """The column sampler's module settings (``CHANNELS_LAST_COLUMNS``, ``_3D``, ``COLUMN_MIN_LANES``)
+    are part of ``cuda_settings()``, the functional API's plan key: a changed one builds new
+    plans (no GPU)."""
+    pytest.importorskip("cupy")
+    from dcn_cupy import _backends
+    from dcn_cupy._backends import cuda
+    for name, value in (("CHANNELS_LAST_COLUMNS", False), ("CHANNELS_LAST_COLUMNS_3D", frozenset()),
+                        ("COLUMN_MIN_LANES", 8)):
+        before = _backends.cuda_settings()
+        with monkeypatch.context() as m:
+            m.setattr(cuda, name, value)
+            assert _backends.cuda_settings() != before, name
+        assert _backends.cuda_settings() == before, name
+
+
 def test_a_refused_programmatic_launch_is_made_plainly(monkeypatch):
     """A driver that refuses cuLaunchKernelEx (no GPU: a ctypes stand-in): the kernel is launched
     with cuLaunchKernel instead, same arguments and stream, and later recordings launch plainly."""

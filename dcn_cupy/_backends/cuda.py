@@ -152,7 +152,8 @@ def _column_taps(tiles: int, taps: int) -> int:
 
 def settings() -> tuple:
     """The module settings an executable is built with (part of the functional API's plan key)."""
-    return (WORKSPACE_LIMIT_BYTES, TILE_HALO, TILE_SMEM_BYTES, _INT32_SAFE, CHANNELS_LAST_COLUMNS, COLUMN_MIN_LANES)
+    return (WORKSPACE_LIMIT_BYTES, TILE_HALO, TILE_SMEM_BYTES, _INT32_SAFE, CHANNELS_LAST_COLUMNS,
+            CHANNELS_LAST_COLUMNS_3D, COLUMN_MIN_LANES)
 
 
 def device_context(device_id: int):
