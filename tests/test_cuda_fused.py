@@ -557,6 +557,35 @@ def test_column_sampler_settings_are_part_of_the_plan_key(monkeypatch):
         assert _backends.cuda_settings() == before, name
 
 
+def test_fused_workspace_bound_reads_sizes_and_keys_plans(monkeypatch):
+    """``DCN_CUPY_FUSED_WORKSPACE_BYTES`` takes sizes like the other workspace variables (``512M``)
+    and names itself when it is not one; the bound is part of the functional API's plan key, and
+    it sets the fused backward's batch chunk (no GPU)."""
+    pytest.importorskip("cupy")
+    import subprocess
+    import sys
+    from dcn_cupy import _backends
+    from dcn_cupy._backends import cuda_fused, cuda_fused_backward
+    script = "from dcn_cupy._backends import cuda_fused; print(cuda_fused.WORKSPACE_LIMIT_BYTES)"
+    env = {**os.environ, "DCN_CUPY_FUSED_WORKSPACE_BYTES": "512M"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(512 * 2**20)]
+    env["DCN_CUPY_FUSED_WORKSPACE_BYTES"] = "a lot"
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "DCN_CUPY_FUSED_WORKSPACE_BYTES must be a positive number of bytes" in done.stderr
+    assert "got 'a lot'" in done.stderr
+    geom, _ = _geometry.conv_geometry((16, 256, 4096), (256, 256, 3), (16, 6, 4096), (16, 3, 4096), padding=1)
+    keys, chunks = {}, {}
+    for limit in (128 * 2**20, 2**30):
+        monkeypatch.setattr(cuda_fused, "WORKSPACE_LIMIT_BYTES", limit)
+        keys[limit] = _backends.cuda_settings()
+        chunks[limit] = cuda_fused_backward.BackwardConfig(geom, np.dtype(np.float32), True).chunk
+    assert keys[128 * 2**20] != keys[2**30]
+    assert chunks[128 * 2**20] == 6 and chunks[2**30] == 16   # 6 + 6 + 4 samples, then one chunk
+
+
 def test_a_refused_programmatic_launch_is_made_plainly(monkeypatch):
     """A driver that refuses cuLaunchKernelEx (no GPU: a ctypes stand-in): the kernel is launched
     with cuLaunchKernel instead, same arguments and stream, and later recordings launch plainly."""

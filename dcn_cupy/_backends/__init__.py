@@ -241,13 +241,13 @@ _cuda_settings = None
 
 
 def cuda_settings() -> tuple:
-    """The CUDA backends' module settings (workspace limit, tile sizes, cuda/direct's size
+    """The CUDA backends' module settings (workspace limits, tile sizes, cuda/direct's size
     limits), read when their executables are built or chosen: part of the functional API's
     plan key, so that a changed setting builds new plans."""
     global _cuda_settings
     if _cuda_settings is None:
         _cuda_settings = tuple(importlib.import_module(f"dcn_cupy._backends.{name}").settings
-                               for name in ("cuda", "cuda_direct"))
+                               for name in ("cuda", "cuda_direct", "cuda_fused"))
     return tuple(settings() for settings in _cuda_settings)
 
 

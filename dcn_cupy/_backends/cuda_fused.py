@@ -57,11 +57,24 @@ import numpy as np
 
 import cupy
 
+from .. import _limits
 from .._interop import BFLOAT16
 from . import cuda as _cuda
 
-#: Upper bound, in bytes, of the channels-last copy of one batch chunk.
-WORKSPACE_LIMIT_BYTES = int(os.environ.get("DCN_CUPY_FUSED_WORKSPACE_BYTES", 128 * 2**20))
+#: Upper bound, in bytes, of one batch chunk's workspace: here the channels-last copy (and
+#: sampling plan) of a chunk, in cuda/fused-backward a chunk's copies, plans and accumulators (a
+#: sample is never split). ``DCN_CUPY_FUSED_WORKSPACE_BYTES`` sets it (sizes like ``512M``).
+#: Fewer chunks cost less: H200, f+b, 1D B=16 C256 L4096 (chunks of 6 samples at 128M, one
+#: chunk at 512M), TF32 0.995 -> 0.918 ms, strict 1.966 -> 1.884, fp16 0.646 -> 0.619; B=8 C256
+#: 56x56 strict 2.145 -> 2.105, fp16 level; for 113 -> 286 MB (TF32) of workspace
+#: (NOTES-gpu.md, session 51). The default keeps the memory: peak extra memory is a target too.
+WORKSPACE_LIMIT_BYTES = _limits.size_from_env("DCN_CUPY_FUSED_WORKSPACE_BYTES", 128 * 2**20)
+
+
+def settings() -> tuple:
+    """The module settings an executable is built with (part of the functional API's plan key)."""
+    return (WORKSPACE_LIMIT_BYTES,)
+
 
 _SOURCE = "deform_fused.cu"
 _THREADS = 256   # threads per block of the small kernels, and of a tile that names no other count
