@@ -33,6 +33,10 @@
 // gycl twice as long, split_tf32's big parts, then the small ones), each part copied to a tile of its
 // own and multiplied by fused::warp_mma_planes, no value split in the loop.
 //
+// WG (sm_90a, the 64 x 128 tile, not DET): the same copies into swizzled rows (TILE_XOR is the
+// 128-byte swizzle wgmma reads), multiplied by wgmma instead of mma.sync, each warpgroup its
+// 64 x 64 half; 3xTF32's products of a step summed apart, then added in float32.
+//
 // Template parameters: T storage type, I index type, N spatial dims, PREC (0: T's own MMA; 1:
 // TF32; 2: 3xTF32), the tile BM x BN x BK, MINB (blocks per multiprocessor asked of the register
 // allocator), PLAN (the epilogue reads each (position, tap, segment)'s corners, slopes and mask
@@ -42,7 +46,8 @@
 // stored, not added, as one partial sum per segment of channels, slot (channel within its
 // group) / (4 * seg) of goff / gmsk, which fused_store adds in a fixed order), CPL (channels per
 // epilogue lane: 4, or 8 where every group's channels are a multiple of 8, not DET; the rule,
-// cuda_fused_backward.epilogue_lane_channels, takes 8 in 3D only). 256 threads.
+// cuda_fused_backward.epilogue_lane_channels, takes 8 in 3D only), WG (the wgmma main loop,
+// cuda_fused_backward.WGMMA_DATA). 256 threads.
 // Dynamic shared memory: cuda_fused_backward.smem_bytes.
 
 #include "fused_common.cuh"
@@ -465,8 +470,13 @@ __global__ void fused_gradient_plan(const T* __restrict__ offset, const T* __res
     }
 }
 
+// WG (sm_90a): the main loop on wgmma, each warpgroup a 64 x 64 half of the 64 x 128 tile
+// (m64n64, K-major operands in the swizzled rows of TILE_XOR, the smem lifted to their 1024-byte
+// period: cuda_fused_backward asks 1 KiB more), same copies, staging and epilogue; in 3xTF32
+// each step's products summed apart and added to the accumulators in float32 (as warp_mma_planes
+// does per k8). Else (false) the mma.sync main loop.
 template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool PLAN, bool DET, int CPL,
-          int LANES>
+          int LANES, bool WG = false>
 __global__ void __launch_bounds__(fused_bwd::THREADS, MINB)
 deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt, const T* __restrict__ xcl,
                            const T* __restrict__ offset, const T* __restrict__ mask,
@@ -483,7 +493,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     start_after_prerequisites();
     using fused_bwd::THREADS;
     constexpr int VEC = Tile<T>::VEC;
-    constexpr int LAYOUT = DCN_DATA_TILE_LAYOUT >= 0 ? DCN_DATA_TILE_LAYOUT
+    constexpr int LAYOUT = WG ? TILE_XOR : DCN_DATA_TILE_LAYOUT >= 0 ? DCN_DATA_TILE_LAYOUT
                            : PREC == 2 && N < 3 ? TILE_PADDED : TILE_XOR;   // (above the kernels)
     static_assert(LAYOUT == TILE_PADDED || (LAYOUT == TILE_XOR && BK * sizeof(T) == 128), "tile layout");
     // shared row length (A: per input channel, B: per position)
@@ -504,9 +514,10 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
     static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0 && LANES * CPL <= BM, "epilogue lanes");
 
     extern __shared__ __align__(128) unsigned char fused_smem[];
-    T* const As0 = reinterpret_cast<T*>(fused_smem);
+    unsigned char* const smem = WG ? fused_smem + ((1024u - (smem_address(fused_smem) & 1023u)) & 1023u) : fused_smem;
+    T* const As0 = reinterpret_cast<T*>(smem);
     T* const Bs0 = As0 + 2 * PLANES * BM * LD;
-    float* const Gs = reinterpret_cast<float*>(fused_smem);   // after the main loop: G[BN][GLD]
+    float* const Gs = reinterpret_cast<float*>(smem);   // after the main loop: G[BN][GLD]
     // (not DET) after G: each lane's offset and mask partial sums, Ps[a][n][slot] (a < N: offset
     // dimension a, a = N: mask; slot: the lane's channel quad (octet) within the tile), summed per
     // segment after the passes
@@ -578,49 +589,113 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
         copy_commit();
     };
 
-    float acc[MT][NT][4];
+    if constexpr (WG) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        static_assert(BM == 64 && BN == 128 && LAYOUT == TILE_XOR && THREADS == 256, "wgmma data tile: 64 x 128");
+        constexpr int KSTEP = PREC == 0 ? 16 : 8;                 // wgmma K
+        constexpr unsigned A_PLANE = BM * LD * sizeof(T), B_PLANE = BN * LD * sizeof(T);
+        const int wg = warp >> 2;                                 // positions wg * 64 ...
+        float d[1][32], p[1][32];   // (p: 3xTF32's products of a step; else unused, no registers)
 #pragma unroll
-    for (int i = 0; i < MT; ++i)
+        for (int i = 0; i < 32; ++i) d[0][i] = 0.0f;
+        // (128-byte swizzle, K-major: 8-row groups 1024 bytes apart; a k step is the next KSTEP
+        // elements of each row, the hardware applying the swizzle to the address)
+        const unsigned long long a_desc0 = wgmma_descriptor(As0, 16, 1024) | (1ull << 62);
+        const unsigned long long b_desc0 = wgmma_descriptor(Bs0 + wg * 64 * LD, 16, 1024) | (1ull << 62);
+        copy_step(0, 0);
+        for (int s = 0; s < steps; ++s) {
+            const int cur = s & 1;
+            if (s + 1 < steps) {
+                copy_step(s + 1, cur ^ 1);
+                copy_wait_pending<1>();
+            } else {
+                copy_wait_all();
+            }
+            proxy_fence();   // the copies' writes, seen by the wgmmas' (async proxy) reads
+            __syncthreads();
+            float (&acc)[1][32] = PLANES == 2 ? p : d;
+            register_fence(acc);
+            wgmma_fence();
 #pragma unroll
-        for (int j = 0; j < NT; ++j)
+            for (int ks = 0; ks < BK / KSTEP; ++ks) {
+                const unsigned long long da = wgmma_descriptor_at(a_desc0, cur * PLANES * A_PLANE + ks * KSTEP * sizeof(T));
+                const unsigned long long db = wgmma_descriptor_at(b_desc0, cur * PLANES * B_PLANE + ks * KSTEP * sizeof(T));
+                if constexpr (PLANES == 2) {
+                    Wgmma<T, 64>::run(acc[0], wgmma_descriptor_at(da, A_PLANE), db, ks == 0 ? 0 : 1);
+                    Wgmma<T, 64>::run(acc[0], da, wgmma_descriptor_at(db, B_PLANE));
+                    Wgmma<T, 64>::run(acc[0], da, db);
+                } else {
+                    Wgmma<T, 64>::run(acc[0], da, db);
+                }
+            }
+            wgmma_commit();
+            wgmma_wait_all();
+            register_fence(acc);
+            if constexpr (PLANES == 2) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
-
-    copy_step(0, 0);
-    for (int s = 0; s < steps; ++s) {
-        const int cur = s & 1;
-        if (s + 1 < steps) {
-            copy_step(s + 1, cur ^ 1);
-            copy_wait_pending<1>();
-        } else {
-            copy_wait_all();
+                for (int i = 0; i < 32; ++i) d[0][i] += p[0][i];
+            }
+            __syncthreads();   // (the next step's copy overwrites the other buffer)
         }
-        __syncthreads();
-        if constexpr (PLANES == 2) {
-            const float* const a = reinterpret_cast<const float*>(As0 + cur * 2 * BM * LD);
-            const float* const b = reinterpret_cast<const float*>(Bs0 + cur * 2 * BN * LD);
-            warp_mma_planes<MT, NT, LD, BK, WM, WN, LAYOUT>(acc, a, a + BM * LD, b, b + BN * LD, wm, wn, lane);
-        } else {
-            // (TF32: both operands' rows rounded by their copies, fused_channels_last_tf32)
-            warp_mma<T, PREC, ROUNDED_A | ROUNDED_B, MT, NT, LD, BK, WM, WN, LAYOUT>(acc, As0 + cur * BM * LD,
-                                                                                   Bs0 + cur * BN * LD, wm, wn, lane);
+        // Stage the tile: Gs[position][channel], from the m64n64 fragments (warp w of the
+        // warpgroup: rows 16w ..; register i: row + 8 * (i / 2 % 2), column 8 * (i / 4) + i % 2).
+        {
+            const int w4 = warp & 3, gq = lane >> 2, tq = lane & 3;
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+                const int row = w4 * 16 + gq + ((i >> 1) & 1) * 8;
+                const int n = wg * 64 + (i >> 2) * 8 + 2 * tq + (i & 1);
+                Gs[n * GLD + row] = d[0][i];
+            }
         }
-        __syncthreads();
-    }
-
-    // Stage the tile: Gs[position][channel], from the fragments (row = channel, column = position).
-    {
-        const int gq = lane >> 2, tq = lane & 3;
+#else
+        __trap();   // (instantiated for sm_90a alone)
+#endif
+    } else {
+        float acc[MT][NT][4];
 #pragma unroll
         for (int i = 0; i < MT; ++i)
 #pragma unroll
             for (int j = 0; j < NT; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = wm * WM + i * 16 + gq + (e >> 1) * 8;
-                    const int n = wn * WN + j * 8 + 2 * tq + (e & 1);
-                    Gs[n * GLD + row] = acc[i][j][e];
-                }
+                for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+        copy_step(0, 0);
+        for (int s = 0; s < steps; ++s) {
+            const int cur = s & 1;
+            if (s + 1 < steps) {
+                copy_step(s + 1, cur ^ 1);
+                copy_wait_pending<1>();
+            } else {
+                copy_wait_all();
+            }
+            __syncthreads();
+            if constexpr (PLANES == 2) {
+                const float* const a = reinterpret_cast<const float*>(As0 + cur * 2 * BM * LD);
+                const float* const b = reinterpret_cast<const float*>(Bs0 + cur * 2 * BN * LD);
+                warp_mma_planes<MT, NT, LD, BK, WM, WN, LAYOUT>(acc, a, a + BM * LD, b, b + BN * LD, wm, wn, lane);
+            } else {
+                // (TF32: both operands' rows rounded by their copies, fused_channels_last_tf32)
+                warp_mma<T, PREC, ROUNDED_A | ROUNDED_B, MT, NT, LD, BK, WM, WN, LAYOUT>(acc, As0 + cur * BM * LD,
+                                                                                       Bs0 + cur * BN * LD, wm, wn, lane);
+            }
+            __syncthreads();
+        }
+
+        // Stage the tile: Gs[position][channel], from the fragments (row = channel, column = position).
+        {
+            const int gq = lane >> 2, tq = lane & 3;
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int row = wm * WM + i * 16 + gq + (e >> 1) * 8;
+                        const int n = wn * WN + j * 8 + 2 * tq + (e & 1);
+                        Gs[n * GLD + row] = acc[i][j][e];
+                    }
+        }
     }
     __syncthreads();
 

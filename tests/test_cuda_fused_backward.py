@@ -63,7 +63,8 @@ def test_every_instantiation_compiles(key, compile_module):
 
 
 @pytest.mark.parametrize("key", _module_keys(), ids=_key_id)
-def test_warp_specialised_weight_kernel_compiles(key, compile_module):
+def test_sm90a_kernels_compile(key, compile_module):
+    """The sm_90a module: the warp-specialised weight kernel and the data kernel's wgmma loop."""
     fb = _backward_module()
     compile_module(fb.module_source(), "deform_fused_backward.cu", fb.ws_name_expressions(*key), arch="sm_90a")
 
@@ -300,11 +301,27 @@ def test_serving_rule_and_segments():
     # the data tile: 64x128 where C_out/groups >= DATA_WIDE_MIN_ROWS (256) and in 3D, else 64x64
     assert fb._tiles(np.float16)[:2] == ((64, 64, 64, 2), (64, 128, 64, 2))
     assert fb._tiles(np.float32)[:2] == ((64, 64, 32, 2), (64, 128, 32, 2))
-    long_reduction = fb.BackwardConfig(_geom(c_out=256), np.float32, True)
-    assert long_reduction.tile == (64, 128, 32, 2) and "tile 64x128x32" in long_reduction.description
+    long_reduction = fb.BackwardConfig(_geom(c_out=256), np.float32, True, wgmma=False)
+    assert long_reduction.tile == (64, 128, 32, 2) and "tf32 mma.sync, tile 64x128x32" in long_reduction.description
     assert long_reduction.blocks(3) == -(-3 * 64 // 128) * 9
     # (the epilogue's column gradients and lane sums outgrow the operand buffers' 48 KiB)
     assert long_reduction.smem_bytes == 128 * 68 * 4 + 3 * 128 * 17 * 4 > 2 * 192 * 32 * 4
+    # the 64x128 tile's main loop on wgmma where the device has it (sm_90a; not deterministic): 1 KiB
+    # more, to lift the swizzled rows (strict float32 too) to their 1024-byte period
+    on_wgmma = fb.BackwardConfig(_geom(c_out=256), np.float32, True, wgmma=True)
+    assert on_wgmma.data_on_wgmma(on_wgmma.tile) and "tf32 wgmma, tile 64x128x32" in on_wgmma.description
+    assert on_wgmma.smem_bytes == long_reduction.smem_bytes + 1024
+    strict = fb.BackwardConfig(_geom(c_out=256), np.float32, False, wgmma=True)
+    assert strict.data_on_wgmma(strict.tile) and strict.smem_bytes == 2 * 2 * 192 * 32 * 4 + 1024
+    assert not fb.BackwardConfig(_geom(c_out=256), np.float32, False, wgmma=True, deterministic=True).wgmma_data
+    assert not fb.BackwardConfig(_geom(c_out=256), np.float32, False, wgmma=True, wgmma_data=False).wgmma_data
+    narrow_on = fb.BackwardConfig(_geom(c_out=192), np.float32, False, wgmma=True)   # the 64x64 tile: mma.sync
+    assert narrow_on.wgmma_data and not narrow_on.data_on_wgmma(narrow_on.tile)
+    # its kernels live in the sm_90a module, at MINB 2 in 3xTF32 (where MINB 3 spilled)
+    name = fb.kernel_name(np.float32, False, 2, 2, (64, 128, 32, 2), "data", True, False, 4, None, True)
+    assert name.endswith(", 16, true>") and fb._is_sm90a(name) and name in fb.ws_name_expressions(np.float32, 2, False)
+    plain = fb.kernel_name(np.float32, False, 2, 2, (64, 128, 32, 3), "data", True)
+    assert not fb._is_sm90a(plain) and plain in fb.name_expressions(np.float32, 2, False)
     assert fb.BackwardConfig(_geom(c_in=64, c_out=512, groups=2), np.float16, False).tile == (64, 128, 64, 2)
     assert fb.BackwardConfig(_geom(c_in=64, c_out=512, groups=4), np.float16, False).tile == (64, 64, 64, 2)
     assert fb.BackwardConfig(_geom(c_out=192), np.float32, False).tile == (64, 64, 32, 2)
@@ -640,6 +657,30 @@ def test_every_tile_matches_reference(ndim, precision):
         check(got, expected, precision, (tile, weight_tile))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_data_kernel_on_wgmma_matches_reference(ndim, precision, monkeypatch):
+    """The data kernel's wgmma main loop (``WGMMA_DATA`` forced on, the 64x128 tile) and its
+    mma.sync one both match the reference: a conv group's channels below the tile's rows and a
+    short reduction (C_in/groups 32, C_out/groups 24), then several channel tiles and steps with a
+    partial last one (C_in 128, C_out 96), every gradient together and the input's alone."""
+    fb = _backward_module()
+    if not fb._wgmma_device():
+        pytest.skip("the wgmma main loop needs an sm_90a device")
+    rng = np.random.default_rng(90 + ndim)
+    wide = fb._tiles(DTYPE[precision])[1]
+    cases = (wide_case(rng, ndim), wide_case(rng, ndim, groups=1, offset_groups=2, mask_groups=4, c_in=128, c_out=96))
+    for arrays, params, gy in cases:
+        for forced in (True, False):
+            monkeypatch.setattr(fb, "WGMMA_DATA", forced)
+            for wanted in (NAMES, ("input",)):
+                got, expected, config = run_gradients(arrays, params, gy, precision, wide, wanted=wanted)
+                assert config.data_on_wgmma(config.tile) == forced
+                assert ("wgmma, tile 64x128" in config.description) == forced
+                check(got, expected, precision, (forced, wanted))
+
+
 def long_reduction_errors(monkeypatch):
     """The relative errors of every strict float32 (3xTF32) tile pair's gradients where the data
     kernel reduces over C_out = 512 and the weight kernel over 2048 positions (one split)."""
@@ -686,9 +727,10 @@ def test_weight_gradient_rows_from_vectors_or_elements(precision):
 
 @pytest.mark.gpu
 def test_strict_float32_gradients_keep_float32_accuracy_over_long_reductions(monkeypatch):
-    """mma.sync's 3xTF32 sums each k8's three products apart and adds them in float32, so that
-    the error is float32 FMAs' (about 1e-6 here). Summed straight into the tensor cores'
-    truncating accumulators, it grew with the reduction's length (NOTES-gpu.md, session 15)."""
+    """mma.sync's 3xTF32 sums each k8's three products apart and adds them in float32 (the data
+    kernel's wgmma loop each step's, where the device has it), so that the error is float32
+    FMAs' (about 1e-6 here). Summed straight into the tensor cores' truncating accumulators, it
+    grew with the reduction's length (NOTES-gpu.md, session 15)."""
     for tiles, errors in long_reduction_errors(monkeypatch).items():
         for name, error in errors.items():
             assert error < 2e-6, (tiles, name, error)

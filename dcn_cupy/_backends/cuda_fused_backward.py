@@ -13,7 +13,9 @@ reduction):
   corner's weight and slopes; added per group in shared memory or by shuffles, then one float32
   atomic per group, position and tap). In 3xTF32 its operands (the weight's and grad_output's
   channels-last rows) are split into big and small parts once, by their copies
-  (``fused_channels_last_split``), not in every warp that reads them;
+  (``fused_channels_last_split``), not in every warp that reads them. Its 64 x 128 tiles have a
+  second main loop on wgmma (sm_90a, each warpgroup a 64 x 64 half; ``WGMMA_DATA``), which the
+  rule takes on such devices outside deterministic mode: same copies, staging and epilogue;
 * ``deform_fused_backward_weight``: ``grad_output . sampled^T`` over the positions, the sampled
   tile built in shared memory by the fused forward's sampler; the positions are split over
   blocks and the splits' float32 partial sums added in a fixed order (bitwise repeatable).
@@ -215,6 +217,15 @@ WS_RINGS = {"half": (4, 512), "tf32": (4, 512), "3xtf32": (2, 256)}
 WS_MIN_ROWS = 256
 #: None: the rule; True / False: forced on (where it serves) or off (tests, benchmarks).
 WS_WEIGHT = None
+#: The data kernel's main loop on wgmma (sm_90a: its WG instantiations, each warpgroup a 64 x 64
+#: half of the tile, in the sm_90a module) where its tile is 64 x 128 and it is not deterministic.
+#: The rule takes it for the precisions listed (0 the half types, 1 TF32, 2 3xTF32); True / False:
+#: forced on (where it serves) or off (tests, benchmarks). H200, f+b, mma.sync -> wgmma
+#: (NOTES-gpu.md, session 51): strict float32 1D B=16 C256 L4096 1.951 -> 1.710 ms, B=8 C256
+#: 56x56 2.139 -> 1.827, B=16 C512 14x14 1.098 -> 0.933, 3D 2.131 -> 2.113; TF32 0.945-0.969x
+#: at those 2D and 1D shapes, fp16 0.952-0.979x; 3D TF32 and fp16 level (0.997, 1.002).
+WGMMA_DATA_PRECISIONS = (0, 1, 2)
+WGMMA_DATA = None
 #: The data kernel reads each (position, tap)'s corners, their slopes and the mask from a plan of
 #: its own (``fused_gradient_plan``, per batch chunk: 68 bytes per tap and position in 2D) instead of
 #: computing them in each of its C_in/64 channel-tile blocks, in 2D and 3D, and in 1D for float32,
@@ -260,10 +271,11 @@ def _tiles(dtype) -> tuple:
     return TILES["float" if np.dtype(dtype) == np.float32 else "half"]
 
 
-def data_tile(tile: tuple, ndim: int) -> tuple:
+def data_tile(tile: tuple, ndim: int, wgmma_planes: bool = False) -> tuple:
     """The data kernel's instantiation of ``tile``: a MINB 2 tile in 1D and 2D asks for
-    DATA_MINB[BN] blocks per SM."""
-    if tile[3] != 2 or ndim > 2:
+    DATA_MINB[BN] blocks per SM, but on wgmma in 3xTF32 (``wgmma_planes``), where the shared
+    memory of its split operands holds two blocks anyway (and 80 registers spilled)."""
+    if tile[3] != 2 or ndim > 2 or wgmma_planes:
         return tile
     return tile[:3] + (DATA_MINB[tile[1]],)
 
@@ -304,15 +316,18 @@ def full_lanes(bm: int, lane_channels: int) -> int:
 
 
 def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, kernel: str = "data",
-                plan: bool = False, deterministic: bool = False, lane_channels: int = 4, lanes=None) -> str:
+                plan: bool = False, deterministic: bool = False, lane_channels: int = 4, lanes=None,
+                wgmma: bool = False) -> str:
     """A data or (``kernel="weight"``) weight kernel, reading its plan (``plan``) or not; the
     data kernel ``deterministic`` (fixed-point scatter) or not, with ``lane_channels`` channels
-    per epilogue lane and ``lanes`` lanes per position (default ``full_lanes``)."""
+    per epilogue lane and ``lanes`` lanes per position (default ``full_lanes``), its main loop on
+    ``wgmma`` (an sm_90a kernel) or mma.sync."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
     bm, bn, bk, minb = tile
     lanes = full_lanes(bm, lane_channels) if lanes is None else lanes
     det = f", {_bool(deterministic)}, {lane_channels}, {lanes}" if kernel == "data" else ""
+    det += ", true" if kernel == "data" and wgmma else ""
     return f"deform_fused_backward_{kernel}<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}, {_bool(plan)}{det}>"
 
 
@@ -339,9 +354,26 @@ FLOAT32_KERNELS = ("fused_channels_last_split", "fused_channels_last_vectors_spl
                    "fused_channels_last_vectors_tf32")
 
 
+def wgmma_data_tiles(dtype) -> tuple:
+    """The data tiles that have a wgmma main loop: 64 x 128."""
+    return tuple(tile for tile in _tiles(dtype) if tile[:2] == (64, 128))
+
+
 def ws_name_expressions(dtype, ndim: int, index64: bool) -> tuple:
-    """The sm_90a module's kernels: the warp-specialised weight kernel in each precision."""
-    return tuple(ws_kernel_name(dtype, index64, ndim, prec) for prec in _fused._precisions(dtype))
+    """The sm_90a module's kernels: the warp-specialised weight kernel in each precision, and the
+    data kernel's wgmma instantiations (not deterministic)."""
+    names = [ws_kernel_name(dtype, index64, ndim, prec) for prec in _fused._precisions(dtype)]
+    names += [kernel_name(dtype, index64, ndim, prec, data_tile(tile, ndim, prec == 2), "data", plan, False, cpl,
+                          lanes, True)
+              for prec in _fused._precisions(dtype) for tile in wgmma_data_tiles(dtype) for plan in (False, True)
+              for cpl in LANE_CHANNELS if cpl == 4 or ndim == 3 for lanes in _lane_choices(tile[0], cpl)]
+    return tuple(names)
+
+
+def _is_sm90a(name: str) -> bool:
+    """Whether kernel ``name`` lives in the sm_90a module (:func:`ws_name_expressions`)."""
+    return name.startswith("deform_fused_backward_weight_ws<") or (
+        name.startswith("deform_fused_backward_data<") and name.count(",") == 12)
 
 
 def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
@@ -384,7 +416,7 @@ def _function(name: str, dtype, ndim: int, index64: bool):
         with _lock:
             fn = _functions.get((device, name))
             if fn is None:
-                sm90a = name.startswith("deform_fused_backward_weight_ws<")
+                sm90a = _is_sm90a(name)
                 names = (ws_name_expressions if sm90a else name_expressions)(dtype, ndim, index64)
                 mkey = (device, names)
                 module = _modules.get(mkey)
@@ -436,18 +468,24 @@ def ws_weight_smem_bytes(dtype, precision: int) -> int:
     return WS_RINGS[key][0] * (operand_planes(precision) * (bm + bn) * 128 + 8) + 1024
 
 
+def _wgmma_device(wgmma=None) -> bool:
+    """``wgmma``, or where it is None whether the current device runs sm_90a code (False without
+    a driver or a device)."""
+    if wgmma is not None:
+        return bool(wgmma)
+    try:
+        return _fused.wgmma_available()
+    except Exception:   # no driver or no device
+        return False
+
+
 def ws_weight_unsupported(geom, dtype, precision: int, wgmma=None):
     """Why the warp-specialised weight kernel cannot serve ``geom`` in ``precision`` (None when
     it can): wgmma (an sm_90a device; ``wgmma`` None: ask the current one);
     every tile's BN channels within one conv group and one plan segment (a run of channels that
     share their offset and mask group), at most MAX_PLAN_SEGMENTS of them (its corners come from
     a plan)."""
-    if wgmma is None:
-        try:
-            wgmma = _fused.wgmma_available()
-        except Exception:   # no driver or no device
-            wgmma = False
-    if not wgmma:
+    if not _wgmma_device(wgmma):
         return "the warp-specialised weight kernel needs an sm_90a device (wgmma)"
     bn = WS_WEIGHT_TILES[weight_tile_key(dtype, precision)][1]
     seg_len, segments = plan_segments(geom)
@@ -468,18 +506,20 @@ def lane_sums_in_smem(lanes: int, deterministic: bool) -> bool:
 
 
 def data_smem_bytes(dtype, tile: tuple, ndim: int, lane_channels: int, lanes: int, deterministic: bool,
-                    precision: int) -> int:
+                    precision: int, wgmma: bool = False) -> int:
     """Dynamic shared memory of the data kernel: :func:`smem_bytes` (rows padded per
     :func:`data_rows_padded`; twice that in strict float32, ``precision`` 2, whose operands come
     as big and small parts), reused after the main loop by the epilogue's float32 column
     gradients (BN rows of BM + 4), followed (:func:`lane_sums_in_smem`) by every lane's N + 1
     offset and mask partial sums (a row of BM / lane_channels + 1 floats per position and
-    value)."""
+    value). On ``wgmma``: swizzled rows always, and 1 KiB to lift them to the swizzle's 1024-byte
+    period."""
     bm, bn = tile[:2]
     epilogue = bn * (bm + 4) * 4
     if lane_sums_in_smem(lanes, deterministic):
         epilogue += (ndim + 1) * bn * (bm // lane_channels + 1) * 4
-    return max(operand_planes(precision) * smem_bytes(dtype, tile, data_rows_padded(precision, ndim)), epilogue)
+    padded = data_rows_padded(precision, ndim) and not wgmma
+    return max(operand_planes(precision) * smem_bytes(dtype, tile, padded), epilogue) + (1024 if wgmma else 0)
 
 
 def _per_group(geom):
@@ -606,7 +646,7 @@ class BackwardConfig:
 
     def __init__(self, geom, dtype, allow_tf32: bool, tile=None, multiprocessors: int = 132, fused_weight=None,
                  weight_tile=None, sampling_plan=None, gradient_plan=None, deterministic: bool = False,
-                 lane_channels=None, ws_weight=None, wgmma=None):
+                 lane_channels=None, ws_weight=None, wgmma=None, wgmma_data=None):
         dtype = np.dtype(dtype)
         reason = unsupported(geom, dtype)
         if reason is not None:
@@ -745,14 +785,24 @@ class BackwardConfig:
             self.offsets[name] = (total, count, np.dtype(dt))
             total = _fused._round_up(total + count * np.dtype(dt).itemsize, _ALIGN)
         self.workspace_bytes = total
+        # the data kernel's main loop on wgmma (wgmma_data / WGMMA_DATA: None the rule, the
+        # precisions of WGMMA_DATA_PRECISIONS; True forced; False off) on its 64 x 128 tiles
+        wg = WGMMA_DATA if wgmma_data is None else wgmma_data
+        wg = self.precision in WGMMA_DATA_PRECISIONS if wg is None else bool(wg)
+        self.wgmma_data = wg and not self.deterministic and _wgmma_device(wgmma)
         self.smem_bytes = data_smem_bytes(dtype, self.tile, geom.ndim, self.lane_channels, self.lanes,
-                                          self.deterministic, self.precision)
+                                          self.deterministic, self.precision, self.data_on_wgmma(self.tile))
         self.scatter_smem_bytes = data_smem_bytes(dtype, self.scatter_tile, geom.ndim, self.lane_channels,
-                                                  self.lanes, self.deterministic, self.precision)
+                                                  self.lanes, self.deterministic, self.precision,
+                                                  self.data_on_wgmma(self.scatter_tile))
         self.weight_smem_bytes = (ws_weight_smem_bytes(dtype, self.precision) if self.ws_weight
                                   else weight_smem_bytes(dtype, self.weight_tile, self.precision))
         self.weight_threads = ws_threads(dtype, self.precision) if self.ws_weight else _THREADS
         self.struct = _cuda._geom_struct(geom)
+
+    def data_on_wgmma(self, tile: tuple) -> bool:
+        """Whether the data kernel at ``tile`` runs its wgmma main loop."""
+        return self.wgmma_data and tuple(tile[:2]) == (64, 128)
 
     @property
     def description(self) -> str:
@@ -769,7 +819,8 @@ class BackwardConfig:
         tiles = f"tile {bm}x{bn}x{bk}"
         if self.scatter_tile != self.tile:
             tiles += " (the input gradient alone: {}x{}x{})".format(*self.scatter_tile[:3])
-        return (f"cuda/fused-backward: {prec} mma.sync, {tiles}, {scatter}{data_plan} "
+        mma = "wgmma" if self.data_on_wgmma(self.tile) else "mma.sync"
+        return (f"cuda/fused-backward: {prec} {mma}, {tiles}, {scatter}{data_plan} "
                 f"({self.lane_channels} channels a lane, {self.lanes} lanes a position), "
                 f"{weight}, chunks of {self.chunk} samples, {'64' if self.index64 else '32'}-bit index")
 
@@ -791,12 +842,13 @@ class BackwardConfig:
             if name == "data" and scatter:
                 tile, smem = self.scatter_tile, self.scatter_smem_bytes
             plan = self.gradient_plan if name == "data" else self.sampling_plan
+            wgmma = name == "data" and self.data_on_wgmma(tile)
             if name == "data":
-                tile = data_tile(tile, g.ndim)
+                tile = data_tile(tile, g.ndim, wgmma and self.precision == 2)
             full_name = (ws_kernel_name(self.dtype, self.index64, g.ndim, self.precision)
                          if name == "weight" and self.ws_weight else
                          kernel_name(self.dtype, self.index64, g.ndim, self.precision, tile, name, plan,
-                                     self.deterministic, self.lane_channels, self.lanes))
+                                     self.deterministic, self.lane_channels, self.lanes, wgmma))
             fn = _function(full_name, self.dtype, g.ndim, self.index64)
             if smem > 48 * 1024:
                 _fused._allow_shared_memory(fn, smem)
