@@ -588,6 +588,15 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
         }
         copy_commit();
     };
+    // Step s's tiles landed (in buffer s & 1): the next step's copy issued first, into the other.
+    auto await_step = [&](int s) {
+        if (s + 1 < steps) {
+            copy_step(s + 1, (s & 1) ^ 1);
+            copy_wait_pending<1>();
+        } else {
+            copy_wait_all();
+        }
+    };
 
     if constexpr (WG) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -605,12 +614,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
         copy_step(0, 0);
         for (int s = 0; s < steps; ++s) {
             const int cur = s & 1;
-            if (s + 1 < steps) {
-                copy_step(s + 1, cur ^ 1);
-                copy_wait_pending<1>();
-            } else {
-                copy_wait_all();
-            }
+            await_step(s);
             proxy_fence();   // the copies' writes, seen by the wgmmas' (async proxy) reads
             __syncthreads();
             float (&acc)[1][32] = PLANES == 2 ? p : d;
@@ -663,12 +667,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
         copy_step(0, 0);
         for (int s = 0; s < steps; ++s) {
             const int cur = s & 1;
-            if (s + 1 < steps) {
-                copy_step(s + 1, cur ^ 1);
-                copy_wait_pending<1>();
-            } else {
-                copy_wait_all();
-            }
+            await_step(s);
             __syncthreads();
             if constexpr (PLANES == 2) {
                 const float* const a = reinterpret_cast<const float*>(As0 + cur * 2 * BM * LD);
