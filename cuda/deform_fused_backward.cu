@@ -33,9 +33,9 @@
 // gycl twice as long, split_tf32's big parts, then the small ones), each part copied to a tile of its
 // own and multiplied by fused::warp_mma_planes, no value split in the loop.
 //
-// WG (sm_90a, the 64 x 128 tile, not DET): the same copies into swizzled rows (TILE_XOR is the
-// 128-byte swizzle wgmma reads), multiplied by wgmma instead of mma.sync, each warpgroup its
-// 64 x 64 half; 3xTF32's products of a step summed apart, then added in float32.
+// WG (sm_90a, the 64-row tiles, not DET): the same copies into swizzled rows (TILE_XOR is the
+// 128-byte swizzle wgmma reads), multiplied by wgmma instead of mma.sync, each warpgroup a half
+// of the positions; 3xTF32's products of a step summed apart, then added in float32.
 //
 // Template parameters: T storage type, I index type, N spatial dims, PREC (0: T's own MMA; 1:
 // TF32; 2: 3xTF32), the tile BM x BN x BK, MINB (blocks per multiprocessor asked of the register
@@ -72,6 +72,46 @@
 #ifndef DCN_WEIGHT_TILE_LAYOUT
 #define DCN_WEIGHT_TILE_LAYOUT -1
 #endif
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+namespace fused {
+// wgmma's N = 32: the data kernel's 64 x 64 tile, a 64 x 32 half per warpgroup (here, not in
+// wgmma.cuh, so that the fused forward's module text stays as it was built and tested).
+template <> struct Wgmma<__half, 32> {
+    static __device__ __forceinline__ void run(float (&d)[16], unsigned long long da, unsigned long long db,
+                                               int accumulate = 1) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+            : "l"(da), "l"(db), "r"(accumulate));
+    }
+};
+template <> struct Wgmma<__nv_bfloat16, 32> {
+    static __device__ __forceinline__ void run(float (&d)[16], unsigned long long da, unsigned long long db,
+                                               int accumulate = 1) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+            : "l"(da), "l"(db), "r"(accumulate));
+    }
+};
+template <> struct Wgmma<float, 32> {
+    static __device__ __forceinline__ void run(float (&d)[16], unsigned long long da, unsigned long long db,
+                                               int accumulate = 1) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+            : "l"(da), "l"(db), "r"(accumulate));
+    }
+};
+}  // namespace fused
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 namespace fused_bwd {
 
@@ -470,8 +510,8 @@ __global__ void fused_gradient_plan(const T* __restrict__ offset, const T* __res
     }
 }
 
-// WG (sm_90a): the main loop on wgmma, each warpgroup a 64 x 64 half of the 64 x 128 tile
-// (m64n64, K-major operands in the swizzled rows of TILE_XOR, the smem lifted to their 1024-byte
+// WG (sm_90a): the main loop on wgmma, each warpgroup a half of the 64 x 64 or 64 x 128 tile
+// (m64n32 / m64n64, K-major operands in the swizzled rows of TILE_XOR, the smem lifted to their 1024-byte
 // period: cuda_fused_backward asks 1 KiB more), same copies, staging and epilogue; in 3xTF32
 // each step's products summed apart and added to the accumulators in float32 (as warp_mma_planes
 // does per k8). Else (false) the mma.sync main loop.
@@ -600,24 +640,26 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
 
     if constexpr (WG) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-        static_assert(BM == 64 && BN == 128 && LAYOUT == TILE_XOR && THREADS == 256, "wgmma data tile: 64 x 128");
+        static_assert(BM == 64 && (BN == 64 || BN == 128) && LAYOUT == TILE_XOR && THREADS == 256,
+                      "wgmma data tile: 64 x 64 or 64 x 128");
         constexpr int KSTEP = PREC == 0 ? 16 : 8;                 // wgmma K
+        constexpr int WN = BN / 2, NACC = WN / 2;                 // a warpgroup's positions, accumulators
         constexpr unsigned A_PLANE = BM * LD * sizeof(T), B_PLANE = BN * LD * sizeof(T);
-        const int wg = warp >> 2;                                 // positions wg * 64 ...
-        float d[1][32], p[1][32];   // (p: 3xTF32's products of a step; else unused, no registers)
+        const int wg = warp >> 2;                                 // positions wg * WN ...
+        float d[1][NACC], p[1][NACC];   // (p: 3xTF32's products of a step; else unused, no registers)
 #pragma unroll
-        for (int i = 0; i < 32; ++i) d[0][i] = 0.0f;
+        for (int i = 0; i < NACC; ++i) d[0][i] = 0.0f;
         // (128-byte swizzle, K-major: 8-row groups 1024 bytes apart; a k step is the next KSTEP
         // elements of each row, the hardware applying the swizzle to the address)
         const unsigned long long a_desc0 = wgmma_descriptor(As0, 16, 1024) | (1ull << 62);
-        const unsigned long long b_desc0 = wgmma_descriptor(Bs0 + wg * 64 * LD, 16, 1024) | (1ull << 62);
+        const unsigned long long b_desc0 = wgmma_descriptor(Bs0 + wg * WN * LD, 16, 1024) | (1ull << 62);
         copy_step(0, 0);
         for (int s = 0; s < steps; ++s) {
             const int cur = s & 1;
             await_step(s);
             proxy_fence();   // the copies' writes, seen by the wgmmas' (async proxy) reads
             __syncthreads();
-            float (&acc)[1][32] = PLANES == 2 ? p : d;
+            float (&acc)[1][NACC] = PLANES == 2 ? p : d;
             register_fence(acc);
             wgmma_fence();
 #pragma unroll
@@ -625,11 +667,11 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                 const unsigned long long da = wgmma_descriptor_at(a_desc0, cur * PLANES * A_PLANE + ks * KSTEP * sizeof(T));
                 const unsigned long long db = wgmma_descriptor_at(b_desc0, cur * PLANES * B_PLANE + ks * KSTEP * sizeof(T));
                 if constexpr (PLANES == 2) {
-                    Wgmma<T, 64>::run(acc[0], wgmma_descriptor_at(da, A_PLANE), db, ks == 0 ? 0 : 1);
-                    Wgmma<T, 64>::run(acc[0], da, wgmma_descriptor_at(db, B_PLANE));
-                    Wgmma<T, 64>::run(acc[0], da, db);
+                    Wgmma<T, WN>::run(acc[0], wgmma_descriptor_at(da, A_PLANE), db, ks == 0 ? 0 : 1);
+                    Wgmma<T, WN>::run(acc[0], da, wgmma_descriptor_at(db, B_PLANE));
+                    Wgmma<T, WN>::run(acc[0], da, db);
                 } else {
-                    Wgmma<T, 64>::run(acc[0], da, db);
+                    Wgmma<T, WN>::run(acc[0], da, db);
                 }
             }
             wgmma_commit();
@@ -637,18 +679,18 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
             register_fence(acc);
             if constexpr (PLANES == 2) {
 #pragma unroll
-                for (int i = 0; i < 32; ++i) d[0][i] += p[0][i];
+                for (int i = 0; i < NACC; ++i) d[0][i] += p[0][i];
             }
             __syncthreads();   // (the next step's copy overwrites the other buffer)
         }
-        // Stage the tile: Gs[position][channel], from the m64n64 fragments (warp w of the
+        // Stage the tile: Gs[position][channel], from the m64nWN fragments (warp w of the
         // warpgroup: rows 16w ..; register i: row + 8 * (i / 2 % 2), column 8 * (i / 4) + i % 2).
         {
             const int w4 = warp & 3, gq = lane >> 2, tq = lane & 3;
 #pragma unroll
-            for (int i = 0; i < 32; ++i) {
+            for (int i = 0; i < NACC; ++i) {
                 const int row = w4 * 16 + gq + ((i >> 1) & 1) * 8;
-                const int n = wg * 64 + (i >> 2) * 8 + 2 * tq + (i & 1);
+                const int n = wg * WN + (i >> 2) * 8 + 2 * tq + (i & 1);
                 Gs[n * GLD + row] = d[0][i];
             }
         }

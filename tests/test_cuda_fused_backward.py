@@ -315,10 +315,13 @@ def test_serving_rule_and_segments():
     assert strict.data_on_wgmma(strict.tile) and strict.smem_bytes == 2 * 2 * 192 * 32 * 4 + 1024
     assert not fb.BackwardConfig(_geom(c_out=256), np.float32, False, wgmma=True, deterministic=True).wgmma_data
     assert not fb.BackwardConfig(_geom(c_out=256), np.float32, False, wgmma=True, wgmma_data=False).wgmma_data
-    narrow_on = fb.BackwardConfig(_geom(c_out=192), np.float32, False, wgmma=True)   # the 64x64 tile: mma.sync
-    assert narrow_on.wgmma_data and not narrow_on.data_on_wgmma(narrow_on.tile)
+    narrow_on = fb.BackwardConfig(_geom(c_out=192), np.float32, False, wgmma=True)   # the 64x64 tile
+    assert narrow_on.tile == (64, 64, 32, 2) and narrow_on.data_on_wgmma(narrow_on.tile)
+    assert narrow_on.smem_bytes == 2 * 2 * 128 * 32 * 4 + 1024
+    assert not narrow_on.data_on_wgmma((128, 64, 32, 1))   # (the 128-row tile keeps mma.sync)
+    assert fb.wgmma_data_tiles(np.float16) == ((64, 64, 64, 2), (64, 128, 64, 2))
     # its kernels live in the sm_90a module, at MINB 2 in 3xTF32 (where MINB 3 spilled)
-    name = fb.kernel_name(np.float32, False, 2, 2, (64, 128, 32, 2), "data", True, False, 4, None, True)
+    name = fb.kernel_name(np.float32, False, 2, 2, (64, 64, 32, 2), "data", True, False, 4, None, True)
     assert name.endswith(", 16, true>") and fb._is_sm90a(name) and name in fb.ws_name_expressions(np.float32, 2, False)
     plain = fb.kernel_name(np.float32, False, 2, 2, (64, 128, 32, 3), "data", True)
     assert not fb._is_sm90a(plain) and plain in fb.name_expressions(np.float32, 2, False)
@@ -661,24 +664,24 @@ def test_every_tile_matches_reference(ndim, precision):
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("ndim", [1, 2, 3])
 def test_data_kernel_on_wgmma_matches_reference(ndim, precision, monkeypatch):
-    """The data kernel's wgmma main loop (``WGMMA_DATA`` forced on, the 64x128 tile) and its
-    mma.sync one both match the reference: a conv group's channels below the tile's rows and a
-    short reduction (C_in/groups 32, C_out/groups 24), then several channel tiles and steps with a
-    partial last one (C_in 128, C_out 96), every gradient together and the input's alone."""
+    """The data kernel's wgmma main loop (``WGMMA_DATA`` forced on; the 64x64 and 64x128 tiles)
+    and its mma.sync one both match the reference: a conv group's channels below the tile's rows
+    and a short reduction (C_in/groups 32, C_out/groups 24), then several channel tiles and steps
+    with a partial last one (C_in 128, C_out 96), every gradient together and the input's alone."""
     fb = _backward_module()
     if not fb._wgmma_device():
         pytest.skip("the wgmma main loop needs an sm_90a device")
     rng = np.random.default_rng(90 + ndim)
-    wide = fb._tiles(DTYPE[precision])[1]
     cases = (wide_case(rng, ndim), wide_case(rng, ndim, groups=1, offset_groups=2, mask_groups=4, c_in=128, c_out=96))
     for arrays, params, gy in cases:
-        for forced in (True, False):
-            monkeypatch.setattr(fb, "WGMMA_DATA", forced)
-            for wanted in (NAMES, ("input",)):
-                got, expected, config = run_gradients(arrays, params, gy, precision, wide, wanted=wanted)
-                assert config.data_on_wgmma(config.tile) == forced
-                assert ("wgmma, tile 64x128" in config.description) == forced
-                check(got, expected, precision, (forced, wanted))
+        for tile in fb.wgmma_data_tiles(DTYPE[precision]):
+            for forced in (True, False):
+                monkeypatch.setattr(fb, "WGMMA_DATA", forced)
+                for wanted in (NAMES, ("input",)):
+                    got, expected, config = run_gradients(arrays, params, gy, precision, tile, wanted=wanted)
+                    assert config.data_on_wgmma(config.tile) == forced
+                    assert (f"wgmma, tile 64x{tile[1]}" in config.description) == forced
+                    check(got, expected, precision, (tile, forced, wanted))
 
 
 def long_reduction_errors(monkeypatch):

@@ -13,9 +13,10 @@ reduction):
   corner's weight and slopes; added per group in shared memory or by shuffles, then one float32
   atomic per group, position and tap). In 3xTF32 its operands (the weight's and grad_output's
   channels-last rows) are split into big and small parts once, by their copies
-  (``fused_channels_last_split``), not in every warp that reads them. Its 64 x 128 tiles have a
-  second main loop on wgmma (sm_90a, each warpgroup a 64 x 64 half; ``WGMMA_DATA``), which the
-  rule takes on such devices outside deterministic mode: same copies, staging and epilogue;
+  (``fused_channels_last_split``), not in every warp that reads them. Its 64-row tiles have a
+  second main loop on wgmma (sm_90a, each warpgroup a half of the positions; ``WGMMA_DATA``),
+  which the rule takes on such devices outside deterministic mode: same copies, staging and
+  epilogue;
 * ``deform_fused_backward_weight``: ``grad_output . sampled^T`` over the positions, the sampled
   tile built in shared memory by the fused forward's sampler; the positions are split over
   blocks and the splits' float32 partial sums added in a fixed order (bitwise repeatable).
@@ -217,15 +218,20 @@ WS_RINGS = {"half": (4, 512), "tf32": (4, 512), "3xtf32": (2, 256)}
 WS_MIN_ROWS = 256
 #: None: the rule; True / False: forced on (where it serves) or off (tests, benchmarks).
 WS_WEIGHT = None
-#: The data kernel's main loop on wgmma (sm_90a: its WG instantiations, each warpgroup a 64 x 64
-#: half of the tile, in the sm_90a module) where its tile is 64 x 128 and it is not deterministic.
+#: The data kernel's main loop on wgmma (sm_90a: its WG instantiations, each warpgroup a half of
+#: the tile's positions, in the sm_90a module) where its tile is 64 x 128 (64 x 64 too where
+#: ``WGMMA_DATA_NARROW``) and it is not deterministic.
 #: The rule takes it for the precisions listed (0 the half types, 1 TF32, 2 3xTF32); True / False:
 #: forced on (where it serves) or off (tests, benchmarks). H200, f+b, mma.sync -> wgmma
 #: (NOTES-gpu.md, session 51): strict float32 1D B=16 C256 L4096 1.951 -> 1.710 ms, B=8 C256
 #: 56x56 2.139 -> 1.827, B=16 C512 14x14 1.098 -> 0.933, 3D 2.131 -> 2.113; TF32 0.945-0.969x
-#: at those 2D and 1D shapes, fp16 0.952-0.979x; 3D TF32 and fp16 level (0.997, 1.002).
+#: at those 2D and 1D shapes, fp16 0.952-0.979x; 3D TF32 and fp16 level (0.997, 1.002). Then
+#: the 64 x 64 tile too (``WGMMA_DATA_NARROW``; m64n32 a warpgroup), f+b: 2D transposed B=8 C128
+#: 28x28 s2 strict 0.4105 -> 0.3656 ms, TF32 0.982x, fp16 0.987x; B=32 C64 56x56 strict 1.3365 ->
+#: 1.2708, TF32 and fp16 level (1.001, 0.997); 3D transposed and 1D fp16 0.993-0.999x.
 WGMMA_DATA_PRECISIONS = (0, 1, 2)
 WGMMA_DATA = None
+WGMMA_DATA_NARROW = True
 #: The data kernel reads each (position, tap)'s corners, their slopes and the mask from a plan of
 #: its own (``fused_gradient_plan``, per batch chunk: 68 bytes per tap and position in 2D) instead of
 #: computing them in each of its C_in/64 channel-tile blocks, in 2D and 3D, and in 1D for float32,
@@ -355,8 +361,8 @@ FLOAT32_KERNELS = ("fused_channels_last_split", "fused_channels_last_vectors_spl
 
 
 def wgmma_data_tiles(dtype) -> tuple:
-    """The data tiles that have a wgmma main loop: 64 x 128."""
-    return tuple(tile for tile in _tiles(dtype) if tile[:2] == (64, 128))
+    """The data tiles that have a wgmma main loop: 64 x 64 and 64 x 128."""
+    return tuple(tile for tile in _tiles(dtype) if tile[0] == 64)
 
 
 def ws_name_expressions(dtype, ndim: int, index64: bool) -> tuple:
@@ -786,7 +792,7 @@ class BackwardConfig:
             total = _fused._round_up(total + count * np.dtype(dt).itemsize, _ALIGN)
         self.workspace_bytes = total
         # the data kernel's main loop on wgmma (wgmma_data / WGMMA_DATA: None the rule, the
-        # precisions of WGMMA_DATA_PRECISIONS; True forced; False off) on its 64 x 128 tiles
+        # precisions of WGMMA_DATA_PRECISIONS; True forced; False off) on its 64-row tiles
         wg = WGMMA_DATA if wgmma_data is None else wgmma_data
         wg = self.precision in WGMMA_DATA_PRECISIONS if wg is None else bool(wg)
         self.wgmma_data = wg and not self.deterministic and _wgmma_device(wgmma)
@@ -802,7 +808,7 @@ class BackwardConfig:
 
     def data_on_wgmma(self, tile: tuple) -> bool:
         """Whether the data kernel at ``tile`` runs its wgmma main loop."""
-        return self.wgmma_data and tuple(tile[:2]) == (64, 128)
+        return self.wgmma_data and tile[0] == 64 and (tile[1] == 128 or (tile[1] == 64 and WGMMA_DATA_NARROW))
 
     @property
     def description(self) -> str:
