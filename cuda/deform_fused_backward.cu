@@ -511,10 +511,10 @@ __global__ void fused_gradient_plan(const T* __restrict__ offset, const T* __res
 }
 
 // WG (sm_90a): the main loop on wgmma, each warpgroup a half of the 64 x 64 or 64 x 128 tile
-// (m64n32 / m64n64, K-major operands in the swizzled rows of TILE_XOR, the smem lifted to their 1024-byte
-// period: cuda_fused_backward asks 1 KiB more), same copies, staging and epilogue; in 3xTF32
-// each step's products summed apart and added to the accumulators in float32 (as warp_mma_planes
-// does per k8). Else (false) the mma.sync main loop.
+// (m64n32 / m64n64, K-major operands in the swizzled rows of TILE_XOR, the shared memory lifted
+// to their 1024-byte period: cuda_fused_backward asks 1 KiB more), same copies, staging and
+// epilogue; in 3xTF32 each step's products summed apart and added to the accumulators in float32
+// (as warp_mma_planes does per k8). Else (false) the mma.sync main loop.
 template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool PLAN, bool DET, int CPL,
           int LANES, bool WG = false>
 __global__ void __launch_bounds__(fused_bwd::THREADS, MINB)
@@ -643,16 +643,16 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
         static_assert(BM == 64 && (BN == 64 || BN == 128) && LAYOUT == TILE_XOR && THREADS == 256,
                       "wgmma data tile: 64 x 64 or 64 x 128");
         constexpr int KSTEP = PREC == 0 ? 16 : 8;                 // wgmma K
-        constexpr int WN = BN / 2, NACC = WN / 2;                 // a warpgroup's positions, accumulators
+        constexpr int WG_N = BN / 2, NACC = WG_N / 2;             // a warpgroup's positions, accumulators
         constexpr unsigned A_PLANE = BM * LD * sizeof(T), B_PLANE = BN * LD * sizeof(T);
-        const int wg = warp >> 2;                                 // positions wg * WN ...
+        const int wg = warp >> 2;                                 // positions wg * WG_N ...
         float d[1][NACC], p[1][NACC];   // (p: 3xTF32's products of a step; else unused, no registers)
 #pragma unroll
         for (int i = 0; i < NACC; ++i) d[0][i] = 0.0f;
         // (128-byte swizzle, K-major: 8-row groups 1024 bytes apart; a k step is the next KSTEP
         // elements of each row, the hardware applying the swizzle to the address)
         const unsigned long long a_desc0 = wgmma_descriptor(As0, 16, 1024) | (1ull << 62);
-        const unsigned long long b_desc0 = wgmma_descriptor(Bs0 + wg * WN * LD, 16, 1024) | (1ull << 62);
+        const unsigned long long b_desc0 = wgmma_descriptor(Bs0 + wg * WG_N * LD, 16, 1024) | (1ull << 62);
         copy_step(0, 0);
         for (int s = 0; s < steps; ++s) {
             const int cur = s & 1;
@@ -667,11 +667,11 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                 const unsigned long long da = wgmma_descriptor_at(a_desc0, cur * PLANES * A_PLANE + ks * KSTEP * sizeof(T));
                 const unsigned long long db = wgmma_descriptor_at(b_desc0, cur * PLANES * B_PLANE + ks * KSTEP * sizeof(T));
                 if constexpr (PLANES == 2) {
-                    Wgmma<T, WN>::run(acc[0], wgmma_descriptor_at(da, A_PLANE), db, ks == 0 ? 0 : 1);
-                    Wgmma<T, WN>::run(acc[0], da, wgmma_descriptor_at(db, B_PLANE));
-                    Wgmma<T, WN>::run(acc[0], da, db);
+                    Wgmma<T, WG_N>::run(acc[0], wgmma_descriptor_at(da, A_PLANE), db, ks == 0 ? 0 : 1);
+                    Wgmma<T, WG_N>::run(acc[0], da, wgmma_descriptor_at(db, B_PLANE));
+                    Wgmma<T, WG_N>::run(acc[0], da, db);
                 } else {
-                    Wgmma<T, WN>::run(acc[0], da, db);
+                    Wgmma<T, WG_N>::run(acc[0], da, db);
                 }
             }
             wgmma_commit();
@@ -683,14 +683,14 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
             }
             __syncthreads();   // (the next step's copy overwrites the other buffer)
         }
-        // Stage the tile: Gs[position][channel], from the m64nWN fragments (warp w of the
+        // Stage the tile: Gs[position][channel], from the m64n(WG_N) fragments (warp w of the
         // warpgroup: rows 16w ..; register i: row + 8 * (i / 2 % 2), column 8 * (i / 4) + i % 2).
         {
             const int w4 = warp & 3, gq = lane >> 2, tq = lane & 3;
 #pragma unroll
             for (int i = 0; i < NACC; ++i) {
                 const int row = w4 * 16 + gq + ((i >> 1) & 1) * 8;
-                const int n = wg * WN + (i >> 2) * 8 + 2 * tq + (i & 1);
+                const int n = wg * WG_N + (i >> 2) * 8 + 2 * tq + (i & 1);
                 Gs[n * GLD + row] = d[0][i];
             }
         }
