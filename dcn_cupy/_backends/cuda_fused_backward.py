@@ -220,16 +220,14 @@ WS_MIN_ROWS = 256
 WS_WEIGHT = None
 #: The data kernel's main loop on wgmma (sm_90a: its WG instantiations, each warpgroup a half of
 #: the tile's positions, in the sm_90a module) where its tile is 64 x 128 (64 x 64 too where
-#: ``WGMMA_DATA_NARROW``) and it is not deterministic.
-#: The rule takes it for the precisions listed (0 the half types, 1 TF32, 2 3xTF32); True / False:
-#: forced on (where it serves) or off (tests, benchmarks). H200, f+b, mma.sync -> wgmma
+#: ``WGMMA_DATA_NARROW``) and it is not deterministic. None: the rule, every precision there;
+#: True / False: forced on (where it serves) or off (tests, benchmarks). H200, f+b, mma.sync -> wgmma
 #: (NOTES-gpu.md, session 51): strict float32 1D B=16 C256 L4096 1.951 -> 1.710 ms, B=8 C256
 #: 56x56 2.139 -> 1.827, B=16 C512 14x14 1.098 -> 0.933, 3D 2.131 -> 2.113; TF32 0.945-0.969x
 #: at those 2D and 1D shapes, fp16 0.952-0.979x; 3D TF32 and fp16 level (0.997, 1.002). Then
 #: the 64 x 64 tile too (``WGMMA_DATA_NARROW``; m64n32 a warpgroup), f+b: 2D transposed B=8 C128
 #: 28x28 s2 strict 0.4105 -> 0.3656 ms, TF32 0.982x, fp16 0.987x; B=32 C64 56x56 strict 1.3365 ->
 #: 1.2708, TF32 and fp16 level (1.001, 0.997); 3D transposed and 1D fp16 0.993-0.999x.
-WGMMA_DATA_PRECISIONS = (0, 1, 2)
 WGMMA_DATA = None
 WGMMA_DATA_NARROW = True
 #: The data kernel reads each (position, tap)'s corners, their slopes and the mask from a plan of
@@ -277,11 +275,11 @@ def _tiles(dtype) -> tuple:
     return TILES["float" if np.dtype(dtype) == np.float32 else "half"]
 
 
-def data_tile(tile: tuple, ndim: int, wgmma_planes: bool = False) -> tuple:
+def data_tile(tile: tuple, ndim: int, precision: int = 0, wgmma: bool = False) -> tuple:
     """The data kernel's instantiation of ``tile``: a MINB 2 tile in 1D and 2D asks for
-    DATA_MINB[BN] blocks per SM, but on wgmma in 3xTF32 (``wgmma_planes``), where the shared
+    DATA_MINB[BN] blocks per SM, but on ``wgmma`` in 3xTF32 (``precision`` 2), where the shared
     memory of its split operands holds two blocks anyway (and 80 registers spilled)."""
-    if tile[3] != 2 or ndim > 2 or wgmma_planes:
+    if tile[3] != 2 or ndim > 2 or (wgmma and precision == 2):
         return tile
     return tile[:3] + (DATA_MINB[tile[1]],)
 
@@ -369,7 +367,7 @@ def ws_name_expressions(dtype, ndim: int, index64: bool) -> tuple:
     """The sm_90a module's kernels: the warp-specialised weight kernel in each precision, and the
     data kernel's wgmma instantiations (not deterministic)."""
     names = [ws_kernel_name(dtype, index64, ndim, prec) for prec in _fused._precisions(dtype)]
-    names += [kernel_name(dtype, index64, ndim, prec, data_tile(tile, ndim, prec == 2), "data", plan, False, cpl,
+    names += [kernel_name(dtype, index64, ndim, prec, data_tile(tile, ndim, prec, True), "data", plan, False, cpl,
                           lanes, True)
               for prec in _fused._precisions(dtype) for tile in wgmma_data_tiles(dtype) for plan in (False, True)
               for cpl in LANE_CHANNELS if cpl == 4 or ndim == 3 for lanes in _lane_choices(tile[0], cpl)]
@@ -378,8 +376,9 @@ def ws_name_expressions(dtype, ndim: int, index64: bool) -> tuple:
 
 def _is_sm90a(name: str) -> bool:
     """Whether kernel ``name`` lives in the sm_90a module (:func:`ws_name_expressions`)."""
+    # (a data kernel's last template argument is WG where it has one, else LANES, a number)
     return name.startswith("deform_fused_backward_weight_ws<") or (
-        name.startswith("deform_fused_backward_data<") and name.count(",") == 12)
+        name.startswith("deform_fused_backward_data<") and name.endswith(", true>"))
 
 
 def name_expressions(dtype, ndim: int, index64: bool) -> tuple:
@@ -791,11 +790,10 @@ class BackwardConfig:
             self.offsets[name] = (total, count, np.dtype(dt))
             total = _fused._round_up(total + count * np.dtype(dt).itemsize, _ALIGN)
         self.workspace_bytes = total
-        # the data kernel's main loop on wgmma (wgmma_data / WGMMA_DATA: None the rule, the
-        # precisions of WGMMA_DATA_PRECISIONS; True forced; False off) on its 64-row tiles
+        # the data kernel's main loop on wgmma (wgmma_data / WGMMA_DATA: None the rule, on; True
+        # forced; False off) on its 64-row tiles, where the device has it, outside deterministic mode
         wg = WGMMA_DATA if wgmma_data is None else wgmma_data
-        wg = self.precision in WGMMA_DATA_PRECISIONS if wg is None else bool(wg)
-        self.wgmma_data = wg and not self.deterministic and _wgmma_device(wgmma)
+        self.wgmma_data = (wg is None or bool(wg)) and not self.deterministic and _wgmma_device(wgmma)
         self.smem_bytes = data_smem_bytes(dtype, self.tile, geom.ndim, self.lane_channels, self.lanes,
                                           self.deterministic, self.precision, self.data_on_wgmma(self.tile))
         self.scatter_smem_bytes = data_smem_bytes(dtype, self.scatter_tile, geom.ndim, self.lane_channels,
@@ -850,7 +848,7 @@ class BackwardConfig:
             plan = self.gradient_plan if name == "data" else self.sampling_plan
             wgmma = name == "data" and self.data_on_wgmma(tile)
             if name == "data":
-                tile = data_tile(tile, g.ndim, wgmma and self.precision == 2)
+                tile = data_tile(tile, g.ndim, self.precision, wgmma)
             full_name = (ws_kernel_name(self.dtype, self.index64, g.ndim, self.precision)
                          if name == "weight" and self.ws_weight else
                          kernel_name(self.dtype, self.index64, g.ndim, self.precision, tile, name, plan,
