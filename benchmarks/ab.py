@@ -4,7 +4,9 @@
     python benchmarks/ab.py cuda.GEMM_SPLITS --values 4,8,12 --cases 3dt-fp32
 
 ``SWITCH`` is ``MODULE.NAME``: a module-level setting of ``dcn_cupy._backends.MODULE`` (or of
-``dcn_cupy._plan``), read when a plan is built or a launch list recorded. ``--values`` are
+``dcn_cupy._plan``), read when a plan is built or a launch list recorded; or ``plan.KEYWORD``, a
+keyword of ``dcn_cupy.plan`` (``plan.deterministic``: the cost of deterministic mode, each shape
+in one process). ``--deterministic`` builds every plan deterministic. ``--values`` are
 Python literals (default ``False,True``). A value may repeat: a second plan with the same value
 shows how far two plans of one value differ, which is the noise floor.
 
@@ -75,10 +77,18 @@ def parse_values(text: str) -> list:
 
 def resolve_switch(name: str):
     """``"MODULE.NAME"`` -> (the module, NAME): a module of ``dcn_cupy._backends`` (or
-    ``dcn_cupy._plan``) that has that module-level setting."""
+    ``dcn_cupy._plan``) that has that module-level setting; ``"plan.KEYWORD"`` -> (None, KEYWORD)."""
     module_name, _, attribute = name.partition(".")
     if not module_name or not attribute or "." in attribute:
-        raise ValueError(f"the switch must be MODULE.NAME (e.g. cuda_fused_backward.EARLY_COPIES), got {name!r}")
+        raise ValueError(f"the switch must be MODULE.NAME (e.g. cuda_fused_backward.EARLY_COPIES) or "
+                         f"plan.KEYWORD, got {name!r}")
+    if module_name == "plan":
+        import inspect
+
+        import dcn_cupy
+        if attribute not in inspect.signature(dcn_cupy.plan).parameters:
+            raise ValueError(f"dcn_cupy.plan has no keyword {attribute!r}")
+        return None, attribute
     path = "dcn_cupy._plan" if module_name == "_plan" else f"dcn_cupy._backends.{module_name}"
     try:
         module = importlib.import_module(path)
@@ -98,20 +108,28 @@ def _case_arguments(shape: dict, precision: str):
     return (x, w, off, msk, b), gy, dict(padding=1, allow_tf32=_gpu._allow_tf32(precision))
 
 
-def run_case(module, attribute: str, values: list, shape: dict, precision: str, rounds: int, timing: tuple) -> list:
-    """[(value, best f+b ms, best backward ms, plan description)] for one case."""
+def _set(module, attribute: str, value) -> None:
+    if module is not None:   # (a plan keyword is the plan's own)
+        setattr(module, attribute, value)
+
+
+def run_case(module, attribute: str, values: list, shape: dict, precision: str, rounds: int, timing: tuple,
+             deterministic: bool = False) -> list:
+    """[(value, best f+b ms, best backward ms, plan description)] for one case (``module`` None:
+    ``attribute`` is a plan keyword)."""
     import dcn_cupy
 
     args, gy, keywords = _case_arguments(shape, precision)
+    keywords = dict(keywords, deterministic=True) if deterministic else keywords
     plans = []
     for value in values:
-        setattr(module, attribute, value)
-        plans.append(dcn_cupy.plan(*args, **keywords))
+        _set(module, attribute, value)
+        plans.append(dcn_cupy.plan(*args, **(keywords if module is not None else dict(keywords, **{attribute: value}))))
     both = [math.inf] * len(values)
     backward = [math.inf] * len(values)
     for _ in range(rounds):
         for i, (value, p) in enumerate(zip(values, plans)):
-            setattr(module, attribute, value)
+            _set(module, attribute, value)
 
             def step(p=p):
                 p.forward(*args)
@@ -131,6 +149,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--inner", type=int, default=10)
+    parser.add_argument("--deterministic", action="store_true", help="every plan deterministic")
     parser.add_argument("--json", default=None, help="write the results as JSON to this path (default: nowhere)")
     args = parser.parse_args(argv)
     try:
@@ -148,18 +167,18 @@ def main(argv=None) -> int:
         module, attribute = resolve_switch(args.switch)
     except ValueError as error:
         parser.error(str(error))
-    old = getattr(module, attribute)
+    old = getattr(module, attribute) if module is not None else None
     results = []
     try:
         for shape, precision, name in cases:
             rows = run_case(module, attribute, values, shape, precision, args.rounds,
-                            (args.warmup, args.repeats, args.inner))
+                            (args.warmup, args.repeats, args.inner), args.deterministic)
             for value, f, b, algorithm in rows:
                 results.append({"case": name, "shape": shape["name"], "precision": precision, "value": repr(value),
                                 "fwdbwd_ms": f, "bwd_ms": b, "algorithm": algorithm})
             print(f"{name}: {rows[0][3]}", flush=True)
     finally:
-        setattr(module, attribute, old)
+        _set(module, attribute, old)
     print(f"\n{args.switch} on {_gpu._device_name()}: the best of {args.rounds} rounds, ms "
           f"(ratio: over the first value's)")
     print("| case | value | f+b | backward | f+b ratio | backward ratio |")

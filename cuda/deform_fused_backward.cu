@@ -660,26 +660,32 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
             proxy_fence();   // the copies' writes, seen by the wgmmas' (async proxy) reads
             __syncthreads();
             float (&acc)[1][NACC] = PLANES == 2 ? p : d;
-            register_fence(acc);
-            wgmma_fence();
+            // (DET 3xTF32: the products summed apart per k8 and added in that order, as
+            // warp_mma_planes does, so that every tile gives the same bits; else per step)
+            constexpr int KS = BK / KSTEP, GROUP = PLANES == 2 && DET ? 1 : KS;
 #pragma unroll
-            for (int ks = 0; ks < BK / KSTEP; ++ks) {
-                const unsigned long long da = wgmma_descriptor_at(a_desc0, cur * PLANES * A_PLANE + ks * KSTEP * sizeof(T));
-                const unsigned long long db = wgmma_descriptor_at(b_desc0, cur * PLANES * B_PLANE + ks * KSTEP * sizeof(T));
-                if constexpr (PLANES == 2) {
-                    Wgmma<T, WG_N>::run(acc[0], wgmma_descriptor_at(da, A_PLANE), db, ks == 0 ? 0 : 1);
-                    Wgmma<T, WG_N>::run(acc[0], da, wgmma_descriptor_at(db, B_PLANE));
-                    Wgmma<T, WG_N>::run(acc[0], da, db);
-                } else {
-                    Wgmma<T, WG_N>::run(acc[0], da, db);
+            for (int k0 = 0; k0 < KS; k0 += GROUP) {
+                register_fence(acc);
+                wgmma_fence();
+#pragma unroll
+                for (int ks = k0; ks < k0 + GROUP; ++ks) {
+                    const unsigned long long da = wgmma_descriptor_at(a_desc0, cur * PLANES * A_PLANE + ks * KSTEP * sizeof(T));
+                    const unsigned long long db = wgmma_descriptor_at(b_desc0, cur * PLANES * B_PLANE + ks * KSTEP * sizeof(T));
+                    if constexpr (PLANES == 2) {
+                        Wgmma<T, WG_N>::run(acc[0], wgmma_descriptor_at(da, A_PLANE), db, ks == k0 ? 0 : 1);
+                        Wgmma<T, WG_N>::run(acc[0], da, wgmma_descriptor_at(db, B_PLANE));
+                        Wgmma<T, WG_N>::run(acc[0], da, db);
+                    } else {
+                        Wgmma<T, WG_N>::run(acc[0], da, db);
+                    }
                 }
-            }
-            wgmma_commit();
-            wgmma_wait_all();
-            register_fence(acc);
-            if constexpr (PLANES == 2) {
+                wgmma_commit();
+                wgmma_wait_all();
+                register_fence(acc);
+                if constexpr (PLANES == 2) {
 #pragma unroll
-                for (int i = 0; i < NACC; ++i) d[0][i] += p[0][i];
+                    for (int i = 0; i < NACC; ++i) d[0][i] += p[0][i];
+                }
             }
             __syncthreads();   // (the next step's copy overwrites the other buffer)
         }

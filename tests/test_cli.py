@@ -279,12 +279,15 @@ def test_benchmark_cases_build_conv_and_transposed_inputs(monkeypatch):
 
 def test_ab_benchmark_resolves_backend_settings():
     """benchmarks/ab.py's switch: MODULE.NAME, a module-level setting of a backend module (or
-    of ``_plan``); anything else is refused with a message naming it."""
+    of ``_plan``), or plan.KEYWORD; anything else is refused with a message naming it."""
     pytest.importorskip("cupy")
     module = _bench.load_script(REPO / "benchmarks" / "ab.py", "_test_ab_switch")
     found, name = module.resolve_switch("cuda_fused_backward.EARLY_COPIES")
     assert name == "EARLY_COPIES" and found.__name__ == "dcn_cupy._backends.cuda_fused_backward"
     assert module.resolve_switch("_plan.CHAIN_TRANSPOSED_BACKWARD")[0].__name__ == "dcn_cupy._plan"
+    assert module.resolve_switch("plan.deterministic") == (None, "deterministic")
+    with pytest.raises(ValueError, match="dcn_cupy.plan has no keyword 'nope'"):
+        module.resolve_switch("plan.nope")
     with pytest.raises(ValueError, match="dcn_cupy._backends.cuda has no setting 'NOPE'"):
         module.resolve_switch("cuda.NOPE")
     with pytest.raises(ValueError, match="must be MODULE.NAME .* got 'EARLY_COPIES'"):

@@ -313,7 +313,11 @@ def test_serving_rule_and_segments():
     assert on_wgmma.smem_bytes == long_reduction.smem_bytes + 1024
     strict = fb.BackwardConfig(_geom(c_out=256), np.float32, False, wgmma=True)
     assert strict.data_on_wgmma(strict.tile) and strict.smem_bytes == 2 * 2 * 192 * 32 * 4 + 1024
-    assert not fb.BackwardConfig(_geom(c_out=256), np.float32, False, wgmma=True, deterministic=True).wgmma_data
+    # deterministic too (its 3xTF32 products added per k8, as mma.sync's: the same bits)
+    det = fb.BackwardConfig(_geom(c_out=256), np.float32, False, wgmma=True, deterministic=True)
+    assert det.wgmma_data == fb.WGMMA_DATA_DETERMINISTIC and ("wgmma" in det.description) == det.wgmma_data
+    det_name = fb.kernel_name(np.float32, False, 2, 2, (64, 128, 32, 2), "data", False, True, 4, None, True)
+    assert fb._is_sm90a(det_name) and det_name in fb.ws_name_expressions(np.float32, 2, False)
     assert not fb.BackwardConfig(_geom(c_out=256), np.float32, False, wgmma=True, wgmma_data=False).wgmma_data
     narrow_on = fb.BackwardConfig(_geom(c_out=192), np.float32, False, wgmma=True)   # the 64x64 tile
     assert narrow_on.tile == (64, 64, 32, 2) and narrow_on.data_on_wgmma(narrow_on.tile)

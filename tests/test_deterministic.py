@@ -473,7 +473,7 @@ def _fused_case(ndim, transposed, layout, seed=6):
                    mask_groups=mask_groups)
 
 
-def _fused_plan(case, arrays, monkeypatch, tile=None, plans=None):
+def _fused_plan(case, arrays, monkeypatch, tile=None, plans=None, allow_tf32=False):
     """A deterministic plan whose backward (the transposed forward too) is cuda/fused-backward's,
     with the data tile ``tile`` and the sampling plans forced on or off (None: the rules)."""
     from dcn_cupy._backends import cuda_fused_backward as fb
@@ -481,7 +481,7 @@ def _fused_plan(case, arrays, monkeypatch, tile=None, plans=None):
         monkeypatch.setattr(fb, "_choose_tile", lambda geom, dtype: tile)
     monkeypatch.setattr(fb, "SAMPLING_PLAN", plans)
     return dcn_cupy.plan(**arrays, **case.params, transposed=case.transposed, deterministic=True,
-                         algorithm="cuda/fused-backward", allow_tf32=False)
+                         algorithm="cuda/fused-backward", allow_tf32=allow_tf32)
 
 
 @pytest.mark.gpu
@@ -520,6 +520,40 @@ def test_fused_deterministic_bitwise_across_runs_tiles_and_plans(ndim, transpose
         assert err < tol, (name, err, case.label)
     if transposed:
         assert relative_error(_host(y), case.reference(arrays64)) < tol, case.label
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["float32", "tf32", "float16", "bfloat16"])
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_fused_deterministic_bitwise_on_wgmma_and_mma_sync(ndim, precision, monkeypatch):
+    """Deterministic mode's data kernel on wgmma (sm_90a: the 64-row tiles) adds the column
+    gradients' products in the mma.sync loop's order (3xTF32: each k8's three products summed
+    apart, then added), so every tile on either main loop gives the same bits; and right."""
+    cupy = _cupy()
+    from dcn_cupy._backends import cuda_fused_backward as fb
+    if not fb._wgmma_device():
+        pytest.skip("the wgmma main loop needs an sm_90a device")
+    dtype = np.dtype(np.float32) if precision == "tf32" else DTYPES[DTYPE_IDS.index(precision)]
+    # (C_out/groups 80: several reduction steps, the last partial, in every precision)
+    case = Collide(ndim, False, seed=7, channels=(64, 160), groups=2, offset_groups=2, mask_groups=1)
+    arrays = {k: cupy.asarray(a.astype(dtype)) for k, a in case.arrays_.items()}
+    gy = cupy.asarray(case.grad_output.astype(dtype))
+    results = {}
+    for tile in fb._tiles(dtype):
+        for wgmma in ((False, True) if tile[0] == 64 else (False,)):
+            with monkeypatch.context() as m:
+                m.setattr(fb, "WGMMA_DATA", wgmma)
+                p = _fused_plan(case, arrays, m, tile, allow_tf32=precision == "tf32")
+                assert ("wgmma" in str(p)) == wgmma, str(p)
+                grads = p.backward(gy, **arrays)
+                results[tile, wgmma] = tuple(_bits(getattr(grads, name)) for name in ARGUMENTS)
+    assert len(set(results.values())) == 1, [key for key in results if results[key] != results[tile, False]]
+    arrays64 = {k: a.astype(dtype).astype(np.float64) for k, a in case.arrays_.items()}
+    expected = _expected_gradients(case, arrays64, case.grad_output.astype(dtype).astype(np.float64))
+    tol = 5e-3 if precision == "tf32" else TOL[dtype]
+    for name in ARGUMENTS:
+        err = relative_error(_host(getattr(grads, name)), expected[name])
+        assert err < tol, (name, err, case.label)
 
 
 @pytest.mark.gpu

@@ -230,6 +230,7 @@ WS_WEIGHT = None
 #: 1.2708, TF32 and fp16 level (1.001, 0.997); 3D transposed and 1D fp16 0.993-0.999x.
 WGMMA_DATA = None
 WGMMA_DATA_NARROW = True
+WGMMA_DATA_DETERMINISTIC = True
 #: The data kernel reads each (position, tap)'s corners, their slopes and the mask from a plan of
 #: its own (``fused_gradient_plan``, per batch chunk: 68 bytes per tap and position in 2D) instead of
 #: computing them in each of its C_in/64 channel-tile blocks, in 2D and 3D, and in 1D for float32,
@@ -367,10 +368,11 @@ def ws_name_expressions(dtype, ndim: int, index64: bool) -> tuple:
     """The sm_90a module's kernels: the warp-specialised weight kernel in each precision, and the
     data kernel's wgmma instantiations (not deterministic)."""
     names = [ws_kernel_name(dtype, index64, ndim, prec) for prec in _fused._precisions(dtype)]
-    names += [kernel_name(dtype, index64, ndim, prec, data_tile(tile, ndim, prec, True), "data", plan, False, cpl,
+    names += [kernel_name(dtype, index64, ndim, prec, data_tile(tile, ndim, prec, True), "data", plan, det, cpl,
                           lanes, True)
               for prec in _fused._precisions(dtype) for tile in wgmma_data_tiles(dtype) for plan in (False, True)
-              for cpl in LANE_CHANNELS if cpl == 4 or ndim == 3 for lanes in _lane_choices(tile[0], cpl)]
+              for det in (False, True) for cpl in LANE_CHANNELS if cpl == 4 or (ndim == 3 and not det)
+              for lanes in _lane_choices(tile[0], cpl)]
     return tuple(names)
 
 
@@ -793,7 +795,8 @@ class BackwardConfig:
         # the data kernel's main loop on wgmma (wgmma_data / WGMMA_DATA: None the rule, on; True
         # forced; False off) on its 64-row tiles, where the device has it, outside deterministic mode
         wg = WGMMA_DATA if wgmma_data is None else wgmma_data
-        self.wgmma_data = (wg is None or bool(wg)) and not self.deterministic and _wgmma_device(wgmma)
+        self.wgmma_data = ((wg is None or bool(wg)) and (WGMMA_DATA_DETERMINISTIC or not self.deterministic)
+                           and _wgmma_device(wgmma))
         self.smem_bytes = data_smem_bytes(dtype, self.tile, geom.ndim, self.lane_channels, self.lanes,
                                           self.deterministic, self.precision, self.data_on_wgmma(self.tile))
         self.scatter_smem_bytes = data_smem_bytes(dtype, self.scatter_tile, geom.ndim, self.lane_channels,
