@@ -646,25 +646,32 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
         constexpr int WG_N = BN / 2, NACC = WG_N / 2;             // a warpgroup's positions, accumulators
         constexpr unsigned A_PLANE = BM * LD * sizeof(T), B_PLANE = BN * LD * sizeof(T);
         const int wg = warp >> 2;                                 // positions wg * WG_N ...
-        float d[1][NACC], p[1][NACC];   // (p: 3xTF32's products of a step; else unused, no registers)
+        // (DET 3xTF32: each k8's products summed apart and added in k order, as warp_mma_planes
+        // does, so that every tile gives the same bits; on the 64 x 64 tile, whose accumulators
+        // leave room, two k8 groups in flight, PB. Else a step's products at once.)
+        constexpr int KS = BK / KSTEP, GROUP = PLANES == 2 && DET ? 1 : KS;
+        constexpr int PB = PLANES == 2 && DET && NACC <= 16 ? 2 : 1;
+        float d[1][NACC], p[PB][1][NACC];   // (p: 3xTF32's products of a group; else unused, no registers)
 #pragma unroll
         for (int i = 0; i < NACC; ++i) d[0][i] = 0.0f;
         // (128-byte swizzle, K-major: 8-row groups 1024 bytes apart; a k step is the next KSTEP
         // elements of each row, the hardware applying the swizzle to the address)
         const unsigned long long a_desc0 = wgmma_descriptor(As0, 16, 1024) | (1ull << 62);
         const unsigned long long b_desc0 = wgmma_descriptor(Bs0 + wg * WG_N * LD, 16, 1024) | (1ull << 62);
+        auto add_products = [&](float (&q)[1][NACC]) {
+            register_fence(q);
+#pragma unroll
+            for (int i = 0; i < NACC; ++i) d[0][i] += q[0][i];
+        };
         copy_step(0, 0);
         for (int s = 0; s < steps; ++s) {
             const int cur = s & 1;
             await_step(s);
             proxy_fence();   // the copies' writes, seen by the wgmmas' (async proxy) reads
             __syncthreads();
-            float (&acc)[1][NACC] = PLANES == 2 ? p : d;
-            // (DET 3xTF32: the products summed apart per k8 and added in that order, as
-            // warp_mma_planes does, so that every tile gives the same bits; else per step)
-            constexpr int KS = BK / KSTEP, GROUP = PLANES == 2 && DET ? 1 : KS;
 #pragma unroll
             for (int k0 = 0; k0 < KS; k0 += GROUP) {
+                float (&acc)[1][NACC] = PLANES == 2 ? p[k0 / GROUP % PB] : d;
                 register_fence(acc);
                 wgmma_fence();
 #pragma unroll
@@ -680,12 +687,20 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                     }
                 }
                 wgmma_commit();
-                wgmma_wait_all();
-                register_fence(acc);
-                if constexpr (PLANES == 2) {
-#pragma unroll
-                    for (int i = 0; i < NACC; ++i) d[0][i] += p[0][i];
+                if constexpr (PB == 2) {
+                    if (k0 > 0) {   // the group before landed: its products added
+                        wgmma_wait_pending<1>();
+                        add_products(p[(k0 / GROUP + 1) % 2]);
+                    }
+                } else {
+                    wgmma_wait_all();
+                    register_fence(acc);
+                    if constexpr (PLANES == 2) add_products(p[0]);
                 }
+            }
+            if constexpr (PB == 2) {
+                wgmma_wait_all();
+                add_products(p[(KS / GROUP - 1) % 2]);
             }
             __syncthreads();   // (the next step's copy overwrites the other buffer)
         }
