@@ -33,9 +33,10 @@
 // gycl twice as long, split_tf32's big parts, then the small ones), each part copied to a tile of its
 // own and multiplied by fused::warp_mma_planes, no value split in the loop.
 //
-// WG (sm_90a, the 64-row tiles, not DET): the same copies into swizzled rows (TILE_XOR is the
-// 128-byte swizzle wgmma reads), multiplied by wgmma instead of mma.sync, each warpgroup a half
-// of the positions; 3xTF32's products of a step summed apart, then added in float32.
+// WG (sm_90a, the 64-row tiles): the same copies into swizzled rows (TILE_XOR is the 128-byte
+// swizzle wgmma reads), multiplied by wgmma instead of mma.sync, each warpgroup a half of the
+// positions; 3xTF32's products of a step summed apart, then added in float32 (DET: per k8, as
+// mma.sync adds them, so that both loops give the same bits).
 //
 // Template parameters: T storage type, I index type, N spatial dims, PREC (0: T's own MMA; 1:
 // TF32; 2: 3xTF32), the tile BM x BN x BK, MINB (blocks per multiprocessor asked of the register

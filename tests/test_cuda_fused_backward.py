@@ -254,7 +254,7 @@ def test_weight_gradient_through_im2col_only_where_clearly_faster(monkeypatch):
     fb._fused_weight.clear()
 
 
-def test_serving_rule_and_segments():
+def test_serving_rule_and_segments(monkeypatch):
     fb = _backward_module()
     assert fb.unsupported(_geom(), np.float16) is None
     assert "C_in/groups = 18" in fb.unsupported(_geom(c_in=36, groups=2), np.float16)
@@ -313,9 +313,13 @@ def test_serving_rule_and_segments():
     assert on_wgmma.smem_bytes == long_reduction.smem_bytes + 1024
     strict = fb.BackwardConfig(_geom(c_out=256), np.float32, False, wgmma=True)
     assert strict.data_on_wgmma(strict.tile) and strict.smem_bytes == 2 * 2 * 192 * 32 * 4 + 1024
-    # deterministic too (its 3xTF32 products added per k8, as mma.sync's: the same bits)
+    # deterministic too (its 3xTF32 products added per k8, as mma.sync's: the same bits), unless
+    # WGMMA_DATA_DETERMINISTIC is off
     det = fb.BackwardConfig(_geom(c_out=256), np.float32, False, wgmma=True, deterministic=True)
-    assert det.wgmma_data == fb.WGMMA_DATA_DETERMINISTIC and ("wgmma" in det.description) == det.wgmma_data
+    assert det.wgmma_data and "3xtf32 wgmma, tile 64x128x32" in det.description
+    monkeypatch.setattr(fb, "WGMMA_DATA_DETERMINISTIC", False)
+    assert not fb.BackwardConfig(_geom(c_out=256), np.float32, False, wgmma=True, deterministic=True).wgmma_data
+    assert fb.BackwardConfig(_geom(c_out=256), np.float32, False, wgmma=True).wgmma_data
     det_name = fb.kernel_name(np.float32, False, 2, 2, (64, 128, 32, 2), "data", False, True, 4, None, True)
     assert fb._is_sm90a(det_name) and det_name in fb.ws_name_expressions(np.float32, 2, False)
     assert not fb.BackwardConfig(_geom(c_out=256), np.float32, False, wgmma=True, wgmma_data=False).wgmma_data

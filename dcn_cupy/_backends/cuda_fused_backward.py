@@ -15,8 +15,9 @@ reduction):
   channels-last rows) are split into big and small parts once, by their copies
   (``fused_channels_last_split``), not in every warp that reads them. Its 64-row tiles have a
   second main loop on wgmma (sm_90a, each warpgroup a half of the positions; ``WGMMA_DATA``),
-  which the rule takes on such devices outside deterministic mode: same copies, staging and
-  epilogue;
+  which the rule takes on such devices: same copies, staging and epilogue; in deterministic
+  mode its products are added in the mma.sync loop's order, so that both loops give the same
+  bits;
 * ``deform_fused_backward_weight``: ``grad_output . sampled^T`` over the positions, the sampled
   tile built in shared memory by the fused forward's sampler; the positions are split over
   blocks and the splits' float32 partial sums added in a fixed order (bitwise repeatable).
@@ -220,7 +221,7 @@ WS_MIN_ROWS = 256
 WS_WEIGHT = None
 #: The data kernel's main loop on wgmma (sm_90a: its WG instantiations, each warpgroup a half of
 #: the tile's positions, in the sm_90a module) where its tile is 64 x 128 (64 x 64 too where
-#: ``WGMMA_DATA_NARROW``) and it is not deterministic. None: the rule, every precision there;
+#: ``WGMMA_DATA_NARROW``), deterministic too where ``WGMMA_DATA_DETERMINISTIC``. None: the rule, every precision there;
 #: True / False: forced on (where it serves) or off (tests, benchmarks). H200, f+b, mma.sync -> wgmma
 #: (NOTES-gpu.md, session 51): strict float32 1D B=16 C256 L4096 1.951 -> 1.710 ms, B=8 C256
 #: 56x56 2.139 -> 1.827, B=16 C512 14x14 1.098 -> 0.933, 3D 2.131 -> 2.113; TF32 0.945-0.969x
@@ -230,6 +231,15 @@ WS_WEIGHT = None
 #: 1.2708, TF32 and fp16 level (1.001, 0.997); 3D transposed and 1D fp16 0.993-0.999x.
 WGMMA_DATA = None
 WGMMA_DATA_NARROW = True
+#: Deterministic mode on the wgmma loop too: its 3xTF32 products summed apart per k8 and added
+#: in k order (on the 64 x 64 tile two k8 groups in flight), the mma.sync loop's order, so that
+#: every tile on either loop gives the same bits (fp16, bf16 and TF32 accumulate as mma.sync
+#: does; test_fused_deterministic_bitwise_on_wgmma_and_mma_sync). H200, deterministic f+b,
+#: mma.sync -> wgmma (NOTES-gpu.md, session 52): strict float32 B=8 C256 56x56 2.546 -> 2.227 ms,
+#: B=16 C512 14x14 1.227 -> 1.067, 1D B=16 C256 L4096 2.295 -> 2.062, 2D transposed 0.473 ->
+#: 0.440, 3D transposed 0.514 -> 0.504, 3D 0.993x; TF32 0.953-0.975x, fp16 0.972-0.991x; B=32
+#: C64 56x56 strict 1.657 -> 1.716 (1.035x, its 64 x 64 tile at 2 blocks per SM where mma.sync
+#: runs 4). False: deterministic plans keep mma.sync (the A/B).
 WGMMA_DATA_DETERMINISTIC = True
 #: The data kernel reads each (position, tap)'s corners, their slopes and the mask from a plan of
 #: its own (``fused_gradient_plan``, per batch chunk: 68 bytes per tap and position in 2D) instead of
@@ -366,7 +376,7 @@ def wgmma_data_tiles(dtype) -> tuple:
 
 def ws_name_expressions(dtype, ndim: int, index64: bool) -> tuple:
     """The sm_90a module's kernels: the warp-specialised weight kernel in each precision, and the
-    data kernel's wgmma instantiations (not deterministic)."""
+    data kernel's wgmma instantiations (deterministic too, with 4 channels a lane)."""
     names = [ws_kernel_name(dtype, index64, ndim, prec) for prec in _fused._precisions(dtype)]
     names += [kernel_name(dtype, index64, ndim, prec, data_tile(tile, ndim, prec, True), "data", plan, det, cpl,
                           lanes, True)
@@ -793,7 +803,8 @@ class BackwardConfig:
             total = _fused._round_up(total + count * np.dtype(dt).itemsize, _ALIGN)
         self.workspace_bytes = total
         # the data kernel's main loop on wgmma (wgmma_data / WGMMA_DATA: None the rule, on; True
-        # forced; False off) on its 64-row tiles, where the device has it, outside deterministic mode
+        # forced; False off) on its 64-row tiles, where the device has it (deterministic mode:
+        # where WGMMA_DATA_DETERMINISTIC)
         wg = WGMMA_DATA if wgmma_data is None else wgmma_data
         self.wgmma_data = ((wg is None or bool(wg)) and (WGMMA_DATA_DETERMINISTIC or not self.deterministic)
                            and _wgmma_device(wgmma))
