@@ -17,21 +17,22 @@ Precisions: fp32 (strict, no TF32), tf32 (float32 with ``allow_tf32=True``), fp1
 Usage: ``python benchmarks/deterministic.py [--quick] [--precisions fp32,tf32,fp16,bf16]``
 (without a CUDA device it says so and exits with status 0).
 
-Measured on one NVIDIA H200 (2026-11-30, session 46, CuPy 14.2, CUDA 13, ``--quick``), ms:
+Measured on one NVIDIA H200 (2026-12-01, session 52, CuPy 14.2, CUDA 13, ``--quick``; the
+deterministic data kernel on wgmma), ms:
 
     prec  what                 default  determ.  ratio im2col-det
-    fp32  backward               1.679    2.080   1.24      4.490
-    fp32  backward input         0.921    1.289   1.40      2.196
-    fp32  transposed forward     0.921    1.290   1.40      2.199
-    tf32  backward               0.833    1.185   1.42      2.969
-    tf32  backward input         0.392    0.707   1.80      1.678
-    tf32  transposed forward     0.392    0.708   1.81      1.683
-    fp16  backward               0.591    0.873   1.48      2.510
-    fp16  backward input         0.321    0.604   1.88      1.513
-    fp16  transposed forward     0.322    0.604   1.88      1.517
-    bf16  backward               0.592    0.873   1.48      2.514
-    bf16  backward input         0.320    0.601   1.88      1.514
-    bf16  transposed forward     0.321    0.603   1.88      1.516
+    fp32  backward               1.351    1.752   1.30      4.491
+    fp32  backward input         0.599    0.971   1.62      2.197
+    fp32  transposed forward     0.601    0.973   1.62      2.199
+    tf32  backward               0.788    1.148   1.46      2.975
+    tf32  backward input         0.363    0.681   1.87      1.678
+    tf32  transposed forward     0.365    0.683   1.87      1.681
+    fp16  backward               0.576    0.863   1.50      2.520
+    fp16  backward input         0.314    0.599   1.91      1.513
+    fp16  transposed forward     0.315    0.599   1.90      1.517
+    bf16  backward               0.578    0.865   1.50      2.514
+    bf16  backward input         0.313    0.597   1.91      1.512
+    bf16  transposed forward     0.314    0.597   1.90      1.518
 
 Earlier sessions' tables are in ``benchmarks/README.md`` ("Deterministic backward").
 """

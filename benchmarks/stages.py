@@ -343,7 +343,8 @@ def fused_backward_stages(x, w, off, msk, gy, geom, name, t, deterministic=False
 
         every = ("input", "weight", "offset", "mask")
         rows = [("whole backward, weight gradient fused", call(own, every)) if own.fused_weight else None,
-                ("whole backward, weight through cuda/im2col", call(through, every, im2col)),
+                # (the plans' weight gradient through cuda/im2col: its _Backward, deterministic or not)
+                ("whole backward, weight through cuda/im2col", call(through, every, fb.weight_through_im2col(through, spec))),
                 (f"{'cuda/im2col-deterministic' if deterministic else 'cuda/im2col'}'s whole backward",
                  lambda: im2col.run(dict(args, wanted=frozenset(every)), grads, ws)),
                 ("input gradient alone", call(through, ("input",))),
