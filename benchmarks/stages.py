@@ -335,16 +335,19 @@ def fused_backward_stages(x, w, off, msk, gy, geom, name, t, deterministic=False
         im2col = (cuda_deterministic._DeterministicBackward if deterministic else be._Backward)(spec)
         through = fb.BackwardConfig(geom, x.dtype, allow_tf32, multiprocessors=sms, fused_weight=False,
                                     deterministic=deterministic)
-        ws = cupy.empty(max(own.workspace_bytes, through.workspace_bytes, im2col.workspace_bytes), dtype=np.uint8)
+        # the plans' weight gradient through cuda/im2col (its _Backward, deterministic or not), on the
+        # workspace past the channels-last copy of x where it takes that copy
+        through_weight = fb.FusedBackward(through, fb.weight_through_im2col(through, spec))
+        ws = cupy.empty(max(own.workspace_bytes, through_weight.workspace_bytes, im2col.workspace_bytes),
+                        dtype=np.uint8)
 
-        def call(config, wanted, weight=None):
-            executable = fb.FusedBackward(config, weight)   # its launches recorded once, then replayed
+        def call(config, wanted, executable=None):
+            executable = executable or fb.FusedBackward(config)   # its launches recorded once, then replayed
             return lambda: executable.run(dict(args, wanted=frozenset(wanted)), grads, ws)
 
         every = ("input", "weight", "offset", "mask")
         rows = [("whole backward, weight gradient fused", call(own, every)) if own.fused_weight else None,
-                # (the plans' weight gradient through cuda/im2col: its _Backward, deterministic or not)
-                ("whole backward, weight through cuda/im2col", call(through, every, fb.weight_through_im2col(through, spec))),
+                ("whole backward, weight through cuda/im2col", call(through, every, through_weight)),
                 (f"{'cuda/im2col-deterministic' if deterministic else 'cuda/im2col'}'s whole backward",
                  lambda: im2col.run(dict(args, wanted=frozenset(every)), grads, ws)),
                 ("input gradient alone", call(through, ("input",))),
