@@ -16,9 +16,10 @@ reference in test_cuda.py) for
 N = 1, 2, 3, conv and transposed, every ``wrt`` subset, float16/bfloat16/float32/float64.
 Tolerances as in test_cuda.py (float64 1e-10, float32 1e-4 relative in norm, half types
 against float64 gradients of the same rounded inputs). Then cuda/fused-backward's deterministic
-kernels on colliding inputs with its channel constraints: bitwise equal over runs, both data
-tiles, the sampling plans on and off and one-sample chunks; non-finite contributions; the
-automatic choice between it and cuda/im2col-deterministic.
+kernels on colliding inputs with its channel constraints: bitwise equal over runs, every data
+tile, both main loops (wgmma and mma.sync, on an sm_90a device), the sampling plans on and off
+and one-sample chunks; non-finite contributions; the automatic choice between it and
+cuda/im2col-deterministic.
 """
 
 from __future__ import annotations

@@ -221,8 +221,9 @@ WS_MIN_ROWS = 256
 WS_WEIGHT = None
 #: The data kernel's main loop on wgmma (sm_90a: its WG instantiations, each warpgroup a half of
 #: the tile's positions, in the sm_90a module) where its tile is 64 x 128 (64 x 64 too where
-#: ``WGMMA_DATA_NARROW``), deterministic too where ``WGMMA_DATA_DETERMINISTIC``. None: the rule, every precision there;
-#: True / False: forced on (where it serves) or off (tests, benchmarks). H200, f+b, mma.sync -> wgmma
+#: ``WGMMA_DATA_NARROW``), deterministic too where ``WGMMA_DATA_DETERMINISTIC``. None: the rule,
+#: every precision there; True / False: forced on (where it serves) or off (tests, benchmarks).
+#: H200, f+b, mma.sync -> wgmma
 #: (NOTES-gpu.md, session 51): strict float32 1D B=16 C256 L4096 1.951 -> 1.710 ms, B=8 C256
 #: 56x56 2.139 -> 1.827, B=16 C512 14x14 1.098 -> 0.933, 3D 2.131 -> 2.113; TF32 0.945-0.969x
 #: at those 2D and 1D shapes, fp16 0.952-0.979x; 3D TF32 and fp16 level (0.997, 1.002). Then
