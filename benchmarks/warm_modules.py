@@ -2,7 +2,8 @@
 kernel cache, so that later processes load them instead of compiling.
 
     CUPY_CACHE_DIR=$PWD/.kcache python benchmarks/warm_modules.py [--jobs 16] \
-        [--backends fused,fused-backward,im2col,direct,deterministic]
+        [--backends fused,fused-backward,im2col,direct,deterministic] \
+        [--dtypes float32,float16] [--ndims 2] [--index 32]
 
 A cold process spends minutes in NVRTC before its first launch (a fused module of sm_90a
 kernels takes about a minute alone). Test groups or benchmarks run in parallel on a fresh
@@ -10,6 +11,10 @@ machine would each compile the same modules; run this first, with the same CUPY_
 they load them (NOTES-gpu.md, session 27: 72 fused modules in 74 s on 16 cores). Each module is
 built by the backend's own loader on the current device, so the cache holds exactly what the
 backends look up: CuPy's cache for the RawModules, ``cuda_fused``'s own files for the sm_90a ones.
+The fused backward's two modules of a key (sm_90 and sm_90a) are two tasks, so that they build
+side by side; the sm_90a ones, the slowest, start first. ``--dtypes``, ``--ndims`` and ``--index``
+(32 or 64: the index width) keep the modules of those keys alone: what a test group or a benchmark
+of one dtype and N loads, when the source has changed and every module would be rebuilt.
 
 Run it as a file: its workers are spawned processes, which import this script again (a pool
 started from a script on standard input cannot, and waits for ever). Without a CUDA device it
@@ -24,6 +29,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,10 +51,26 @@ def module_keys(backend: str) -> list:
     return list(cuda.all_module_keys())   # cuda_deterministic: one module per cuda/im2col key
 
 
-def tasks(backends) -> list:
-    """(backend, key) of every module to build, the sm_90a ones (the slowest) first."""
-    found = [(backend, tuple(key)) for backend in backends for key in module_keys(backend)]
-    return sorted(found, key=lambda task: not (task[0] == "fused" and task[1][3] in (1, 3)))
+def _sm90a(task) -> bool:
+    """Whether a task builds an sm_90a module: a fused engine 1 or 3, a fused backward's second."""
+    backend, key = task
+    return (backend == "fused" and key[3] in (1, 3)) or (backend == "fused-backward" and key[3])
+
+
+def tasks(backends, dtypes=None, ndims=None, index_bits=None) -> list:
+    """(backend, key) of every module to build, the sm_90a ones (the slowest) first; a fused
+    backward's key ends with whether it is the sm_90a module. ``dtypes`` (numpy dtypes),
+    ``ndims`` and ``index_bits`` (32 or 64), where given, keep those keys alone."""
+    found = []
+    for backend in backends:
+        for key in module_keys(backend):
+            dtype, ndim, index64 = key[:3]
+            if ((dtypes is not None and dtype not in dtypes) or (ndims is not None and ndim not in ndims)
+                    or (index_bits is not None and index64 != (index_bits == 64))):
+                continue
+            parts = ((False, True) if backend == "fused-backward" else ((),))
+            found += [(backend, tuple(key) + ((part,) if part != () else ())) for part in parts]
+    return sorted(found, key=lambda task: not _sm90a(task))
 
 
 def build(task) -> tuple:
@@ -60,10 +83,14 @@ def build(task) -> tuple:
         if backend == "fused":
             dtype, ndim, index64, engine = key
             module._function(module.name_expressions(dtype, ndim, index64, engine)[0], dtype, ndim, index64, engine)
-        elif backend in ("fused-backward", "im2col"):
-            module._function(module.name_expressions(*key)[0], *key)
-            if backend == "fused-backward" and module._fused.wgmma_available():   # its sm_90a module
+        elif backend == "fused-backward":
+            *key, sm90a = key
+            if not sm90a:
+                module._function(module.name_expressions(*key)[0], *key)
+            elif module._fused.wgmma_available():   # (its sm_90a module: only where it runs)
                 module._function(module.ws_name_expressions(*key)[0], *key)
+        elif backend == "im2col":
+            module._function(module.name_expressions(*key)[0], *key)
         else:   # direct, deterministic: their kernels dict loads the whole module
             for fn in module._kernels(*key).values():
                 getattr(fn, "kernel", None)
@@ -77,11 +104,32 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes at a time")
     parser.add_argument("--backends", default=",".join(BACKENDS),
                         help=f"comma-separated, of {', '.join(BACKENDS)}")
+    parser.add_argument("--dtypes", default=None, help="comma-separated, of float16,bfloat16,float32,float64 "
+                        "(default: all)")
+    parser.add_argument("--ndims", default=None, help="comma-separated, of 1,2,3 (default: all)")
+    parser.add_argument("--index", type=int, default=None, choices=(32, 64), help="index width (default: both)")
     args = parser.parse_args(argv)
     backends = [name for name in args.backends.split(",") if name]
     unknown = [name for name in backends if name not in BACKENDS]
     if unknown:
         parser.error(f"--backends: unknown {', '.join(unknown)} (known: {', '.join(BACKENDS)})")
+    dtypes = ndims = None
+    if args.dtypes is not None:
+        from dcn_cupy._interop import BFLOAT16
+        known = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16, "float32": np.dtype(np.float32),
+                 "float64": np.dtype(np.float64)}
+        names = [name for name in args.dtypes.split(",") if name]
+        bad = [name for name in names if name not in known]
+        if bad or not names:
+            parser.error(f"--dtypes: expected names among {', '.join(known)}, got {args.dtypes!r}")
+        dtypes = [known[name] for name in names]
+    if args.ndims is not None:
+        try:
+            ndims = [int(n) for n in args.ndims.split(",") if n]
+        except ValueError:
+            ndims = []
+        if not ndims or any(n not in (1, 2, 3) for n in ndims):
+            parser.error(f"--ndims: expected numbers among 1,2,3, got {args.ndims!r}")
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     from gpu import no_gpu_reason
@@ -89,7 +137,10 @@ def main(argv=None) -> int:
     if reason is not None:
         print(f"benchmarks/warm_modules.py: {reason}: nothing to compile.")
         return 0
-    todo = tasks(backends)
+    todo = tasks(backends, dtypes, ndims, args.index)
+    if not todo:
+        print("warm_modules.py: no module of those backends has those keys: nothing to compile.")
+        return 0
     start = time.perf_counter()
     failed = 0
     with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(todo))) as pool:

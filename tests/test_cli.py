@@ -415,23 +415,37 @@ def test_module_entry_point_runs_as_subprocess(tmp_path):
 
 def test_warm_modules_lists_every_backend_module_and_checks_its_arguments(capsys, monkeypatch):
     """benchmarks/warm_modules.py: one task per module each backend can build (the fused sm_90a
-    engines first), its arguments checked; without a CUDA device it compiles nothing and exits 0
-    (with one, that path is left to the GPU machine: it compiles every module)."""
+    engines and the fused backward's sm_90a modules first), or of the keys asked for; its
+    arguments checked; without a CUDA device it compiles nothing and exits 0 (with one, that
+    path is left to the GPU machine: it compiles every module)."""
     pytest.importorskip("cupy")
     module = _bench.load_script(REPO / "benchmarks" / "warm_modules.py", "_test_warm_modules")
     from dcn_cupy._backends import cuda, cuda_direct, cuda_fused, cuda_fused_backward
     tasks = module.tasks(list(module.BACKENDS))
-    expected = {"fused": len(cuda_fused.all_module_keys()),
-                "fused-backward": len(cuda_fused_backward.all_module_keys()),
+    expected = {"fused": len(cuda_fused.all_module_keys()),   # (the fused backward: sm_90 and sm_90a modules)
+                "fused-backward": 2 * len(cuda_fused_backward.all_module_keys()),
                 "im2col": len(cuda.all_module_keys()), "direct": len(cuda_direct.all_module_keys()),
                 "deterministic": len(cuda.all_module_keys())}
     assert {name: sum(task[0] == name for task in tasks) for name in module.BACKENDS} == expected
     assert len(set(tasks)) == len(tasks)
-    wgmma = [i for i, (name, key) in enumerate(tasks) if name == "fused" and key[3] in (1, 3)]
-    assert wgmma == list(range(len(wgmma))) and wgmma   # the slowest first
+    wgmma = [i for i, (name, key) in enumerate(tasks)
+             if (name == "fused" and key[3] in (1, 3)) or (name == "fused-backward" and key[3])]
+    assert wgmma == list(range(len(wgmma))) and len(wgmma) > len(cuda_fused_backward.all_module_keys())   # slowest first
+    # the keys of some dtypes, N and one index width alone
+    some = module.tasks(["fused-backward", "im2col"], [np.dtype(np.float32)], [2], 32)
+    assert sorted(some) == sorted([("fused-backward", (np.dtype(np.float32), 2, False, True)),
+                                   ("fused-backward", (np.dtype(np.float32), 2, False, False)),
+                                   ("im2col", (np.dtype(np.float32), 2, False))])
+    assert some[0] == ("fused-backward", (np.dtype(np.float32), 2, False, True))
     with pytest.raises(SystemExit):
         module.main(["--backends", "fused,nope"])
     assert "--backends: unknown nope" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        module.main(["--dtypes", "float8"])
+    assert "--dtypes: expected names among float16, bfloat16, float32, float64, got 'float8'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        module.main(["--ndims", "4"])
+    assert "--ndims: expected numbers among 1,2,3, got '4'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         module.main(["--jobs", "0"])
     assert "--jobs must be at least 1, got 0" in capsys.readouterr().err
