@@ -430,7 +430,8 @@ def test_warm_modules_lists_every_backend_module_and_checks_its_arguments(capsys
     assert len(set(tasks)) == len(tasks)
     wgmma = [i for i, (name, key) in enumerate(tasks)
              if (name == "fused" and key[3] in (1, 3)) or (name == "fused-backward" and key[3])]
-    assert wgmma == list(range(len(wgmma))) and len(wgmma) > len(cuda_fused_backward.all_module_keys())   # slowest first
+    # (the slowest first)
+    assert wgmma == list(range(len(wgmma))) and len(wgmma) > len(cuda_fused_backward.all_module_keys())
     # the keys of some dtypes, N and one index width alone
     some = module.tasks(["fused-backward", "im2col"], [np.dtype(np.float32)], [2], 32)
     assert sorted(some) == sorted([("fused-backward", (np.dtype(np.float32), 2, False, True)),
