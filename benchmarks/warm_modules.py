@@ -68,8 +68,10 @@ def tasks(backends, dtypes=None, ndims=None, index_bits=None) -> list:
             if ((dtypes is not None and dtype not in dtypes) or (ndims is not None and ndim not in ndims)
                     or (index_bits is not None and index64 != (index_bits == 64))):
                 continue
-            parts = ((False, True) if backend == "fused-backward" else ((),))
-            found += [(backend, tuple(key) + ((part,) if part != () else ())) for part in parts]
+            if backend == "fused-backward":   # (its sm_90 and its sm_90a module)
+                found += [(backend, tuple(key) + (sm90a,)) for sm90a in (False, True)]
+            else:
+                found.append((backend, tuple(key)))
     return sorted(found, key=lambda task: not _sm90a(task))
 
 
