@@ -469,6 +469,14 @@ def test_deterministic_configuration():
     assert fb.data_tile((64, 128, 64, 2), 1) == (64, 128, 64, 3)
     assert fb.data_tile((64, 128, 64, 2), 3) == (64, 128, 64, 2)
     assert fb.data_tile((128, 64, 64, 1), 2) == (128, 64, 64, 1)
+    # 3xTF32 on wgmma: the 64x64 tile at 3 blocks per SM in 1D and 2D, 64x128 at 2; TF32 as mma.sync
+    assert fb.data_tile((64, 64, 32, 2), 2, 2, True) == (64, 64, 32, 3)
+    assert fb.data_tile((64, 64, 32, 2), 1, 2, True) == (64, 64, 32, 3)
+    assert fb.data_tile((64, 64, 32, 2), 3, 2, True) == (64, 64, 32, 2)
+    assert fb.data_tile((64, 128, 32, 2), 2, 2, True) == (64, 128, 32, 2)
+    assert fb.data_tile((64, 64, 32, 2), 2, 1, True) == (64, 64, 32, 4)
+    assert fb.kernel_name(np.float32, False, 2, 2, (64, 64, 32, 3), "data", True, True, wgmma=True) in (
+        fb.ws_name_expressions(np.float32, 2, False))
     assert fb.kernel_name(np.float32, False, 2, 1, (64, 128, 32, 3), "data", True, True) in fb.name_expressions(
         np.float32, 2, False)
     names = fb.name_expressions(np.float16, 2, False)

@@ -139,6 +139,14 @@ DATA_WIDE_MIN_ROWS = 256
 #: lost (1.07-1.15x) and 2 is kept. 64x128 at MINB 4 (64 registers, 64 bytes of spill) was 1.7-10%
 #: slower in TF32, fp16 and deterministic mode but for 1D fp16 (level; H200, session 45).
 DATA_MINB = {64: 4, 128: 3}
+#: Blocks per multiprocessor asked of the 64 x 64 data tile's 3xTF32 wgmma kernels in 1D and 2D
+#: (the 64 x 128 tile's stay at 2: they spilled at 3, and their split operands' shared memory
+#: holds two blocks anyway). At 2 the deterministic kernels had 89-91 registers, so 2 blocks per
+#: SM; at 3, 77-79 and 3 blocks (66 KiB of shared memory each), with no spills (64-bit index:
+#: 80, 0-64 bytes); the default ones 70-72 either way (ptxas, sm_90a). H200, f+b, MINB 2 -> 3 (NOTES-gpu.md, session 53):
+#: deterministic B=32 C64 56x56 strict 1.725 -> 1.606 ms, 2D transposed B=8 C128 28x28 s2
+#: 0.444 -> 0.430; default level (0.996-1.001x).
+WGMMA_SPLIT_NARROW_MINB = 3
 #: Channels per lane of the data kernel's epilogue (``epilogue_lane_channels`` chooses): 8 pays each
 #: position's corners, weights and branches once for twice the channels of 4, at the cost of
 #: registers (2D fp16 64x64x64: 101 against 80, 2 blocks per SM instead of 3). H200, data
@@ -290,9 +298,12 @@ def _tiles(dtype) -> tuple:
 def data_tile(tile: tuple, ndim: int, precision: int = 0, wgmma: bool = False) -> tuple:
     """The data kernel's instantiation of ``tile``: a MINB 2 tile in 1D and 2D asks for
     DATA_MINB[BN] blocks per SM, but on ``wgmma`` in 3xTF32 (``precision`` 2), where the shared
-    memory of its split operands holds two blocks anyway (and 80 registers spilled)."""
-    if tile[3] != 2 or ndim > 2 or (wgmma and precision == 2):
+    memory of its split operands holds fewer blocks: WGMMA_SPLIT_NARROW_MINB for 64 x 64, 2 for
+    64 x 128 (80 registers spilled)."""
+    if tile[3] != 2 or ndim > 2:
         return tile
+    if wgmma and precision == 2:
+        return tile[:3] + (WGMMA_SPLIT_NARROW_MINB if tile[1] == 64 else 2,)
     return tile[:3] + (DATA_MINB[tile[1]],)
 
 
