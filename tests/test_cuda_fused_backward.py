@@ -1475,12 +1475,19 @@ def test_warp_specialised_weight_rule():
     assert forced.weight_threads == 256 + fb.WS_RINGS["half"][1]
     assert forced.weight_smem_bytes == fb.ws_weight_smem_bytes(np.float16, 0) <= 227 * 1024
     assert forced.Pp % 64 == 0   # whole segments of grad_output
-    # the rule: at least WS_MIN_ROWS output channels a group
+    # the rule: at least WS_MIN_ROWS output channels a group, 128 in strict float32 and in 2D, else 256
     assert not fb.BackwardConfig(_geom(c_in=64, c_out=48), np.float16, False, wgmma=True).ws_weight
+    for ndim, dtype, allow_tf32, ws in ((2, np.float16, False, True), (2, np.float32, True, True),
+                                        (1, np.float32, False, True), (3, np.float32, False, True),
+                                        (1, np.float32, True, False), (1, np.float16, False, False),
+                                        (3, np.float16, False, False)):
+        assert fb.BackwardConfig(_geom(c_in=128, c_out=128, ndim=ndim), dtype, allow_tf32,
+                                 wgmma=True).ws_weight == ws, (ndim, dtype, allow_tf32)
+        assert not fb.BackwardConfig(_geom(c_in=128, c_out=64, ndim=ndim), dtype, allow_tf32, wgmma=True).ws_weight
     tall = fb.BackwardConfig(_geom(c_in=256, c_out=256), np.float32, True, wgmma=True)
     assert tall.ws_weight and tall.weight_tile == (256, 64, 32, 1) and tall.Pp % 32 == 0
     assert "warp-specialised" in tall.description
-    assert not fb.BackwardConfig(_geom(c_in=256, c_out=512, groups=4), np.float16, False, wgmma=True).ws_weight
+    assert not fb.BackwardConfig(_geom(c_in=256, c_out=256, groups=4), np.float16, False, wgmma=True).ws_weight
     assert not fb.BackwardConfig(_geom(c_in=256, c_out=256), np.float16, False, ws_weight=False, wgmma=True).ws_weight
     assert not fb.BackwardConfig(_geom(c_in=256, c_out=256), np.float16, False, wgmma=False).ws_weight
     assert not fb.BackwardConfig(_geom(c_in=256, c_out=256), np.float16, False, sampling_plan=False,

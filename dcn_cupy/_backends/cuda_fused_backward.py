@@ -35,8 +35,9 @@ reduction):
   stages that 512 sampling threads fill (256 in 3xTF32), grad_output's tile by one bulk copy a
   stage from ``fused_position_segments``'s segment-major, swizzled (TF32: rounded; 3xTF32: split
   into big and small parts) copy, the sampled tile transposed by the samplers.
-  Taken where it serves (:func:`ws_weight_unsupported`) and C_out/groups fills its 256 rows
-  (``WS_MIN_ROWS``; measured faster there, slower at C_out 64).
+  Taken where it serves (:func:`ws_weight_unsupported`) and C_out/groups fills its 256 rows, or
+  half of them in strict float32 and in 2D (``WS_MIN_ROWS``; measured faster there, slower at
+  C_out 64).
 
 Deterministic plans (``deterministic=True``) run the data kernel's ``DET`` instantiation: the input
 gradient is added in 64-bit fixed point (``cuda/fixed_point.cuh``, the exponents from bounds
@@ -143,9 +144,9 @@ DATA_MINB = {64: 4, 128: 3}
 #: (the 64 x 128 tile's stay at 2: they spilled at 3, and their split operands' shared memory
 #: holds two blocks anyway). At 2 the deterministic kernels had 89-91 registers, so 2 blocks per
 #: SM; at 3, 77-79 and 3 blocks (66 KiB of shared memory each), with no spills (64-bit index:
-#: 80, 0-64 bytes); the default ones 70-72 either way (ptxas, sm_90a). H200, f+b, MINB 2 -> 3 (NOTES-gpu.md, session 53):
-#: deterministic B=32 C64 56x56 strict 1.725 -> 1.606 ms, 2D transposed B=8 C128 28x28 s2
-#: 0.444 -> 0.430; default level (0.996-1.001x).
+#: 80, 0-64 bytes); the default ones 70-72 either way (ptxas, sm_90a). H200, f+b, MINB 2 -> 3
+#: (NOTES-gpu.md, session 53): deterministic B=32 C64 56x56 strict 1.725 -> 1.606 ms, 2D
+#: transposed B=8 C128 28x28 s2 0.444 -> 0.430; default level (0.996-1.001x).
 WGMMA_SPLIT_NARROW_MINB = 3
 #: Channels per lane of the data kernel's epilogue (``epilogue_lane_channels`` chooses): 8 pays each
 #: position's corners, weights and branches once for twice the channels of 4, at the cost of
@@ -219,12 +220,17 @@ MAX_PLAN_SEGMENTS = 8
 #: 0.577; at B=32 C64 (forced) slower, 0.491 -> 0.649, as in the other precisions (WS_MIN_ROWS).
 WS_WEIGHT_TILES = {"half": (256, 64, 64, 1), "tf32": (256, 64, 32, 1), "3xtf32": (256, 64, 32, 1)}
 WS_RINGS = {"half": (4, 512), "tf32": (4, 512), "3xtf32": (2, 256)}
-#: The rule takes it where it serves and C_out/groups fills its tile's rows at least this far.
-#: H200, weight gradient alone, mma.sync kernel -> warp-specialised (NOTES-gpu.md, session 42):
-#: B=8 C256 56x56 fp16 0.241 -> 0.208 ms, TF32 0.424 -> 0.351; B=16 C512 14x14 fp16 0.189 -> 0.158,
-#: TF32 0.293 -> 0.220; 1D B=16 C256 L4096 fp16 0.216 -> 0.172, TF32 0.392 -> 0.319. At B=32 C64
-#: (a 64-row tile, measured then) it lost: fp16 0.164 -> 0.206, TF32 0.249 -> 0.347.
-WS_MIN_ROWS = 256
+#: The rule takes it where it serves and C_out/groups reaches WS_MIN_ROWS[0] in strict float32
+#: and in 2D, WS_MIN_ROWS[1] otherwise. H200, weight gradient alone, mma.sync kernel ->
+#: warp-specialised (NOTES-gpu.md, session 42): B=8 C256 56x56 fp16 0.241 -> 0.208 ms, TF32 0.424
+#: -> 0.351; B=16 C512 14x14 fp16 0.189 -> 0.158, TF32 0.293 -> 0.220; 1D B=16 C256 L4096 fp16
+#: 0.216 -> 0.172, TF32 0.392 -> 0.319. At B=32 C64 (a 64-row tile) it loses: fp16 0.164 -> 0.206,
+#: TF32 0.249 -> 0.347; f+b strict 1.108x (session 53). Half the tile's rows, f+b, rule 256 -> 128
+#: (the mma.sync kernel's 64-row tiles -> ws; NOTES-gpu.md, session 53): strict float32 B=8 C128
+#: 56x56 0.864x, B=32 C128 28x28 0.868x, 1D B=16 C128 L4096 0.921x, 2D transposed B=8 C128 28x28
+#: s2 0.898x, B=8 C192 56x56 0.753x; 2D TF32 0.963-1.005x, fp16 and bf16 0.893-0.996x; but 1D
+#: TF32 1.080x, fp16 1.057x; 3D B=2 C128 16^3 level.
+WS_MIN_ROWS = (128, 256)
 #: None: the rule; True / False: forced on (where it serves) or off (tests, benchmarks).
 WS_WEIGHT = None
 #: The data kernel's main loop on wgmma (sm_90a: its WG instantiations, each warpgroup a half of
@@ -727,7 +733,7 @@ class BackwardConfig:
         # WS_MIN_ROWS output channels a group; True forced; False off), its tile then the weight
         # tile, its corners from a plan
         ws = WS_WEIGHT if ws_weight is None else ws_weight
-        ws = self.Cog >= WS_MIN_ROWS if ws is None else bool(ws)
+        ws = self.Cog >= WS_MIN_ROWS[0 if self.precision == 2 or geom.ndim == 2 else 1] if ws is None else bool(ws)
         self.ws_weight = (ws and fused_weight is not False and weight_tile is None
                           and (SAMPLING_PLAN if sampling_plan is None else sampling_plan) is not False
                           and ws_weight_unsupported(geom, dtype, self.precision, wgmma) is None)
