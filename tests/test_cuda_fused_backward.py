@@ -1409,17 +1409,19 @@ def test_broadcast_batch_and_64bit_indices(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [128, 256])
 @pytest.mark.parametrize("ndim", [1, 2, 3])
 @pytest.mark.parametrize("precision", ["float16", "bfloat16", "tf32", "float32"])
-def test_warp_specialised_weight_gradient(ndim, precision, monkeypatch):
-    """The warp-specialised wgmma weight kernel (sm_90a) against the float64 reference and the
-    mma.sync weight kernel: conv and offset groups of 64 channels, 48 output channels (a partial
-    256-row tile), steps that run past the last position, beside the data gradients (the data
-    kernel's plan) and alone (the sampling plan), 64-bit indices and one sample a chunk (its
-    partial sums added chunk after chunk)."""
+def test_warp_specialised_weight_gradient(ndim, precision, rows, monkeypatch):
+    """The warp-specialised wgmma weight kernel (sm_90a), its tile of ``rows`` rows (128: one MMA
+    warpgroup, 256: two), against the float64 reference and the mma.sync weight kernel: conv and
+    offset groups of 64 channels, 48 output channels (a partial tile), steps that run past the
+    last position, beside the data gradients (the data kernel's plan) and alone (the sampling
+    plan), 64-bit indices and one sample a chunk (its partial sums added chunk after chunk)."""
     fb = _backward_module()
     if not fb._fused.wgmma_available():
         pytest.skip("the warp-specialised weight kernel runs on sm_90a devices")
+    monkeypatch.setattr(fb, "WS_NARROW_TILE", rows == 128)
     rng = np.random.default_rng(40 + ndim)
     cases = ((dict(groups=2, c_in=128, offset_groups=2, mask_groups=1), NAMES),
              (dict(groups=1, c_in=64, offset_groups=1, mask_groups=1), ("weight",)),
@@ -1429,6 +1431,8 @@ def test_warp_specialised_weight_gradient(ndim, precision, monkeypatch):
         label = (case, wanted)
         got, expected, config = run_gradients(arrays, params, gy, precision, wanted=wanted, ws_weight=True)
         assert config.ws_weight and "warp-specialised" in config.description, label
+        assert config.weight_tile[0] == rows and config.weight_threads == rows + fb.WS_RINGS[
+            fb.weight_tile_key(config.dtype, config.precision)][1], label
         check(got, expected, precision, label)
         mma, _, mma_config = run_gradients(arrays, params, gy, precision, wanted=wanted, ws_weight=False)
         assert not mma_config.ws_weight
@@ -1460,7 +1464,7 @@ def test_warp_specialised_strict_float32_keeps_float32_accuracy_over_long_reduct
     assert relative_error(got["weight"], expected["weight"]) < 2e-6
 
 
-def test_warp_specialised_weight_rule():
+def test_warp_specialised_weight_rule(monkeypatch):
     """Where the warp-specialised weight kernel serves (no GPU needed: ``wgmma`` given)."""
     fb = _backward_module()
     assert fb.ws_weight_unsupported(_geom(c_in=64, c_out=48), np.float16, 0, wgmma=True) is None
@@ -1471,9 +1475,18 @@ def test_warp_specialised_weight_rule():
     assert "segment" in fb.ws_weight_unsupported(_geom(c_in=64, offset_groups=2), np.float16, 0, wgmma=True)
     assert "plan segments" in fb.ws_weight_unsupported(_geom(c_in=1024, offset_groups=16), np.float16, 0, wgmma=True)
     forced = fb.BackwardConfig(_geom(c_in=64, c_out=48), np.float16, False, ws_weight=True, wgmma=True)
-    assert forced.ws_weight and forced.sampling_plan and forced.weight_tile == fb.WS_WEIGHT_TILES["half"]
-    assert forced.weight_threads == 256 + fb.WS_RINGS["half"][1]
-    assert forced.weight_smem_bytes == fb.ws_weight_smem_bytes(np.float16, 0) <= 227 * 1024
+    # (48 output channels: the narrow tile, one MMA warpgroup)
+    assert forced.ws_weight and forced.sampling_plan and forced.weight_tile == (128,) + fb.WS_WEIGHT_TILES["half"][1:]
+    assert forced.weight_threads == 128 + fb.WS_RINGS["half"][1]
+    assert forced.weight_smem_bytes == fb.ws_weight_smem_bytes(np.float16, 0, 128) <= 227 * 1024
+    assert fb.ws_kernel_name(np.float16, False, 2, 0, 128) in fb.ws_name_expressions(np.float16, 2, False)
+    for rows, tile_rows in ((128, 128), (129, 256), (256, 256)):
+        assert fb.ws_weight_tile(np.float32, 2, rows)[0] == tile_rows
+    with monkeypatch.context() as m:
+        m.setattr(fb, "WS_NARROW_TILE", False)
+        wide = fb.BackwardConfig(_geom(c_in=64, c_out=48), np.float16, False, ws_weight=True, wgmma=True)
+    assert wide.weight_tile == fb.WS_WEIGHT_TILES["half"] and wide.weight_threads == 256 + fb.WS_RINGS["half"][1]
+    assert wide.weight_smem_bytes == fb.ws_weight_smem_bytes(np.float16, 0) <= 227 * 1024
     assert forced.Pp % 64 == 0   # whole segments of grad_output
     # the rule: at least WS_MIN_ROWS output channels a group, 128 in strict float32 and in 2D, else 256
     assert not fb.BackwardConfig(_geom(c_in=64, c_out=48), np.float16, False, wgmma=True).ws_weight

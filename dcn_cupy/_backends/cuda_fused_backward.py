@@ -220,6 +220,15 @@ MAX_PLAN_SEGMENTS = 8
 #: 0.577; at B=32 C64 (forced) slower, 0.491 -> 0.649, as in the other precisions (WS_MIN_ROWS).
 WS_WEIGHT_TILES = {"half": (256, 64, 64, 1), "tf32": (256, 64, 32, 1), "3xtf32": (256, 64, 32, 1)}
 WS_RINGS = {"half": (4, 512), "tf32": (4, 512), "3xtf32": (2, 256)}
+#: Where C_out/groups is at most this, the tile has these rows (one MMA warpgroup), not 256: half
+#: the MMAs on rows past the group's. H200, f+b, 256 -> 128 rows (NOTES-gpu.md, session 53): 2D
+#: transposed B=8 C128 28x28 s2 strict 0.3269 -> 0.3142 ms, TF32 0.979x, fp16 0.986x; B=8 C128
+#: 56x56 strict 0.944x, TF32 0.972x, fp16 0.982x; B=32 C128 28x28 strict 0.940x; 1D B=16 C128
+#: L4096 strict 0.939x. It does not move WS_MIN_ROWS: forced at B=32 C64 against the mma.sync
+#: kernel, strict 1.033x, TF32 1.164x, fp16 1.112x; 1D C128 TF32 1.052x, fp16 1.050x.
+WS_NARROW_ROWS = 128
+#: True: the narrow tile where it fits (the rule); False: always 256 rows (tests, benchmarks).
+WS_NARROW_TILE = True
 #: The rule takes it where it serves and C_out/groups reaches WS_MIN_ROWS[0] in strict float32
 #: and in 2D, WS_MIN_ROWS[1] otherwise. H200, weight gradient alone, mma.sync kernel ->
 #: warp-specialised (NOTES-gpu.md, session 42): B=8 C256 56x56 fp16 0.241 -> 0.208 ms, TF32 0.424
@@ -364,21 +373,39 @@ def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, kernel:
     return f"deform_fused_backward_{kernel}<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}, {_bool(plan)}{det}>"
 
 
-def ws_threads(dtype, precision: int) -> int:
-    """Threads of the warp-specialised weight kernel of a dtype and precision: its MMA warpgroups
-    (one per 128 rows of its tile, at least one), then its samplers (WS_RINGS)."""
+def ws_weight_tile(dtype, precision: int, out_rows=None) -> tuple:
+    """The warp-specialised weight kernel's tile for ``out_rows`` output channels a group (None:
+    any): WS_WEIGHT_TILES's, with WS_NARROW_ROWS rows where they hold ``out_rows``."""
+    tile = WS_WEIGHT_TILES[weight_tile_key(dtype, precision)]
+    if WS_NARROW_TILE and out_rows is not None and out_rows <= WS_NARROW_ROWS:
+        return (WS_NARROW_ROWS,) + tile[1:]
+    return tile
+
+
+def ws_tile_rows(dtype, precision: int) -> tuple:
+    """The rows of every warp-specialised weight tile of a dtype and precision (their instantiations)."""
+    return (WS_NARROW_ROWS, WS_WEIGHT_TILES[weight_tile_key(dtype, precision)][0])
+
+
+def ws_threads(dtype, precision: int, rows=None) -> int:
+    """Threads of the warp-specialised weight kernel of a dtype and precision, whose tile has
+    ``rows`` rows (default WS_WEIGHT_TILES's): its MMA warpgroups (one per 128 rows, at least
+    one), then its samplers (WS_RINGS)."""
     key = weight_tile_key(dtype, precision)
-    return 128 * max(1, WS_WEIGHT_TILES[key][0] // 128) + WS_RINGS[key][1]
+    rows = WS_WEIGHT_TILES[key][0] if rows is None else rows
+    return 128 * max(1, rows // 128) + WS_RINGS[key][1]
 
 
-def ws_kernel_name(dtype, index64: bool, ndim: int, prec: int) -> str:
-    """The warp-specialised weight kernel of a dtype, N, index width and precision (0, 1 or 2)."""
+def ws_kernel_name(dtype, index64: bool, ndim: int, prec: int, rows=None) -> str:
+    """The warp-specialised weight kernel of a dtype, N, index width and precision (0, 1 or 2),
+    its tile ``rows`` rows (default WS_WEIGHT_TILES's)."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
     key = weight_tile_key(dtype, prec)
     bm, bn, bk, _ = WS_WEIGHT_TILES[key]
+    bm = bm if rows is None else rows
     return (f"deform_fused_backward_weight_ws<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {WS_RINGS[key][0]}, "
-            f"{ws_threads(dtype, prec)}>")
+            f"{ws_threads(dtype, prec, bm)}>")
 
 
 #: Kernels of float32 rows alone (no dtype parameter; in every module, as the source defines
@@ -395,7 +422,8 @@ def wgmma_data_tiles(dtype) -> tuple:
 def ws_name_expressions(dtype, ndim: int, index64: bool) -> tuple:
     """The sm_90a module's kernels: the warp-specialised weight kernel in each precision, and the
     data kernel's wgmma instantiations (deterministic too, with 4 channels a lane)."""
-    names = [ws_kernel_name(dtype, index64, ndim, prec) for prec in _fused._precisions(dtype)]
+    names = [ws_kernel_name(dtype, index64, ndim, prec, rows) for prec in _fused._precisions(dtype)
+             for rows in ws_tile_rows(dtype, prec)]
     names += [kernel_name(dtype, index64, ndim, prec, data_tile(tile, ndim, prec, True), "data", plan, det, cpl,
                           lanes, True)
               for prec in _fused._precisions(dtype) for tile in wgmma_data_tiles(dtype) for plan in (False, True)
@@ -494,12 +522,14 @@ def operand_planes(precision: int) -> int:
     return 2 if precision == 2 else 1
 
 
-def ws_weight_smem_bytes(dtype, precision: int) -> int:
-    """Dynamic shared memory of the warp-specialised weight kernel of a dtype and precision: its
-    ring's stages of both tiles (rows of 128 bytes; 3xTF32: two planes each) and their mbarriers,
-    and 1 KiB to lift the ring to the 128-byte swizzle's 1024-byte period."""
+def ws_weight_smem_bytes(dtype, precision: int, rows=None) -> int:
+    """Dynamic shared memory of the warp-specialised weight kernel of a dtype and precision, its
+    tile ``rows`` rows (default WS_WEIGHT_TILES's): its ring's stages of both tiles (rows of 128
+    bytes; 3xTF32: two planes each) and their mbarriers, and 1 KiB to lift the ring to the
+    128-byte swizzle's 1024-byte period."""
     key = weight_tile_key(dtype, precision)
     bm, bn = WS_WEIGHT_TILES[key][:2]
+    bm = bm if rows is None else rows
     return WS_RINGS[key][0] * (operand_planes(precision) * (bm + bn) * 128 + 8) + 1024
 
 
@@ -738,7 +768,7 @@ class BackwardConfig:
                           and (SAMPLING_PLAN if sampling_plan is None else sampling_plan) is not False
                           and ws_weight_unsupported(geom, dtype, self.precision, wgmma) is None)
         if self.ws_weight:
-            self.weight_tile, self.fused_weight = WS_WEIGHT_TILES[weight_tile_key(dtype, self.precision)], True
+            self.weight_tile, self.fused_weight = ws_weight_tile(dtype, self.precision, self.Cog), True
         # its corners from a sampling plan computed once per chunk (the rule: at most
         # MAX_PLAN_SEGMENTS segments of channels, and several blocks sampling each position and tap
         # or N <= 2), else in every block that samples a position
@@ -831,9 +861,9 @@ class BackwardConfig:
         self.scatter_smem_bytes = data_smem_bytes(dtype, self.scatter_tile, geom.ndim, self.lane_channels,
                                                   self.lanes, self.deterministic, self.precision,
                                                   self.data_on_wgmma(self.scatter_tile))
-        self.weight_smem_bytes = (ws_weight_smem_bytes(dtype, self.precision) if self.ws_weight
+        self.weight_smem_bytes = (ws_weight_smem_bytes(dtype, self.precision, wbm) if self.ws_weight
                                   else weight_smem_bytes(dtype, self.weight_tile, self.precision))
-        self.weight_threads = ws_threads(dtype, self.precision) if self.ws_weight else _THREADS
+        self.weight_threads = ws_threads(dtype, self.precision, wbm) if self.ws_weight else _THREADS
         self.struct = _cuda._geom_struct(geom)
 
     def data_on_wgmma(self, tile: tuple) -> bool:
@@ -846,7 +876,7 @@ class BackwardConfig:
         bm, bn, bk, _ = self.tile
         plan = (", the data gradients' plan" if self.plan_shared else
                 ", a sampling plan per chunk" if self.sampling_plan else "")
-        ws = "warp-specialised wgmma, " if self.ws_weight else ""
+        ws = f"warp-specialised wgmma, {self.weight_tile[0]} rows, " if self.ws_weight else ""
         weight = (f"weight gradient fused ({ws}{self.splits} position splits, fixed-order sum{plan})"
                   if self.fused_weight else "weight gradient through cuda/im2col")
         data_plan = " from a plan per chunk" if self.gradient_plan else ""
@@ -881,7 +911,7 @@ class BackwardConfig:
             wgmma = name == "data" and self.data_on_wgmma(tile)
             if name == "data":
                 tile = data_tile(tile, g.ndim, self.precision, wgmma)
-            full_name = (ws_kernel_name(self.dtype, self.index64, g.ndim, self.precision)
+            full_name = (ws_kernel_name(self.dtype, self.index64, g.ndim, self.precision, self.weight_tile[0])
                          if name == "weight" and self.ws_weight else
                          kernel_name(self.dtype, self.index64, g.ndim, self.precision, tile, name, plan,
                                      self.deterministic, self.lane_channels, self.lanes, wgmma))
