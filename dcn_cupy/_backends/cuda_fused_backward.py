@@ -37,7 +37,8 @@ reduction):
   into big and small parts) copy, the sampled tile transposed by the samplers.
   Taken where it serves (:func:`ws_weight_unsupported`) and C_out/groups fills its 256 rows, or
   half of them in strict float32 and in 2D (``WS_MIN_ROWS``; measured faster there, slower at
-  C_out 64).
+  C_out 64); its tile then has 128 rows (one MMA warpgroup) where they hold C_out/groups
+  (``WS_NARROW_ROWS``).
 
 Deterministic plans (``deterministic=True``) run the data kernel's ``DET`` instantiation: the input
 gradient is added in 64-bit fixed point (``cuda/fixed_point.cuh``, the exponents from bounds
