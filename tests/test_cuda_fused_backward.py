@@ -328,9 +328,11 @@ def test_serving_rule_and_segments(monkeypatch):
     assert narrow_on.smem_bytes == 2 * 2 * 128 * 32 * 4 + 1024
     assert not narrow_on.data_on_wgmma((128, 64, 32, 1))   # (the 128-row tile keeps mma.sync)
     assert fb.wgmma_data_tiles(np.float16) == ((64, 64, 64, 2), (64, 128, 64, 2))
-    # its kernels live in the sm_90a module, at MINB 2 in 3xTF32 (where MINB 3 spilled)
-    name = fb.kernel_name(np.float32, False, 2, 2, (64, 64, 32, 2), "data", True, False, 4, None, True)
+    # its kernels live in the sm_90a module, in 3xTF32 at WGMMA_SPLIT_NARROW_MINB (64x128: 2, where 3 spilled)
+    name = fb.kernel_name(np.float32, False, 2, 2, (64, 64, 32, 3), "data", True, False, 4, None, True)
     assert name.endswith(", 16, true>") and fb._is_sm90a(name) and name in fb.ws_name_expressions(np.float32, 2, False)
+    wide_name = fb.kernel_name(np.float32, False, 2, 2, (64, 128, 32, 2), "data", True, False, 4, None, True)
+    assert wide_name in fb.ws_name_expressions(np.float32, 2, False)
     plain = fb.kernel_name(np.float32, False, 2, 2, (64, 128, 32, 3), "data", True)
     assert not fb._is_sm90a(plain) and plain in fb.name_expressions(np.float32, 2, False)
     assert fb.BackwardConfig(_geom(c_in=64, c_out=512, groups=2), np.float16, False).tile == (64, 128, 64, 2)
