@@ -12,7 +12,9 @@ shows how far two plans of one value differ, which is the noise floor.
 
 A case is ``SHAPE-PRECISION``:
 - SHAPE is one of c256, c64, 14, 1d, 3d (``gpu.py``'s SHAPES, in order), or 2dt, 3dt (its
-  TRANSPOSED_SHAPES: stride 2, padding 1, output padding 1);
+  TRANSPOSED_SHAPES: stride 2, padding 1, output padding 1), or a KEY of ``--shape
+  KEY=B,C_in,C_out,S`` (gpu.py's ``--shape`` format: a 'same' 3^N convolution, S like 56x56;
+  ``--shape c128=8,128,128,56x56 --cases c128-fp32``);
 - PRECISION is fp32 (strict), tf32, fp16 or bf16.
 
 Each case builds one plan per value, with the switch set, on ``gpu.py``'s inputs (seed 0). Then
@@ -51,13 +53,31 @@ def shapes() -> dict:
     return dict(zip(SHAPE_KEYS, _gpu.SHAPES + _gpu.TRANSPOSED_SHAPES))
 
 
-def parse_cases(text: str) -> list:
-    """``"3dt-fp32,14-tf32"`` -> [(shape dict, precision, case name), ...]."""
-    found, known = [], shapes()
+def parse_shape(text: str) -> tuple:
+    """``"c128=8,128,128,56x56"`` -> ("c128", a gpu.py shape dict): a shape of one's own for
+    ``--cases``, B,C_in,C_out,S after KEY= (a 'same' 3^N convolution)."""
+    key, _, spec = text.partition("=")
+    key = key.strip()
+    try:
+        if not key or "-" in key or "," in key or key in SHAPE_KEYS:
+            raise ValueError
+        B, C_in, C_out, spatial = spec.split(",")
+        shape = {"name": f"B={int(B)} C{int(C_in)}->{int(C_out)} {spatial.strip()}", "B": int(B),
+                 "C_in": int(C_in), "C_out": int(C_out), "S": tuple(int(v) for v in spatial.split("x"))}
+    except ValueError:
+        raise ValueError(f"--shape must be KEY=B,C_in,C_out,S with a KEY of its own (no '-' or ',', not one of "
+                         f"{', '.join(SHAPE_KEYS)}) and S like 56x56, got {text!r}") from None
+    return key, shape
+
+
+def parse_cases(text: str, extra=None) -> list:
+    """``"3dt-fp32,14-tf32"`` -> [(shape dict, precision, case name), ...]; ``extra``: the
+    ``--shape`` keys' shapes."""
+    found, known = [], {**shapes(), **(extra or {})}
     for case in (c.strip() for c in text.split(",")):
         key, _, precision = case.partition("-")
         if key not in known or precision not in _gpu.PRECISIONS:
-            raise ValueError(f"a case must be SHAPE-PRECISION with SHAPE in {', '.join(SHAPE_KEYS)} and "
+            raise ValueError(f"a case must be SHAPE-PRECISION with SHAPE in {', '.join(known)} and "
                              f"PRECISION in {', '.join(_gpu.PRECISIONS)}, got {case!r}")
         found.append((known[key], precision, case))
     return found
@@ -144,7 +164,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/ab.py", description=__doc__.splitlines()[0])
     parser.add_argument("switch", help="MODULE.NAME, e.g. cuda_fused_backward.EARLY_COPIES")
     parser.add_argument("--values", default="False,True", help="comma-separated Python literals (default False,True)")
-    parser.add_argument("--cases", default="3dt-fp32", help=f"SHAPE-PRECISION,... (SHAPE: {', '.join(SHAPE_KEYS)})")
+    parser.add_argument("--cases", default="3dt-fp32", help=f"SHAPE-PRECISION,... (SHAPE: {', '.join(SHAPE_KEYS)}, "
+                        "or a --shape KEY)")
+    parser.add_argument("--shape", action="append", default=[],
+                        help="KEY=B,C_in,C_out,S: a shape of one's own for --cases (repeatable)")
     parser.add_argument("--rounds", type=int, default=3, help="turns of every value (default 3)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=7)
@@ -154,7 +177,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         values = parse_values(args.values)
-        cases = parse_cases(args.cases)
+        cases = parse_cases(args.cases, dict(parse_shape(text) for text in args.shape))
     except ValueError as error:
         parser.error(str(error))
     if args.rounds < 1:

@@ -228,6 +228,19 @@ def test_ab_benchmark_parses_its_cases_and_steps_aside_without_a_gpu(capsys, mon
         module.parse_cases("3dt-fp32,3dt-fp64")
     with pytest.raises(ValueError, match="got 'c128-fp16'"):
         module.parse_cases("c128-fp16")
+    # --shape KEY=B,C_in,C_out,S: a shape of one's own, gpu.py's 'same' convolution
+    key, shape = module.parse_shape("c128=8,128,128,56x56")
+    assert key == "c128" and shape == {"name": "B=8 C128->128 56x56", "B": 8, "C_in": 128, "C_out": 128,
+                                       "S": (56, 56)}
+    ((own, precision, name),) = module.parse_cases("c128-fp16", {key: shape})
+    assert own is shape and (precision, name) == ("fp16", "c128-fp16")
+    for bad in ("c128=8,128,56x56", "=8,128,128,56x56", "c-1=8,128,128,56x56", "c64=8,64,64,56x56",
+                "c128=8,128,128,56y56"):
+        with pytest.raises(ValueError, match=f"KEY=B,C_in,C_out,S .* got '{bad}'"):
+            module.parse_shape(bad)
+    with pytest.raises(SystemExit):
+        module.main(["cuda.GEMM_SPLITS", "--shape", "c128=8,128", "--cases", "c128-fp32"])
+    assert "--shape must be KEY=B,C_in,C_out,S" in capsys.readouterr().err
     assert module.parse_values("False, True, 2") == [False, True, 2]
     assert module.parse_values("4,8,4") == [4, 8, 4]
     with pytest.raises(ValueError, match="Python literals .* got 'False,maybe'"):
