@@ -61,9 +61,7 @@ def parse_shape(text: str) -> tuple:
     try:
         if not key or "-" in key or "," in key or key in SHAPE_KEYS:
             raise ValueError
-        B, C_in, C_out, spatial = spec.split(",")
-        shape = {"name": f"B={int(B)} C{int(C_in)}->{int(C_out)} {spatial.strip()}", "B": int(B),
-                 "C_in": int(C_in), "C_out": int(C_out), "S": tuple(int(v) for v in spatial.split("x"))}
+        shape = _gpu.parse_shape(spec, key)
     except ValueError:
         raise ValueError(f"--shape must be KEY=B,C_in,C_out,S with a KEY of its own (no '-' or ',', not one of "
                          f"{', '.join(SHAPE_KEYS)}) and S like 56x56, got {text!r}") from None

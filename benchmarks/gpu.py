@@ -412,6 +412,15 @@ TRANSPOSED_SHAPES = [
 ]
 
 
+def parse_shape(text: str, name: str = "custom") -> dict:
+    """``"B,C_in,C_out,S"`` (S like 56x56) -> a shape dict of a 'same' 3^N convolution, named
+    ``name`` then its sizes; ValueError where it does not parse."""
+    B, C_in, C_out, spatial = text.split(",")
+    S = tuple(int(v) for v in spatial.split("x"))
+    return {"name": f"{name} B={int(B)} C{int(C_in)}->{int(C_out)} {'x'.join(map(str, S))}", "B": int(B),
+            "C_in": int(C_in), "C_out": int(C_out), "S": S}
+
+
 def _gflop(shape) -> float:
     """GEMM work of the forward: 2 * C_out * C_in * K * B * Q (3^N kernel, 'same' padding)."""
     return 2.0 * shape["C_out"] * shape["C_in"] * 3 ** len(shape["S"]) * shape["B"] * math.prod(shape["S"]) / 1e9
@@ -451,9 +460,7 @@ def main(argv=None) -> int:
     custom = None
     if args.shape:
         try:
-            B, C_in, C_out, spatial = args.shape.split(",")
-            custom = {"name": f"custom B={B} C{C_in}->{C_out} {spatial}", "B": int(B), "C_in": int(C_in),
-                      "C_out": int(C_out), "S": tuple(int(v) for v in spatial.split("x"))}
+            custom = parse_shape(args.shape)
         except ValueError:
             parser.error(f"--shape must look like B,C_in,C_out,S (e.g. 2,16,16,8x8), got {args.shape!r}")
     reason = no_gpu_reason()

@@ -117,14 +117,12 @@ def main(argv=None) -> int:
         parser.error(f"--backends: unknown {', '.join(unknown)} (known: {', '.join(BACKENDS)})")
     dtypes = ndims = None
     if args.dtypes is not None:
-        from dcn_cupy._interop import BFLOAT16
-        known = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16, "float32": np.dtype(np.float32),
-                 "float64": np.dtype(np.float64)}
+        from stages import DTYPES as known
         names = [name for name in args.dtypes.split(",") if name]
         bad = [name for name in names if name not in known]
         if bad or not names:
             parser.error(f"--dtypes: expected names among {', '.join(known)}, got {args.dtypes!r}")
-        dtypes = [known[name] for name in names]
+        dtypes = [np.dtype(known[name]) for name in names]
     if args.ndims is not None:
         try:
             ndims = [int(n) for n in args.ndims.split(",") if n]

@@ -230,7 +230,7 @@ def test_ab_benchmark_parses_its_cases_and_steps_aside_without_a_gpu(capsys, mon
         module.parse_cases("c128-fp16")
     # --shape KEY=B,C_in,C_out,S: a shape of one's own, gpu.py's 'same' convolution
     key, shape = module.parse_shape("c128=8,128,128,56x56")
-    assert key == "c128" and shape == {"name": "B=8 C128->128 56x56", "B": 8, "C_in": 128, "C_out": 128,
+    assert key == "c128" and shape == {"name": "c128 B=8 C128->128 56x56", "B": 8, "C_in": 128, "C_out": 128,
                                        "S": (56, 56)}
     ((own, precision, name),) = module.parse_cases("c128-fp16", {key: shape})
     assert own is shape and (precision, name) == ("fp16", "c128-fp16")

@@ -1480,15 +1480,17 @@ def test_warp_specialised_weight_rule(monkeypatch):
     # (48 output channels: the narrow tile, one MMA warpgroup)
     assert forced.ws_weight and forced.sampling_plan and forced.weight_tile == (128,) + fb.WS_WEIGHT_TILES["half"][1:]
     assert forced.weight_threads == 128 + fb.WS_RINGS["half"][1]
-    assert forced.weight_smem_bytes == fb.ws_weight_smem_bytes(np.float16, 0, 128) <= 227 * 1024
-    assert fb.ws_kernel_name(np.float16, False, 2, 0, 128) in fb.ws_name_expressions(np.float16, 2, False)
+    narrow = fb.ws_tiles(np.float16, 0)[0]
+    assert narrow == forced.weight_tile and fb.ws_tiles(np.float16, 0)[1] == fb.WS_WEIGHT_TILES["half"]
+    assert forced.weight_smem_bytes == fb.ws_weight_smem_bytes(np.float16, 0, narrow) <= 227 * 1024
+    assert fb.ws_kernel_name(np.float16, False, 2, 0, narrow) in fb.ws_name_expressions(np.float16, 2, False)
     for rows, tile_rows in ((128, 128), (129, 256), (256, 256)):
         assert fb.ws_weight_tile(np.float32, 2, rows)[0] == tile_rows
     with monkeypatch.context() as m:
         m.setattr(fb, "WS_NARROW_TILE", False)
         wide = fb.BackwardConfig(_geom(c_in=64, c_out=48), np.float16, False, ws_weight=True, wgmma=True)
     assert wide.weight_tile == fb.WS_WEIGHT_TILES["half"] and wide.weight_threads == 256 + fb.WS_RINGS["half"][1]
-    assert wide.weight_smem_bytes == fb.ws_weight_smem_bytes(np.float16, 0) <= 227 * 1024
+    assert wide.weight_smem_bytes == fb.ws_weight_smem_bytes(np.float16, 0, fb.WS_WEIGHT_TILES["half"]) <= 227 * 1024
     assert forced.Pp % 64 == 0   # whole segments of grad_output
     # the rule: at least WS_MIN_ROWS output channels a group, 128 in strict float32 and in 2D, else 256
     assert not fb.BackwardConfig(_geom(c_in=64, c_out=48), np.float16, False, wgmma=True).ws_weight

@@ -374,39 +374,34 @@ def kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple, kernel:
     return f"deform_fused_backward_{kernel}<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {minb}, {_bool(plan)}{det}>"
 
 
-def ws_weight_tile(dtype, precision: int, out_rows=None) -> tuple:
-    """The warp-specialised weight kernel's tile for ``out_rows`` output channels a group (None:
-    any): WS_WEIGHT_TILES's, with WS_NARROW_ROWS rows where they hold ``out_rows``."""
+def ws_tiles(dtype, precision: int) -> tuple:
+    """The warp-specialised weight kernel's tiles of a dtype and precision (its instantiations):
+    WS_NARROW_ROWS rows, then WS_WEIGHT_TILES's."""
     tile = WS_WEIGHT_TILES[weight_tile_key(dtype, precision)]
-    if WS_NARROW_TILE and out_rows is not None and out_rows <= WS_NARROW_ROWS:
-        return (WS_NARROW_ROWS,) + tile[1:]
-    return tile
+    return ((WS_NARROW_ROWS,) + tile[1:], tile)
 
 
-def ws_tile_rows(dtype, precision: int) -> tuple:
-    """The rows of every warp-specialised weight tile of a dtype and precision (their instantiations)."""
-    return (WS_NARROW_ROWS, WS_WEIGHT_TILES[weight_tile_key(dtype, precision)][0])
+def ws_weight_tile(dtype, precision: int, out_rows: int) -> tuple:
+    """The warp-specialised weight kernel's tile for ``out_rows`` output channels a group: the
+    narrow one where it holds them (and WS_NARROW_TILE), else WS_WEIGHT_TILES's."""
+    narrow, tile = ws_tiles(dtype, precision)
+    return narrow if WS_NARROW_TILE and out_rows <= narrow[0] else tile
 
 
-def ws_threads(dtype, precision: int, rows=None) -> int:
-    """Threads of the warp-specialised weight kernel of a dtype and precision, whose tile has
-    ``rows`` rows (default WS_WEIGHT_TILES's): its MMA warpgroups (one per 128 rows, at least
-    one), then its samplers (WS_RINGS)."""
-    key = weight_tile_key(dtype, precision)
-    rows = WS_WEIGHT_TILES[key][0] if rows is None else rows
-    return 128 * max(1, rows // 128) + WS_RINGS[key][1]
+def ws_threads(dtype, precision: int, tile: tuple) -> int:
+    """Threads of the warp-specialised weight kernel of a dtype and precision at ``tile``: its MMA
+    warpgroups (one per 128 rows, at least one), then its samplers (WS_RINGS)."""
+    return 128 * max(1, tile[0] // 128) + WS_RINGS[weight_tile_key(dtype, precision)][1]
 
 
-def ws_kernel_name(dtype, index64: bool, ndim: int, prec: int, rows=None) -> str:
-    """The warp-specialised weight kernel of a dtype, N, index width and precision (0, 1 or 2),
-    its tile ``rows`` rows (default WS_WEIGHT_TILES's)."""
+def ws_kernel_name(dtype, index64: bool, ndim: int, prec: int, tile: tuple) -> str:
+    """The warp-specialised weight kernel of a dtype, N, index width and precision (0, 1 or 2) at
+    ``tile`` (one of :func:`ws_tiles`)."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
-    key = weight_tile_key(dtype, prec)
-    bm, bn, bk, _ = WS_WEIGHT_TILES[key]
-    bm = bm if rows is None else rows
-    return (f"deform_fused_backward_weight_ws<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, {WS_RINGS[key][0]}, "
-            f"{ws_threads(dtype, prec, bm)}>")
+    bm, bn, bk, _ = tile
+    return (f"deform_fused_backward_weight_ws<{t}, {i}, {ndim}, {prec}, {bm}, {bn}, {bk}, "
+            f"{WS_RINGS[weight_tile_key(dtype, prec)][0]}, {ws_threads(dtype, prec, tile)}>")
 
 
 #: Kernels of float32 rows alone (no dtype parameter; in every module, as the source defines
@@ -423,8 +418,8 @@ def wgmma_data_tiles(dtype) -> tuple:
 def ws_name_expressions(dtype, ndim: int, index64: bool) -> tuple:
     """The sm_90a module's kernels: the warp-specialised weight kernel in each precision, and the
     data kernel's wgmma instantiations (deterministic too, with 4 channels a lane)."""
-    names = [ws_kernel_name(dtype, index64, ndim, prec, rows) for prec in _fused._precisions(dtype)
-             for rows in ws_tile_rows(dtype, prec)]
+    names = [ws_kernel_name(dtype, index64, ndim, prec, tile) for prec in _fused._precisions(dtype)
+             for tile in ws_tiles(dtype, prec)]
     names += [kernel_name(dtype, index64, ndim, prec, data_tile(tile, ndim, prec, True), "data", plan, det, cpl,
                           lanes, True)
               for prec in _fused._precisions(dtype) for tile in wgmma_data_tiles(dtype) for plan in (False, True)
@@ -523,15 +518,12 @@ def operand_planes(precision: int) -> int:
     return 2 if precision == 2 else 1
 
 
-def ws_weight_smem_bytes(dtype, precision: int, rows=None) -> int:
-    """Dynamic shared memory of the warp-specialised weight kernel of a dtype and precision, its
-    tile ``rows`` rows (default WS_WEIGHT_TILES's): its ring's stages of both tiles (rows of 128
-    bytes; 3xTF32: two planes each) and their mbarriers, and 1 KiB to lift the ring to the
-    128-byte swizzle's 1024-byte period."""
-    key = weight_tile_key(dtype, precision)
-    bm, bn = WS_WEIGHT_TILES[key][:2]
-    bm = bm if rows is None else rows
-    return WS_RINGS[key][0] * (operand_planes(precision) * (bm + bn) * 128 + 8) + 1024
+def ws_weight_smem_bytes(dtype, precision: int, tile: tuple) -> int:
+    """Dynamic shared memory of the warp-specialised weight kernel of a dtype and precision at
+    ``tile``: its ring's stages of both tiles (rows of 128 bytes; 3xTF32: two planes each) and
+    their mbarriers, and 1 KiB to lift the ring to the 128-byte swizzle's 1024-byte period."""
+    bm, bn = tile[:2]
+    return WS_RINGS[weight_tile_key(dtype, precision)][0] * (operand_planes(precision) * (bm + bn) * 128 + 8) + 1024
 
 
 def _wgmma_device(wgmma=None) -> bool:
@@ -862,9 +854,9 @@ class BackwardConfig:
         self.scatter_smem_bytes = data_smem_bytes(dtype, self.scatter_tile, geom.ndim, self.lane_channels,
                                                   self.lanes, self.deterministic, self.precision,
                                                   self.data_on_wgmma(self.scatter_tile))
-        self.weight_smem_bytes = (ws_weight_smem_bytes(dtype, self.precision, wbm) if self.ws_weight
+        self.weight_smem_bytes = (ws_weight_smem_bytes(dtype, self.precision, self.weight_tile) if self.ws_weight
                                   else weight_smem_bytes(dtype, self.weight_tile, self.precision))
-        self.weight_threads = ws_threads(dtype, self.precision, wbm) if self.ws_weight else _THREADS
+        self.weight_threads = ws_threads(dtype, self.precision, self.weight_tile) if self.ws_weight else _THREADS
         self.struct = _cuda._geom_struct(geom)
 
     def data_on_wgmma(self, tile: tuple) -> bool:
@@ -912,7 +904,7 @@ class BackwardConfig:
             wgmma = name == "data" and self.data_on_wgmma(tile)
             if name == "data":
                 tile = data_tile(tile, g.ndim, self.precision, wgmma)
-            full_name = (ws_kernel_name(self.dtype, self.index64, g.ndim, self.precision, self.weight_tile[0])
+            full_name = (ws_kernel_name(self.dtype, self.index64, g.ndim, self.precision, self.weight_tile)
                          if name == "weight" and self.ws_weight else
                          kernel_name(self.dtype, self.index64, g.ndim, self.precision, tile, name, plan,
                                      self.deterministic, self.lane_channels, self.lanes, wgmma))
