@@ -164,6 +164,57 @@ def test_leading_copies_start_beside_the_kernel_before_them(monkeypatch, determi
     assert early_flags(chunked)[0] == [0] * 7
 
 
+@pytest.mark.parametrize("in_place", [True, False])
+def test_deterministic_offset_and_mask_gradients_stored_in_place(monkeypatch, in_place):
+    """The deterministic backward's launches (no GPU: kernels and launches stubbed): float32 offset
+    and mask gradients of one partial-sum slot are stored where they go by the data kernel, each
+    chunk's samples at their place, with no ``fused_store`` (``DETERMINISTIC_IN_PLACE``; off: the
+    workspace and a store a chunk each); a gradient whose samples are not back to back, a half
+    type, or two partial-sum slots keep the store."""
+    fb = _backward_module()
+    monkeypatch.setattr(fb, "DETERMINISTIC_IN_PLACE", in_place)
+    monkeypatch.setattr(fb.BackwardConfig, "kernel", lambda self, name, scatter=False: name)
+    monkeypatch.setattr(fb._cuda, "_kernel_op", lambda kernel, grid, block, args, shared_mem=0, overlap=False:
+                        (0, kernel, args))
+    monkeypatch.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", 1)   # a sample a chunk
+    outs = tuple(k << 24 for k in range(7, 12))   # the gradients of x, w, offset, mask, bias
+
+    def launches(dtype, mask_groups=1, goff_stride=0):
+        # 64 channels: one slot each (64 = 4 channels x 16 lanes); with 2 mask groups of 32,
+        # segments of 32 channels, so two for the offset gradient's group and one for the mask's
+        geom = _geometry.conv_geometry((3, 64, 9, 9), (64, 64, 3, 3), (3, 18, 9, 9), (3, 9 * mask_groups, 9, 9),
+                                       None, stride=1, padding=1, dilation=1, groups=1)[0]
+        config = fb.BackwardConfig(geom, dtype, False, deterministic=True)
+        assert config.chunk == 1
+        strides = (64 * 81, 64 * 81, 18 * 81, 9 * mask_groups * 81, 64 * 81, goff_stride or 18 * 81,
+                   9 * mask_groups * 81)
+        ops = fb._launches(config, tuple(k << 24 for k in range(1, 7)), strides, outs, 12 << 24)
+        # the data kernel's goff and gmsk pointers, a chunk each; the stores' targets
+        pointers = [(int(op[2][6]), int(op[2][7])) for op in ops if op[0] == 0 and op[1] == "data"]
+        stores = [int(op[2][1]) for op in ops if op[0] == 0 and op[1] == "fused_store"]
+        workspace = ((12 << 24) + config.offsets["goff"][0], (12 << 24) + config.offsets["gmsk"][0])
+        return config, pointers, stores, strides, workspace
+
+    config, pointers, stores, strides, workspace = launches(np.float32)
+    assert config.slots == (1, 1)
+    if in_place:
+        assert pointers == [(outs[2] + b * strides[5] * 4, outs[3] + b * strides[6] * 4) for b in range(3)]
+        assert stores == []
+    else:
+        assert pointers == [workspace] * 3
+        assert stores == [target + b * stride * 4 for b in range(3) for target, stride in ((outs[2], strides[5]),
+                                                                                          (outs[3], strides[6]))]
+    _, pointers, stores, strides, workspace = launches(np.float16)
+    assert pointers == [workspace] * 3 and len(stores) == 6
+    _, pointers, stores, strides, workspace = launches(np.float32, goff_stride=18 * 81 + 4)   # goff's apart
+    assert [p for p, _ in pointers] == [workspace[0]] * 3
+    assert len(stores) == (3 if in_place else 6)
+    config, pointers, stores, strides, workspace = launches(np.float32, mask_groups=2)
+    assert config.slots == (2, 1)   # (segments of 32 channels: the offset group's two)
+    assert [p for p, _ in pointers] == [workspace[0]] * 3
+    assert len(stores) == (3 if in_place else 6)
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["float16", "float32"])
 def test_input_gradient_alone_takes_the_scatter_tile(monkeypatch, dtype):
     """The data kernel launched for the input gradient alone (a transposed forward's scatter, or

@@ -294,6 +294,11 @@ ROWS_FROM_COPY = True
 #: 0.4125 -> 0.4079 ms, 3D transposed TF32 0.3546 -> 0.3501, B=8 C256 fp16 0.7063 -> 0.7042; 3D
 #: transposed strict 0.4334 -> 0.4368, its cause not found (NOTES-gpu.md, session 49).
 EARLY_COPIES = True
+#: Deterministic mode: float32 offset and mask gradients of one partial-sum slot stored by the data
+#: kernel where they go (their samples back to back), not in the workspace and then copied by
+#: ``fused_store``; False: the latter (the A/B). H200, B=32 C64 56x56 strict, deterministic
+#: backward 1.3182 -> 1.3097 ms (NOTES-gpu.md, session 54).
+DETERMINISTIC_IN_PLACE = True
 #: Position splits of the weight gradient (partial sums added in a fixed order), at most this
 #: many: ``weight_splits`` picks the count.
 MAX_SPLITS = 64
@@ -1003,10 +1008,12 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
     summed = {"goff": (g_off, goff_bs, config.off_ch * config.Q, config.slots[0]),
               "gmsk": (g_m, gm_bs, config.m_ch * config.Q, config.slots[1])}
     # float32 ones whose samples lie back to back are accumulated in place (the data kernel's
-    # float32 atomics straight into them, each chunk's part cleared first), not in the workspace
-    # and then copied (fused_store): one pass over them fewer
-    in_place = {name for name, (target, bs, per_sample, _) in summed.items()
-                if target and config.dtype == np.float32 and not config.deterministic
+    # float32 atomics straight into them, each chunk's part cleared first; deterministic, with one
+    # partial-sum slot, its stores of the sums), not in the workspace and then copied
+    # (fused_store): one pass over them fewer
+    in_place = {name for name, (target, bs, per_sample, slots) in summed.items()
+                if target and config.dtype == np.float32
+                and (not config.deterministic or (slots == 1 and DETERMINISTIC_IN_PLACE))
                 and (bs == per_sample or g.batch == 1)}
     # the accumulators cleared (the deterministic ones' partial sums are stored, not added):
     # the first chunk's before everything else, so that its kernels follow one another
