@@ -64,6 +64,12 @@
 #ifndef DCN_DATA_TILE_LAYOUT
 #define DCN_DATA_TILE_LAYOUT -1
 #endif
+// The deterministic scatter's fast path (in the epilogue: a position's values finite, each scaled
+// by 2^E once, a corner's reductions issued together). Defining DCN_DET_FAST_PATH 0 builds the
+// kernels without it (cuda_fused_backward.DETERMINISTIC_FAST_PATH, the A/B).
+#ifndef DCN_DET_FAST_PATH
+#define DCN_DET_FAST_PATH 1
+#endif
 // The weight kernel's: its grad_output tile in swizzled rows of BK, its sampled tile padded and
 // b_swizzled (TILE_XOR_A), but in strict float32, which keeps the padded grad_output rows
 // (TILE_SWIZZLED_B; its 3xTF32 reads of a swizzled tile would be by ldmatrix, untimed). H200, one
@@ -128,6 +134,12 @@ __device__ __forceinline__ void add4(float* p, float4 v) {
     atomicAdd(p + 2, v.z);
     atomicAdd(p + 3, v.w);
 #endif
+}
+
+// (DET) r added to *p by a 64-bit reduction, whatever r (atomicAdd's test of r, a branch, is left
+// to the caller).
+__device__ __forceinline__ void add_u64(dcn_u64* p, long long r) {
+    asm volatile("red.global.add.u64 [%0], %1;\n" :: "l"(p), "l"(r) : "memory");
 }
 
 // Four consecutive channels of T from global memory, as float32.
@@ -852,17 +864,53 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                             // lane i adds channels i, i + LANES, ...: each reduction instruction then
                             // covers consecutive 8-byte words (a lane's 4 consecutive channels would
                             // touch twice the sectors: H200, 2x slower alone)
+                            const int lane_first = uniform ? lane % LANES : lane_c;   // channel in the pass
+                            const int lane_step = uniform ? LANES : 1;
+                            float value[4];
+                            bool fast = DCN_DET_FAST_PATH && E >= -126 && E <= 100;
 #pragma unroll
                             for (int j = 0; j < 4; ++j) {
-                                const int cc = uniform ? cpass + lane % LANES + LANES * j : cpass + lane_c + j;
-                                const float v = Gs[n * GLD + cc] * m;
-                                const I channel = (I)grp * Cg + m0 + cc;
+                                value[j] = Gs[n * GLD + cpass + lane_first + lane_step * j] * m;
+                                fast = fast && isfinite(value[j]);
+                            }
+                            if (fast) {
+                                // Fast path: every value finite (so is every w * v, |w| <= 1) and 2^E a
+                                // normal float <= 2^100. Each value is scaled by 2^E once and each
+                                // corner's w * v * 2^E rounded to an integer: ldexpf(w * v, E)'s integers
+                                // (a power of two scales a normal float exactly and commutes with the
+                                // product's rounding; where either product is subnormal both integers
+                                // are 0, as |w * v * 2^E| < 2^-26). A corner's 4 reductions go out
+                                // together behind one branch, zeros included. The general loop (ldexpf's
+                                // 4 multiplies, a test and a branch a contribution) kept the kernel
+                                // waiting on dependent chains (H200, NOTES-gpu.md session 55).
+                                const float scale = __int_as_float((E + 127) << 23);
+#pragma unroll
+                                for (int j = 0; j < 4; ++j) value[j] *= scale;
+                                const I first = (I)grp * Cg + m0 + cpass + lane_first;
 #pragma unroll
                                 for (int k = 0; k < NC; ++k) {
                                     const float w = cr.weight[k];
                                     if (cr.ok[k] && w != 0.0f) {
-                                        dcn_det::accumulate_float(gxq, gx_flags, (long long)(crow[k] * Cpa + channel),
-                                                                  w * v, E);
+                                        dcn_u64* const dst = gxq + crow[k] * Cpa + first;
+                                        long long r[4];
+#pragma unroll
+                                        for (int j = 0; j < 4; ++j) r[j] = __float2ll_rn(w * value[j]);
+#pragma unroll
+                                        for (int j = 0; j < 4; ++j) fused_bwd::add_u64(dst + lane_step * j, r[j]);
+                                    }
+                                }
+                            } else {
+                                // the general loop: a non-finite value (flagged) or E out of that range
+#pragma unroll
+                                for (int j = 0; j < 4; ++j) {
+                                    const I channel = (I)grp * Cg + m0 + cpass + lane_first + lane_step * j;
+#pragma unroll
+                                    for (int k = 0; k < NC; ++k) {
+                                        const float w = cr.weight[k];
+                                        if (cr.ok[k] && w != 0.0f) {
+                                            dcn_det::accumulate_float(gxq, gx_flags, (long long)(crow[k] * Cpa + channel),
+                                                                      w * value[j], E);
+                                        }
                                     }
                                 }
                             }

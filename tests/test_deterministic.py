@@ -18,8 +18,8 @@ Tolerances as in test_cuda.py (float64 1e-10, float32 1e-4 relative in norm, hal
 against float64 gradients of the same rounded inputs). Then cuda/fused-backward's deterministic
 kernels on colliding inputs with its channel constraints: bitwise equal over runs, every data
 tile, both main loops (wgmma and mma.sync, on an sm_90a device), the sampling plans on and off
-and one-sample chunks; non-finite contributions; the automatic choice between it and
-cuda/im2col-deterministic.
+and one-sample chunks; its scatter's fast path against the general loop, bit for bit; non-finite
+contributions; the automatic choice between it and cuda/im2col-deterministic.
 """
 
 from __future__ import annotations
@@ -557,6 +557,57 @@ def test_fused_deterministic_bitwise_on_wgmma_and_mma_sync(ndim, precision, monk
     for name in ARGUMENTS:
         err = relative_error(_host(getattr(grads, name)), expected[name])
         assert err < tol, (name, err, case.label)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", sorted(FUSED_LAYOUTS))
+@pytest.mark.parametrize("precision", ["float16", "tf32", "float32"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_fused_deterministic_fast_path_same_bits(ndim, transposed, precision, layout, monkeypatch):
+    """The deterministic scatter's fast path (a position's values finite and 2^E a normal float
+    at most 2^100: each value scaled by 2^E once, each corner's reductions issued together;
+    DETERMINISTIC_FAST_PATH) gives the integers, so the bits, of the general loop (ldexpf per
+    contribution): on colliding and on small random offsets, with inf, -inf and NaN among the
+    scattered values (their positions take the general loop), with values so small that E
+    exceeds 100 (every position takes it), with the gradient plans on and off."""
+    cupy = _cupy()
+    from dcn_cupy._backends import cuda_fused_backward as fb
+    dtype = np.dtype(np.float32) if precision == "tf32" else np.dtype(precision)
+    case = _fused_case(ndim, transposed, layout, seed=8)
+    rng = np.random.default_rng(ndim)
+    smooth = rng.normal(0.0, 0.6, case.arrays_["offset"].shape)
+    # the scattered values: grad_output's, or the transposed forward's input
+    name = "input" if transposed else "grad_output"
+    plain = (case.arrays_["input"] if transposed else case.grad_output).astype(dtype)
+    non_finite = plain.copy()
+    flat = non_finite.reshape(-1)
+    flat[rng.choice(flat.size, 3, replace=False)] = (np.inf, -np.inf, np.nan)
+    variants = [(case.arrays_["offset"], non_finite), (smooth, plain)]
+    if dtype == np.float32:   # (below float16's range)
+        variants.append((smooth, (plain * 1e-20).astype(dtype)))
+    for offset, scattered in variants:
+        finite = np.isfinite(scattered).all()
+        inputs = dict(case.arrays_, offset=offset, grad_output=case.grad_output)
+        inputs[name] = scattered
+        arrays = {k: cupy.asarray(np.asarray(a).astype(dtype)) for k, a in inputs.items()}
+        gy = arrays.pop("grad_output")
+        results = {}
+        for fast in (False, True):
+            for plans in (False, True):
+                with monkeypatch.context() as m:
+                    m.setattr(fb, "DETERMINISTIC_FAST_PATH", fast)
+                    p = _fused_plan(case, arrays, m, plans=plans, allow_tf32=precision == "tf32")
+                    grads = p.backward(gy, **arrays)
+                    alone = p.backward(gy, **arrays, wrt=["input"]).input
+                    y = p.forward(**arrays) if transposed else None
+                    results[fast, plans] = (tuple(_bits(getattr(grads, n)) for n in ARGUMENTS)
+                                            + (_bits(alone), _bits(y)))
+        assert results[True, False] == results[False, False], case.label
+        assert results[True, True] == results[False, True], case.label
+        out = _host(y if transposed else grads.input)
+        # (colliding offsets spread the non-finite values over every point sampled)
+        assert np.isfinite(out).all() and np.abs(out).max() > 0 if finite else not np.isfinite(out).all()
 
 
 @pytest.mark.gpu

@@ -299,6 +299,13 @@ EARLY_COPIES = True
 #: ``fused_store``; False: the latter (the A/B). H200, B=32 C64 56x56 strict, deterministic
 #: backward 1.3182 -> 1.3097 ms (NOTES-gpu.md, session 54).
 DETERMINISTIC_IN_PLACE = True
+#: Deterministic mode: the data kernel's fast path where a position's scattered values are finite
+#: (each scaled by 2^E once, a corner's 64-bit reductions issued together behind one branch, where
+#: the general loop took ldexpf, a test and a branch per contribution); the same integers, so the
+#: same bits. H200, deterministic backward: B=32 C64 56x56 strict 1.3272 -> 1.2587 ms, B=8 C256
+#: fp16 0.8660 -> 0.8232, 3D strict 2.1358 -> 2.0168 (NOTES-gpu.md, session 55). False: builds the
+#: kernels without (``DCN_DET_FAST_PATH 0``, the A/B; a module of its own).
+DETERMINISTIC_FAST_PATH = True
 #: Position splits of the weight gradient (partial sums added in a fixed order), at most this
 #: many: ``weight_splits`` picks the count.
 MAX_SPLITS = 64
@@ -308,8 +315,10 @@ _ALIGN = 256
 
 
 def module_source() -> str:
-    """``deform_fused_backward.cu`` with its local headers inlined (#line directives kept)."""
-    return _cuda.module_text(_SOURCE)
+    """``deform_fused_backward.cu`` with its local headers inlined (#line directives kept); without
+    the deterministic scatter's fast path where ``DETERMINISTIC_FAST_PATH`` is off."""
+    text = _cuda.module_text(_SOURCE)
+    return text if DETERMINISTIC_FAST_PATH else "#define DCN_DET_FAST_PATH 0\n" + text
 
 
 def _tiles(dtype) -> tuple:
@@ -475,21 +484,22 @@ def _function(name: str, dtype, ndim: int, index64: bool):
     """The kernel ``name`` on the current device; its module (the sm_90a one for the warp-specialised
     weight kernel) is compiled once per device."""
     device = cupy.cuda.runtime.getDevice()
-    fn = _functions.get((device, name))
+    fkey = (device, name, DETERMINISTIC_FAST_PATH)
+    fn = _functions.get(fkey)
     if fn is None:
         with _lock:
-            fn = _functions.get((device, name))
+            fn = _functions.get(fkey)
             if fn is None:
                 sm90a = _is_sm90a(name)
                 names = (ws_name_expressions if sm90a else name_expressions)(dtype, ndim, index64)
-                mkey = (device, names)
+                mkey = (device, names, DETERMINISTIC_FAST_PATH)
                 module = _modules.get(mkey)
                 if module is None and sm90a:
                     module = _modules[mkey] = _fused._Sm90aModule(names, module_source(), _SOURCE)
                 elif module is None:
                     module = _modules[mkey] = cupy.RawModule(code=module_source(), options=_cuda.compile_options(),
                                                              name_expressions=names)
-                fn = _functions[(device, name)] = module.get_function(name)
+                fn = _functions[fkey] = module.get_function(name)
     return fn
 
 
