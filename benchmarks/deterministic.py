@@ -17,22 +17,22 @@ Precisions: fp32 (strict, no TF32), tf32 (float32 with ``allow_tf32=True``), fp1
 Usage: ``python benchmarks/deterministic.py [--quick] [--precisions fp32,tf32,fp16,bf16]``
 (without a CUDA device it says so and exits with status 0).
 
-Measured on one NVIDIA H200 (2026-12-01, session 52, CuPy 14.2, CUDA 13, ``--quick``; the
-deterministic data kernel on wgmma), ms:
+Measured on one NVIDIA H200 (2026-12-01, session 55, CuPy 14.2, CUDA 13, ``--quick``; the
+deterministic scatter's fast path), ms:
 
     prec  what                 default  determ.  ratio im2col-det
-    fp32  backward               1.351    1.752   1.30      4.491
-    fp32  backward input         0.599    0.971   1.62      2.197
-    fp32  transposed forward     0.601    0.973   1.62      2.199
-    tf32  backward               0.788    1.148   1.46      2.975
-    tf32  backward input         0.363    0.681   1.87      1.678
-    tf32  transposed forward     0.365    0.683   1.87      1.681
-    fp16  backward               0.576    0.863   1.50      2.520
-    fp16  backward input         0.314    0.599   1.91      1.513
-    fp16  transposed forward     0.315    0.599   1.90      1.517
-    bf16  backward               0.578    0.865   1.50      2.514
-    bf16  backward input         0.313    0.597   1.91      1.512
-    bf16  transposed forward     0.314    0.597   1.90      1.518
+    fp32  backward               1.349    1.649   1.22      4.518
+    fp32  backward input         0.600    0.889   1.48      2.202
+    fp32  transposed forward     0.601    0.888   1.48      2.209
+    tf32  backward               0.794    1.105   1.39      2.994
+    tf32  backward input         0.363    0.651   1.79      1.685
+    tf32  transposed forward     0.366    0.653   1.79      1.695
+    fp16  backward               0.578    0.824   1.42      2.529
+    fp16  backward input         0.314    0.584   1.86      1.519
+    fp16  transposed forward     0.316    0.585   1.85      1.520
+    bf16  backward               0.581    0.824   1.42      2.539
+    bf16  backward input         0.313    0.583   1.86      1.526
+    bf16  transposed forward     0.313    0.582   1.86      1.524
 
 Earlier sessions' tables are in ``benchmarks/README.md`` ("Deterministic backward").
 """

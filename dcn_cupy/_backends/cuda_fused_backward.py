@@ -482,7 +482,7 @@ _lock = threading.Lock()
 
 def _function(name: str, dtype, ndim: int, index64: bool):
     """The kernel ``name`` on the current device; its module (the sm_90a one for the warp-specialised
-    weight kernel) is compiled once per device."""
+    weight kernel) is compiled once per device and value of ``DETERMINISTIC_FAST_PATH``."""
     device = cupy.cuda.runtime.getDevice()
     fkey = (device, name, DETERMINISTIC_FAST_PATH)
     fn = _functions.get(fkey)
