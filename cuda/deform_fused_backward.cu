@@ -866,6 +866,7 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                             // touch twice the sectors: H200, 2x slower alone)
                             const int lane_first = uniform ? lane % LANES : lane_c;   // channel in the pass
                             const int lane_step = uniform ? LANES : 1;
+                            const I first = (I)grp * Cg + m0 + cpass + lane_first;    // its channel j: + step * j
                             float value[4];
                             bool fast = DCN_DET_FAST_PATH && E >= -126 && E <= 100;
 #pragma unroll
@@ -886,7 +887,6 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                                 const float scale = __int_as_float((E + 127) << 23);
 #pragma unroll
                                 for (int j = 0; j < 4; ++j) value[j] *= scale;
-                                const I first = (I)grp * Cg + m0 + cpass + lane_first;
 #pragma unroll
                                 for (int k = 0; k < NC; ++k) {
                                     const float w = cr.weight[k];
@@ -903,12 +903,12 @@ deform_fused_backward_data(const T* __restrict__ gycl, const T* __restrict__ wt,
                                 // the general loop: a non-finite value (flagged) or E out of that range
 #pragma unroll
                                 for (int j = 0; j < 4; ++j) {
-                                    const I channel = (I)grp * Cg + m0 + cpass + lane_first + lane_step * j;
 #pragma unroll
                                     for (int k = 0; k < NC; ++k) {
                                         const float w = cr.weight[k];
                                         if (cr.ok[k] && w != 0.0f) {
-                                            dcn_det::accumulate_float(gxq, gx_flags, (long long)(crow[k] * Cpa + channel),
+                                            dcn_det::accumulate_float(gxq, gx_flags,
+                                                                      (long long)(crow[k] * Cpa + first + lane_step * j),
                                                                       w * value[j], E);
                                         }
                                     }
