@@ -1,9 +1,10 @@
 """Time fused-forward tiles of your choice (TILES and others) on a few shapes, each checked first.
 
-    python benchmarks/fused_tiles.py [--shapes '8,256,56;32,64,56;16,512,14'] [--dtypes float16,bfloat16,tf32,float32]
+    python benchmarks/fused_tiles.py [--shapes '8,256,56;32,64,56;16,512,14;2,32,32x32x32'] [--dtypes float16,bfloat16,tf32,float32]
         [--tiles 'BM,BN,BK,MINB,ENGINE[,THREADS];...'] [--only-tiles] [--warp-corners] [--budget 190]
 
-Per shape (B, C_in = C_out, HxW, 3x3, padding 1, offsets and mask, DCNv2) and dtype: the float64
+Per shape (B, C_in = C_out, spatial size: H for HxW, 32x32x32 in 3D, L4096 in 1D;
+a 3^N kernel, padding 1, offsets and mask, DCNv2) and dtype: the float64
 reference through a ``cuda/im2col`` plan on the same (rounded) inputs; then per tile (those of
 TILES that ``_candidates`` keeps for the shape, then ``--tiles``, each instantiated on demand: a
 tile outside TILES gets a module of its own) and step order: the
@@ -62,27 +63,34 @@ def main(argv=None):
     sms, wgmma = fu._multiprocessors(), fu.wgmma_available()
     print(f"device: {_device_name()}, {sms} SMs, wgmma {wgmma}", flush=True)
     for shape in [s for s in args.shapes.split(";") if s]:
-        B, C, H = (int(v) for v in shape.split(","))
+        B, C, size = shape.split(",")
+        B, C = int(B), int(C)
+        # "56": 56x56; "32x32x32": 3D; "L4096": 1D
+        spatial = (int(size[1:]),) if size.startswith("L") else tuple(int(v) for v in size.split("x"))
+        spatial = spatial * 2 if len(spatial) == 1 and not size.startswith("L") else spatial
+        n = len(spatial)
+        K = 3 ** n
+        where = "x".join(map(str, spatial))
         for dname in [d for d in args.dtypes.split(",") if d]:
             if time.time() - t0 > args.budget:
-                print(f"budget of {args.budget:.0f} s spent: B={B} C={C} {H}x{H} {dname} skipped", flush=True)
+                print(f"budget of {args.budget:.0f} s spent: B={B} C={C} {where} {dname} skipped", flush=True)
                 continue
             dtype = DTYPES[dname]
             rng = cupy.random.default_rng(0)
-            x = rng.standard_normal((B, C, H, H), dtype=cupy.float32).astype(dtype)
-            w = (rng.standard_normal((C, C, 3, 3), dtype=cupy.float32) / (C * 9) ** 0.5).astype(dtype)
-            off = (rng.standard_normal((B, 18, H, H), dtype=cupy.float32) * 2).astype(dtype)
-            msk = rng.random((B, 9, H, H), dtype=cupy.float32).astype(dtype)
+            x = rng.standard_normal((B, C) + spatial, dtype=cupy.float32).astype(dtype)
+            w = (rng.standard_normal((C, C) + (3,) * n, dtype=cupy.float32) / (C * K) ** 0.5).astype(dtype)
+            off = (rng.standard_normal((B, n * K) + spatial, dtype=cupy.float32) * 2).astype(dtype)
+            msk = rng.random((B, K) + spatial, dtype=cupy.float32).astype(dtype)
             f64 = [a.astype(cupy.float64) for a in (x, w, off, msk)]
             ref = dcn_cupy.plan(*f64, padding=1, algorithm="cuda/im2col").forward(*f64)
             geom, _ = _geometry.conv_geometry(x.shape, w.shape, off.shape, msk.shape, None, padding=1)
-            flop = 2.0 * C * C * 9 * B * H * H
+            flop = 2.0 * C * C * K * B * int(np.prod(spatial))
             tf32 = dname == "tf32"    # float32 through TF32; "float32": 3xTF32
             precision = fu.precision_of(dtype, tf32)
             cands = [] if args.only_tiles else fu._candidates(geom, dtype, wgmma, False, precision)
             limit = max(64, -(-C // 64) * 64)
             tiles = list(cands) + [t for t in extra if t not in cands and t[0] <= limit and (not fu.is_wgmma(t) or wgmma)
-                                   and fu.tile_builds(dtype, 2, t, precision)]
+                                   and fu.tile_builds(dtype, n, t, precision)]
             out = cupy.empty(geom.y_shape, dtype=dtype)
             named = {"input": x, "weight": w, "offset": off, "mask": msk, "bias": None}
             runs = []   # (label, kernel fn, whole fn: recorded launches, as plans run it)
@@ -121,7 +129,7 @@ def main(argv=None):
                     if r["ok"] or args.time_failures:
                         r["k"] = min(r["k"], _time_cupy(r["kernel"], 3, 5, 10))
                         r["f"] = min(r["f"], _time_cupy(r["whole"], 3, 5, 10))
-            print(f"== B={B} C={C}->{C} {H}x{H} 3x3 {dname} (candidates of TILES: {len(cands)}; "
+            print(f"== B={B} C={C}->{C} {where} 3^{n} {dname} (candidates of TILES: {len(cands)}; "
                   f"{time.time() - t0:.0f} s)")
             print("| tile | regs | blocks | rel err | kernel ms | TFLOP/s | whole fwd ms |")
             print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -363,7 +363,7 @@ def test_launch_config_choices(monkeypatch):
     g64 = _geom((32, 64, 56, 56), (64, 64, 3, 3), (32, 18, 56, 56), (32, 9, 56, 56), padding=1)
     assert all(tile[0] == 64 for tile in fused._candidates(g64, np.float32, True, False, 2))
     assert [tile for tile in fused._candidates(g64, np.float32, True, False, 2) if tile[4] == 3] == [
-        (64, 64, 32, 2, 3, 384)]
+        (64, 64, 32, 2, 3, 384), (64, 64, 32, 1, 3, 384)]
     assert {tile for tile in fused._candidates(g64, np.float16, True) if tile[4] == 3} == {
         (64, 64, 64, 2, 3, 384), (64, 128, 32, 1, 3, 384)}
     assert all(tile[4] != 3 for tile in fused._candidates(g64, np.float16, False))

@@ -122,6 +122,10 @@ DTYPES = tuple(_VEC)
 #: 128-row tile left half its rows idle: H200, B=32 C64 56x56 whole forward, TF32 64x64x32 (2
 #: blocks per SM) 0.214 ms against 128x128x32's 0.288, 3xTF32 0.328 against 0.414; fp16
 #: 64x64x64 level with mma.sync's 64x64x64 (NOTES-gpu.md, session 14).
+#: Its float 64x64x32 tile also at one block per SM (up to 168 registers, none spilled where the
+#: two-block one spills or starves its 3D samplers): H200, B=2 C32 32^3 TF32, kernel with the
+#: warps' corner batches 0.262 ms against 0.515 at two blocks and 0.347 for mma.sync's 64x64x32,
+#: the tuner's choice until then (NOTES-gpu.md, session 56).
 TILES = {
     "half": ((64, 64, 64, 1, 0), (256, 64, 64, 1, 0), (128, 128, 64, 1, 0),
              (128, 64, 64, 1, 1), (256, 128, 32, 1, 1), (128, 128, 64, 1, 1),
@@ -132,7 +136,7 @@ TILES = {
               (128, 64, 32, 1, 1), (256, 128, 16, 1, 1), (128, 128, 32, 1, 1),
               (256, 64, 32, 1, 3, 512), (256, 64, 16, 1, 3, 512), (128, 128, 32, 1, 3, 512),
               (64, 64, 32, 2, 3, 384), (256, 48, 32, 1, 3, 640), (256, 48, 16, 1, 3, 448),
-              (256, 64, 32, 1, 3, 768)),
+              (256, 64, 32, 1, 3, 768), (64, 64, 32, 1, 3, 384)),
 }
 #: The engines that multiply with wgmma (sm_90a modules; fp16, bf16 and TF32; ENGINE 3 3xTF32 too).
 WGMMA_ENGINES = (1, 3)
