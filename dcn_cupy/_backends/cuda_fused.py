@@ -122,10 +122,10 @@ DTYPES = tuple(_VEC)
 #: 128-row tile left half its rows idle: H200, B=32 C64 56x56 whole forward, TF32 64x64x32 (2
 #: blocks per SM) 0.214 ms against 128x128x32's 0.288, 3xTF32 0.328 against 0.414; fp16
 #: 64x64x64 level with mma.sync's 64x64x64 (NOTES-gpu.md, session 14).
-#: Its float 64x64x32 tile also at one block per SM (up to 168 registers, none spilled where the
-#: two-block one spills or starves its 3D samplers): H200, B=2 C32 32^3 TF32, kernel with the
-#: warps' corner batches 0.262 ms against 0.515 at two blocks and 0.347 for mma.sync's 64x64x32,
-#: the tuner's choice until then (NOTES-gpu.md, session 56).
+#: Its float 64x64x32 tile also at one block per SM: in 3D 138-162 registers and no spill, where
+#: the two-block form's 80 spill 508-856 bytes (ptxas, sm_90a). H200, B=2 C32 32^3 TF32, kernel
+#: with the warps' corner batches 0.262 ms against 0.515 at two blocks and 0.347 for mma.sync's
+#: 64x64x32, the tuner's choice until then (NOTES-gpu.md, session 56).
 TILES = {
     "half": ((64, 64, 64, 1, 0), (256, 64, 64, 1, 0), (128, 128, 64, 1, 0),
              (128, 64, 64, 1, 1), (256, 128, 32, 1, 1), (128, 128, 64, 1, 1),
@@ -734,10 +734,12 @@ class LaunchConfig:
     @property
     def description(self) -> str:
         prec = {0: str(self.dtype), 1: "tf32", 2: "3xtf32"}[self.precision]
-        bm, bn, bk, _, engine = self.tile[:5]
+        bm, bn, bk, minb, engine = self.tile[:5]
         engine_name = ("mma.sync", "wgmma", f"mma.sync, {self.depth}-step corner pipeline",
                        f"warp-specialised wgmma, {self.depth}-stage ring")[engine]
-        return (f"cuda/fused: {prec} {engine_name}, tile {bm}x{bn}x{bk} ({self.threads} threads), "
+        # (blocks per SM: TILES holds tiles that differ in it alone)
+        return (f"cuda/fused: {prec} {engine_name}, tile {bm}x{bn}x{bk} ({self.threads} threads, "
+                f"{minb} block{'s' if minb > 1 else ''} per SM), "
                 f"{'16-byte vector' if self.uniform else 'per-channel'} sampling"
                 f"{' from a sampling plan' if self.sampling_plan else ''}"
                 f"{', corners a batch of taps ahead per warp' if self.warp_corners else ''}"
