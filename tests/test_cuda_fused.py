@@ -372,6 +372,10 @@ def test_launch_config_choices(monkeypatch):
     assert strict64.tile == (64, 64, 32, 2, 3, 384) and strict64.depth == 3 and strict64.smem_bytes == 96 * 1024
     assert fused.tile_mma_threads(strict64.tile) == 128 and fused.tile_samplers(strict64.tile) == 256
     assert fused.pipeline_depth(np.float32, 2, (64, 64, 32, 2, 3, 384), 1) == 4
+    # the same tile at one block per SM (a ring of 4 stages in 3xTF32 too): the descriptions tell them apart
+    one_block = fused.LaunchConfig(g64, np.float32, False, 132, tile=(64, 64, 32, 1, 3, 384), wgmma=True)
+    assert one_block.depth == 4 and "tile 64x64x32 (384 threads, 1 block per SM)" in one_block.description
+    assert "tile 64x64x32 (384 threads, 2 blocks per SM)" in strict64.description
     # persistent blocks: kernels of ENGINE 3 with two MMA warpgroups, not 3xTF32, 32-bit indices;
     # untuned, the rule takes them in the half types where a chunk's tiles outnumber the blocks
     # the device holds at once; a grid of at most PERSISTENT_BLOCKS (or those blocks)
