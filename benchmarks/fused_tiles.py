@@ -65,9 +65,8 @@ def main(argv=None):
     for shape in [s for s in args.shapes.split(";") if s]:
         B, C, size = shape.split(",")
         B, C = int(B), int(C)
-        # "56": 56x56; "32x32x32": 3D; "L4096": 1D
-        spatial = (int(size[1:]),) if size.startswith("L") else tuple(int(v) for v in size.split("x"))
-        spatial = spatial * 2 if len(spatial) == 1 and not size.startswith("L") else spatial
+        dims = tuple(int(v) for v in size.lstrip("L").split("x"))
+        spatial = dims if size.startswith("L") or len(dims) > 1 else dims * 2   # "L4096": 1D; "56": 56x56
         n = len(spatial)
         K = 3 ** n
         where = "x".join(map(str, spatial))
