@@ -126,6 +126,13 @@ DTYPES = tuple(_VEC)
 #: the two-block form's 80 spill 508-856 bytes (ptxas, sm_90a). H200, B=2 C32 32^3 TF32, kernel
 #: with the warps' corner batches 0.262 ms against 0.515 at two blocks and 0.347 for mma.sync's
 #: 64x64x32, the tuner's choice until then (NOTES-gpu.md, session 56).
+#: Its float 128x48x32 tile (two MMA warpgroups, 384 samplers, one block per SM) fills the card
+#: where C_out/groups is 128 and 64-row tiles would sample each position twice in a partial second
+#: wave: the 2D transposed backward's input gradient, B=8 C128 56x56 -> 28x28, gives 131 blocks of
+#: it against 196 of 64x64x32 at two per SM. H200, f+b, the tuner's choice without it / with it at
+#: 448 threads (192 samplers) / at 640: B=8 C128 28x28 s2 transposed strict 0.3138 / 0.2886 /
+#: 0.2839 ms, TF32 0.2141 / 0.1980 / 0.1931; not taken at the other benchmark shapes
+#: (NOTES-gpu.md, session 57).
 TILES = {
     "half": ((64, 64, 64, 1, 0), (256, 64, 64, 1, 0), (128, 128, 64, 1, 0),
              (128, 64, 64, 1, 1), (256, 128, 32, 1, 1), (128, 128, 64, 1, 1),
@@ -136,7 +143,7 @@ TILES = {
               (128, 64, 32, 1, 1), (256, 128, 16, 1, 1), (128, 128, 32, 1, 1),
               (256, 64, 32, 1, 3, 512), (256, 64, 16, 1, 3, 512), (128, 128, 32, 1, 3, 512),
               (64, 64, 32, 2, 3, 384), (256, 48, 32, 1, 3, 640), (256, 48, 16, 1, 3, 448),
-              (256, 64, 32, 1, 3, 768), (64, 64, 32, 1, 3, 384)),
+              (256, 64, 32, 1, 3, 768), (64, 64, 32, 1, 3, 384), (128, 48, 32, 1, 3, 640)),
 }
 #: The engines that multiply with wgmma (sm_90a modules; fp16, bf16 and TF32; ENGINE 3 3xTF32 too).
 WGMMA_ENGINES = (1, 3)
