@@ -198,7 +198,7 @@ def fused_cases(quick: bool = False) -> int:
     from dcn_cupy._backends import cuda_fused as fu
     count = 0
 
-    def run(case, dtype, allow_tf32, poison, tile=None, sampling_plan=None, warp_corners=False):
+    def run(case, dtype, allow_tf32, poison, tile=None, sampling_plan=None, warp_corners=False, loads_ahead=False):
         arrays = _poisoned(case.arrays_) if poison else dict(case.arrays_)
         with np.errstate(over="ignore"):
             gpu = {k: None if a is None else cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
@@ -215,8 +215,8 @@ def fused_cases(quick: bool = False) -> int:
                 return False
             out = cupy.empty(geom.y_shape, dtype=dtype)
             config = fu.LaunchConfig(geom, dtype, allow_tf32, tile=tile, sampling_plan=sampling_plan,
-                                     warp_corners=warp_corners)
-            if warp_corners and not config.warp_corners:
+                                     warp_corners=warp_corners, loads_ahead=loads_ahead)
+            if warp_corners and not config.warp_corners or loads_ahead and not config.loads_ahead:
                 return False
             fu.run_forward(config, *(gpu[k] for k in ARGUMENTS), out)
         cupy.cuda.Device().synchronize()
@@ -253,6 +253,9 @@ def fused_cases(quick: bool = False) -> int:
             # group alone, the one grouping they serve
             if tile[4] in (0, 3):
                 count += run(one_group, dtype, tf32, poison=True, tile=tile, warp_corners=True)
+            # with two steps of corner loads in flight, where the tile has that kernel
+            if fu.loads_ahead_serves(dtype, 2, tile):
+                count += run(one_group, dtype, tf32, poison=True, tile=tile, warp_corners=True, loads_ahead=True)
     # ENGINE 3's persistent blocks: a grid of 2, each block running its tiles (12 samples' worth)
     # through one ring
     many = random_case(np.random.default_rng(998), 2, False, batch=12, channels_scale=64)

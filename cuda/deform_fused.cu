@@ -46,7 +46,10 @@
 // positions' corners for a batch of taps at once, every lane one (position, tap), into
 // warp-private shared memory, a batch ahead of its samplers, which read them from there: the
 // TPP threads of a position no longer each compute the same corners (PPW = 32 / TPP positions a
-// warp, TPP taps a batch; the offsets and mask of the next batch are prefetched).
+// warp, TPP taps a batch; the offsets and mask of the next batch are prefetched). PLAN 3 (ENGINE
+// 3, one tile a block): PLAN 2 with two steps of corner loads in flight a sampler (AHEAD), each
+// step's loads issued two steps before its blend; chosen by the tuner where cuda_fused lists the
+// tile (LOADS_AHEAD_TILES).
 //
 // Template parameters: T storage type, I index type (int or long long), N spatial dims,
 // PREC (0: T's own tensor-core format; 1: TF32; 2: 3xTF32), the tile BM x BN x BK, MINB (blocks
@@ -95,6 +98,8 @@
 // sampler keeps in flight, 1 (the default) or 2: each step's loads issued two steps before its
 // blend, in registers of their own (the C64 forward waits on them; with 2, B=32 C64 fp16's
 // 64x64x32 tile measured 6% faster, still behind the default 64x64x64: NOTES-gpu.md session 28).
+// With 2, PLAN 0 and 1 of a 256-row tile are wrong: the samplers' step cursor runs past the step
+// whose weights their first thread copies next (NOTES-gpu.md session 58); PLAN 3 is PLAN 2 at 2.
 #ifndef DCN_FUSED_LOADS_AHEAD
 #define DCN_FUSED_LOADS_AHEAD 1
 #endif
@@ -271,7 +276,12 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
                   "warp-specialised ring: a warpgroup or more of samplers, 3 to 7 stages, 2 named barriers a stage");
     static_assert(!PLAN || (UNIFORM && ENGINE != 2), "the sampling plan: 16-byte sampler, engines 0 and 1");
     static_assert(!PERSIST || ENGINE == 3, "persistent blocks: ENGINE 3");
-    constexpr bool WARP_CORNERS = PLAN == 2;
+    constexpr bool WARP_CORNERS = PLAN == 2 || PLAN == 3;
+    static_assert(PLAN != 3 || (ENGINE == 3 && !PERSIST), "two steps of loads in flight: ENGINE 3, one tile a block");
+    // ENGINE 3 keeps AHEAD steps of loads in flight, each in a slot of raw (and of raw_weight,
+    // its corners' weights, where AHEAD > 1: smp then already holds a later step's)
+    constexpr int AHEAD = ENGINE == 3 ? (PLAN == 3 ? 2 : DCN_FUSED_LOADS_AHEAD) : 1;
+    static_assert(AHEAD == 1 || AHEAD == 2, "DCN_FUSED_LOADS_AHEAD: 1 or 2");
     static_assert(!WARP_CORNERS || ((ENGINE == 0 || ENGINE == 3) && 32 % TPP == 0 && SAMPLERS % 32 == 0),
                   "corner batches per warp: engines 0 and 3, a warp's lanes a whole number of positions");
     constexpr int PPW = 32 / TPP;   // (PLAN 2) positions a sampling warp samples; taps a batch: TPP
@@ -296,7 +306,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
     // shared memory is lifted to the next such boundary (cuda_fused.LaunchConfig asks for the
     // 1 KiB more, SWIZZLE_ALIGN).
     constexpr bool ROW_PHASES = ENGINE == 3 && WARP_CORNERS && BK * (int)sizeof(T) == 128 && SPLIT == 1 &&
-                                DCN_FUSED_LOADS_AHEAD == 1 && DCN_FUSED_ROW_PHASES;
+                                AHEAD == 1 && DCN_FUSED_ROW_PHASES;
     extern __shared__ __align__(128) unsigned char fused_smem[];
     const unsigned smem_lift = ROW_PHASES ? (1024u - (smem_address(fused_smem) & 1023u)) & 1023u : 0u;
     T* const As0 = reinterpret_cast<T*>(fused_smem + smem_lift);
@@ -405,10 +415,6 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         smp.reset();
     };
     enter_position();
-    // ENGINE 3 keeps AHEAD steps of loads in flight, each in a slot of raw (and of raw_weight,
-    // its corners' weights, where AHEAD > 1: smp then already holds a later step's)
-    constexpr int AHEAD = ENGINE == 3 ? DCN_FUSED_LOADS_AHEAD : 1;
-    static_assert(AHEAD == 1 || AHEAD == 2, "DCN_FUSED_LOADS_AHEAD: 1 or 2");
     uint4 raw[AHEAD][UNIFORM && ENGINE != 2 ? NC : 1][NV];   // uniform: the corners' vectors; else the finished values
     [[maybe_unused]] float raw_weight[AHEAD][NC];
 

@@ -124,9 +124,9 @@ def test_fused_source_defines_exactly_the_instantiated_kernels():
     for key in fused.all_module_keys():
         assert {name.split("<", 1)[0] for name in fused.name_expressions(*key)} == defined
         # ..., UNIFORM, ENGINE[, DEPTH[, THREADS[, PLAN: 1 the sampling plan, 2 the warps' corner
-        # batches[, PERSIST]]]]>
+        # batches, 3 those with two steps of loads in flight[, PERSIST]]]]>
         assert all(re.search(rf", (true|false), {key[3]}(, [1-9](, (256|384|448|512|640|768)"
-                             rf"(, [12]|, [012], true)?)?)?>$", name)
+                             rf"(, [123]|, [012], true)?)?)?>$", name)
                    for name in fused.name_expressions(*key) if name.startswith("deform_fused_forward"))
 
 
@@ -424,6 +424,38 @@ def test_row_phases_rule():
     assert not fused.row_phases(np.float32, (256, 64, 32, 1, 3, 512), 2, True)
     assert not fused.row_phases(np.float16, (256, 64, 64, 1, 0, 512), 0, True)
     assert not fused.LaunchConfig(g, np.float32, False, 132, tile=(256, 64, 16, 1, 3, 512), warp_corners=True).row_phases
+
+
+def test_loads_ahead_rule():
+    """Two steps of corner loads in flight (PLAN 3) exactly for LOADS_AHEAD_TILES in float32, 1D
+    and 2D, with the warps' corner batches: its own kernels (no row phases, one tile a block),
+    named in the description."""
+    fused = _fused()
+    g2 = _geom((8, 256, 56, 56), (256, 256, 3, 3), (8, 18, 56, 56), (8, 9, 56, 56), padding=1)
+    g3 = _geom((2, 64, 8, 8, 8), (64, 64, 3, 3, 3), (2, 81, 8, 8, 8), (2, 27, 8, 8, 8), padding=1)
+    for tile in fused.LOADS_AHEAD_TILES:
+        for tf32 in (True, False):
+            c = fused.LaunchConfig(g2, np.float32, tf32, 132, tile=tile, warp_corners=True, loads_ahead=True)
+            assert c.loads_ahead and c.warp_corners and not c.row_phases and not c.can_persist, (tile, tf32)
+            assert "two steps of corner loads in flight" in c.description
+            name = fused.kernel_name(np.float32, False, 2, c.precision, tile, True, 3)
+            assert name in fused.name_expressions(np.float32, 2, False, 3)
+            assert not fused.LaunchConfig(g2, np.float32, tf32, 132, tile=tile, warp_corners=False,
+                                          loads_ahead=True).loads_ahead
+            assert not fused.LaunchConfig(g3, np.float32, tf32, 132, tile=tile, warp_corners=True,
+                                          loads_ahead=True).loads_ahead
+    # the 64x64x32 TF32 tile gives up its row phases for it
+    assert fused.LaunchConfig(g2, np.float32, True, 132, tile=(64, 64, 32, 1, 3, 384), warp_corners=True).row_phases
+    for ndim in (1, 2, 3):
+        for dtype in (np.float32, np.float16):
+            ahead = {n for n in fused.name_expressions(dtype, ndim, False, 3) if n.startswith("deform_fused_forward")
+                     and n.endswith(", 3>")}
+            expected = {fused.kernel_name(dtype, False, ndim, prec, tile, True, 3) for tile in fused.LOADS_AHEAD_TILES
+                        for prec in (1, 2) if dtype == np.float32 and ndim < 3
+                        and fused.tile_builds(dtype, ndim, tile, prec)}
+            assert ahead == expected, (ndim, dtype)
+    assert not fused.LaunchConfig(g2, np.float16, False, 132, tile=(64, 128, 32, 1, 3, 384), warp_corners=True,
+                                  loads_ahead=True).loads_ahead
 
 
 @pytest.mark.parametrize("tile, plan", [((256, 64, 64, 1, 3, 512), True), ((64, 64, 64, 1, 0), False)])
@@ -791,11 +823,12 @@ def test_warp_corner_batches_give_the_corners_each_thread_computes(ndim):
     threads compute their own, for every engine-0 and engine-3 tile, both step orders, every
     precision, with and without offsets / mask: kernels of 3^N taps (batches of 2, 4 or 8 taps,
     the last partial), 1 tap, and in 2D 1x2 (taps inner: the same tap again in a lane's next
-    batch); a partial last channel chunk (96 channels, 64 a step); and both match the reference."""
+    batch); a partial last channel chunk (96 channels, 64 a step); and both match the reference.
+    So does (bitwise) the kernel with two steps of corner loads in flight, where the tile has one."""
     fused = _fused()
     rng = np.random.default_rng(90 + ndim)
     kernels = [(3,) * ndim, (1,) * ndim] + ([(1, 2)] if ndim == 2 else [])
-    served = 0
+    served = ahead_served = 0
     for kernel in kernels:
         for c_in, offset, mask in ((128, True, True), (64, False, True), (96, True, False)):
             arrays, params = wide_case(rng, ndim, groups=1, offset_groups=1, mask_groups=1, c_in=c_in, c_out=64,
@@ -818,7 +851,14 @@ def test_warp_corner_batches_give_the_corners_each_thread_computes(ndim):
                         label = (precision, tile, taps_inner, kernel, c_in, offset, mask)
                         assert np.array_equal(batched, own), label
                         assert relative_error(batched, expected) < TOL[precision], label
+                        # two steps of loads in flight (PLAN 3), where the tile has that kernel
+                        ahead, _, config = run_fused_tile(arrays, params, precision, tile, taps_inner, False, True,
+                                                          loads_ahead=True)
+                        if config.loads_ahead:
+                            ahead_served += 1
+                            assert np.array_equal(ahead, own), label + ("loads ahead",)
     assert served
+    assert bool(ahead_served) == (ndim < 3 and any(tile_runs(t, "float32", ndim) for t in fused.LOADS_AHEAD_TILES))
 
 
 def serves(arrays, params, precision, tile) -> bool:
@@ -827,7 +867,8 @@ def serves(arrays, params, precision, tile) -> bool:
     return _fused().tile_serves(geom, DTYPE[precision], tile)
 
 
-def run_fused_tile(arrays, params, precision, tile, taps_inner=True, sampling_plan=None, warp_corners=False):
+def run_fused_tile(arrays, params, precision, tile, taps_inner=True, sampling_plan=None, warp_corners=False,
+                   loads_ahead=False):
     cupy = _cupy()
     fused = _fused()
     dtype = DTYPE[precision]
@@ -835,7 +876,7 @@ def run_fused_tile(arrays, params, precision, tile, taps_inner=True, sampling_pl
     rounded = {k: None if a is None else a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
     geom = _case_geom(arrays, params)
     config = fused.LaunchConfig(geom, dtype, precision == "tf32", tile=tile, taps_inner=taps_inner,
-                                sampling_plan=sampling_plan, warp_corners=warp_corners)
+                                sampling_plan=sampling_plan, warp_corners=warp_corners, loads_ahead=loads_ahead)
     out = cupy.full(geom.y_shape, np.nan, dtype=dtype)
     fused.run_forward(config, dev["input"], dev["weight"], dev["offset"], dev["mask"], dev["bias"], out)
     return cupy.asnumpy(out).astype(np.float64), reference.deform_conv(**rounded, **params), config
@@ -1221,10 +1262,15 @@ def test_tuner_times_each_tile_with_and_without_the_sampling_plan(monkeypatch):
         fused.plan_config(big, dtype, tf32)
         twins = {}
         for config in configs[-1]:
-            key = (config.tile, config.taps_inner, config.sampling_plan, config.warp_corners)
+            key = (config.tile, config.taps_inner, config.sampling_plan, config.warp_corners, config.loads_ahead)
             twins.setdefault(key, set()).add(config.persistent)
             assert config.persistent <= config.can_persist
-        persisting = {key: found for key, found in twins.items() if fused.tile_persists(key[0], int(tf32))}
+        # the warps' corner batches with two steps of loads in flight too, wherever the tile has them
+        batched = {key[:2] for key in twins if key[3] and fused.loads_ahead_serves(dtype, 2, key[0])}
+        assert {key[:2] for key in twins if key[4]} == batched, dtype
+        persisting = {key: found for key, found in twins.items()
+                      if fused.tile_persists(key[0], int(tf32)) and not key[4]}   # (loads ahead: one tile a block)
+        assert all(found == {False} for key, found in twins.items() if key[4])
         assert persisting and all(found == ({True} if dtype == np.float16 else {False, True})
                                   for found in persisting.values()), (dtype, persisting)
 

@@ -182,6 +182,19 @@ PERSISTENT = None
 #: None: a persistent grid of the blocks the device holds at once; a number: at most that many
 #: blocks (tests and sanitizers: several tiles a block at small shapes).
 PERSISTENT_BLOCKS = None
+#: The float ENGINE 3 tiles that also have a 1D and 2D kernel whose samplers keep two steps of
+#: corner loads in flight where they read their warps' corner batches (``loads_ahead``, PLAN 3;
+#: one tile a block, no row phases). The tuner times them beside the rest. H200 (NOTES-gpu.md,
+#: session 58), whole forward, one step / two: B=16 C512 14x14 3xTF32 256x48x16 0.3057 / 0.2894
+#: ms; f+b with the tuner's choice, without / with them: B=16 C512 14x14 strict 0.9346 / 0.9148,
+#: 1D B=16 C256 L4096 strict 1.7078 / 1.6893, TF32 and the other shapes level. Not listed: TF32's
+#: 256x48x32 (0.1783 / 0.1752 at 14x14, its row phases lost), the 3D kernels (32-356 bytes of
+#: spill; B=2 C32 32^3 3xTF32 64x64x32 0.4184 / 0.5953) and the MINB 2 64x64x32 (B=32 C64 16%
+#: slower in 3xTF32, 72% in TF32).
+LOADS_AHEAD_TILES = ((256, 48, 16, 1, 3, 448), (256, 64, 16, 1, 3, 512), (64, 64, 32, 1, 3, 384))
+#: True: the tuner times the LOADS_AHEAD_TILES with two steps of loads in flight too; False: never
+#: (the A/B; part of the tuner's key).
+LOADS_AHEAD = True
 
 
 def module_source() -> str:
@@ -278,14 +291,21 @@ def warp_corner_bytes(ndim: int, tile: tuple, index64: bool) -> int:
 SWIZZLE_ALIGN = 1024
 
 
-def row_phases(dtype, tile: tuple, precision: int, warp_corners: bool) -> bool:
+def loads_ahead_serves(dtype, ndim: int, tile: tuple) -> bool:
+    """Whether ``tile`` has an N-d kernel with two steps of corner loads in flight (PLAN 3:
+    ``LOADS_AHEAD_TILES``, float32, 1D and 2D)."""
+    return np.dtype(dtype) == np.float32 and ndim < 3 and tuple(tile) in LOADS_AHEAD_TILES
+
+
+def row_phases(dtype, tile: tuple, precision: int, warp_corners: bool, loads_ahead: bool = False) -> bool:
     """Whether a forward kernel samples by row phases (cuda/deform_fused.cu, ROW_PHASES): ENGINE 3
     with the sampling warps' corner batches, chunk rows of 128 bytes (BK of 64 half-type or 32
     float32 channels) and not 3xTF32. Each 8-lane phase of a sampling warp then loads one
     position's chunk row, into a sampled tile in wgmma's 128-byte swizzle; its dynamic shared
-    memory starts at the next 1024-byte boundary (``SWIZZLE_ALIGN`` more bytes)."""
+    memory starts at the next 1024-byte boundary (``SWIZZLE_ALIGN`` more bytes). Not with two
+    steps of loads in flight (``loads_ahead``)."""
     return (tile[4] == 3 and bool(warp_corners) and tile[2] * np.dtype(dtype).itemsize == 128
-            and precision != 2)
+            and precision != 2 and not loads_ahead)
 
 
 def smem_bytes(dtype, ndim: int, tile: tuple, depth: int = 0, precision: int = 0, table: int = 0) -> int:
@@ -339,15 +359,17 @@ def name_expressions(dtype, ndim: int, index64: bool, engine: int = 0) -> tuple:
     """Every kernel instantiation of one module (one dtype, one N, one index width, one engine:
     0 mma.sync, built for the device's architecture; 1 and 3 wgmma, built for sm_90a); the 16-byte
     sampler of engines 0, 1 and 3 with and without the sampling plan; ENGINE 3's in persistent
-    blocks too where ``tile_persists`` (32-bit indices)."""
+    blocks too where ``tile_persists`` (32-bit indices), and with two steps of loads in flight
+    (PLAN 3) where ``loads_ahead_serves``."""
     t = _cuda._CTYPES[np.dtype(dtype)]
     i = "long long" if index64 else "int"
     names = [kernel_name(dtype, index64, ndim, prec, tile, uniform, plan, persist)
              for prec in _precisions(dtype) for tile in _tiles(dtype, index64) for uniform in (True, False)
-             for plan in (0, 1, 2) for persist in (False, True)
+             for plan in (0, 1, 2, 3) for persist in (False, True)
              if tile[4] == engine and tile_builds(dtype, ndim, tile, prec)
              and (uniform or tile == _per_channel_tile(dtype, engine))
              and not (plan and (not uniform or engine == 2)) and not (plan == 2 and engine not in (0, 3))
+             and not (plan == 3 and (persist or not loads_ahead_serves(dtype, ndim, tile)))
              and not (persist and (index64 or not uniform or not tile_persists(tile, prec)))]
     names += [f"fused_channels_last<{t}, {i}>", f"fused_channels_last_vectors<{t}, {i}>",
               f"fused_weight_rows<{t}, {i}>", f"fused_weight_tiles<{t}, {i}>",
@@ -637,12 +659,15 @@ class LaunchConfig:
     ``wgmma``: whether the device runs the sm_90a kernels (None: ask the current device).
     ``sampling_plan``: the corners from the chunk's sampling plan (None: the rule,
     ``SAMPLING_PLAN``); ``warp_corners``: from the sampling warps' corner batches (``PLAN`` 2),
-    where asked and they serve (engines 0 and 3, one offset and one mask group, no sampling plan).
+    where asked and they serve (engines 0 and 3, one offset and one mask group, no sampling plan);
+    ``loads_ahead``: with them, two steps of corner loads in flight a sampler (``PLAN`` 3), where
+    asked and the tile has that kernel (``loads_ahead_serves``; one tile a block).
     ``persistent``: ENGINE 3 in persistent blocks (None: the rule, ``PERSISTENT``).
     """
 
     def __init__(self, geom, dtype, allow_tf32: bool, multiprocessors: int = 132, tile=None, wgmma=False,
-                 taps_inner: bool = False, sampling_plan=None, warp_corners: bool = False, persistent=None):
+                 taps_inner: bool = False, sampling_plan=None, warp_corners: bool = False, persistent=None,
+                 loads_ahead: bool = False):
         dtype = np.dtype(dtype)
         if dtype not in _VEC:
             raise ValueError(f"cuda/fused serves float16, bfloat16 and float32, got {dtype}")
@@ -699,6 +724,7 @@ class LaunchConfig:
         # the sampling warps' corner batches instead, where asked and they serve
         self.warp_corners = bool(warp_corners) and not self.sampling_plan and self.uniform and \
             _warp_corners_serve(geom, self.tile)
+        self.loads_ahead = bool(loads_ahead) and self.warp_corners and loads_ahead_serves(dtype, geom.ndim, self.tile)
         self.plan_elems = n * self.Q * plan_entries if self.sampling_plan else 0
         self.m_tiles = -(-self.Cog // bm)
         self.steps = self.K * -(-self.Cg // bk)   # a tile's (tap, channel chunk) steps
@@ -714,7 +740,7 @@ class LaunchConfig:
                              f"(WIDE_SAMPLERS = {WIDE_SAMPLERS} or more) get too few registers for "
                              f"{geom.ndim}-d corners")
         table = warp_corner_bytes(geom.ndim, self.tile, self.index64) if self.warp_corners else 0
-        self.row_phases = row_phases(dtype, self.tile, self.precision, self.warp_corners)
+        self.row_phases = row_phases(dtype, self.tile, self.precision, self.warp_corners, self.loads_ahead)
         self.smem_bytes = (smem_bytes(dtype, geom.ndim, self.tile, self.depth, self.precision, table)
                            + (SWIZZLE_ALIGN if self.row_phases else 0))
         # the weights' re-layout: ENGINE 3 whole tiles of BM rows (one bulk copy each; in 3xTF32
@@ -750,6 +776,7 @@ class LaunchConfig:
                 f"{'16-byte vector' if self.uniform else 'per-channel'} sampling"
                 f"{' from a sampling plan' if self.sampling_plan else ''}"
                 f"{', corners a batch of taps ahead per warp' if self.warp_corners else ''}"
+                f"{', two steps of corner loads in flight' if self.loads_ahead else ''}"
                 f"{' (by row phases, into a swizzled tile)' if self.row_phases else ''}"
                 f"{', persistent blocks' if self.persistent else ''}, "
                 f"taps {'inner' if self.taps_inner else 'outer'}, "
@@ -758,7 +785,8 @@ class LaunchConfig:
     @property
     def can_persist(self) -> bool:
         """Whether this launch has a kernel in persistent blocks (``tile_persists``, 32-bit indices)."""
-        return tile_persists(self.tile, self.precision) and not self.index64 and self.uniform
+        return (tile_persists(self.tile, self.precision) and not self.index64 and self.uniform
+                and not self.loads_ahead)
 
     def fills_more_than_once(self, multiprocessors: int) -> bool:
         """Whether a chunk has more tiles than ``multiprocessors`` hold at once (tile[3] blocks
@@ -794,7 +822,8 @@ class LaunchConfig:
         i = "long long" if self.index64 else "int"
         if name == "forward":
             expr = kernel_name(self.dtype, self.index64, g.ndim, self.precision, self.tile, self.uniform,
-                               2 if self.warp_corners else int(self.sampling_plan), self.persistent)
+                               3 if self.loads_ahead else 2 if self.warp_corners else int(self.sampling_plan),
+                               self.persistent)
             fn = _function(expr, self.dtype, g.ndim, self.index64, self.tile[4])
             # static shared memory (ENGINE 3's mbarriers) counts towards the 48 KiB allowed
             # without the attribute: it is set for any dynamic size
@@ -1050,7 +1079,7 @@ def _time_versus(g, dtype, allow_tf32: bool, config) -> tuple:
     args, out = _random_arguments(g, dtype)
     fused = LaunchConfig(g, dtype, allow_tf32, _multiprocessors(), tile=config.tile, taps_inner=config.taps_inner,
                          sampling_plan=config.sampling_plan, warp_corners=config.warp_corners,
-                         persistent=config.persistent)
+                         persistent=config.persistent, loads_ahead=config.loads_ahead)
     fused_ws = cupy.empty(fused.workspace_bytes, dtype=np.uint8)
     im2col = _cuda._Forward(_cuda._spec(g, dtype, allow_tf32))
     im2col_ws = cupy.empty(im2col.workspace_bytes, dtype=np.uint8)
@@ -1071,48 +1100,53 @@ def plan_config(geom, dtype, allow_tf32: bool) -> LaunchConfig:
     dtype = np.dtype(dtype)
     sms, wgmma = _multiprocessors(), wgmma_available()
     static = LaunchConfig(geom, dtype, allow_tf32, sms, wgmma=wgmma)
-    key = (cupy.cuda.runtime.getDevice(), geom, dtype.str, static.precision)
+    key = (cupy.cuda.runtime.getDevice(), geom, dtype.str, static.precision, LOADS_AHEAD)
     choice = _tuned.get(key)
     if choice is None:
         if not TUNE or _capturing():
             return static
         with private_pool():
             choice = _tuned[key] = _fastest_choice(geom, dtype, allow_tf32, static, sms, wgmma)
-    tile, taps_inner, sampling_plan, warp_corners, persistent = choice
+    tile, taps_inner, sampling_plan, warp_corners, loads_ahead, persistent = choice
     return LaunchConfig(geom, dtype, allow_tf32, sms, tile=tile, taps_inner=taps_inner, sampling_plan=sampling_plan,
-                        warp_corners=warp_corners, persistent=persistent)
+                        warp_corners=warp_corners, persistent=persistent, loads_ahead=loads_ahead)
 
 
 def _fastest_choice(geom, dtype, allow_tf32: bool, static, sms: int, wgmma: bool) -> tuple:
-    """(tile, taps_inner, sampling_plan, warp_corners, persistent) of the candidate whose forward
-    of one batch chunk is fastest: each tile with its threads' own corners, from the sampling plan
-    where it can serve, and from its warps' corner batches where they serve (unless SAMPLING_PLAN
-    forces the plan on or off; with the plan, that chunk may take several of the plan's smaller
-    chunks); in TF32 each in one block a tile and, where it can and the chunk's tiles outnumber
-    the blocks the device holds, in persistent blocks too; in the half types as the rule takes
-    them (``persists_by_rule``; unless PERSISTENT forces them on or off)."""
+    """(tile, taps_inner, sampling_plan, warp_corners, loads_ahead, persistent) of the candidate
+    whose forward of one batch chunk is fastest: each tile with its threads' own corners, from the
+    sampling plan where it can serve, and from its warps' corner batches where they serve, with
+    two steps of loads in flight too where the tile has that kernel and LOADS_AHEAD is on (unless
+    SAMPLING_PLAN forces the plan on or off; with the plan, that chunk may take several of the
+    plan's smaller chunks); in TF32 each in one block a tile and, where it can and the chunk's
+    tiles outnumber the blocks the device holds, in persistent blocks too; in the half types as
+    the rule takes them (``persists_by_rule``; unless PERSISTENT forces them on or off)."""
     g = geom.with_batch(static.chunk)
     args, out = _random_arguments(g, dtype)
     orders = (True, False) if g.kernel_volume > 1 and g.in_channels_per_group > 32 else (True,)
     forced = SAMPLING_PLAN is not None   # forced on: wherever the tile can serve it (LaunchConfig)
-    sources = ((bool(SAMPLING_PLAN), False),) if forced else ((False, False), (True, False), (False, True))
-    choices = [(tile, taps_inner, plan, warp)
+    sources = (((bool(SAMPLING_PLAN), False, False),) if forced else
+               ((False, False, False), (True, False, False), (False, True, False), (False, True, True)))
+    choices = [(tile, taps_inner, plan, warp, ahead)
                for tile in _candidates(geom, dtype, wgmma, static.index64, static.precision)
-               for taps_inner in orders for plan, warp in sources
+               for taps_inner in orders for plan, warp, ahead in sources
                if (not plan or forced or (_uniform(geom, tile) and tile[4] != 2
                                           and plan_segments(geom)[1] <= MAX_PLAN_SEGMENTS))
-               and (not warp or (_uniform(geom, tile) and _warp_corners_serve(geom, tile)))]
+               and (not warp or (_uniform(geom, tile) and _warp_corners_serve(geom, tile)))
+               and (not ahead or (LOADS_AHEAD and loads_ahead_serves(dtype, geom.ndim, tile)))]
     configs, picks = [], []
     # persistent blocks: the rule in the half types (None), both timed in TF32 (PERSISTENT's numbers)
     persistence = (PERSISTENT,) if PERSISTENT is not None else (None,) if static.precision == 0 else (False, True)
-    for tile, taps_inner, plan, warp in choices:
+    for tile, taps_inner, plan, warp, ahead in choices:
         for persistent in persistence:
             config = LaunchConfig(g, dtype, allow_tf32, sms, tile=tile, taps_inner=taps_inner, sampling_plan=plan,
-                                  warp_corners=warp, persistent=persistent)
+                                  warp_corners=warp, persistent=persistent, loads_ahead=ahead)
             if persistent and PERSISTENT is None and not (config.persistent and config.fills_more_than_once(sms)):
                 continue   # (the same grid as without)
+            if ahead and not config.loads_ahead:
+                continue   # (the warps' batches did not serve: the same kernel as without)
             configs.append(config)
-            picks.append((tile, taps_inner, plan, warp, config.persistent))
+            picks.append((tile, taps_inner, plan, warp, config.loads_ahead, config.persistent))
     # 3 rounds of 3 (a pick of one run of gpu.py was 1.5x the best candidate with 2 of 2)
     times = _time_configs(configs, args, out, rounds=3, repeats=3)
     cupy.cuda.get_current_stream().synchronize()
