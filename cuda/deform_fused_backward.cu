@@ -1485,6 +1485,15 @@ __global__ void fused_position_segments(const T* __restrict__ gy, T* __restrict_
 #define DCN_WS_PROMOTE_POSITIONS 64
 #endif
 
+// The warp-specialised weight kernel's samplers keep their corner loads in flight across the
+// stage's stores and barriers: item u of step s + 1 is loaded as soon as item u of step s is
+// blended (its registers free), not when step s + 1 begins. The same values. Defining
+// DCN_WS_LOADS_AHEAD 0 builds the loads at the start of each step (cuda_fused_backward.WS_LOADS_AHEAD,
+// the A/B).
+#ifndef DCN_WS_LOADS_AHEAD
+#define DCN_WS_LOADS_AHEAD 1
+#endif
+
 // The weight gradient warp-specialised on wgmma (sm_90a; fp16, bf16, TF32, 3xTF32): the GEMM, the
 // block mapping, the plan's corners and the partial sums of deform_fused_backward_weight (PLAN),
 // but the block's warps split into roles as in the forward's ENGINE 3. MMA_WGS warpgroups
@@ -1716,7 +1725,26 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
             }
         }
     };
+    // B: the corners of this lane's positions (the plan entries in prow), their vector k of line
+    // item_line(u), into raw[u] and their weights into wts[u]
+    uint4 raw[U][NC];
+    float wts[U][NC];
+    auto load_item = [&](int u) {
+        const int ch = item_line(u) * LINE + k * VEC;   // first channel of the vector in the tile
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const bool read = plan_masks == nullptr || (prow[u][c] >= 0 && pwt[u][c] != 0.0f);
+            const I row = read ? prow[u][c] : zero_row;
+            wts[u][c] = read ? pwt[u][c] * pmask[u] : 0.0f;
+            raw[u][c] = __ldg(reinterpret_cast<const uint4*>(xcl + row * Cp + cabs0 + ch));
+        }
+    };
     fetch_ahead(0);
+    if (DCN_WS_LOADS_AHEAD && steps > 0) {   // step 0's corners, before the loop
+#pragma unroll
+        for (int u = 0; u < U; ++u) load_item(u);
+        fetch_ahead(1);
+    }
     for (int s = 0; s < steps; ++s) {
         const int stage = s % DEPTH;
         if (s >= DEPTH) barrier_sync(empty_barrier(stage), THREADS);
@@ -1729,21 +1757,11 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
                 bulk_copy(a_tile + h * A_PLANE, a_src + ((first_step + s) * SPLIT + h) * out_channels * BK, A_PLANE,
                           a_full + stage);
         }
-        // B: the corners of this lane's positions, their vector k of line item_line(u)
-        uint4 raw[U][NC];
-        float wts[U][NC];
+        if (!DCN_WS_LOADS_AHEAD) {
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int ch = item_line(u) * LINE + k * VEC;   // first channel of the vector in the tile
-#pragma unroll
-            for (int c = 0; c < NC; ++c) {
-                const bool read = plan_masks == nullptr || (prow[u][c] >= 0 && pwt[u][c] != 0.0f);
-                const I row = read ? prow[u][c] : zero_row;
-                wts[u][c] = read ? pwt[u][c] * pmask[u] : 0.0f;
-                raw[u][c] = __ldg(reinterpret_cast<const uint4*>(xcl + row * Cp + cabs0 + ch));
-            }
+            for (int u = 0; u < U; ++u) load_item(u);
+            fetch_ahead(s + 1);
         }
-        fetch_ahead(s + 1);
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             // blend (Sampler's order: corners 0..NC-1), into VEC elements of T as 32-bit words (3xTF32:
@@ -1771,6 +1789,8 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
                     wv[0] = a.x; wv[1] = a.y; wv[2] = a.z; wv[3] = a.w;
                 }
             }
+            // raw[u] blended: step s + 1's corners of item u go in flight before the stores
+            if (DCN_WS_LOADS_AHEAD && s + 1 < steps) load_item(u);
             // element j of the rotated order is channel (j + rot) % VEC of the vector
             const int p = item_quad(u) * 4 + i4;                        // column (position in the step)
             const int row0 = item_line(u) * LINE + k * VEC;             // the vector's first row
@@ -1795,6 +1815,7 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
                 }
             }
         }
+        if (DCN_WS_LOADS_AHEAD) fetch_ahead(s + 2);
         proxy_fence();
         barrier_arrive(full_barrier(stage), THREADS);
     }

@@ -1501,6 +1501,41 @@ def test_warp_specialised_weight_gradient(ndim, precision, rows, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ndim", [1, 2])
+@pytest.mark.parametrize("precision", ["float16", "tf32", "float32"])
+def test_warp_specialised_loads_ahead_same_bits(ndim, precision, monkeypatch):
+    """The warp-specialised weight kernel's samplers loading a step's corners while they store the
+    step before (WS_LOADS_AHEAD) give the bits of loads at each step's start, and the reference's
+    values: the 128-row tile (96 output channels) and the 256-row one (160), 5 splits of a few
+    steps (the last partial), as many splits as steps (one step each), 64-bit indices."""
+    fb = _backward_module()
+    if not fb._fused.wgmma_available():
+        pytest.skip("the warp-specialised weight kernel runs on sm_90a devices")
+    rng = np.random.default_rng(70 + ndim)
+    size = {1: 203, 2: 15}[ndim]
+    for c_out in (96, 160):
+        arrays, params, gy = wide_case(rng, ndim, groups=1, c_in=64, offset_groups=2, mask_groups=1, c_out=c_out,
+                                       batch=4, size=size)
+        for splits, index64 in ((5, False), (10**6, False), (5, True)):
+            label = (c_out, splits, index64)
+            weights = {}
+            for ahead in (False, True):
+                with monkeypatch.context() as m:
+                    m.setattr(fb, "WS_LOADS_AHEAD", ahead)
+                    m.setattr(fb, "weight_splits", lambda tiles, steps, slots: min(splits, steps))
+                    if index64:
+                        m.setattr(fb, "_INT32_SAFE", 16)
+                    got, expected, config = run_gradients(arrays, params, gy, precision, wanted=("weight",),
+                                                          ws_weight=True)
+                assert config.ws_weight and config.index64 == index64, label
+                assert config.weight_tile[0] == (128 if c_out == 96 else 256), label
+                assert config.splits == min(splits, -(-config.chunk * config.Q // config.weight_tile[2])), label
+                check(got, expected, precision, label)
+                weights[ahead] = got["weight"]
+            assert np.array_equal(weights[False], weights[True]), label
+
+
+@pytest.mark.gpu
 def test_warp_specialised_strict_float32_keeps_float32_accuracy_over_long_reductions(monkeypatch):
     """The warp-specialised kernel's 3xTF32 sums its products a run of positions at a time apart
     from the accumulators, so that over 2048 positions in one split its weight gradient keeps

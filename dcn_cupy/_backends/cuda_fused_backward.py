@@ -306,6 +306,11 @@ DETERMINISTIC_IN_PLACE = True
 #: fp16 0.8660 -> 0.8232, 3D strict 2.1358 -> 2.0168 (NOTES-gpu.md, session 55). False: builds the
 #: kernels without (``DCN_DET_FAST_PATH 0``, the A/B; a module of its own).
 DETERMINISTIC_FAST_PATH = True
+#: The warp-specialised weight kernel's samplers load step s + 1's corners of an item as soon as
+#: they have blended step s's (the registers free), so that the loads stay in flight across the
+#: stage's stores and barriers; the same values. False: each step's loads at its start (``DCN_WS_LOADS_AHEAD
+#: 0``, the A/B; a module of its own).
+WS_LOADS_AHEAD = True
 #: Position splits of the weight gradient (partial sums added in a fixed order), at most this
 #: many: ``weight_splits`` picks the count.
 MAX_SPLITS = 64
@@ -314,10 +319,18 @@ _MAX_GRID = 1 << 20
 _ALIGN = 256
 
 
+def _switches() -> tuple:
+    """The module's source switches, part of every module's key."""
+    return (DETERMINISTIC_FAST_PATH, WS_LOADS_AHEAD)
+
+
 def module_source() -> str:
     """``deform_fused_backward.cu`` with its local headers inlined (#line directives kept); without
-    the deterministic scatter's fast path where ``DETERMINISTIC_FAST_PATH`` is off."""
+    the deterministic scatter's fast path where ``DETERMINISTIC_FAST_PATH`` is off, nor the weight
+    samplers' loads ahead where ``WS_LOADS_AHEAD`` is."""
     text = _cuda.module_text(_SOURCE)
+    if not WS_LOADS_AHEAD:
+        text = "#define DCN_WS_LOADS_AHEAD 0\n" + text
     return text if DETERMINISTIC_FAST_PATH else "#define DCN_DET_FAST_PATH 0\n" + text
 
 
@@ -482,9 +495,9 @@ _lock = threading.Lock()
 
 def _function(name: str, dtype, ndim: int, index64: bool):
     """The kernel ``name`` on the current device; its module (the sm_90a one for the warp-specialised
-    weight kernel) is compiled once per device and value of ``DETERMINISTIC_FAST_PATH``."""
+    weight kernel) is compiled once per device and value of the source switches (``_switches``)."""
     device = cupy.cuda.runtime.getDevice()
-    fkey = (device, name, DETERMINISTIC_FAST_PATH)
+    fkey = (device, name, _switches())
     fn = _functions.get(fkey)
     if fn is None:
         with _lock:
@@ -492,7 +505,7 @@ def _function(name: str, dtype, ndim: int, index64: bool):
             if fn is None:
                 sm90a = _is_sm90a(name)
                 names = (ws_name_expressions if sm90a else name_expressions)(dtype, ndim, index64)
-                mkey = (device, names, DETERMINISTIC_FAST_PATH)
+                mkey = (device, names, _switches())
                 module = _modules.get(mkey)
                 if module is None and sm90a:
                     module = _modules[mkey] = _fused._Sm90aModule(names, module_source(), _SOURCE)
