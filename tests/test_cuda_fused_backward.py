@@ -1514,7 +1514,7 @@ def test_warp_specialised_loads_ahead_same_bits(ndim, precision, monkeypatch):
     rng = np.random.default_rng(70 + ndim)
     size = {1: 203, 2: 15}[ndim]
     for c_out in (96, 160):
-        arrays, params, gy = wide_case(rng, ndim, groups=1, c_in=64, offset_groups=2, mask_groups=1, c_out=c_out,
+        arrays, params, gy = wide_case(rng, ndim, groups=1, c_in=128, offset_groups=2, mask_groups=1, c_out=c_out,
                                        batch=4, size=size)
         for splits, index64 in ((5, False), (10**6, False), (5, True)):
             label = (c_out, splits, index64)
