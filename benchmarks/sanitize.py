@@ -341,6 +341,7 @@ def fused_backward_cases(quick: bool = False) -> int:
                 assert np.isfinite(got).all(), (name, case.label)
                 # weight / bias of float32: strict or TF32 GEMMs, within the float32 budget
                 assert relative_error(got, value) < tol[dtype], (name, case.label)
+        return str(p)
 
     for ndim in (2,) if quick else (1, 2, 3):
         for transposed in (False, True):
@@ -373,6 +374,21 @@ def fused_backward_cases(quick: bool = False) -> int:
     for dtype, key, tf32 in precisions:
         run(case, dtype, tf32, fb.TILES[key][0], fb._weight_tiles(dtype, 1, fb._fused.precision_of(dtype, tf32))[-1])
         count += 1
+    # the warp-specialised weight kernel (forced) in persistent blocks: a grid of 2, each block
+    # running its units (tile and split) through one ring; 64 channels a group (its tile's); not
+    # tuned, so that no timing hands the weight gradient to cuda/im2col
+    saved = fb.WS_WEIGHT, fb.WS_PERSISTENT, fb.WS_PERSISTENT_BLOCKS, fb._fused.TUNE
+    try:
+        fb.WS_WEIGHT, fb.WS_PERSISTENT, fb.WS_PERSISTENT_BLOCKS, fb._fused.TUNE = True, True, 2, False
+        if fb._fused.wgmma_available():
+            for ndim in (1, 2):
+                many = random_case(np.random.default_rng(1998), ndim, False, batch=12, channels_scale=64)
+                for dtype, tf32 in ((np.float16, False), (np.float32, True), (np.float32, False)):
+                    description = run(many, dtype, tf32)
+                    assert "warp-specialised wgmma" in description and "persistent blocks" in description, description
+                    count += 1
+    finally:
+        fb.WS_WEIGHT, fb.WS_PERSISTENT, fb.WS_PERSISTENT_BLOCKS, fb._fused.TUNE = saved
     if quick:
         return count
     limit, safe = fb._fused.WORKSPACE_LIMIT_BYTES, fb._INT32_SAFE

@@ -1532,7 +1532,7 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
                                 const float* __restrict__ plan_masks, float* __restrict__ part, const Geom<N> g,
                                 const int batch, const int channels, const int Cp, const int out_channels,
                                 const int groups, const int seg_len, const int steps_per_split,
-                                const int accumulate) {
+                                const int accumulate, const int units) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace fused;
     start_after_prerequisites();
@@ -1584,12 +1584,21 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
     const int Cog = out_channels / groups;
     const int n_tiles = Cg / BN;
     const int m_tiles = (Cog + BM - 1) / BM;
-    const fused_bwd::WeightBlock blk = fused_bwd::weight_block<I>(blockIdx.x, n_tiles, m_tiles, groups, K, BM, BN);
-    const int n0 = blk.n0, m0 = blk.m0, grp = blk.grp, t = blk.t, split = blk.split;
-    const I first_step = (I)split * steps_per_split;  // the split's first segment of BK positions
     const I total_steps = (BQ + BK - 1) / BK;
-    const I left = total_steps - first_step;
-    const int steps = left <= 0 ? 0 : (int)(left < steps_per_split ? left : steps_per_split);
+    // The block's units (tile and split): blockIdx.x, blockIdx.x + gridDim.x, ... below `units`
+    // (one where the grid has a block a unit; persistent blocks, cuda_fused_backward.WS_PERSISTENT,
+    // several). They run through one ring, their steps counted on from one unit to the next (the
+    // block's step g in stage g % DEPTH), so that the samplers fill the next unit's stages while
+    // the MMA warpgroups finish a unit and store it.
+    fused_bwd::WeightBlock blk;
+    I first_step;   // the unit's split's first segment of BK positions
+    int steps;      // and its count of them
+    auto enter_unit = [&](I unit) {
+        blk = fused_bwd::weight_block<I>(unit, n_tiles, m_tiles, groups, K, BM, BN);
+        first_step = (I)blk.split * steps_per_split;
+        const I left = total_steps - first_step;
+        steps = left <= 0 ? 0 : (int)(left < steps_per_split ? left : steps_per_split);
+    };
 
     if (tid == 0) {
 #pragma unroll
@@ -1600,9 +1609,13 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
 
     // Registers: the launch gives every thread LAUNCH_REGS (65536 / THREADS: one block an SM); the
     // MMA warpgroups take MMA_REGS (their accumulators, descriptors and addresses) and the
-    // samplers the rest, each side giving back or taking what the other leaves.
+    // samplers the rest, each side giving back or taking what the other leaves: 32 registers above
+    // the accumulators, but 24 in the 256-row 3xTF32 tile, whose 256 samplers need the 8 more for
+    // their unit loop (ptxas, sm_90a, 2D 32-bit: 24 bytes of spill at 96, none at 104; at 24 the
+    // other tiles' MMA warpgroups spill).
     constexpr int LAUNCH_REGS = (65536 / THREADS > 255 ? 255 : 65536 / THREADS) / 8 * 8;
-    constexpr int MMA_REGS = (NACC * MI * SPLIT + 32 + 7) / 8 * 8;   // (3xTF32: d and p)
+    constexpr int MMA_MARGIN = SPLIT == 2 && MMA_WGS == 2 ? 24 : 32;
+    constexpr int MMA_REGS = (NACC * MI * SPLIT + MMA_MARGIN + 7) / 8 * 8;   // (3xTF32: d and p)
     constexpr int SAMPLER_LEFT = (LAUNCH_REGS * THREADS - MMA_REGS * MMA_THREADS) / SAMPLERS / 8 * 8;
     constexpr int SAMPLER_REGS = SAMPLER_LEFT > 256 ? 256 : SAMPLER_LEFT;
     static_assert(SAMPLER_REGS >= 56, "registers: the samplers' corners");
@@ -1611,82 +1624,99 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
         if constexpr (MMA_REGS < LAUNCH_REGS) setmaxnreg_dec<MMA_REGS>();
         if constexpr (MMA_REGS > LAUNCH_REGS) setmaxnreg_inc<MMA_REGS>();
         const int wg = warp >> 2;
-        float d[MI][NACC];
-#pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-            for (int i = 0; i < NACC; ++i) d[mi][i] = 0.0f;
         // (128-byte swizzle, K-major: 8-row groups 1024 bytes apart; a k step is the next
         // KSTEP elements of each row, the hardware applying the swizzle to the address)
         const unsigned long long a_desc0 = wgmma_descriptor(ring + wg * WG_ROWS * ROW, 16, 1024) | (1ull << 62);
         const unsigned long long b_desc0 = wgmma_descriptor(ring + A_BYTES, 16, 1024) | (1ull << 62);
-        float p[MI][NACC];   // 3xTF32's run of products (unused, so allocated no registers, otherwise)
-        for (int s = 0; s < steps; ++s) {
-            const int stage = s % DEPTH;
-            barrier_sync(full_barrier(stage), THREADS);
-            mbarrier_wait(a_full + stage, (unsigned)(s / DEPTH) & 1u);
-            float (&acc)[MI][NACC] = SPLIT == 2 ? p : d;
-            const bool fresh = SPLIT == 2 && s % PROMOTE_STEPS == 0;   // the run's first step overwrites p
-            register_fence(acc);
-            wgmma_fence();
-#pragma unroll
-            for (int ks = 0; ks < BK / KSTEP; ++ks) {
-                const unsigned long long db = wgmma_descriptor_at(b_desc0, stage * STAGE_BYTES + ks * KSTEP * sizeof(T));
-#pragma unroll
-                for (int mi = 0; mi < MI; ++mi) {
-                    const unsigned long long da =
-                        wgmma_descriptor_at(a_desc0, stage * STAGE_BYTES + mi * 64 * ROW + ks * KSTEP * sizeof(T));
-                    if constexpr (SPLIT == 2) {
-                        Wgmma<T, BN>::run(acc[mi], wgmma_descriptor_at(da, A_PLANE), db, fresh && ks == 0 ? 0 : 1);
-                        Wgmma<T, BN>::run(acc[mi], da, wgmma_descriptor_at(db, B_PLANE));
-                        Wgmma<T, BN>::run(acc[mi], da, db);
-                    } else {
-                        Wgmma<T, BN>::run(acc[mi], da, db);
-                    }
-                }
-            }
-            wgmma_commit();
-            register_fence(acc);
-            if (SPLIT == 2 && (s % PROMOTE_STEPS == PROMOTE_STEPS - 1 || s == steps - 1)) {
-                // the run's products complete: into the accumulators in float32
-                wgmma_wait_all();
-                register_fence(p);
-#pragma unroll
-                for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-                    for (int i = 0; i < NACC; ++i) d[mi][i] += p[mi][i];
-            } else {
-                // step s - 1's wgmmas have read their stage
-                wgmma_wait_pending<1>();
-            }
-            // free step s - 1's stage where the samplers will refill it
-            if (s >= 1 && s - 1 + DEPTH < steps) barrier_arrive(empty_barrier((s - 1) % DEPTH), THREADS);
+        // the block's steps, all units (a stage freed only where the samplers will refill it)
+        int block_steps = 0;
+        for (I unit = blockIdx.x; unit < units; unit += gridDim.x) {
+            enter_unit(unit);
+            block_steps += steps;
         }
-        wgmma_wait_all();
-        register_fence(d);
-        // Epilogue: d[mi][4j + 2h + e] is output channel 64 mi + 16 (warp % 4) + lane / 4 + 8 h of
-        // the warpgroup's rows, input channel 8 j + 2 (lane % 4) + e of the tile: float2 stores
-        // (Cg and the channel even).
-        const int gq = lane >> 2, tq = lane & 3;
+        float d[MI][NACC];
+        float p[MI][NACC];   // 3xTF32's run of products (unused, so allocated no registers, otherwise)
+        int u0 = 0;          // the block's step of the unit's first
+        for (I unit = blockIdx.x; unit < units; unit += gridDim.x) {
+            enter_unit(unit);
+            // (p too: its last value dead during the epilogue, not carried into the next unit)
 #pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
+            for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int o = m0 + wg * WG_ROWS + mi * 64 + (warp & 3) * 16 + gq + h * 8;
-                if (o >= Cog) continue;
-                float* const row = part + (((I)split * out_channels + grp * Cog + o) * K + t) * Cg + n0 + 2 * tq;
+                for (int i = 0; i < NACC; ++i) d[mi][i] = p[mi][i] = 0.0f;
+            for (int s = 0; s < steps; ++s) {
+                const int g = u0 + s;
+                const int stage = g % DEPTH;
+                barrier_sync(full_barrier(stage), THREADS);
+                mbarrier_wait(a_full + stage, (unsigned)(g / DEPTH) & 1u);
+                float (&acc)[MI][NACC] = SPLIT == 2 ? p : d;
+                const bool fresh = SPLIT == 2 && s % PROMOTE_STEPS == 0;   // the run's first step overwrites p
+                register_fence(acc);
+                wgmma_fence();
 #pragma unroll
-                for (int j = 0; j < BN / 8; ++j) {
-                    float2* const at = reinterpret_cast<float2*>(row + 8 * j);
-                    float2 v = make_float2(d[mi][4 * j + 2 * h], d[mi][4 * j + 2 * h + 1]);
-                    if (accumulate) {
-                        const float2 old = *at;
-                        v.x += old.x;
-                        v.y += old.y;
+                for (int ks = 0; ks < BK / KSTEP; ++ks) {
+                    const unsigned long long db = wgmma_descriptor_at(b_desc0, stage * STAGE_BYTES + ks * KSTEP * sizeof(T));
+#pragma unroll
+                    for (int mi = 0; mi < MI; ++mi) {
+                        const unsigned long long da =
+                            wgmma_descriptor_at(a_desc0, stage * STAGE_BYTES + mi * 64 * ROW + ks * KSTEP * sizeof(T));
+                        if constexpr (SPLIT == 2) {
+                            Wgmma<T, BN>::run(acc[mi], wgmma_descriptor_at(da, A_PLANE), db, fresh && ks == 0 ? 0 : 1);
+                            Wgmma<T, BN>::run(acc[mi], da, wgmma_descriptor_at(db, B_PLANE));
+                            Wgmma<T, BN>::run(acc[mi], da, db);
+                        } else {
+                            Wgmma<T, BN>::run(acc[mi], da, db);
+                        }
                     }
-                    *at = v;
                 }
+                wgmma_commit();
+                register_fence(acc);
+                if (SPLIT == 2 && (s % PROMOTE_STEPS == PROMOTE_STEPS - 1 || s == steps - 1)) {
+                    // the run's products complete: into the accumulators in float32
+                    wgmma_wait_all();
+                    register_fence(p);
+#pragma unroll
+                    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                        for (int i = 0; i < NACC; ++i) d[mi][i] += p[mi][i];
+                } else {
+                    // step s - 1's wgmmas have read their stage
+                    wgmma_wait_pending<1>();
+                }
+                // free step g - 1's stage where the samplers will refill it
+                if (s >= 1 && g - 1 + DEPTH < block_steps) barrier_arrive(empty_barrier((g - 1) % DEPTH), THREADS);
             }
+            wgmma_wait_all();
+            register_fence(d);
+            u0 += steps;
+            // (the unit's last stage)
+            if (steps > 0 && u0 - 1 + DEPTH < block_steps) barrier_arrive(empty_barrier((u0 - 1) % DEPTH), THREADS);
+            enter_unit(unit);   // (again: its tile not held in registers through the steps)
+            // Epilogue: d[mi][4j + 2h + e] is output channel 64 mi + 16 (warp % 4) + lane / 4 + 8 h of
+            // the warpgroup's rows, input channel 8 j + 2 (lane % 4) + e of the tile: float2 stores
+            // (Cg and the channel even).
+            const int gq = lane >> 2, tq = lane & 3;
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int o = blk.m0 + wg * WG_ROWS + mi * 64 + (warp & 3) * 16 + gq + h * 8;
+                    if (o >= Cog) continue;
+                    float* const row =
+                        part + (((I)blk.split * out_channels + blk.grp * Cog + o) * K + blk.t) * Cg + blk.n0 + 2 * tq;
+#pragma unroll
+                    for (int j = 0; j < BN / 8; ++j) {
+                        float2* const at = reinterpret_cast<float2*>(row + 8 * j);
+                        float2 v = make_float2(d[mi][4 * j + 2 * h], d[mi][4 * j + 2 * h + 1]);
+                        if (accumulate) {
+                            const float2 old = *at;
+                            v.x += old.x;
+                            v.y += old.y;
+                        }
+                        *at = v;
+                    }
+                }
+        }
         return;
     }
 
@@ -1699,11 +1729,12 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
     const int i4 = lane & 3;       // its position within the item's 4
     // The rotation of its vector's element stores (the rows 8 apart share banks)
     const int rot = sizeof(T) == 2 ? k : (k >> 1);
-    // Its plan segment: every channel of the tile lies in the first one's (the host's rule)
-    const int cabs0 = grp * Cg + n0;
-    const I plan_first = ((I)(cabs0 / seg_len) * K + t) * BQ;
-    // The A tiles: BM rows from row grp * Cog + m0 of each segment of gys
-    const T* const a_src = gys + (I)(grp * Cog + m0) * BK;
+    // The unit's tile: its first channel, whose plan segment holds every channel of the tile (the
+    // host's rule), that segment's plan entries for the tap, and the tile's A rows: BM rows from
+    // row grp * Cog + m0 of each segment of gys
+    int cabs0;
+    I plan_first;
+    const T* a_src;
     // The plan entries of this lane's positions in the next step, fetched a step ahead.
     I prow[U][NC];
     float pwt[U][NC];
@@ -1739,85 +1770,95 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
             raw[u][c] = __ldg(reinterpret_cast<const uint4*>(xcl + row * Cp + cabs0 + ch));
         }
     };
-    fetch_ahead(0);
-    if (DCN_WS_LOADS_AHEAD && steps > 0) {   // step 0's corners, before the loop
-#pragma unroll
-        for (int u = 0; u < U; ++u) load_item(u);
-        fetch_ahead(1);
-    }
-    for (int s = 0; s < steps; ++s) {
-        const int stage = s % DEPTH;
-        if (s >= DEPTH) barrier_sync(empty_barrier(stage), THREADS);
-        unsigned char* const a_tile = ring + stage * STAGE_BYTES;
-        unsigned char* const b_tile = a_tile + A_BYTES;
-        if (stid == 0) {   // A: one bulk copy a plane, completing on the stage's mbarrier
-            mbarrier_expect(a_full + stage, A_BYTES);
-#pragma unroll
-            for (int h = 0; h < SPLIT; ++h)
-                bulk_copy(a_tile + h * A_PLANE, a_src + ((first_step + s) * SPLIT + h) * out_channels * BK, A_PLANE,
-                          a_full + stage);
-        }
-        if (!DCN_WS_LOADS_AHEAD) {
+    int u0 = 0;   // the block's step of the unit's first
+    for (I unit = blockIdx.x; unit < units; unit += gridDim.x) {
+        enter_unit(unit);
+        if (steps == 0) continue;
+        cabs0 = blk.grp * Cg + blk.n0;
+        plan_first = ((I)(cabs0 / seg_len) * K + blk.t) * BQ;
+        a_src = gys + (I)(blk.grp * Cog + blk.m0) * BK;
+        fetch_ahead(0);
+        if (DCN_WS_LOADS_AHEAD) {   // step 0's corners, before the loop
 #pragma unroll
             for (int u = 0; u < U; ++u) load_item(u);
-            fetch_ahead(s + 1);
+            fetch_ahead(1);
         }
+        for (int s = 0; s < steps; ++s) {
+            const int g = u0 + s;
+            const int stage = g % DEPTH;
+            if (g >= DEPTH) barrier_sync(empty_barrier(stage), THREADS);
+            unsigned char* const a_tile = ring + stage * STAGE_BYTES;
+            unsigned char* const b_tile = a_tile + A_BYTES;
+            if (stid == 0) {   // A: one bulk copy a plane, completing on the stage's mbarrier
+                mbarrier_expect(a_full + stage, A_BYTES);
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            // blend (Sampler's order: corners 0..NC-1), into VEC elements of T as 32-bit words (3xTF32:
-            // the big parts wv, the small ones ws)
-            unsigned wv[4], ws[4];
-            if constexpr (Packed<T>::value) {
-                uint4 a = make_uint4(0u, 0u, 0u, 0u);
+                for (int h = 0; h < SPLIT; ++h)
+                    bulk_copy(a_tile + h * A_PLANE, a_src + ((first_step + s) * SPLIT + h) * out_channels * BK, A_PLANE,
+                              a_full + stage);
+            }
+            if (!DCN_WS_LOADS_AHEAD) {
 #pragma unroll
-                for (int c = 0; c < NC; ++c) Packed<T>::fma(a, Packed<T>::weight(wts[u][c]), raw[u][c]);
-                wv[0] = a.x; wv[1] = a.y; wv[2] = a.z; wv[3] = a.w;
-            } else {
-                float acc[VEC];
+                for (int u = 0; u < U; ++u) load_item(u);
+                fetch_ahead(s + 1);
+            }
 #pragma unroll
-                for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+            for (int u = 0; u < U; ++u) {
+                // blend (Sampler's order: corners 0..NC-1), into VEC elements of T as 32-bit words (3xTF32:
+                // the big parts wv, the small ones ws)
+                unsigned wv[4], ws[4];
+                if constexpr (Packed<T>::value) {
+                    uint4 a = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-                for (int c = 0; c < NC; ++c) Vec<T>::add(acc, wts[u][c], raw[u][c]);
-                if constexpr (SPLIT == 2) {
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) split_tf32(acc[j], wv[j], ws[j]);
-                } else if constexpr (sizeof(T) == 4) {
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) wv[j] = to_tf32(acc[j]);
-                } else {
-                    const uint4 a = Vec<T>::pack(acc);
+                    for (int c = 0; c < NC; ++c) Packed<T>::fma(a, Packed<T>::weight(wts[u][c]), raw[u][c]);
                     wv[0] = a.x; wv[1] = a.y; wv[2] = a.z; wv[3] = a.w;
-                }
-            }
-            // raw[u] blended: step s + 1's corners of item u go in flight before the stores
-            if (DCN_WS_LOADS_AHEAD && s + 1 < steps) load_item(u);
-            // element j of the rotated order is channel (j + rot) % VEC of the vector
-            const int p = item_quad(u) * 4 + i4;                        // column (position in the step)
-            const int row0 = item_line(u) * LINE + k * VEC;             // the vector's first row
-            const int chunk = (p * (int)sizeof(T)) >> 4, within = (p * (int)sizeof(T)) & 15;
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                const int jj = (j + rot) & (VEC - 1);
-                const int r = row0 + jj;
-                unsigned char* const at = b_tile + r * ROW + ((chunk ^ (r & 7)) << 4) + within;
-                if constexpr (sizeof(T) == 4) {
-                    const unsigned lo = (jj & 1) ? wv[1] : wv[0], hi = (jj & 1) ? wv[3] : wv[2];
-                    *reinterpret_cast<unsigned*>(at) = (jj & 2) ? hi : lo;
-                    if constexpr (SPLIT == 2) {
-                        const unsigned slo = (jj & 1) ? ws[1] : ws[0], shi = (jj & 1) ? ws[3] : ws[2];
-                        *reinterpret_cast<unsigned*>(at + B_PLANE) = (jj & 2) ? shi : slo;
-                    }
                 } else {
-                    const int w = jj >> 1;
-                    const unsigned lo = (w & 1) ? wv[1] : wv[0], hi = (w & 1) ? wv[3] : wv[2];
-                    const unsigned word = (w & 2) ? hi : lo;
-                    *reinterpret_cast<unsigned short*>(at) = (unsigned short)((jj & 1) ? word >> 16 : word);
+                    float acc[VEC];
+#pragma unroll
+                    for (int j = 0; j < VEC; ++j) acc[j] = 0.0f;
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) Vec<T>::add(acc, wts[u][c], raw[u][c]);
+                    if constexpr (SPLIT == 2) {
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) split_tf32(acc[j], wv[j], ws[j]);
+                    } else if constexpr (sizeof(T) == 4) {
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) wv[j] = to_tf32(acc[j]);
+                    } else {
+                        const uint4 a = Vec<T>::pack(acc);
+                        wv[0] = a.x; wv[1] = a.y; wv[2] = a.z; wv[3] = a.w;
+                    }
+                }
+                // raw[u] blended: step s + 1's corners of item u go in flight before the stores
+                if (DCN_WS_LOADS_AHEAD && s + 1 < steps) load_item(u);
+                // element j of the rotated order is channel (j + rot) % VEC of the vector
+                const int p = item_quad(u) * 4 + i4;                        // column (position in the step)
+                const int row0 = item_line(u) * LINE + k * VEC;             // the vector's first row
+                const int chunk = (p * (int)sizeof(T)) >> 4, within = (p * (int)sizeof(T)) & 15;
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) {
+                    const int jj = (j + rot) & (VEC - 1);
+                    const int r = row0 + jj;
+                    unsigned char* const at = b_tile + r * ROW + ((chunk ^ (r & 7)) << 4) + within;
+                    if constexpr (sizeof(T) == 4) {
+                        const unsigned lo = (jj & 1) ? wv[1] : wv[0], hi = (jj & 1) ? wv[3] : wv[2];
+                        *reinterpret_cast<unsigned*>(at) = (jj & 2) ? hi : lo;
+                        if constexpr (SPLIT == 2) {
+                            const unsigned slo = (jj & 1) ? ws[1] : ws[0], shi = (jj & 1) ? ws[3] : ws[2];
+                            *reinterpret_cast<unsigned*>(at + B_PLANE) = (jj & 2) ? shi : slo;
+                        }
+                    } else {
+                        const int w = jj >> 1;
+                        const unsigned lo = (w & 1) ? wv[1] : wv[0], hi = (w & 1) ? wv[3] : wv[2];
+                        const unsigned word = (w & 2) ? hi : lo;
+                        *reinterpret_cast<unsigned short*>(at) = (unsigned short)((jj & 1) ? word >> 16 : word);
+                    }
                 }
             }
+            if (DCN_WS_LOADS_AHEAD) fetch_ahead(s + 2);
+            proxy_fence();
+            barrier_arrive(full_barrier(stage), THREADS);
         }
-        if (DCN_WS_LOADS_AHEAD) fetch_ahead(s + 2);
-        proxy_fence();
-        barrier_arrive(full_barrier(stage), THREADS);
+        u0 += steps;
     }
 #endif
 }

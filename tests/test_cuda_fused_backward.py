@@ -1536,6 +1536,55 @@ def test_warp_specialised_loads_ahead_same_bits(ndim, precision, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ndim", [1, 2])
+@pytest.mark.parametrize("precision", ["float16", "tf32", "float32"])
+def test_warp_specialised_persistent_blocks_same_bits(ndim, precision, monkeypatch):
+    """The warp-specialised weight kernel in persistent blocks (WS_PERSISTENT: several units, tile
+    and split, a block through one ring) gives the bits of a block a unit, and the reference's
+    values: the 128-row tile (96 output channels) and the 256-row one (160); 5 splits on 3 blocks;
+    splits of no steps (as many splits as steps less one: two steps each, the last splits empty)
+    on 2 blocks; 64-bit indices on 7 blocks; chunks of one sample (the units add to the partial
+    sums) on 5 blocks."""
+    fb = _backward_module()
+    if not fb._fused.wgmma_available():
+        pytest.skip("the warp-specialised weight kernel runs on sm_90a devices")
+    rng = np.random.default_rng(80 + ndim)
+    size = {1: 203, 2: 15}[ndim]
+    geometry = dict(stride=(1,) * ndim, padding=(1,) * ndim, dilation=(1,) * ndim)   # 4 steps or more a sample
+    cases = (("5 splits", 3, lambda steps: min(5, steps)), ("empty splits", 2, lambda steps: max(1, steps - 1)),
+             ("64-bit", 7, lambda steps: min(5, steps)), ("chunks", 5, lambda steps: min(3, steps)))
+    for c_out in (96, 160):
+        arrays, params, gy = wide_case(rng, ndim, groups=1, c_in=128, offset_groups=2, mask_groups=1, c_out=c_out,
+                                       batch=4, size=size, **geometry)
+        for name, blocks, splits in cases:
+            label = (c_out, name)
+            weights = {}
+            for persistent in (False, True):
+                with monkeypatch.context() as m:
+                    m.setattr(fb, "WS_PERSISTENT", persistent)
+                    m.setattr(fb, "WS_PERSISTENT_BLOCKS", blocks)
+                    m.setattr(fb, "weight_splits", lambda tiles, steps, slots: splits(steps))
+                    if name == "64-bit":
+                        m.setattr(fb, "_INT32_SAFE", 16)
+                    if name == "chunks":
+                        m.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", 1)
+                    got, expected, config = run_gradients(arrays, params, gy, precision, wanted=("weight",),
+                                                          ws_weight=True)
+                units = config.splits * config.weight_tiles
+                assert config.ws_weight and config.index64 == (name == "64-bit"), label
+                assert config.weight_tile[0] == (128 if c_out == 96 else 256), label
+                assert config.chunk == (1 if name == "chunks" else 4), label
+                assert config.weight_grid == (min(blocks, units) if persistent else units), label
+                assert (units > blocks * 2) and (("persistent blocks" in config.description) == persistent), label
+                if name == "empty splits":   # (splits past the steps' end: units of no steps)
+                    assert config.splits * config.weight_steps(config.chunk) >= -(-config.chunk * config.Q //
+                                                                                 config.weight_tile[2]) + 2, label
+                check(got, expected, precision, label)
+                weights[persistent] = got["weight"]
+            assert np.array_equal(weights[False], weights[True]), label
+
+
+@pytest.mark.gpu
 def test_warp_specialised_strict_float32_keeps_float32_accuracy_over_long_reductions(monkeypatch):
     """The warp-specialised kernel's 3xTF32 sums its products a run of positions at a time apart
     from the accumulators, so that over 2048 positions in one split its weight gradient keeps

@@ -38,7 +38,9 @@ reduction):
   Taken where it serves (:func:`ws_weight_unsupported`) and C_out/groups fills its 256 rows, or
   half of them in strict float32 and in 2D (``WS_MIN_ROWS``; measured faster there, slower at
   C_out 64); its tile then has 128 rows (one MMA warpgroup) where they hold C_out/groups
-  (``WS_NARROW_ROWS``).
+  (``WS_NARROW_ROWS``). Where its units (tile and split) outnumber the multiprocessors it runs in
+  persistent blocks, one an SM, each unit's stages filled while the unit before is stored
+  (``WS_PERSISTENT``).
 
 Deterministic plans (``deterministic=True``) run the data kernel's ``DET`` instantiation: the input
 gradient is added in 64-bit fixed point (``cuda/fixed_point.cuh``, the exponents from bounds
@@ -311,6 +313,18 @@ DETERMINISTIC_FAST_PATH = True
 #: stage's stores and barriers; the same values. False: each step's loads at its start (``DCN_WS_LOADS_AHEAD
 #: 0``, the A/B; a module of its own).
 WS_LOADS_AHEAD = True
+#: The warp-specialised weight kernel in persistent blocks: a grid of one block a multiprocessor
+#: (the kernel's registers hold one block an SM), each computing units (tile and split)
+#: blockIdx.x, blockIdx.x + gridDim.x, ... through one ring, so that its samplers fill the next
+#: unit's stages while its MMA warpgroups finish a unit and store it. The same kernel, the same
+#: values. H200, f+b, a block a unit -> persistent (NOTES-gpu.md, session 60): B=16 C512 14x14
+#: strict 0.9029 -> 0.8914 ms, B=8 C256 56x56 strict 1.8459 -> 1.8303; TF32, fp16 and the 2D
+#: transposed strict level (0.997-1.002); 1D level, its 132 units one wave. False: a block a unit
+#: (the A/B).
+WS_PERSISTENT = True
+#: None: one persistent block a multiprocessor; a number: at most that many blocks (tests and
+#: sanitizers: several units a block at small shapes).
+WS_PERSISTENT_BLOCKS = None
 #: Position splits of the weight gradient (partial sums added in a fixed order), at most this
 #: many: ``weight_splits`` picks the count.
 MAX_SPLITS = 64
@@ -840,6 +854,12 @@ class BackwardConfig:
         gy_planes = planes if self.ws_weight else 1   # (its segments: 3xTF32's big and small parts)
         self.weight_tiles = self.K * G * -(-self.Cog // wbm) * -(-self.Cg // wbn)
         self.splits = weight_splits(self.weight_tiles, -(-n * self.Q // wbk), self.weight_tile[3] * multiprocessors)
+        # the weight kernel's grid: a block a unit (tile and split), or persistent blocks
+        units = self.splits * self.weight_tiles
+        self.weight_grid = units
+        if self.ws_weight and WS_PERSISTENT:
+            cap = multiprocessors if WS_PERSISTENT_BLOCKS is None else int(WS_PERSISTENT_BLOCKS)
+            self.weight_grid = max(1, min(units, cap))
         det = self.deterministic
         sizes = {
             "xcl": ((n * self.S + 1) * self.Cp, dtype), "gycl": ((n * self.Q + 1) * self.gy_row, dtype),
@@ -897,7 +917,9 @@ class BackwardConfig:
         bm, bn, bk, _ = self.tile
         plan = (", the data gradients' plan" if self.plan_shared else
                 ", a sampling plan per chunk" if self.sampling_plan else "")
-        ws = f"warp-specialised wgmma, {self.weight_tile[0]} rows, " if self.ws_weight else ""
+        ws = (f"warp-specialised wgmma, {self.weight_tile[0]} rows, "
+              f"{'persistent blocks, ' if self.weight_grid < self.splits * self.weight_tiles else ''}"
+              if self.ws_weight else "")
         weight = (f"weight gradient fused ({ws}{self.splits} position splits, fixed-order sum{plan})"
                   if self.fused_weight else "weight gradient through cuda/im2col")
         data_plan = " from a plan per chunk" if self.gradient_plan else ""
@@ -1160,14 +1182,15 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
             if config.ws_weight:
                 args = (u64(view["gyr"]), u64(view["xcl"]), plan_rows, plan_weights, plan_masks, u64(view["part"]),
                         config.struct, i32(n), i32(g.in_channels), i32(config.Cp), i32(g.out_channels),
-                        i32(g.groups), i32(config.seg_len), i32(config.weight_steps(n)), i32(start > 0))
+                        i32(g.groups), i32(config.seg_len), i32(config.weight_steps(n)), i32(start > 0),
+                        i32(config.splits * config.weight_tiles))
             else:
                 args = (u64(view["gyr"]), u64(view["xcl"]), off_n, msk_n, plan_rows, plan_weights, plan_masks,
                         u64(view["part"]), config.struct, i32(n), i32(g.in_channels), i32(config.Cp),
                         i32(g.out_channels), i32(g.groups), i32(config.Go), i32(config.Gm), i32(config.seg_len),
                         index(pp), index(off_bs), index(msk_bs), i32(config.splits), i32(config.weight_steps(n)),
                         i32(start > 0))
-            ops.append(op(kernel("weight"), (config.splits * config.weight_tiles,), (config.weight_threads,), args,
+            ops.append(op(kernel("weight"), (config.weight_grid,), (config.weight_threads,), args,
                           config.weight_smem_bytes))
     if gw:
         ops.append(op(kernel("fused_weight_sum"), grid(g.out_channels * config.Cg * config.K), (_THREADS,), (
