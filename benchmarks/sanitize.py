@@ -19,8 +19,9 @@ without the sampling plan, every precision, N = 1, 2, 3, poisoned offsets, parti
 one-sample chunks and the 64-bit instantiation, checked against the reference; then the fused
 backward (cuda/fused-backward, ``fused_backward_cases``: every gradient of conv and transposed
 conv, every data and weight tile, the weight gradient with and without its sampling plan,
-deterministic plans (the fixed-point scatter), one-sample chunks, 64-bit indices). ``--fused-only`` runs just the fused cases (for
-racecheck; ``--fused-quick`` fewer of them); ``--columns-only`` just cuda/im2col's channels-last
+deterministic plans (the fixed-point scatter), the warp-specialised weight kernel in persistent
+blocks, one-sample chunks, 64-bit indices). ``--fused-only`` runs just the fused cases (for
+racecheck; ``--fused-quick`` fewer of them; ``--fused-persistent`` the persistent weight kernel's); ``--columns-only`` just cuda/im2col's channels-last
 column sampler (half types and float32, 1D/2D/3D, channels per group multiples of 8, its block
 shapes: conv and transposed, poisoned offsets, one-sample chunks, 64-bit); ``--robustness-only`` just the degenerate-shape
 and non-finite cases.
@@ -295,7 +296,7 @@ def fused_cases(quick: bool = False) -> int:
     return count
 
 
-def fused_backward_cases(quick: bool = False) -> int:
+def fused_backward_cases(quick: bool = False, persistent_only: bool = False) -> int:
     """cuda/fused-backward (forced through plans): every gradient of conv and transposed conv
     (its forward is this backward's input gradient), N = 1, 2, 3, every precision, poisoned
     offsets; the weight gradient with and without its sampling plan; deterministic plans; every
@@ -343,6 +344,28 @@ def fused_backward_cases(quick: bool = False) -> int:
                 assert relative_error(got, value) < tol[dtype], (name, case.label)
         return str(p)
 
+    def persistent_cases():
+        # the warp-specialised weight kernel (forced) in persistent blocks: a grid of 2, each
+        # block running its units (tile and split) through one ring; 64 channels a group (its
+        # tile's); not tuned, so that no timing hands the weight gradient to cuda/im2col
+        count = 0
+        saved = fb.WS_WEIGHT, fb.WS_PERSISTENT, fb.WS_PERSISTENT_BLOCKS, fb._fused.TUNE
+        try:
+            fb.WS_WEIGHT, fb.WS_PERSISTENT, fb.WS_PERSISTENT_BLOCKS, fb._fused.TUNE = True, True, 2, False
+            if fb._fused.wgmma_available():
+                for ndim in (1, 2):
+                    many = random_case(np.random.default_rng(1998), ndim, False, batch=12, channels_scale=64)
+                    for dtype, tf32 in ((np.float16, False), (np.float32, True), (np.float32, False)):
+                        description = run(many, dtype, tf32)
+                        assert "warp-specialised wgmma" in description and "persistent blocks" in description, \
+                            description
+                        count += 1
+        finally:
+            fb.WS_WEIGHT, fb.WS_PERSISTENT, fb.WS_PERSISTENT_BLOCKS, fb._fused.TUNE = saved
+        return count
+
+    if persistent_only:
+        return persistent_cases()
     for ndim in (2,) if quick else (1, 2, 3):
         for transposed in (False, True):
             rng = np.random.default_rng(1990 + ndim + 10 * transposed)
@@ -374,21 +397,7 @@ def fused_backward_cases(quick: bool = False) -> int:
     for dtype, key, tf32 in precisions:
         run(case, dtype, tf32, fb.TILES[key][0], fb._weight_tiles(dtype, 1, fb._fused.precision_of(dtype, tf32))[-1])
         count += 1
-    # the warp-specialised weight kernel (forced) in persistent blocks: a grid of 2, each block
-    # running its units (tile and split) through one ring; 64 channels a group (its tile's); not
-    # tuned, so that no timing hands the weight gradient to cuda/im2col
-    saved = fb.WS_WEIGHT, fb.WS_PERSISTENT, fb.WS_PERSISTENT_BLOCKS, fb._fused.TUNE
-    try:
-        fb.WS_WEIGHT, fb.WS_PERSISTENT, fb.WS_PERSISTENT_BLOCKS, fb._fused.TUNE = True, True, 2, False
-        if fb._fused.wgmma_available():
-            for ndim in (1, 2):
-                many = random_case(np.random.default_rng(1998), ndim, False, batch=12, channels_scale=64)
-                for dtype, tf32 in ((np.float16, False), (np.float32, True), (np.float32, False)):
-                    description = run(many, dtype, tf32)
-                    assert "warp-specialised wgmma" in description and "persistent blocks" in description, description
-                    count += 1
-    finally:
-        fb.WS_WEIGHT, fb.WS_PERSISTENT, fb.WS_PERSISTENT_BLOCKS, fb._fused.TUNE = saved
+    count += persistent_cases()
     if quick:
         return count
     limit, safe = fb._fused.WORKSPACE_LIMIT_BYTES, fb._INT32_SAFE
@@ -416,6 +425,9 @@ def main() -> int:
         count = fused_cases(quick="--fused-quick" in sys.argv)
         count += fused_backward_cases(quick="--fused-quick" in sys.argv)
         print(f"SANITIZE RUN OK: {count} fused cases")
+        return 0
+    if "--fused-persistent" in sys.argv:   # the warp-specialised weight kernel's persistent blocks
+        print(f"SANITIZE RUN OK: {fused_backward_cases(persistent_only=True)} persistent weight kernel cases")
         return 0
     if "--columns-only" in sys.argv:
         print(f"SANITIZE RUN OK: {columns_cases()} channels-last column cases")
