@@ -3,7 +3,7 @@ kernel cache, so that later processes load them instead of compiling.
 
     CUPY_CACHE_DIR=$PWD/.kcache python benchmarks/warm_modules.py [--jobs 16] \
         [--backends fused,fused-backward,im2col,direct,deterministic] \
-        [--dtypes float32,float16] [--ndims 2] [--index 32]
+        [--dtypes float32,float16] [--ndims 2] [--index 32] [--set MODULE.NAME=VALUE ...]
 
 A cold process spends minutes in NVRTC before its first launch (a fused module of sm_90a
 kernels takes about a minute alone). Test groups or benchmarks run in parallel on a fresh
@@ -15,6 +15,10 @@ The fused backward's two modules of a key (sm_90 and sm_90a) are two tasks, so t
 side by side; the sm_90a ones, the slowest, start first. ``--dtypes``, ``--ndims`` and ``--index``
 (32 or 64: the index width) keep the modules of those keys alone: what a test group or a benchmark
 of one dtype and N loads, when the source has changed and every module would be rebuilt.
+``--set MODULE.NAME=VALUE`` (repeatable) sets a backend's module-level source switch in every
+worker before it builds, e.g. ``--set cuda_fused_backward.WS_CLUSTER=True``: the modules of a
+switch's other value, which an ``ab.py`` A/B of that switch would otherwise compile one after the
+other inside the timed process.
 
 Run it as a file: its workers are spawned processes, which import this script again (a pool
 started from a script on standard input cannot, and waits for ever). Without a CUDA device it
@@ -75,6 +79,37 @@ def tasks(backends, dtypes=None, ndims=None, index_bits=None) -> list:
     return sorted(found, key=lambda task: not _sm90a(task))
 
 
+def parse_setting(text: str) -> tuple:
+    """``"cuda_fused_backward.WS_CLUSTER=True"`` -> ("dcn_cupy._backends.cuda_fused_backward",
+    "WS_CLUSTER", True): a module-level setting of a backend module that has it, and a Python
+    literal; ValueError naming what is wrong otherwise."""
+    import ast
+    import importlib
+    switch, equals, literal = text.partition("=")
+    module_name, _, name = switch.strip().partition(".")
+    if not equals or not module_name or not name or "." in name:
+        raise ValueError(f"expected MODULE.NAME=VALUE (e.g. cuda_fused_backward.WS_CLUSTER=True), got {text!r}")
+    path = f"dcn_cupy._backends.{module_name}"
+    try:
+        module = importlib.import_module(path)
+    except ImportError as error:
+        raise ValueError(f"{text!r}: the module {path} cannot be imported ({error})") from None
+    if not hasattr(module, name):
+        raise ValueError(f"{text!r}: {path} has no setting {name!r}")
+    try:
+        value = ast.literal_eval(literal.strip())
+    except (ValueError, SyntaxError):
+        raise ValueError(f"{text!r}: the value {literal.strip()!r} is not a Python literal") from None
+    return path, name, value
+
+
+def apply_settings(settings) -> None:
+    """Set each (module path, name, value) of ``parse_setting`` (a worker's initializer)."""
+    import importlib
+    for path, name, value in settings:
+        setattr(importlib.import_module(path), name, value)
+
+
 def build(task) -> tuple:
     """Compile and load one module through its backend's loader; (task, seconds, error or None)."""
     backend, key = task
@@ -110,6 +145,9 @@ def main(argv=None) -> int:
                         "(default: all)")
     parser.add_argument("--ndims", default=None, help="comma-separated, of 1,2,3 (default: all)")
     parser.add_argument("--index", type=int, default=None, choices=(32, 64), help="index width (default: both)")
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="a backend module's switch set in every worker before it builds (a Python literal; "
+                             "repeatable), e.g. cuda_fused_backward.WS_CLUSTER=True")
     args = parser.parse_args(argv)
     backends = [name for name in args.backends.split(",") if name]
     unknown = [name for name in backends if name not in BACKENDS]
@@ -132,6 +170,10 @@ def main(argv=None) -> int:
             parser.error(f"--ndims: expected numbers among 1,2,3, got {args.ndims!r}")
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    try:
+        settings = [parse_setting(text) for text in args.set]
+    except ValueError as error:
+        parser.error(f"--set: {error}")
     from gpu import no_gpu_reason
     reason = no_gpu_reason()
     if reason is not None:
@@ -143,12 +185,14 @@ def main(argv=None) -> int:
         return 0
     start = time.perf_counter()
     failed = 0
-    with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(todo))) as pool:
+    with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(todo)), initializer=apply_settings,
+                                                   initargs=(settings,)) as pool:
         for (backend, key), seconds, error in pool.imap_unordered(build, todo):
             if error is not None:
                 failed += 1
                 print(f"  {backend} {key}: {error}", flush=True)
-    print(f"warm_modules.py: {len(todo) - failed} of {len(todo)} modules ({', '.join(backends)}) in "
+    switches = "".join(f", {path.rsplit('.', 1)[1]}.{name}={value!r}" for path, name, value in settings)
+    print(f"warm_modules.py: {len(todo) - failed} of {len(todo)} modules ({', '.join(backends)}{switches}) in "
           f"{time.perf_counter() - start:.0f} s, {min(args.jobs, len(todo))} processes; "
           f"cache {os.environ.get('CUPY_CACHE_DIR', '~/.cupy/kernel_cache')}")
     return 1 if failed else 0
