@@ -1550,6 +1550,22 @@ def test_warp_specialised_loads_ahead_same_bits(ndim, precision, monkeypatch):
             assert np.array_equal(weights[False], weights[True]), label
 
 
+def _ws_weight_gradient(monkeypatch, case, precision, name, splits, **switches):
+    """The warp-specialised kernel's weight gradient of ``case`` (arrays, params, grad_output) with
+    the module's ``switches`` set and ``splits(steps)`` position splits; ``name`` "64-bit": 64-bit
+    indices, "chunks": one sample a chunk. (got, expected, config) of :func:`run_gradients`."""
+    fb = _backward_module()
+    with monkeypatch.context() as m:
+        for switch, value in switches.items():
+            m.setattr(fb, switch, value)
+        m.setattr(fb, "weight_splits", lambda tiles, steps, slots: splits(steps))
+        if name == "64-bit":
+            m.setattr(fb, "_INT32_SAFE", 16)
+        if name == "chunks":
+            m.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", 1)
+        return run_gradients(*case, precision, wanted=("weight",), ws_weight=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ndim", [1, 2])
 @pytest.mark.parametrize("precision", ["float16", "tf32", "float32"])
@@ -1569,22 +1585,14 @@ def test_warp_specialised_persistent_blocks_same_bits(ndim, precision, monkeypat
     cases = (("5 splits", 3, lambda steps: min(5, steps)), ("empty splits", 2, lambda steps: max(1, steps - 1)),
              ("64-bit", 7, lambda steps: min(5, steps)), ("chunks", 5, lambda steps: min(3, steps)))
     for c_out in (96, 160):
-        arrays, params, gy = wide_case(rng, ndim, groups=1, c_in=128, offset_groups=2, mask_groups=1, c_out=c_out,
-                                       batch=4, size=size, **geometry)
+        case = wide_case(rng, ndim, groups=1, c_in=128, offset_groups=2, mask_groups=1, c_out=c_out, batch=4,
+                         size=size, **geometry)
         for name, blocks, splits in cases:
             label = (c_out, name)
             weights = {}
             for persistent in (False, True):
-                with monkeypatch.context() as m:
-                    m.setattr(fb, "WS_PERSISTENT", persistent)
-                    m.setattr(fb, "WS_PERSISTENT_BLOCKS", blocks)
-                    m.setattr(fb, "weight_splits", lambda tiles, steps, slots: splits(steps))
-                    if name == "64-bit":
-                        m.setattr(fb, "_INT32_SAFE", 16)
-                    if name == "chunks":
-                        m.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", 1)
-                    got, expected, config = run_gradients(arrays, params, gy, precision, wanted=("weight",),
-                                                          ws_weight=True)
+                got, expected, config = _ws_weight_gradient(monkeypatch, case, precision, name, splits,
+                                                            WS_PERSISTENT=persistent, WS_PERSISTENT_BLOCKS=blocks)
                 units = config.splits * config.weight_tiles
                 assert config.ws_weight and config.index64 == (name == "64-bit"), label
                 assert config.weight_tile[0] == (128 if c_out == 96 else 256), label
@@ -1624,23 +1632,15 @@ def test_warp_specialised_clusters_same_bits(ndim, precision, monkeypatch):
              ("64-bit", True, 7, lambda steps: min(5, steps)),
              ("chunks", True, 5, lambda steps: min(3, steps)))
     for c_in, c_out in ((128, 96), (192, 160), (128, 160)):
-        arrays, params, gy = wide_case(rng, ndim, groups=1, c_in=c_in, offset_groups=1, mask_groups=1, c_out=c_out,
-                                       batch=4, size=size, **geometry)
+        case = wide_case(rng, ndim, groups=1, c_in=c_in, offset_groups=1, mask_groups=1, c_out=c_out, batch=4,
+                         size=size, **geometry)
         for name, persistent, blocks, splits in cases:
             label = (c_in, c_out, name)
             weights = {}
             for cluster in (False, True):
-                with monkeypatch.context() as m:
-                    m.setattr(fb, "WS_CLUSTER", cluster)
-                    m.setattr(fb, "WS_PERSISTENT", persistent)
-                    m.setattr(fb, "WS_PERSISTENT_BLOCKS", blocks)
-                    m.setattr(fb, "weight_splits", lambda tiles, steps, slots: splits(steps))
-                    if name == "64-bit":
-                        m.setattr(fb, "_INT32_SAFE", 16)
-                    if name == "chunks":
-                        m.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", 1)
-                    got, expected, config = run_gradients(arrays, params, gy, precision, wanted=("weight",),
-                                                          ws_weight=True)
+                got, expected, config = _ws_weight_gradient(monkeypatch, case, precision, name, splits,
+                                                            WS_CLUSTER=cluster, WS_PERSISTENT=persistent,
+                                                            WS_PERSISTENT_BLOCKS=blocks)
                 units = config.splits * config.weight_tiles
                 assert config.ws_weight and config.index64 == (name == "64-bit"), label
                 assert config.weight_tile[0] == (128 if c_out == 96 else 256), label
