@@ -81,26 +81,20 @@ def tasks(backends, dtypes=None, ndims=None, index_bits=None) -> list:
 
 def parse_setting(text: str) -> tuple:
     """``"cuda_fused_backward.WS_CLUSTER=True"`` -> ("dcn_cupy._backends.cuda_fused_backward",
-    "WS_CLUSTER", True): a module-level setting of a backend module that has it, and a Python
-    literal; ValueError naming what is wrong otherwise."""
+    "WS_CLUSTER", True): a module-level setting that ``ab.py`` can switch (of a module of
+    dcn_cupy._backends, or of dcn_cupy._plan), and a Python literal; ValueError naming what is
+    wrong otherwise."""
     import ast
-    import importlib
+    from ab import resolve_switch   # (ab.py's switches: a module of dcn_cupy._backends or _plan)
     switch, equals, literal = text.partition("=")
-    module_name, _, name = switch.strip().partition(".")
-    if not equals or not module_name or not name or "." in name:
+    module, name = resolve_switch(switch.strip()) if equals else (None, None)
+    if module is None:   # (no "=", or ab's plan.KEYWORD: not a module's setting)
         raise ValueError(f"expected MODULE.NAME=VALUE (e.g. cuda_fused_backward.WS_CLUSTER=True), got {text!r}")
-    path = f"dcn_cupy._backends.{module_name}"
-    try:
-        module = importlib.import_module(path)
-    except ImportError as error:
-        raise ValueError(f"{text!r}: the module {path} cannot be imported ({error})") from None
-    if not hasattr(module, name):
-        raise ValueError(f"{text!r}: {path} has no setting {name!r}")
     try:
         value = ast.literal_eval(literal.strip())
     except (ValueError, SyntaxError):
         raise ValueError(f"{text!r}: the value {literal.strip()!r} is not a Python literal") from None
-    return path, name, value
+    return module.__name__, name, value
 
 
 def apply_settings(settings) -> None:

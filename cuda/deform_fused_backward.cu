@@ -1588,7 +1588,7 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
     unsigned char* const ring = fused_ws_smem + lift;
     unsigned long long* const a_full = reinterpret_cast<unsigned long long*>(ring + DEPTH * STAGE_BYTES);
     unsigned long long* const peer_free = a_full + DEPTH;
-    const unsigned peer = DCN_WS_CLUSTER ? cluster_rank() ^ 1u : 0u;
+    const unsigned rank = DCN_WS_CLUSTER ? cluster_rank() : 0u;   // (its peer: rank ^ 1)
     const bool paired = DCN_WS_CLUSTER && pairs;
     auto full_barrier = [](int stage) { return 1 + stage; };
     auto empty_barrier = [](int stage) { return 1 + DEPTH + stage; };
@@ -1665,7 +1665,7 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
         // Free a stage: to this block's samplers, and (paired) to the peer's copies into it
         auto release = [&](int stage) {
             barrier_arrive(empty_barrier(stage), THREADS);
-            if (paired && (tid & 127) == 0) mbarrier_arrive_remote(peer_free + stage, peer);
+            if (paired && (tid & 127) == 0) mbarrier_arrive_remote(peer_free + stage, rank ^ 1u);
         };
         for (I unit = blockIdx.x; unit < units; unit += gridDim.x) {
             enter_unit(unit);
@@ -1822,22 +1822,18 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
             unsigned char* const b_tile = a_tile + A_BYTES;
             if (stid == 0) {   // A: one bulk copy a plane, completing on the stage's mbarrier
                 mbarrier_expect(a_full + stage, A_BYTES);
-                if (paired) {
-                    // this block's half of each plane, to both blocks, once the peer freed the stage too
-                    if (g >= DEPTH) mbarrier_wait_cluster(peer_free + stage, (unsigned)(g / DEPTH - 1) & 1u);
-                    constexpr int HALF = A_PLANE / 2;
-                    const int half = (int)(peer ^ 1u);
+                // (paired: this block's half of each plane, to both blocks, once the peer freed the stage too)
+                if (paired && g >= DEPTH) mbarrier_wait_cluster(peer_free + stage, (unsigned)(g / DEPTH - 1) & 1u);
+                constexpr int HALF = A_PLANE / 2;
 #pragma unroll
-                    for (int h = 0; h < SPLIT; ++h)
-                        bulk_copy_multicast(a_tile + h * A_PLANE + half * HALF,
-                                            a_src + ((first_step + s) * SPLIT + h) * out_channels * BK +
-                                                half * (HALF / (int)sizeof(T)),
-                                            HALF, a_full + stage, (unsigned short)3);
-                } else {
-#pragma unroll
-                    for (int h = 0; h < SPLIT; ++h)
-                        bulk_copy(a_tile + h * A_PLANE, a_src + ((first_step + s) * SPLIT + h) * out_channels * BK,
-                                  A_PLANE, a_full + stage);
+                for (int h = 0; h < SPLIT; ++h) {
+                    unsigned char* const dst = a_tile + h * A_PLANE;
+                    const T* const src = a_src + ((first_step + s) * SPLIT + h) * out_channels * BK;
+                    if (paired)
+                        bulk_copy_multicast(dst + rank * HALF, src + rank * (HALF / sizeof(T)), HALF, a_full + stage,
+                                            (unsigned short)3);
+                    else
+                        bulk_copy(dst, src, A_PLANE, a_full + stage);
                 }
             }
             if (!DCN_WS_LOADS_AHEAD) {
