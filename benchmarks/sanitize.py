@@ -21,8 +21,7 @@ backward (cuda/fused-backward, ``fused_backward_cases``: every gradient of conv 
 conv, every data and weight tile, the weight gradient with and without its sampling plan,
 deterministic plans (the fixed-point scatter), the warp-specialised weight kernel in persistent
 blocks, one-sample chunks, 64-bit indices). ``--fused-only`` runs just the fused cases (for
-racecheck; ``--fused-quick`` fewer of them; ``--fused-persistent`` the persistent weight kernel's,
-``--fused-cluster`` the same in clusters of 2 paired on grad_output, ``WS_CLUSTER``); ``--columns-only`` just cuda/im2col's channels-last
+racecheck; ``--fused-quick`` fewer of them; ``--fused-persistent`` the persistent weight kernel's); ``--columns-only`` just cuda/im2col's channels-last
 column sampler (half types and float32, 1D/2D/3D, channels per group multiples of 8, its block
 shapes: conv and transposed, poisoned offsets, one-sample chunks, 64-bit); ``--robustness-only`` just the degenerate-shape
 and non-finite cases.
@@ -297,14 +296,12 @@ def fused_cases(quick: bool = False) -> int:
     return count
 
 
-def fused_backward_cases(quick: bool = False, persistent_only: bool = False, cluster: bool = False) -> int:
+def fused_backward_cases(quick: bool = False, persistent_only: bool = False) -> int:
     """cuda/fused-backward (forced through plans): every gradient of conv and transposed conv
     (its forward is this backward's input gradient), N = 1, 2, 3, every precision, poisoned
     offsets; the weight gradient with and without its sampling plan; deterministic plans; every
     data and weight tile; one-sample chunks and the 64-bit instantiation;
-    checked against the float64 reference of the rounded inputs. ``persistent_only``: the
-    persistent weight kernel's cases alone (with ``cluster``, in clusters of 2 paired on
-    grad_output's tiles)."""
+    checked against the float64 reference of the rounded inputs."""
     from dcn_cupy import reference
     from dcn_cupy._backends import cuda_fused_backward as fb
     tol = {np.dtype(np.float32): 5e-3, np.dtype(np.float16): 5e-3, BFLOAT16: 4e-2}
@@ -347,33 +344,28 @@ def fused_backward_cases(quick: bool = False, persistent_only: bool = False, clu
                 assert relative_error(got, value) < tol[dtype], (name, case.label)
         return str(p)
 
-    def persistent_cases(cluster=False):
+    def persistent_cases():
         # the warp-specialised weight kernel (forced) in persistent blocks: a grid of 2, each
         # block running its units (tile and split) through one ring; 64 channels a group (its
-        # tile's); not tuned, so that no timing hands the weight gradient to cuda/im2col. With
-        # `cluster`, its 2 blocks one cluster (WS_CLUSTER) paired on grad_output's tiles: 128
-        # channels a scale, so that a group's input-channel tiles are even in count
+        # tile's); not tuned, so that no timing hands the weight gradient to cuda/im2col
         count = 0
-        saved = fb.WS_WEIGHT, fb.WS_PERSISTENT, fb.WS_PERSISTENT_BLOCKS, fb.WS_CLUSTER, fb._fused.TUNE
+        saved = fb.WS_WEIGHT, fb.WS_PERSISTENT, fb.WS_PERSISTENT_BLOCKS, fb._fused.TUNE
         try:
-            fb.WS_WEIGHT, fb.WS_PERSISTENT, fb.WS_PERSISTENT_BLOCKS, fb.WS_CLUSTER, fb._fused.TUNE = \
-                True, True, 2, cluster, False
+            fb.WS_WEIGHT, fb.WS_PERSISTENT, fb.WS_PERSISTENT_BLOCKS, fb._fused.TUNE = True, True, 2, False
             if fb._fused.wgmma_available():
                 for ndim in (1, 2):
-                    many = random_case(np.random.default_rng(1998), ndim, False, batch=12,
-                                       channels_scale=128 if cluster else 64)
+                    many = random_case(np.random.default_rng(1998), ndim, False, batch=12, channels_scale=64)
                     for dtype, tf32 in ((np.float16, False), (np.float32, True), (np.float32, False)):
                         description = run(many, dtype, tf32)
                         assert "warp-specialised wgmma" in description and "persistent blocks" in description, \
                             description
-                        assert ("pairs sharing grad_output" in description) == cluster, description
                         count += 1
         finally:
-            fb.WS_WEIGHT, fb.WS_PERSISTENT, fb.WS_PERSISTENT_BLOCKS, fb.WS_CLUSTER, fb._fused.TUNE = saved
+            fb.WS_WEIGHT, fb.WS_PERSISTENT, fb.WS_PERSISTENT_BLOCKS, fb._fused.TUNE = saved
         return count
 
     if persistent_only:
-        return persistent_cases(cluster)
+        return persistent_cases()
     for ndim in (2,) if quick else (1, 2, 3):
         for transposed in (False, True):
             rng = np.random.default_rng(1990 + ndim + 10 * transposed)
@@ -436,10 +428,6 @@ def main() -> int:
         return 0
     if "--fused-persistent" in sys.argv:   # the warp-specialised weight kernel's persistent blocks
         print(f"SANITIZE RUN OK: {fused_backward_cases(persistent_only=True)} persistent weight kernel cases")
-        return 0
-    if "--fused-cluster" in sys.argv:   # ... in clusters of 2, paired on grad_output's tiles (WS_CLUSTER)
-        count = fused_backward_cases(persistent_only=True, cluster=True)
-        print(f"SANITIZE RUN OK: {count} clustered weight kernel cases")
         return 0
     if "--columns-only" in sys.argv:
         print(f"SANITIZE RUN OK: {columns_cases()} channels-last column cases")

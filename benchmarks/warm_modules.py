@@ -16,7 +16,7 @@ side by side; the sm_90a ones, the slowest, start first. ``--dtypes``, ``--ndims
 (32 or 64: the index width) keep the modules of those keys alone: what a test group or a benchmark
 of one dtype and N loads, when the source has changed and every module would be rebuilt.
 ``--set MODULE.NAME=VALUE`` (repeatable) sets a backend's module-level source switch in every
-worker before it builds, e.g. ``--set cuda_fused_backward.WS_CLUSTER=True``: the modules of a
+worker before it builds, e.g. ``--set cuda_fused_backward.WS_LOADS_AHEAD=False``: the modules of a
 switch's other value, which an ``ab.py`` A/B of that switch would otherwise compile one after the
 other inside the timed process.
 
@@ -80,8 +80,8 @@ def tasks(backends, dtypes=None, ndims=None, index_bits=None) -> list:
 
 
 def parse_setting(text: str) -> tuple:
-    """``"cuda_fused_backward.WS_CLUSTER=True"`` -> ("dcn_cupy._backends.cuda_fused_backward",
-    "WS_CLUSTER", True): a module-level setting that ``ab.py`` can switch (of a module of
+    """``"cuda_fused_backward.WS_LOADS_AHEAD=False"`` -> ("dcn_cupy._backends.cuda_fused_backward",
+    "WS_LOADS_AHEAD", False): a module-level setting that ``ab.py`` can switch (of a module of
     dcn_cupy._backends, or of dcn_cupy._plan), and a Python literal; ValueError naming what is
     wrong otherwise."""
     import ast
@@ -89,7 +89,7 @@ def parse_setting(text: str) -> tuple:
     switch, equals, literal = text.partition("=")
     module, name = resolve_switch(switch.strip()) if equals else (None, None)
     if module is None:   # (no "=", or ab's plan.KEYWORD: not a module's setting)
-        raise ValueError(f"expected MODULE.NAME=VALUE (e.g. cuda_fused_backward.WS_CLUSTER=True), got {text!r}")
+        raise ValueError(f"expected MODULE.NAME=VALUE (e.g. cuda_fused_backward.WS_LOADS_AHEAD=False), got {text!r}")
     try:
         value = ast.literal_eval(literal.strip())
     except (ValueError, SyntaxError):
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     parser.add_argument("--index", type=int, default=None, choices=(32, 64), help="index width (default: both)")
     parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                         help="a backend module's switch set in every worker before it builds (a Python literal; "
-                             "repeatable), e.g. cuda_fused_backward.WS_CLUSTER=True")
+                             "repeatable), e.g. cuda_fused_backward.WS_LOADS_AHEAD=False")
     args = parser.parse_args(argv)
     backends = [name for name in args.backends.split(",") if name]
     unknown = [name for name in backends if name not in BACKENDS]

@@ -1494,23 +1494,6 @@ __global__ void fused_position_segments(const T* __restrict__ gy, T* __restrict_
 #define DCN_WS_LOADS_AHEAD 1
 #endif
 
-// The warp-specialised weight kernel in clusters of 2 blocks. Where `pairs` (the host's rule: the
-// input-channel tiles even in count, so that units 2j and 2j + 1 differ in their channel tile
-// alone), the two blocks of a cluster run units 2j and 2j + 1, which multiply the same grad_output
-// tiles (rows and positions): each block copies half of every A tile to both (one bulk copy
-// multicast), so that the L2 reads A once for two tiles; a block refills a stage once its own MMA
-// warpgroups and its peer's have freed it (peer_free). Otherwise each block copies its own A, as
-// without clusters. The same values. Built where DCN_WS_CLUSTER is defined 1
-// (cuda_fused_backward.WS_CLUSTER, off by default: not yet run on a GPU, NOTES-gpu.md session 61).
-#ifndef DCN_WS_CLUSTER
-#define DCN_WS_CLUSTER 0
-#endif
-#if DCN_WS_CLUSTER
-#define DCN_WS_CLUSTER_DIMS __cluster_dims__(2, 1, 1)
-#else
-#define DCN_WS_CLUSTER_DIMS
-#endif
-
 // The weight gradient warp-specialised on wgmma (sm_90a; fp16, bf16, TF32, 3xTF32): the GEMM, the
 // block mapping, the plan's corners and the partial sums of deform_fused_backward_weight (PLAN),
 // but the block's warps split into roles as in the forward's ENGINE 3. MMA_WGS warpgroups
@@ -1543,13 +1526,13 @@ __global__ void fused_position_segments(const T* __restrict__ gy, T* __restrict_
 // the samplers. In fp16, bf16 and TF32 bitwise the partial sums of deform_fused_backward_weight
 // with the same splits.
 template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int DEPTH, int THREADS>
-__global__ void __launch_bounds__(THREADS, 1) DCN_WS_CLUSTER_DIMS
+__global__ void __launch_bounds__(THREADS, 1)
 deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__ xcl,
                                 const I* __restrict__ plan_rows, const float* __restrict__ plan_weights,
                                 const float* __restrict__ plan_masks, float* __restrict__ part, const Geom<N> g,
                                 const int batch, const int channels, const int Cp, const int out_channels,
                                 const int groups, const int seg_len, const int steps_per_split,
-                                const int accumulate, const int units, const int pairs) {
+                                const int accumulate, const int units) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace fused;
     start_after_prerequisites();
@@ -1581,15 +1564,11 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
 
     // The ring, 1024-byte aligned (the 128-byte swizzle repeats every 8 rows; cuda_fused_backward
     // asks for the 1 KiB more): stage k's A tile, then its B tile (3xTF32: each its big plane, then
-    // its small one); then the stages' mbarriers: a_full (A's bytes arrived), then peer_free (the
-    // cluster's other block freed the stage: an arrival from each of its MMA warpgroups).
+    // its small one); then the stages' mbarriers.
     extern __shared__ __align__(128) unsigned char fused_ws_smem[];
     const unsigned lift = (1024u - (smem_address(fused_ws_smem) & 1023u)) & 1023u;
     unsigned char* const ring = fused_ws_smem + lift;
     unsigned long long* const a_full = reinterpret_cast<unsigned long long*>(ring + DEPTH * STAGE_BYTES);
-    unsigned long long* const peer_free = a_full + DEPTH;
-    const unsigned rank = DCN_WS_CLUSTER ? cluster_rank() : 0u;   // (its peer: rank ^ 1)
-    const bool paired = DCN_WS_CLUSTER && pairs;
     auto full_barrier = [](int stage) { return 1 + stage; };
     auto empty_barrier = [](int stage) { return 1 + DEPTH + stage; };
 
@@ -1623,14 +1602,10 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
 
     if (tid == 0) {
 #pragma unroll
-        for (int k = 0; k < DEPTH; ++k) {
-            mbarrier_init(a_full + k);
-            if (DCN_WS_CLUSTER) mbarrier_init(peer_free + k, MMA_WGS);
-        }
+        for (int k = 0; k < DEPTH; ++k) mbarrier_init(a_full + k);
         mbarrier_init_fence();
     }
-    if (DCN_WS_CLUSTER) cluster_sync();   // (the peer's mbarriers too)
-    else __syncthreads();
+    __syncthreads();
 
     // Registers: the launch gives every thread LAUNCH_REGS (65536 / THREADS: one block an SM); the
     // MMA warpgroups take MMA_REGS (their accumulators, descriptors and addresses) and the
@@ -1662,11 +1637,6 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
         float d[MI][NACC];
         float p[MI][NACC];   // 3xTF32's run of products (unused, so allocated no registers, otherwise)
         int u0 = 0;          // the block's step of the unit's first
-        // Free a stage: to this block's samplers, and (paired) to the peer's copies into it
-        auto release = [&](int stage) {
-            barrier_arrive(empty_barrier(stage), THREADS);
-            if (paired && (tid & 127) == 0) mbarrier_arrive_remote(peer_free + stage, rank ^ 1u);
-        };
         for (I unit = blockIdx.x; unit < units; unit += gridDim.x) {
             enter_unit(unit);
             // (p too: its last value dead during the epilogue, not carried into the next unit)
@@ -1714,13 +1684,13 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
                     wgmma_wait_pending<1>();
                 }
                 // free step g - 1's stage where the samplers will refill it
-                if (s >= 1 && g - 1 + DEPTH < block_steps) release((g - 1) % DEPTH);
+                if (s >= 1 && g - 1 + DEPTH < block_steps) barrier_arrive(empty_barrier((g - 1) % DEPTH), THREADS);
             }
             wgmma_wait_all();
             register_fence(d);
             u0 += steps;
             // (the unit's last stage)
-            if (steps > 0 && u0 - 1 + DEPTH < block_steps) release((u0 - 1) % DEPTH);
+            if (steps > 0 && u0 - 1 + DEPTH < block_steps) barrier_arrive(empty_barrier((u0 - 1) % DEPTH), THREADS);
             enter_unit(unit);   // (again: its tile not held in registers through the steps)
             // Epilogue: d[mi][4j + 2h + e] is output channel 64 mi + 16 (warp % 4) + lane / 4 + 8 h of
             // the warpgroup's rows, input channel 8 j + 2 (lane % 4) + e of the tile: float2 stores
@@ -1747,7 +1717,6 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
                     }
                 }
         }
-        if (DCN_WS_CLUSTER) cluster_sync();   // (no block leaves while its peer may copy into it)
         return;
     }
 
@@ -1822,19 +1791,10 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
             unsigned char* const b_tile = a_tile + A_BYTES;
             if (stid == 0) {   // A: one bulk copy a plane, completing on the stage's mbarrier
                 mbarrier_expect(a_full + stage, A_BYTES);
-                // (paired: this block's half of each plane, to both blocks, once the peer freed the stage too)
-                if (paired && g >= DEPTH) mbarrier_wait_cluster(peer_free + stage, (unsigned)(g / DEPTH - 1) & 1u);
-                constexpr int HALF = A_PLANE / 2;
 #pragma unroll
-                for (int h = 0; h < SPLIT; ++h) {
-                    unsigned char* const dst = a_tile + h * A_PLANE;
-                    const T* const src = a_src + ((first_step + s) * SPLIT + h) * out_channels * BK;
-                    if (paired)
-                        bulk_copy_multicast(dst + rank * HALF, src + rank * (HALF / sizeof(T)), HALF, a_full + stage,
-                                            (unsigned short)3);
-                    else
-                        bulk_copy(dst, src, A_PLANE, a_full + stage);
-                }
+                for (int h = 0; h < SPLIT; ++h)
+                    bulk_copy(a_tile + h * A_PLANE, a_src + ((first_step + s) * SPLIT + h) * out_channels * BK, A_PLANE,
+                              a_full + stage);
             }
             if (!DCN_WS_LOADS_AHEAD) {
 #pragma unroll
@@ -1900,7 +1860,6 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
         }
         u0 += steps;
     }
-    if (DCN_WS_CLUSTER) cluster_sync();
 #endif
 }
 

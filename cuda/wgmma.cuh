@@ -50,10 +50,6 @@ template <int REGS> __device__ __forceinline__ void setmaxnreg_inc() {
 __device__ __forceinline__ void mbarrier_init(unsigned long long* bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" :: "r"(smem_address(bar)) : "memory");
 }
-// ... for `count` arrivals (the warp-specialised weight kernel's peer_free: one a warpgroup).
-__device__ __forceinline__ void mbarrier_init(unsigned long long* bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_address(bar)), "r"(count) : "memory");
-}
 __device__ __forceinline__ void mbarrier_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
 __device__ __forceinline__ void mbarrier_expect(unsigned long long* bar, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(smem_address(bar)), "r"(bytes) : "memory");
@@ -68,41 +64,6 @@ __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned 
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                  :: "r"(smem_address(dst)), "l"(src), "r"(bytes), "r"(smem_address(bar)) : "memory");
-}
-
-// Clusters (the warp-specialised weight kernel's pairs of blocks, DCN_WS_CLUSTER). This block's
-// rank in its cluster; every thread of the cluster's blocks meeting (release / acquire: the
-// mbarriers initialised before any peer touches them, and no block leaving while a peer may still
-// copy into its shared memory or arrive on its mbarriers).
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-}
-// One arrival on the mbarrier at `bar`'s offset in the shared memory of the cluster's block `rank`
-// (release at cluster scope: this thread's completed reads of its stage come before it).
-__device__ __forceinline__ void mbarrier_arrive_remote(unsigned long long* bar, unsigned rank) {
-    asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-                 "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n"
-                 :: "r"(smem_address(bar)), "r"(rank) : "memory");
-}
-// mbarrier_wait for arrivals from the cluster's other blocks (acquire at cluster scope).
-__device__ __forceinline__ void mbarrier_wait_cluster(unsigned long long* bar, unsigned parity) {
-    asm volatile("{\n.reg .pred done;\nwait:\n"
-                 "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra wait;\n}\n" :: "r"(smem_address(bar)), "r"(parity) : "memory");
-}
-// bulk_copy to `dst`'s offset in the shared memory of each block of the cluster in `mask` (bit r:
-// rank r), completing `bytes` on the mbarrier at `bar`'s offset in each of them: one read of
-// global memory (its L2 lines) for all of them.
-__device__ __forceinline__ void bulk_copy_multicast(void* dst, const void* src, unsigned bytes,
-                                                    unsigned long long* bar, unsigned short mask) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
-                 "[%0], [%1], %2, [%3], %4;\n"
-                 :: "r"(smem_address(dst)), "l"(src), "r"(bytes), "r"(smem_address(bar)), "h"(mask) : "memory");
 }
 
 __device__ __forceinline__ void register_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }

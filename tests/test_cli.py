@@ -464,15 +464,15 @@ def test_warm_modules_lists_every_backend_module_and_checks_its_arguments(capsys
         module.main(["--jobs", "0"])
     assert "--jobs must be at least 1, got 0" in capsys.readouterr().err
     # a switch set in every worker: the modules of its other value
-    setting = module.parse_setting("cuda_fused_backward.WS_CLUSTER=True")
-    assert setting == ("dcn_cupy._backends.cuda_fused_backward", "WS_CLUSTER", True)
-    monkeypatch.setattr(cuda_fused_backward, "WS_CLUSTER", cuda_fused_backward.WS_CLUSTER)
+    setting = module.parse_setting("cuda_fused_backward.WS_LOADS_AHEAD=False")
+    assert setting == ("dcn_cupy._backends.cuda_fused_backward", "WS_LOADS_AHEAD", False)
+    monkeypatch.setattr(cuda_fused_backward, "WS_LOADS_AHEAD", cuda_fused_backward.WS_LOADS_AHEAD)
     module.apply_settings([setting])
-    assert cuda_fused_backward.WS_CLUSTER is True
-    for text, message in (("cuda_fused_backward.WS_CLUSTER", "expected MODULE.NAME=VALUE"),
+    assert cuda_fused_backward.WS_LOADS_AHEAD is False
+    for text, message in (("cuda_fused_backward.WS_LOADS_AHEAD", "expected MODULE.NAME=VALUE"),
                           ("cuda_fused_backward.NOPE=1", "has no setting 'NOPE'"),
                           ("nope.X=1", "cannot be imported"),
-                          ("cuda_fused_backward.WS_CLUSTER=yes", "'yes' is not a Python literal")):
+                          ("cuda_fused_backward.WS_LOADS_AHEAD=yes", "'yes' is not a Python literal")):
         with pytest.raises(SystemExit):
             module.main(["--set", text])
         assert message in capsys.readouterr().err, text

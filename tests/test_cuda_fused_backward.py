@@ -69,27 +69,12 @@ def test_sm90a_kernels_compile(key, compile_module):
     compile_module(fb.module_source(), "deform_fused_backward.cu", fb.ws_name_expressions(*key), arch="sm_90a")
 
 
-@pytest.mark.parametrize("key", _module_keys(), ids=_key_id)
-def test_clustered_weight_kernels_compile(key, compile_module, monkeypatch):
-    """The warp-specialised weight kernel in clusters of 2 (WS_CLUSTER: its own module, off by
-    default): every instantiation, with the cluster's multicast copies and remote arrivals."""
-    fb = _backward_module()
-    monkeypatch.setattr(fb, "WS_CLUSTER", True)
-    source = fb.module_source()
-    assert source.startswith("#define DCN_WS_CLUSTER 1\n")
-    names = [name for name in fb.ws_name_expressions(*key) if name.startswith("deform_fused_backward_weight_ws<")]
-    assert names
-    compile_module(source, "deform_fused_backward.cu", names, arch="sm_90a")
-
-
 def test_module_source_defines_exactly_the_instantiated_kernels():
     import re
     fb = _backward_module()
     source = fb.module_source()
     assert '#line 1 "cuda/deform_fused_backward.cu"' in source and '#line 1 "cuda/fused_common.cuh"' in source
-    # (a kernel's attributes: __launch_bounds__(...), then the cluster's macro where it has one)
-    defined = set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(?:DCN_WS_CLUSTER_DIMS\s+)?"
-                             r"(\w+)\s*\(", source))
+    defined = set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(", source))
     for key in fb.all_module_keys():
         names = fb.name_expressions(*key) + fb.ws_name_expressions(*key)
         assert {name.split("<", 1)[0] for name in names} == defined
@@ -1597,61 +1582,13 @@ def test_warp_specialised_persistent_blocks_same_bits(ndim, precision, monkeypat
                 assert config.ws_weight and config.index64 == (name == "64-bit"), label
                 assert config.weight_tile[0] == (128 if c_out == 96 else 256), label
                 assert config.chunk == (1 if name == "chunks" else 4), label
-                # (in clusters of 2, WS_CLUSTER: whole clusters, an even grid)
-                cap = max(2, blocks // 2 * 2) if fb.WS_CLUSTER else blocks
-                grid = min(cap, units) if persistent else units
-                assert config.weight_grid == grid + (grid % 2 if fb.WS_CLUSTER else 0), label
+                assert config.weight_grid == (min(blocks, units) if persistent else units), label
                 assert (units > blocks * 2) and (("persistent blocks" in config.description) == persistent), label
                 if name == "empty splits":   # (splits past the steps' end: units of no steps)
                     assert config.splits * config.weight_steps(config.chunk) >= -(-config.chunk * config.Q //
                                                                                  config.weight_tile[2]) + 2, label
                 check(got, expected, precision, label)
                 weights[persistent] = got["weight"]
-            assert np.array_equal(weights[False], weights[True]), label
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("ndim", [1, 2])
-@pytest.mark.parametrize("precision", ["float16", "tf32", "float32"])
-def test_warp_specialised_clusters_same_bits(ndim, precision, monkeypatch):
-    """The warp-specialised weight kernel in clusters of 2 blocks (WS_CLUSTER) gives the bits of
-    the kernel without clusters, and the reference's values: paired blocks sharing grad_output's
-    tiles (2 input-channel tiles: 128 channels) and unpaired ones (3 tiles: 192 channels, each block
-    its own copies), on the 128-row tile (96 output channels) and the 256-row one (160); persistent
-    blocks (5 asked, 4 given: whole clusters), a block a unit (an odd count of units: a block of
-    none in the last cluster), one step a split on 2 blocks, 64-bit indices, chunks of one sample."""
-    fb = _backward_module()
-    if not fb._fused.wgmma_available():
-        pytest.skip("the warp-specialised weight kernel runs on sm_90a devices")
-    rng = np.random.default_rng(90 + ndim)
-    size = {1: 203, 2: 15}[ndim]
-    geometry = dict(stride=(1,) * ndim, padding=(1,) * ndim, dilation=(1,) * ndim)
-    cases = (("persistent", True, 5, lambda steps: min(5, steps)),
-             ("a block a unit", False, None, lambda steps: min(3, steps)),
-             ("one step a split", True, 2, lambda steps: steps),
-             ("64-bit", True, 7, lambda steps: min(5, steps)),
-             ("chunks", True, 5, lambda steps: min(3, steps)))
-    for c_in, c_out in ((128, 96), (192, 160), (128, 160)):
-        case = wide_case(rng, ndim, groups=1, c_in=c_in, offset_groups=1, mask_groups=1, c_out=c_out, batch=4,
-                         size=size, **geometry)
-        for name, persistent, blocks, splits in cases:
-            label = (c_in, c_out, name)
-            weights = {}
-            for cluster in (False, True):
-                got, expected, config = _ws_weight_gradient(monkeypatch, case, precision, name, splits,
-                                                            WS_CLUSTER=cluster, WS_PERSISTENT=persistent,
-                                                            WS_PERSISTENT_BLOCKS=blocks)
-                units = config.splits * config.weight_tiles
-                assert config.ws_weight and config.index64 == (name == "64-bit"), label
-                assert config.weight_tile[0] == (128 if c_out == 96 else 256), label
-                assert config.ws_pairs == (cluster and c_in == 128), label
-                assert ("pairs sharing grad_output" in config.description) == config.ws_pairs, label
-                if cluster:
-                    assert config.weight_grid % 2 == 0 and config.weight_grid <= units + 1, label
-                if not persistent and cluster:
-                    assert config.weight_grid == units + units % 2, label
-                check(got, expected, precision, label)
-                weights[cluster] = got["weight"]
             assert np.array_equal(weights[False], weights[True]), label
 
 
@@ -1720,23 +1657,7 @@ def test_warp_specialised_weight_rule(monkeypatch):
     assert strict.ws_weight and strict.precision == 2 and strict.weight_tile == fb.WS_WEIGHT_TILES["3xtf32"]
     depth, samplers = fb.WS_RINGS["3xtf32"]
     assert strict.weight_threads == 256 + samplers
-    assert strict.weight_smem_bytes == depth * (2 * (256 + 64) * 128 + 16) + 1024 <= 227 * 1024   # (2 mbarriers)
-    # in clusters of 2 (WS_CLUSTER, off by default): an even grid, whole clusters of persistent
-    # blocks; paired where the input-channel tiles are even in count
-    assert not strict.ws_pairs and "pairs" not in strict.description
-    with monkeypatch.context() as m:
-        m.setattr(fb, "WS_CLUSTER", True)
-        paired = fb.BackwardConfig(_geom(c_in=256, c_out=256), np.float32, False, wgmma=True)
-        odd = fb.BackwardConfig(_geom(c_in=192, c_out=256), np.float32, False, wgmma=True)
-        m.setattr(fb, "WS_PERSISTENT_BLOCKS", 5)
-        few = fb.BackwardConfig(_geom(c_in=192, c_out=256, batch=8), np.float32, False, wgmma=True)
-    assert paired.ws_weight and paired.ws_pairs and "pairs sharing grad_output" in paired.description
-    assert odd.ws_weight and not odd.ws_pairs and "pairs" not in odd.description
-    assert paired.splits * paired.weight_tiles % 2 == 0
-    for config in (paired, odd):
-        units = config.splits * config.weight_tiles
-        assert config.weight_grid == units + units % 2, config.description   # (fewer units than multiprocessors)
-    assert few.splits * few.weight_tiles > 4 and few.weight_grid == 4   # (5 asked: 2 whole clusters)
+    assert strict.weight_smem_bytes == depth * (2 * (256 + 64) * 128 + 8) + 1024 <= 227 * 1024
     assert strict.offsets["gyr"][1] == 2 * 256 * strict.Pp + 256 * 32 == 2 * tall.offsets["gyr"][1] - 256 * 32
 
 

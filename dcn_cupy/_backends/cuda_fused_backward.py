@@ -40,8 +40,7 @@ reduction):
   C_out 64); its tile then has 128 rows (one MMA warpgroup) where they hold C_out/groups
   (``WS_NARROW_ROWS``). Where its units (tile and split) outnumber the multiprocessors it runs in
   persistent blocks, one an SM, each unit's stages filled while the unit before is stored
-  (``WS_PERSISTENT``). Built in clusters of 2 where ``WS_CLUSTER`` (off: not yet run on a GPU),
-  two units of the same grad_output tiles share each tile's copy (multicast).
+  (``WS_PERSISTENT``).
 
 Deterministic plans (``deterministic=True``) run the data kernel's ``DET`` instantiation: the input
 gradient is added in 64-bit fixed point (``cuda/fixed_point.cuh``, the exponents from bounds
@@ -326,16 +325,6 @@ WS_PERSISTENT = True
 #: None: one persistent block a multiprocessor; a number: at most that many blocks (tests and
 #: sanitizers: several units a block at small shapes).
 WS_PERSISTENT_BLOCKS = None
-#: The warp-specialised weight kernel in clusters of 2 blocks (its grid even): where the
-#: input-channel tiles are even in count, a cluster's blocks run two units of the same grad_output
-#: rows and positions (units 2j and 2j + 1: the same split, output-channel tile and tap, the next
-#: channel tile), each block's bulk copy of half of each A tile multicast to both, so that the L2
-#: reads grad_output's tiles once for the two (``pairs``); elsewhere each block copies its own.
-#: The same values. True builds it so (``DCN_WS_CLUSTER 1``; a module of its own). Off until a GPU
-#: has run it: session 61 built it (ptxas, sm_90a: no spill in 1D and 2D 32-bit) with no device
-#: time left for its test (``test_warp_specialised_clusters_same_bits``) and A/B (NOTES-gpu.md,
-#: session 61).
-WS_CLUSTER = False
 #: Position splits of the weight gradient (partial sums added in a fixed order), at most this
 #: many: ``weight_splits`` picks the count.
 MAX_SPLITS = 64
@@ -346,19 +335,16 @@ _ALIGN = 256
 
 def _switches() -> tuple:
     """The module's source switches, part of every module's key."""
-    return (DETERMINISTIC_FAST_PATH, WS_LOADS_AHEAD, WS_CLUSTER)
+    return (DETERMINISTIC_FAST_PATH, WS_LOADS_AHEAD)
 
 
 def module_source() -> str:
     """``deform_fused_backward.cu`` with its local headers inlined (#line directives kept); without
     the deterministic scatter's fast path where ``DETERMINISTIC_FAST_PATH`` is off, nor the weight
-    samplers' loads ahead where ``WS_LOADS_AHEAD`` is; the weight kernel in clusters where
-    ``WS_CLUSTER`` is on."""
+    samplers' loads ahead where ``WS_LOADS_AHEAD`` is."""
     text = _cuda.module_text(_SOURCE)
     if not WS_LOADS_AHEAD:
         text = "#define DCN_WS_LOADS_AHEAD 0\n" + text
-    if WS_CLUSTER:
-        text = "#define DCN_WS_CLUSTER 1\n" + text
     return text if DETERMINISTIC_FAST_PATH else "#define DCN_DET_FAST_PATH 0\n" + text
 
 
@@ -577,10 +563,9 @@ def operand_planes(precision: int) -> int:
 def ws_weight_smem_bytes(dtype, precision: int, tile: tuple) -> int:
     """Dynamic shared memory of the warp-specialised weight kernel of a dtype and precision at
     ``tile``: its ring's stages of both tiles (rows of 128 bytes; 3xTF32: two planes each) and
-    their two mbarriers (a_full, peer_free), and 1 KiB to lift the ring to the 128-byte swizzle's
-    1024-byte period."""
+    their mbarriers, and 1 KiB to lift the ring to the 128-byte swizzle's 1024-byte period."""
     bm, bn = tile[:2]
-    return WS_RINGS[weight_tile_key(dtype, precision)][0] * (operand_planes(precision) * (bm + bn) * 128 + 16) + 1024
+    return WS_RINGS[weight_tile_key(dtype, precision)][0] * (operand_planes(precision) * (bm + bn) * 128 + 8) + 1024
 
 
 def _wgmma_device(wgmma=None) -> bool:
@@ -874,15 +859,7 @@ class BackwardConfig:
         self.weight_grid = units
         if self.ws_weight and WS_PERSISTENT:
             cap = multiprocessors if WS_PERSISTENT_BLOCKS is None else int(WS_PERSISTENT_BLOCKS)
-            if WS_CLUSTER:
-                cap = max(2, cap // 2 * 2)   # whole clusters
             self.weight_grid = max(1, min(units, cap))
-        # in clusters of 2 (WS_CLUSTER): an even grid (an odd count of units: a block of none), its
-        # blocks paired on grad_output's tiles where the channel tiles are even in count (so are
-        # the units then)
-        self.ws_pairs = bool(self.ws_weight and WS_CLUSTER and (self.Cg // wbn) % 2 == 0)
-        if self.ws_weight and WS_CLUSTER:
-            self.weight_grid += self.weight_grid % 2
         det = self.deterministic
         sizes = {
             "xcl": ((n * self.S + 1) * self.Cp, dtype), "gycl": ((n * self.Q + 1) * self.gy_row, dtype),
@@ -942,7 +919,6 @@ class BackwardConfig:
                 ", a sampling plan per chunk" if self.sampling_plan else "")
         ws = (f"warp-specialised wgmma, {self.weight_tile[0]} rows, "
               f"{'persistent blocks, ' if self.weight_grid < self.splits * self.weight_tiles else ''}"
-              f"{'pairs sharing grad_output, ' if self.ws_pairs else ''}"
               if self.ws_weight else "")
         weight = (f"weight gradient fused ({ws}{self.splits} position splits, fixed-order sum{plan})"
                   if self.fused_weight else "weight gradient through cuda/im2col")
@@ -1207,7 +1183,7 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
                 args = (u64(view["gyr"]), u64(view["xcl"]), plan_rows, plan_weights, plan_masks, u64(view["part"]),
                         config.struct, i32(n), i32(g.in_channels), i32(config.Cp), i32(g.out_channels),
                         i32(g.groups), i32(config.seg_len), i32(config.weight_steps(n)), i32(start > 0),
-                        i32(config.splits * config.weight_tiles), i32(config.ws_pairs))
+                        i32(config.splits * config.weight_tiles))
             else:
                 args = (u64(view["gyr"]), u64(view["xcl"]), off_n, msk_n, plan_rows, plan_weights, plan_masks,
                         u64(view["part"]), config.struct, i32(n), i32(g.in_channels), i32(config.Cp),
