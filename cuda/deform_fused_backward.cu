@@ -1494,6 +1494,16 @@ __global__ void fused_position_segments(const T* __restrict__ gy, T* __restrict_
 #define DCN_WS_LOADS_AHEAD 1
 #endif
 
+// The warp-specialised weight kernel's MMAs with the roles of the operands swapped: the sampled
+// tile's BN = 64 input channels are the wgmma's M (m64) and each MMA warpgroup's WG_ROWS rows of
+// grad_output its N (n128), one m64n128 a k step where the other order issues WG_ROWS / 64
+// m64n64s. The same tiles in shared memory, the same products; shared-memory reads a k step per
+// warpgroup (TF32) 6 KiB where m64n64's two read 8. Defining DCN_WS_CHANNEL_ROWS 0 builds the other
+// order (cuda_fused_backward.WS_CHANNEL_ROWS, the A/B).
+#ifndef DCN_WS_CHANNEL_ROWS
+#define DCN_WS_CHANNEL_ROWS 1
+#endif
+
 // The weight gradient warp-specialised on wgmma (sm_90a; fp16, bf16, TF32, 3xTF32): the GEMM, the
 // block mapping, the plan's corners and the partial sums of deform_fused_backward_weight (PLAN),
 // but the block's warps split into roles as in the forward's ENGINE 3. MMA_WGS warpgroups
@@ -1539,13 +1549,17 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
     constexpr int VEC = Tile<T>::VEC;
     constexpr int MMA_WGS = BM >= 128 ? BM / 128 : 1;
     constexpr int WG_ROWS = BM / MMA_WGS;
-    constexpr int MI = WG_ROWS / 64;                  // m64 instructions per warpgroup and k step
+    // the sampled channels the wgmma's M where a thread's launch registers hold an m64n128's 64
+    // accumulators and its operands (ptxas: not at 768 threads' 80)
+    constexpr bool CHANNEL_ROWS = DCN_WS_CHANNEL_ROWS && 65536 / THREADS >= 96;
+    constexpr int MI = CHANNEL_ROWS ? 1 : WG_ROWS / 64;  // m64 instructions per warpgroup and k step
+    constexpr int MMA_N = CHANNEL_ROWS ? WG_ROWS : BN;   // their N
+    constexpr int NACC = MMA_N / 2;                      // accumulators per thread and m64 instruction
     constexpr int MMA_THREADS = 128 * MMA_WGS;
     constexpr int SAMPLERS = THREADS - MMA_THREADS;
     constexpr int ROW = 128;                          // bytes of a tile row: BK positions
     constexpr int KSTEP = PREC == 0 ? 16 : 8;         // wgmma K
     constexpr int SPLIT = PREC == 2 ? 2 : 1;          // planes of a tile (3xTF32: big, small)
-    constexpr int NACC = BN / 2;                      // accumulators per thread and m64 instruction
     constexpr int NC = 1 << N;
     constexpr int LINE = ROW / (int)sizeof(T);        // channels of one 128-byte line: a warp's vectors
     constexpr int QUADS = BK / 4;                     // 4-position groups of a step
@@ -1557,6 +1571,7 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
     constexpr int PROMOTE_STEPS = PREC == 2 ? (DCN_WS_PROMOTE_POSITIONS + BK - 1) / BK : 1;   // steps a run of p
     static_assert(BK * (int)sizeof(T) == ROW && WG_ROWS % 64 == 0 && WG_ROWS <= 128 &&
                   (BN == 64 || BN == 128) && BN % LINE == 0, "tile: rows of 128 bytes, m64 x n64 / n128");
+    static_assert(!CHANNEL_ROWS || BN == 64, "the sampled channels as the wgmma's M: one m64");
     static_assert(ITEMS % SAMPLER_WARPS == 0 && U >= 1 && SAMPLERS % 128 == 0,
                   "sampling warpgroups: a whole number of items a warp");
     static_assert(DEPTH >= 2 && 2 * DEPTH <= 15, "2 named barriers a stage");
@@ -1656,16 +1671,28 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
 #pragma unroll
                 for (int ks = 0; ks < BK / KSTEP; ++ks) {
                     const unsigned long long db = wgmma_descriptor_at(b_desc0, stage * STAGE_BYTES + ks * KSTEP * sizeof(T));
-#pragma unroll
-                    for (int mi = 0; mi < MI; ++mi) {
-                        const unsigned long long da =
-                            wgmma_descriptor_at(a_desc0, stage * STAGE_BYTES + mi * 64 * ROW + ks * KSTEP * sizeof(T));
+                    if constexpr (CHANNEL_ROWS) {
+                        // the same three products of a pair as below, the operands' roles swapped
+                        const unsigned long long da = wgmma_descriptor_at(a_desc0, stage * STAGE_BYTES + ks * KSTEP * sizeof(T));
                         if constexpr (SPLIT == 2) {
-                            Wgmma<T, BN>::run(acc[mi], wgmma_descriptor_at(da, A_PLANE), db, fresh && ks == 0 ? 0 : 1);
-                            Wgmma<T, BN>::run(acc[mi], da, wgmma_descriptor_at(db, B_PLANE));
-                            Wgmma<T, BN>::run(acc[mi], da, db);
+                            Wgmma<T, MMA_N>::run(acc[0], db, wgmma_descriptor_at(da, A_PLANE), fresh && ks == 0 ? 0 : 1);
+                            Wgmma<T, MMA_N>::run(acc[0], wgmma_descriptor_at(db, B_PLANE), da);
+                            Wgmma<T, MMA_N>::run(acc[0], db, da);
                         } else {
-                            Wgmma<T, BN>::run(acc[mi], da, db);
+                            Wgmma<T, MMA_N>::run(acc[0], db, da);
+                        }
+                    } else {
+#pragma unroll
+                        for (int mi = 0; mi < MI; ++mi) {
+                            const unsigned long long da =
+                                wgmma_descriptor_at(a_desc0, stage * STAGE_BYTES + mi * 64 * ROW + ks * KSTEP * sizeof(T));
+                            if constexpr (SPLIT == 2) {
+                                Wgmma<T, BN>::run(acc[mi], wgmma_descriptor_at(da, A_PLANE), db, fresh && ks == 0 ? 0 : 1);
+                                Wgmma<T, BN>::run(acc[mi], da, wgmma_descriptor_at(db, B_PLANE));
+                                Wgmma<T, BN>::run(acc[mi], da, db);
+                            } else {
+                                Wgmma<T, BN>::run(acc[mi], da, db);
+                            }
                         }
                     }
                 }
@@ -1692,30 +1719,52 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
             // (the unit's last stage)
             if (steps > 0 && u0 - 1 + DEPTH < block_steps) barrier_arrive(empty_barrier((u0 - 1) % DEPTH), THREADS);
             enter_unit(unit);   // (again: its tile not held in registers through the steps)
-            // Epilogue: d[mi][4j + 2h + e] is output channel 64 mi + 16 (warp % 4) + lane / 4 + 8 h of
-            // the warpgroup's rows, input channel 8 j + 2 (lane % 4) + e of the tile: float2 stores
-            // (Cg and the channel even).
+            // Epilogue.
             const int gq = lane >> 2, tq = lane & 3;
+            if constexpr (CHANNEL_ROWS) {
+                // d[0][4j + 2h + e] is input channel 16 (warp % 4) + lane / 4 + 8 h of the tile, output
+                // channel 8 j + 2 (lane % 4) + e of the warpgroup's rows: a store a value, 8 lanes'
+                // channels consecutive.
 #pragma unroll
-            for (int mi = 0; mi < MI; ++mi)
+                for (int j = 0; j < MMA_N / 8; ++j)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int o = blk.m0 + wg * WG_ROWS + mi * 64 + (warp & 3) * 16 + gq + h * 8;
-                    if (o >= Cog) continue;
-                    float* const row =
-                        part + (((I)blk.split * out_channels + blk.grp * Cog + o) * K + blk.t) * Cg + blk.n0 + 2 * tq;
+                    for (int e = 0; e < 2; ++e) {
+                        const int o = blk.m0 + wg * WG_ROWS + 8 * j + 2 * tq + e;
+                        if (o >= Cog) continue;
+                        float* const row = part + (((I)blk.split * out_channels + blk.grp * Cog + o) * K + blk.t) * Cg +
+                                           blk.n0 + (warp & 3) * 16 + gq;
 #pragma unroll
-                    for (int j = 0; j < BN / 8; ++j) {
-                        float2* const at = reinterpret_cast<float2*>(row + 8 * j);
-                        float2 v = make_float2(d[mi][4 * j + 2 * h], d[mi][4 * j + 2 * h + 1]);
-                        if (accumulate) {
-                            const float2 old = *at;
-                            v.x += old.x;
-                            v.y += old.y;
+                        for (int h = 0; h < 2; ++h) {
+                            float v = d[0][4 * j + 2 * h + e];
+                            if (accumulate) v += row[8 * h];
+                            row[8 * h] = v;
                         }
-                        *at = v;
                     }
-                }
+            } else {
+                // d[mi][4j + 2h + e] is output channel 64 mi + 16 (warp % 4) + lane / 4 + 8 h of the
+                // warpgroup's rows, input channel 8 j + 2 (lane % 4) + e of the tile: float2 stores (Cg
+                // and the channel even).
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int o = blk.m0 + wg * WG_ROWS + mi * 64 + (warp & 3) * 16 + gq + h * 8;
+                        if (o >= Cog) continue;
+                        float* const row =
+                            part + (((I)blk.split * out_channels + blk.grp * Cog + o) * K + blk.t) * Cg + blk.n0 + 2 * tq;
+#pragma unroll
+                        for (int j = 0; j < BN / 8; ++j) {
+                            float2* const at = reinterpret_cast<float2*>(row + 8 * j);
+                            float2 v = make_float2(d[mi][4 * j + 2 * h], d[mi][4 * j + 2 * h + 1]);
+                            if (accumulate) {
+                                const float2 old = *at;
+                                v.x += old.x;
+                                v.y += old.y;
+                            }
+                            *at = v;
+                        }
+                    }
+            }
         }
         return;
     }

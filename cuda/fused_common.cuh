@@ -96,17 +96,17 @@ __device__ __forceinline__ unsigned split_small(float v, unsigned big) {
 // small the rest, rounded); (v, v) for 0 and for a non-finite v. The three products a_big*b_big,
 // a_small*b_big and a_big*b_small of one pair then share their sign: an infinite factor makes
 // them infinite alike (never inf - inf), and 0 * inf arises only where a factor is 0 or NaN
-// (where the exact product is NaN too).
+// (where the exact product is NaN too). Branch-free: both results computed, then selected (a
+// branch a value cost the samplers' loops 40 branches a step; H200, without them: B=16 C512 14x14
+// strict forward 0.288 -> 0.249 ms, f+b 0.877 -> 0.805, NOTES-gpu.md session 63).
 __device__ __forceinline__ void split_tf32(float v, unsigned& big, unsigned& small) {
     const unsigned bits = __float_as_uint(v);
-    if (v == 0.0f || !isfinite(v)) {
-        big = small = bits;
-        return;
-    }
-    unsigned b = bits & 0xFFFFE000u;   // truncated: magnitude towards 0
-    if (b == bits) b -= 0x2000u;       // one unit of the last TF32 place nearer 0 (|v| >= that unit)
-    big = b;
-    small = to_tf32(v - __uint_as_float(b));   // exact difference, rounded: keeps its sign
+    const bool special = v == 0.0f || !isfinite(v);   // (v, v)
+    unsigned b = bits & 0xFFFFE000u;                  // truncated: magnitude towards 0
+    b -= b == bits ? 0x2000u : 0u;                    // one unit of the last TF32 place nearer 0 (|v| >= that unit)
+    const unsigned rest = to_tf32(v - __uint_as_float(b));   // exact difference, rounded: keeps its sign
+    big = special ? bits : b;
+    small = special ? bits : rest;
 }
 
 // split_tf32 of the four float32 words of a 16-byte vector.

@@ -1593,6 +1593,38 @@ def test_warp_specialised_persistent_blocks_same_bits(ndim, precision, monkeypat
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ndim", [1, 2])
+@pytest.mark.parametrize("precision", ["float16", "tf32", "float32"])
+def test_warp_specialised_channel_rows_same_bits(ndim, precision, monkeypatch):
+    """The warp-specialised weight kernel's MMAs with the operands' roles swapped (WS_CHANNEL_ROWS:
+    the sampled channels the wgmma's M, grad_output's rows its N, where the tile's threads have the
+    registers) give the bits of the m64n64 order, and the reference's values: the 128-row tile (96
+    output channels: the partial tile's rows past C_out/groups not stored) and the 256-row one
+    (160); 5 splits, 64-bit indices, chunks of one sample (the units add to the partial sums)."""
+    fb = _backward_module()
+    if not fb._fused.wgmma_available():
+        pytest.skip("the warp-specialised weight kernel runs on sm_90a devices")
+    rng = np.random.default_rng(90 + ndim)
+    size = {1: 203, 2: 15}[ndim]
+    cases = (("5 splits", lambda steps: min(5, steps)), ("64-bit", lambda steps: min(5, steps)),
+             ("chunks", lambda steps: min(3, steps)))
+    for c_out in (96, 160):
+        case = wide_case(rng, ndim, groups=1, c_in=128, offset_groups=2, mask_groups=1, c_out=c_out, batch=4,
+                         size=size)
+        for name, splits in cases:
+            label = (c_out, name)
+            weights = {}
+            for channel_rows in (False, True):
+                got, expected, config = _ws_weight_gradient(monkeypatch, case, precision, name, splits,
+                                                            WS_CHANNEL_ROWS=channel_rows)
+                assert config.ws_weight and config.index64 == (name == "64-bit"), label
+                assert config.weight_tile[0] == (128 if c_out == 96 else 256), label
+                check(got, expected, precision, label)
+                weights[channel_rows] = got["weight"]
+            assert np.array_equal(weights[False], weights[True]), label
+
+
+@pytest.mark.gpu
 def test_warp_specialised_strict_float32_keeps_float32_accuracy_over_long_reductions(monkeypatch):
     """The warp-specialised kernel's 3xTF32 sums its products a run of positions at a time apart
     from the accumulators, so that over 2048 positions in one split its weight gradient keeps

@@ -313,6 +313,11 @@ DETERMINISTIC_FAST_PATH = True
 #: stage's stores and barriers; the same values. False: each step's loads at its start (``DCN_WS_LOADS_AHEAD
 #: 0``, the A/B; a module of its own).
 WS_LOADS_AHEAD = True
+#: The warp-specialised weight kernel's MMAs with the operands' roles swapped: the sampled tile's
+#: 64 input channels the wgmma's M and each MMA warpgroup's 128 rows of grad_output its N (one
+#: m64n128 a k step for two m64n64: fewer shared-memory bytes a product). The same products.
+#: False: the m64n64 order (``DCN_WS_CHANNEL_ROWS 0``, the A/B; a module of its own).
+WS_CHANNEL_ROWS = True
 #: The warp-specialised weight kernel in persistent blocks: a grid of one block a multiprocessor
 #: (the kernel's registers hold one block an SM), each computing units (tile and split)
 #: blockIdx.x, blockIdx.x + gridDim.x, ... through one ring, so that its samplers fill the next
@@ -335,16 +340,19 @@ _ALIGN = 256
 
 def _switches() -> tuple:
     """The module's source switches, part of every module's key."""
-    return (DETERMINISTIC_FAST_PATH, WS_LOADS_AHEAD)
+    return (DETERMINISTIC_FAST_PATH, WS_LOADS_AHEAD, WS_CHANNEL_ROWS)
 
 
 def module_source() -> str:
     """``deform_fused_backward.cu`` with its local headers inlined (#line directives kept); without
     the deterministic scatter's fast path where ``DETERMINISTIC_FAST_PATH`` is off, nor the weight
-    samplers' loads ahead where ``WS_LOADS_AHEAD`` is."""
+    samplers' loads ahead where ``WS_LOADS_AHEAD`` is, nor the ws MMAs' swapped operands where
+    ``WS_CHANNEL_ROWS`` is."""
     text = _cuda.module_text(_SOURCE)
     if not WS_LOADS_AHEAD:
         text = "#define DCN_WS_LOADS_AHEAD 0\n" + text
+    if not WS_CHANNEL_ROWS:
+        text = "#define DCN_WS_CHANNEL_ROWS 0\n" + text
     return text if DETERMINISTIC_FAST_PATH else "#define DCN_DET_FAST_PATH 0\n" + text
 
 
