@@ -69,6 +69,20 @@ def test_sm90a_kernels_compile(key, compile_module):
     compile_module(fb.module_source(), "deform_fused_backward.cu", fb.ws_name_expressions(*key), arch="sm_90a")
 
 
+@pytest.mark.parametrize("switch", ["WS_LOADS_AHEAD", "WS_CHANNEL_ROWS"])
+def test_sm90a_kernels_compile_with_a_switch_off(switch, compile_module, monkeypatch):
+    """The sm_90a module built with one of the warp-specialised weight kernel's switches off (the
+    A/B's other side, benchmarks/ab.py) compiles; the other module's source does not change."""
+    fb = _backward_module()
+    other = fb.module_source(sm90a=False)
+    monkeypatch.setattr(fb, switch, False)
+    source = fb.module_source()
+    assert source.startswith(f"#define DCN_{switch} 0\n") and fb.module_source(sm90a=False) == other
+    assert fb._switches(sm90a=False) == (fb.DETERMINISTIC_FAST_PATH,) and False in fb._switches()
+    for key in ((np.float32, 2, False), (np.float16, 1, True)):
+        compile_module(source, "deform_fused_backward.cu", fb.ws_name_expressions(*key), arch="sm_90a")
+
+
 def test_module_source_defines_exactly_the_instantiated_kernels():
     import re
     fb = _backward_module()

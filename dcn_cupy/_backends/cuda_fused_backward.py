@@ -338,20 +338,22 @@ _MAX_GRID = 1 << 20
 _ALIGN = 256
 
 
-def _switches() -> tuple:
-    """The module's source switches, part of every module's key."""
-    return (DETERMINISTIC_FAST_PATH, WS_LOADS_AHEAD, WS_CHANNEL_ROWS)
+def _switches(sm90a: bool = True) -> tuple:
+    """The source switches of a module, part of its key: the warp-specialised weight kernel's
+    (``WS_*``) only in the sm_90a module, the one that instantiates it (so that switching them
+    rebuilds no other module)."""
+    return (DETERMINISTIC_FAST_PATH, WS_LOADS_AHEAD, WS_CHANNEL_ROWS) if sm90a else (DETERMINISTIC_FAST_PATH,)
 
 
-def module_source() -> str:
+def module_source(sm90a: bool = True) -> str:
     """``deform_fused_backward.cu`` with its local headers inlined (#line directives kept); without
-    the deterministic scatter's fast path where ``DETERMINISTIC_FAST_PATH`` is off, nor the weight
-    samplers' loads ahead where ``WS_LOADS_AHEAD`` is, nor the ws MMAs' swapped operands where
-    ``WS_CHANNEL_ROWS`` is."""
+    the deterministic scatter's fast path where ``DETERMINISTIC_FAST_PATH`` is off; for the sm_90a
+    module (``sm90a``), without the weight samplers' loads ahead where ``WS_LOADS_AHEAD`` is off,
+    nor the ws MMAs' swapped operands where ``WS_CHANNEL_ROWS`` is."""
     text = _cuda.module_text(_SOURCE)
-    if not WS_LOADS_AHEAD:
+    if sm90a and not WS_LOADS_AHEAD:
         text = "#define DCN_WS_LOADS_AHEAD 0\n" + text
-    if not WS_CHANNEL_ROWS:
+    if sm90a and not WS_CHANNEL_ROWS:
         text = "#define DCN_WS_CHANNEL_ROWS 0\n" + text
     return text if DETERMINISTIC_FAST_PATH else "#define DCN_DET_FAST_PATH 0\n" + text
 
@@ -519,21 +521,21 @@ def _function(name: str, dtype, ndim: int, index64: bool):
     """The kernel ``name`` on the current device; its module (the sm_90a one for the warp-specialised
     weight kernel) is compiled once per device and value of the source switches (``_switches``)."""
     device = cupy.cuda.runtime.getDevice()
-    fkey = (device, name, _switches())
+    sm90a = _is_sm90a(name)
+    fkey = (device, name, _switches(sm90a))
     fn = _functions.get(fkey)
     if fn is None:
         with _lock:
             fn = _functions.get(fkey)
             if fn is None:
-                sm90a = _is_sm90a(name)
                 names = (ws_name_expressions if sm90a else name_expressions)(dtype, ndim, index64)
-                mkey = (device, names, _switches())
+                mkey = (device, names, _switches(sm90a))
                 module = _modules.get(mkey)
                 if module is None and sm90a:
                     module = _modules[mkey] = _fused._Sm90aModule(names, module_source(), _SOURCE)
                 elif module is None:
-                    module = _modules[mkey] = cupy.RawModule(code=module_source(), options=_cuda.compile_options(),
-                                                             name_expressions=names)
+                    module = _modules[mkey] = cupy.RawModule(code=module_source(sm90a=False),
+                                                             options=_cuda.compile_options(), name_expressions=names)
                 fn = _functions[fkey] = module.get_function(name)
     return fn
 
