@@ -1508,7 +1508,9 @@ __global__ void fused_position_segments(const T* __restrict__ gy, T* __restrict_
 // block mapping, the plan's corners and the partial sums of deform_fused_backward_weight (PLAN),
 // but the block's warps split into roles as in the forward's ENGINE 3. MMA_WGS warpgroups
 // (warps 0 .. 4 * MMA_WGS - 1) only multiply: each its BM / MMA_WGS output channels of the tile,
-// m64nBNk16 (k8 in TF32) from shared-memory descriptors, float32 accumulators in registers. The
+// m64nBNk16 (k8 in TF32) from shared-memory descriptors, float32 accumulators in registers (where
+// the threads have the registers, the operands' roles swapped: the tile's 64 input channels as M,
+// the warpgroup's 128 output channels as N, one m64n128 a k step; DCN_WS_CHANNEL_ROWS). The
 // other THREADS - 128 * MMA_WGS threads sample, filling a ring of DEPTH stages as far ahead as it
 // allows, each stage a tile pair in wgmma's 128-byte swizzle (rows of 128 bytes: BK positions,
 // K-major both):

@@ -315,8 +315,12 @@ DETERMINISTIC_FAST_PATH = True
 WS_LOADS_AHEAD = True
 #: The warp-specialised weight kernel's MMAs with the operands' roles swapped: the sampled tile's
 #: 64 input channels the wgmma's M and each MMA warpgroup's 128 rows of grad_output its N (one
-#: m64n128 a k step for two m64n64: fewer shared-memory bytes a product). The same products.
-#: False: the m64n64 order (``DCN_WS_CHANNEL_ROWS 0``, the A/B; a module of its own).
+#: m64n128 a k step for two m64n64: fewer shared-memory bytes a product). The same products. Where
+#: the tile's threads have the registers for an m64n128's 64 accumulators: not the 768-thread
+#: 256-row tiles (fp16, bf16, TF32), whose 80 are too few. H200, f+b, m64n64 -> m64n128
+#: (NOTES-gpu.md, session 63): B=16 C512 14x14 strict 0.8911 -> 0.8748 ms, 1D strict 0.991x, B=8
+#: C256 strict 0.998x; 2D transposed (128-row tile) strict 0.992x, TF32 0.990x, fp16 0.999x. False:
+#: the m64n64 order (``DCN_WS_CHANNEL_ROWS 0``, the A/B; a module of its own).
 WS_CHANNEL_ROWS = True
 #: The warp-specialised weight kernel in persistent blocks: a grid of one block a multiprocessor
 #: (the kernel's registers hold one block an SM), each computing units (tile and split)
