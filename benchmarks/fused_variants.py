@@ -13,7 +13,9 @@ of corner loads in flight, with ``DCN_FUSED_AHEAD_REGS`` 88 for a 64x64x32 tile'
 phases; ``DCN_FUSED_PEEL_LAST_STEP`` 1 or 0, ENGINE 3's samplers with their last step peeled off
 their loop in every dtype or in none, where the default peels it in the half types only;
 ``DCN_FUSED_PROMOTE_CHANNELS`` 16, ENGINE 3's 3xTF32 products joining the float32 accumulators
-every step of a 16-channel tile, where the default waits for 64 channels),
+every step of a 16-channel tile, where the default waits for 64 channels;
+``DCN_FUSED_POSITION_ROWS`` 1, ENGINE 3's MMAs as one m64n128 a k step with the positions as M,
+where the default issues two m64n64 with the output channels as M),
 then runs ``fused_tiles.py`` with the
 arguments after ``--`` in this process: the same checks against the strict float32 reference
 and the same timings. Run it once per variant, in one device call, and compare the tables

@@ -127,6 +127,16 @@
 #ifndef DCN_FUSED_AHEAD_REGS
 #define DCN_FUSED_AHEAD_REGS 0
 #endif
+// ENGINE 3's MMAs with the operands' roles swapped (experiment, off by default): the sampled
+// tile's 64 positions as the wgmma's M and each MMA warpgroup's 128 rows of weights as its N, one
+// m64n128 a k step where the default issues two m64n64 (as the warp-specialised weight kernel's
+// DCN_WS_CHANNEL_ROWS: 6 KiB of operands read a k step in TF32 for 8; the same products). Taken
+// by 64-position tiles of two 128-row MMA warpgroups whose launch gives a thread 96 registers or
+// more (ptxas: an m64n128's 64 accumulators do not fit 80). The epilogue then stores one value a
+// store, 8 lanes' positions consecutive.
+#ifndef DCN_FUSED_POSITION_ROWS
+#define DCN_FUSED_POSITION_ROWS 0
+#endif
 
 namespace fused {
 
@@ -852,8 +862,12 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         // step runs asynchronously while the threads (ENGINE 3: the sampling warps) sample the
         // next step into another buffer.
         constexpr int KSTEP = PREC == 0 ? 16 : 8;          // wgmma K
-        constexpr int MI = WG_ROWS / 64;
-        constexpr int NACC = BN / 2;                        // accumulators per thread and instruction
+        // (DCN_FUSED_POSITION_ROWS: the positions the wgmma's M, the warpgroup's rows its N)
+        constexpr bool POSITION_ROWS = ENGINE == 3 && DCN_FUSED_POSITION_ROWS && BN == 64 && WG_ROWS == 128 &&
+                                       65536 / (MINB * THREADS) >= 96;
+        constexpr int MI = POSITION_ROWS ? 1 : WG_ROWS / 64;
+        constexpr int MMA_N = POSITION_ROWS ? WG_ROWS : BN;  // the instructions' N
+        constexpr int NACC = MMA_N / 2;                      // accumulators per thread and instruction
         constexpr unsigned CORE = 128;                      // bytes of one 8x16-byte core matrix
         constexpr unsigned SBO = (BK / VEC) * CORE;
         const int wg = warp >> 2;
@@ -887,19 +901,31 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
 #pragma unroll
             for (int ks = 0; ks < BK / KSTEP; ++ks) {
                 const unsigned long long db = wgmma_descriptor_at(b_desc0, b_buf + ks * B_K_BYTES);
-#pragma unroll
-                for (int mi = 0; mi < MI; ++mi) {
-                    const unsigned long long da =
-                        wgmma_descriptor_at(a_desc0, a_buf + mi * (64 * BK * (unsigned)sizeof(T)) + ks * K_BYTES);
-                    // (the step's first product into p overwrites it)
-                    const int keep = fresh && ks == 0 ? 0 : 1;
+                // (the step's first product into p overwrites it)
+                const int keep = fresh && ks == 0 ? 0 : 1;
+                if constexpr (POSITION_ROWS) {
+                    // the same products, the operands' roles swapped
+                    const unsigned long long da = wgmma_descriptor_at(a_desc0, a_buf + ks * K_BYTES);
                     if constexpr (SPLIT == 2) {
-                        // the small parts: each buffer's second tile
-                        Wgmma<T, BN>::run(acc[mi], wgmma_descriptor_at(da, BM * LD * (unsigned)sizeof(T)), db, keep);
-                        Wgmma<T, BN>::run(acc[mi], da, wgmma_descriptor_at(db, BN * LD * (unsigned)sizeof(T)));
-                        Wgmma<T, BN>::run(acc[mi], da, db);
+                        Wgmma<T, MMA_N>::run(acc[0], db, wgmma_descriptor_at(da, BM * LD * (unsigned)sizeof(T)), keep);
+                        Wgmma<T, MMA_N>::run(acc[0], wgmma_descriptor_at(db, BN * LD * (unsigned)sizeof(T)), da);
+                        Wgmma<T, MMA_N>::run(acc[0], db, da);
                     } else {
-                        Wgmma<T, BN>::run(acc[mi], da, db, keep);
+                        Wgmma<T, MMA_N>::run(acc[0], db, da, keep);
+                    }
+                } else {
+#pragma unroll
+                    for (int mi = 0; mi < MI; ++mi) {
+                        const unsigned long long da =
+                            wgmma_descriptor_at(a_desc0, a_buf + mi * (64 * BK * (unsigned)sizeof(T)) + ks * K_BYTES);
+                        if constexpr (SPLIT == 2) {
+                            // the small parts: each buffer's second tile
+                            Wgmma<T, BN>::run(acc[mi], wgmma_descriptor_at(da, BM * LD * (unsigned)sizeof(T)), db, keep);
+                            Wgmma<T, BN>::run(acc[mi], da, wgmma_descriptor_at(db, BN * LD * (unsigned)sizeof(T)));
+                            Wgmma<T, BN>::run(acc[mi], da, db);
+                        } else {
+                            Wgmma<T, BN>::run(acc[mi], da, db, keep);
+                        }
                     }
                 }
             }
@@ -911,6 +937,30 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         // positions first, with one division (one a stored value was 32 divisions a thread).
         auto epilogue = [&]() {
             const int gq = lane >> 2, tq = lane & 3;
+            if constexpr (POSITION_ROWS) {
+                // d[0][4j + 2h + e] is position 16*(warp%4) + lane/4 + 8h of the tile, row 8j +
+                // 2*(lane%4) + e of the warpgroup's: each of the thread's 2 positions located once
+                I yoff[2];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const I pos = p0 + (warp & 3) * 16 + gq + 8 * h;
+                    const I b = pos / Q;
+                    yoff[h] = pos < BQ ? b * out_channels * Q + (pos - b * Q) : (I)-1;
+                }
+#pragma unroll
+                for (int j = 0; j < MMA_N / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int o = m0 + wg * WG_ROWS + 8 * j + 2 * tq + e;
+                        if (o >= Cog) continue;
+                        const int oc = grp * Cog + o;
+                        const float bv = bias == nullptr ? 0.0f : Traits<T>::load(bias[oc]);
+#pragma unroll
+                        for (int h = 0; h < 2; ++h)
+                            if (yoff[h] >= 0) y[yoff[h] + (I)oc * Q] = Traits<T>::store(d[0][4 * j + 2 * h + e] + bv);
+                    }
+                return;
+            }
             I ybase[BN / 8][2];
             fused::output_offsets<I, BN / 8>(ybase, p0 + 2 * tq, Q, BQ, out_channels);
             const bool pairs = fused::pairs_aligned(y, ybase, Q);

@@ -155,6 +155,15 @@ EXPERIMENTS = {
     "wide-sampler-regs-none": ({"DCN_FUSED_WIDE_SAMPLER_REGS": 0}, (
         "deform_fused_forward<__half, int, 2, 0, 256, 64, 64, 1, true, 3, 4, 768, 2>",
         "deform_fused_forward<float, int, 2, 1, 256, 64, 32, 1, true, 3, 4, 768, 2>")),
+    # ENGINE 3's MMAs as m64n128, the positions as M (3xTF32 PLAN 3, TF32 and fp16 PLAN 2, persistent
+    # fp16, 64-bit TF32 3D; the 768-thread tile keeps m64n64)
+    "position-rows": ({"DCN_FUSED_POSITION_ROWS": 1}, (
+        "deform_fused_forward<float, int, 2, 2, 256, 64, 16, 1, true, 3, 4, 512, 3>",
+        "deform_fused_forward<float, int, 1, 1, 256, 64, 32, 1, true, 3, 4, 512, 2>",
+        "deform_fused_forward<__half, int, 2, 0, 256, 64, 64, 1, true, 3, 4, 512, 2>",
+        "deform_fused_forward<__half, int, 2, 0, 256, 64, 64, 1, true, 3, 4, 512, 0, true>",
+        "deform_fused_forward<float, long long, 3, 1, 256, 64, 32, 1, true, 3, 4, 512, 2>",
+        "deform_fused_forward<float, int, 2, 1, 256, 64, 32, 1, true, 3, 4, 768, 2>")),
     "row-phases-off": ({"DCN_FUSED_ROW_PHASES": 0}, (
         "deform_fused_forward<__half, int, 2, 0, 256, 64, 64, 1, true, 3, 4, 512, 2>",
         "deform_fused_forward<float, int, 3, 1, 64, 64, 32, 2, true, 3, 4, 384, 2>")),
