@@ -864,7 +864,7 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         constexpr int KSTEP = PREC == 0 ? 16 : 8;          // wgmma K
         // (DCN_FUSED_POSITION_ROWS: the positions the wgmma's M, the warpgroup's rows its N)
         constexpr bool POSITION_ROWS = ENGINE == 3 && DCN_FUSED_POSITION_ROWS && BN == 64 && WG_ROWS == 128 &&
-                                       65536 / (MINB * THREADS) >= 96;
+                                       holds_m64n128(MINB * THREADS);
         constexpr int MI = POSITION_ROWS ? 1 : WG_ROWS / 64;
         constexpr int MMA_N = POSITION_ROWS ? WG_ROWS : BN;  // the instructions' N
         constexpr int NACC = MMA_N / 2;                      // accumulators per thread and instruction

@@ -1551,9 +1551,8 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
     constexpr int VEC = Tile<T>::VEC;
     constexpr int MMA_WGS = BM >= 128 ? BM / 128 : 1;
     constexpr int WG_ROWS = BM / MMA_WGS;
-    // the sampled channels the wgmma's M where a thread's launch registers hold an m64n128's 64
-    // accumulators and its operands (ptxas: not at 768 threads' 80)
-    constexpr bool CHANNEL_ROWS = DCN_WS_CHANNEL_ROWS && 65536 / THREADS >= 96;
+    // the sampled channels the wgmma's M where a thread's launch registers hold an m64n128
+    constexpr bool CHANNEL_ROWS = DCN_WS_CHANNEL_ROWS && holds_m64n128(THREADS);
     constexpr int MI = CHANNEL_ROWS ? 1 : WG_ROWS / 64;  // m64 instructions per warpgroup and k step
     constexpr int MMA_N = CHANNEL_ROWS ? WG_ROWS : BN;   // their N
     constexpr int NACC = MMA_N / 2;                      // accumulators per thread and m64 instruction

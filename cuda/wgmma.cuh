@@ -78,6 +78,11 @@ __device__ __forceinline__ void register_fence(float (&acc)[MI][NACC]) {
         for (int i = 0; i < NACC; ++i) register_fence(acc[mi][i]);
 }
 
+// Whether `threads_per_sm` resident threads leave each the registers of an m64n128 (its 64
+// accumulators and its operands): ptxas refuses one at 80 a thread (768 threads), "register
+// target of 90 or higher" (NOTES-gpu.md session 63).
+__host__ __device__ constexpr bool holds_m64n128(int threads_per_sm) { return 65536 / threads_per_sm >= 96; }
+
 // D(64xN, float) += A(64xK) * B(KxN) (D = A * B where `accumulate` is 0), both from shared
 // memory (descriptors), one warpgroup; K = 16 (half types) or 8 (TF32), N = 48 (ENGINE 3's
 // 48-position tiles), 64 or 128. sm_90a.
