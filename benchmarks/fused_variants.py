@@ -14,8 +14,8 @@ phases; ``DCN_FUSED_PEEL_LAST_STEP`` 1 or 0, ENGINE 3's samplers with their last
 their loop in every dtype or in none, where the default peels it in the half types only;
 ``DCN_FUSED_PROMOTE_CHANNELS`` 16, ENGINE 3's 3xTF32 products joining the float32 accumulators
 every step of a 16-channel tile, where the default waits for 64 channels;
-``DCN_FUSED_POSITION_ROWS`` 1, ENGINE 3's MMAs as one m64n128 a k step with the positions as M,
-where the default issues two m64n64 with the output channels as M),
+``DCN_FUSED_POSITION_ROWS`` 0, ENGINE 3's 3xTF32 MMAs as two m64n64 with the output channels as M,
+where the default issues one m64n128 with the positions as M),
 then runs ``fused_tiles.py`` with the
 arguments after ``--`` in this process: the same checks against the strict float32 reference
 and the same timings. Run it once per variant, in one device call, and compare the tables
@@ -43,7 +43,7 @@ def main(argv=None):
     from dcn_cupy._backends import cuda_fused
     original = cuda_fused.module_source
     prefix = "".join(f"#define {name} {value}\n" for name, value in defines)
-    cuda_fused.module_source = lambda: prefix + original()
+    cuda_fused.module_source = lambda *args, **kwargs: prefix + original(*args, **kwargs)
     print(f"variant: {args.defines or 'default'}", flush=True)
     import fused_tiles
     return fused_tiles.main(rest)

@@ -127,15 +127,17 @@
 #ifndef DCN_FUSED_AHEAD_REGS
 #define DCN_FUSED_AHEAD_REGS 0
 #endif
-// ENGINE 3's MMAs with the operands' roles swapped (experiment, off by default): the sampled
-// tile's 64 positions as the wgmma's M and each MMA warpgroup's 128 rows of weights as its N, one
-// m64n128 a k step where the default issues two m64n64 (as the warp-specialised weight kernel's
-// DCN_WS_CHANNEL_ROWS: 6 KiB of operands read a k step in TF32 for 8; the same products). Taken
-// by 64-position tiles of two 128-row MMA warpgroups whose launch gives a thread 96 registers or
-// more (ptxas: an m64n128's 64 accumulators do not fit 80). The epilogue then stores one value a
-// store, 8 lanes' positions consecutive.
+// ENGINE 3's MMAs with the operands' roles swapped in 3xTF32: the sampled tile's 64 positions as
+// the wgmma's M and each MMA warpgroup's 128 rows of weights as its N, one m64n128 a k step where
+// the other order issues two m64n64 (as the warp-specialised weight kernel's DCN_WS_CHANNEL_ROWS:
+// 6 KiB of operands read a k step for 8; the same products in the same order). Taken by 3xTF32's
+// 64-position tiles of two 128-row MMA warpgroups whose launch gives a thread 96 registers or more
+// (ptxas: an m64n128's 64 accumulators do not fit 80). The epilogue then stores one value a store,
+// 8 lanes' positions consecutive. H200 (NOTES-gpu.md, session 64): strict f+b B=8 C256 56x56 0.982x,
+// 1D 0.987x; TF32 and fp16, whose single MMA a k step leaves the shared-memory reads less of the
+// time, level or slower (1D TF32 1.012x), so they keep the other order. 0: the other order (the A/B).
 #ifndef DCN_FUSED_POSITION_ROWS
-#define DCN_FUSED_POSITION_ROWS 0
+#define DCN_FUSED_POSITION_ROWS 1
 #endif
 
 namespace fused {
@@ -863,8 +865,8 @@ deform_fused_forward(const T* __restrict__ xcl, const T* __restrict__ wr, const 
         // next step into another buffer.
         constexpr int KSTEP = PREC == 0 ? 16 : 8;          // wgmma K
         // (DCN_FUSED_POSITION_ROWS: the positions the wgmma's M, the warpgroup's rows its N)
-        constexpr bool POSITION_ROWS = ENGINE == 3 && DCN_FUSED_POSITION_ROWS && BN == 64 && WG_ROWS == 128 &&
-                                       holds_m64n128(MINB * THREADS);
+        constexpr bool POSITION_ROWS = ENGINE == 3 && DCN_FUSED_POSITION_ROWS && SPLIT == 2 && BN == 64 &&
+                                       WG_ROWS == 128 && holds_m64n128(MINB * THREADS);
         constexpr int MI = POSITION_ROWS ? 1 : WG_ROWS / 64;
         constexpr int MMA_N = POSITION_ROWS ? WG_ROWS : BN;  // the instructions' N
         constexpr int NACC = MMA_N / 2;                      // accumulators per thread and instruction

@@ -16,6 +16,7 @@ about 21 bits of each operand, float32 accumulation.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -155,15 +156,11 @@ EXPERIMENTS = {
     "wide-sampler-regs-none": ({"DCN_FUSED_WIDE_SAMPLER_REGS": 0}, (
         "deform_fused_forward<__half, int, 2, 0, 256, 64, 64, 1, true, 3, 4, 768, 2>",
         "deform_fused_forward<float, int, 2, 1, 256, 64, 32, 1, true, 3, 4, 768, 2>")),
-    # ENGINE 3's MMAs as m64n128, the positions as M (3xTF32 PLAN 3, TF32 and fp16 PLAN 2, persistent
-    # fp16, 64-bit TF32 3D; the 768-thread tile keeps m64n64)
-    "position-rows": ({"DCN_FUSED_POSITION_ROWS": 1}, (
+    # ENGINE 3's 3xTF32 MMAs as two m64n64, the output channels as M (the default: one m64n128, the
+    # positions as M; PLAN 3 and PLAN 0, 1D and 2D)
+    "position-rows-off": ({"DCN_FUSED_POSITION_ROWS": 0}, (
         "deform_fused_forward<float, int, 2, 2, 256, 64, 16, 1, true, 3, 4, 512, 3>",
-        "deform_fused_forward<float, int, 1, 1, 256, 64, 32, 1, true, 3, 4, 512, 2>",
-        "deform_fused_forward<__half, int, 2, 0, 256, 64, 64, 1, true, 3, 4, 512, 2>",
-        "deform_fused_forward<__half, int, 2, 0, 256, 64, 64, 1, true, 3, 4, 512, 0, true>",
-        "deform_fused_forward<float, long long, 3, 1, 256, 64, 32, 1, true, 3, 4, 512, 2>",
-        "deform_fused_forward<float, int, 2, 1, 256, 64, 32, 1, true, 3, 4, 768, 2>")),
+        "deform_fused_forward<float, int, 1, 2, 256, 64, 16, 1, true, 3, 4, 512>")),
     "row-phases-off": ({"DCN_FUSED_ROW_PHASES": 0}, (
         "deform_fused_forward<__half, int, 2, 0, 256, 64, 64, 1, true, 3, 4, 512, 2>",
         "deform_fused_forward<float, int, 3, 1, 64, 64, 32, 2, true, 3, 4, 384, 2>")),
@@ -465,6 +462,24 @@ def test_loads_ahead_rule():
             assert ahead == expected, (ndim, dtype)
     assert not fused.LaunchConfig(g2, np.float16, False, 132, tile=(64, 128, 32, 1, 3, 384), warp_corners=True,
                                   loads_ahead=True).loads_ahead
+
+
+def test_position_rows_rule(monkeypatch):
+    """POSITION_ROWS reaches ENGINE 3's 256x64 tiles of 512 threads in 3xTF32 (deform_fused.cu's
+    rule: two 128-row MMA warpgroups, 64 positions, 96 registers a thread), and only ENGINE 3's
+    module text carries its value."""
+    fused = _fused()
+    reached = {(tile, prec) for dtype in (np.float32, np.float16) for tile in fused._tiles(dtype)
+               for prec in fused._precisions(dtype) if fused.position_rows_serve(tile, prec)}
+    assert reached == {((256, 64, 32, 1, 3, 512), 2), ((256, 64, 16, 1, 3, 512), 2)}
+    assert not fused.position_rows_serve((256, 64, 32, 1, 3, 768), 2)      # 80 registers a thread
+    assert not fused.position_rows_serve((256, 64, 32, 1, 0), 2)           # mma.sync
+    off = "#define DCN_FUSED_POSITION_ROWS 0\n"
+    for rows in (False, True):
+        monkeypatch.setattr(fused, "POSITION_ROWS", rows)
+        assert fused.module_source(3).startswith(off) != rows
+        assert (fused.module_source(3) == fused.module_source(0)) == rows
+        assert not fused.module_source(0).startswith(off) and not fused.module_source(1).startswith(off)
 
 
 @pytest.mark.parametrize("tile, plan", [((256, 64, 64, 1, 3, 512), True), ((64, 64, 64, 1, 0), False)])
@@ -869,6 +884,55 @@ def test_warp_corner_batches_give_the_corners_each_thread_computes(ndim):
                             assert np.array_equal(ahead, own), label + ("loads ahead",)
     assert served
     assert bool(ahead_served) == (ndim < 3 and any(tile_runs(t, "float32", ndim) for t in fused.LOADS_AHEAD_TILES))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ndim", [1, 2])
+def test_position_rows_give_the_bits_of_two_m64n64(monkeypatch, ndim):
+    """ENGINE 3's 3xTF32 MMAs with the operands' roles swapped (POSITION_ROWS: the sampled
+    positions the wgmma's M, one m64n128 a k step) give the bits of the two-m64n64 order, and the
+    reference's values: every tile it reaches, each corner source (the threads' own, the sampling
+    plan, the warps' batches, two steps of loads in flight), both step orders; 160 output channels
+    (the second warpgroup's rows partly past C_out) and a partial last position tile. (Its
+    512-thread tiles do not build in 3D.)"""
+    cupy = _cupy()
+    fused = _fused()
+    rng = np.random.default_rng(110 + ndim)
+    arrays, params = wide_case(rng, ndim, groups=1, offset_groups=2, mask_groups=1, c_in=64, c_out=160, batch=3)
+    geom = _case_geom(arrays, params)
+    # (sampling plan, warp corners, loads ahead)
+    sources = ((False, False, False), (True, False, False), (False, True, False), (False, True, True))
+    ran = 0
+    for precision in PRECISIONS:
+        dtype = DTYPE[precision]
+        dev = {k: cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
+        expected = reference.deform_conv(**{k: a.astype(dtype).astype(np.float64) for k, a in arrays.items()},
+                                         **params)
+        for tile in fused._tiles(dtype):
+            if not (fused.position_rows_serve(tile, PREC[precision]) and tile_runs(tile, precision, ndim)
+                    and serves(arrays, params, precision, tile)):
+                continue
+            for taps_inner in (True, False):
+                for (plan, warp, ahead), persistent in itertools.product(sources, (False, True)):
+                    config = fused.LaunchConfig(geom, dtype, precision == "tf32", tile=tile, taps_inner=taps_inner,
+                                                sampling_plan=plan, warp_corners=warp, loads_ahead=ahead,
+                                                persistent=persistent)
+                    if (config.sampling_plan, config.warp_corners, config.loads_ahead,
+                            config.persistent) != (plan, warp, ahead, persistent):
+                        continue   # (not served: a kernel another combination runs)
+                    label = (precision, tile, taps_inner, plan, warp, ahead, persistent)
+                    results = []
+                    for rows in (False, True):
+                        monkeypatch.setattr(fused, "POSITION_ROWS", rows)
+                        out = cupy.full(geom.y_shape, np.nan, dtype=dtype)
+                        fused.run_forward(config, dev["input"], dev["weight"], dev["offset"], dev["mask"],
+                                          dev["bias"], out)
+                        results.append(cupy.asnumpy(out))
+                    np.testing.assert_array_equal(results[1], results[0], err_msg=str(label))
+                    assert relative_error(results[1].astype(np.float64), expected) < TOL[precision], label
+                    ran += 1
+    if not ran:
+        pytest.skip("POSITION_ROWS: ENGINE 3's 512-thread 3xTF32 tiles, compute capability 9.0")
 
 
 def serves(arrays, params, precision, tile) -> bool:

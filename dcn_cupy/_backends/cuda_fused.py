@@ -195,11 +195,32 @@ LOADS_AHEAD_TILES = ((256, 48, 16, 1, 3, 448), (256, 64, 16, 1, 3, 512), (64, 64
 #: True: the tuner times the LOADS_AHEAD_TILES with two steps of loads in flight too; False: never
 #: (the A/B; part of the tuner's key).
 LOADS_AHEAD = True
+#: ENGINE 3's MMAs in 3xTF32 with the operands' roles swapped where they serve
+#: (``position_rows_serve``): the sampled tile's 64 positions the wgmma's M and each MMA
+#: warpgroup's 128 weight rows its N, one m64n128 a k step for two m64n64 (fewer shared-memory
+#: bytes a product, as the weight gradient's ``WS_CHANNEL_ROWS``). The same products in the same
+#: order. H200, strict float32 f+b, two m64n64 -> m64n128 (NOTES-gpu.md, session 64): B=8 C256
+#: 56x56 1.7026 -> 1.6724 ms, 1D B=16 C256 L4096 1.5700 -> 1.5502, B=16 C512 14x14 and B=32 C64
+#: level (their tuner takes other tiles). TF32 and fp16 kept the other order: level, 1D TF32
+#: 1.012x. False: two m64n64 (``DCN_FUSED_POSITION_ROWS 0``, the A/B; ENGINE 3's modules of their
+#: own; part of the tuner's key).
+POSITION_ROWS = True
 
 
-def module_source() -> str:
-    """The module text: ``deform_fused.cu`` with its local headers inlined (#line directives)."""
-    return _cuda.module_text(_SOURCE)
+def module_source(engine: int = 3) -> str:
+    """The module text: ``deform_fused.cu`` with its local headers inlined (#line directives); for
+    ENGINE 3's module (``engine``), with ``POSITION_ROWS``'s value, the only engine it reaches."""
+    text = _cuda.module_text(_SOURCE)
+    return "#define DCN_FUSED_POSITION_ROWS 0\n" + text if engine == 3 and not POSITION_ROWS else text
+
+
+def position_rows_serve(tile: tuple, precision: int) -> bool:
+    """Whether ``POSITION_ROWS`` reaches a tile's kernel in ``precision`` (deform_fused.cu's rule):
+    ENGINE 3 in 3xTF32 (2), 64 positions, two MMA warpgroups of 128 rows, and launch registers for
+    an m64n128's accumulators (``holds_m64n128``: 96 a thread, so at most 682 threads a
+    multiprocessor)."""
+    return (tile[4] == 3 and precision == 2 and tile[0] == 256 and tile[1] == 64
+            and 65536 // (tile[3] * tile_threads(tile)) >= 96)
 
 
 def _precisions(dtype) -> tuple:
@@ -445,20 +466,22 @@ def _function(name: str, dtype, ndim: int, index64: bool, engine: int = 0, names
     """The kernel ``name`` on the current device, from the module of ``names`` (default: the
     whole module of its dtype, N, index width and engine), compiled once per device."""
     device = cupy.cuda.runtime.getDevice()
-    fn = _functions.get((device, name))
+    switches = (POSITION_ROWS,) if engine == 3 else ()   # (module_source's, for ENGINE 3's modules)
+    fn = _functions.get((device, name, switches))
     if fn is None:
         names = names or name_expressions(dtype, ndim, index64, engine)
         if name not in names:       # a tile outside TILES (benchmarks): a module of its own
             names = (name,)
-        mkey = (device, names)
+        mkey = (device, names, switches)
         module = _modules.get(mkey)
         if module is None:
             if engine in WGMMA_ENGINES:
-                module = _Sm90aModule(names)
+                module = _Sm90aModule(names, module_source(engine))
             else:
-                module = cupy.RawModule(code=module_source(), options=_cuda.compile_options(), name_expressions=names)
+                module = cupy.RawModule(code=module_source(engine), options=_cuda.compile_options(),
+                                        name_expressions=names)
             _modules[mkey] = module
-        fn = _functions[(device, name)] = module.get_function(name)
+        fn = _functions[(device, name, switches)] = module.get_function(name)
     return fn
 
 
@@ -1100,7 +1123,7 @@ def plan_config(geom, dtype, allow_tf32: bool) -> LaunchConfig:
     dtype = np.dtype(dtype)
     sms, wgmma = _multiprocessors(), wgmma_available()
     static = LaunchConfig(geom, dtype, allow_tf32, sms, wgmma=wgmma)
-    key = (cupy.cuda.runtime.getDevice(), geom, dtype.str, static.precision, LOADS_AHEAD)
+    key = (cupy.cuda.runtime.getDevice(), geom, dtype.str, static.precision, LOADS_AHEAD, POSITION_ROWS)
     choice = _tuned.get(key)
     if choice is None:
         if not TUNE or _capturing():
