@@ -3,7 +3,7 @@ kernel cache, so that later processes load them instead of compiling.
 
     CUPY_CACHE_DIR=$PWD/.kcache python benchmarks/warm_modules.py [--jobs 16] \
         [--backends fused,fused-backward,im2col,direct,deterministic] \
-        [--dtypes float32,float16] [--ndims 2] [--index 32] [--set MODULE.NAME=VALUE ...]
+        [--dtypes float32,float16] [--ndims 2] [--index 32,64] [--set MODULE.NAME=VALUE ...]
 
 A cold process spends minutes in NVRTC before its first launch (a fused module of sm_90a
 kernels takes about a minute alone). Test groups or benchmarks run in parallel on a fresh
@@ -13,8 +13,8 @@ built by the backend's own loader on the current device, so the cache holds exac
 backends look up: CuPy's cache for the RawModules, ``cuda_fused``'s own files for the sm_90a ones.
 The fused backward's two modules of a key (sm_90 and sm_90a) are two tasks, so that they build
 side by side; the sm_90a ones, the slowest, start first. ``--dtypes``, ``--ndims`` and ``--index``
-(32 or 64: the index width) keep the modules of those keys alone: what a test group or a benchmark
-of one dtype and N loads, when the source has changed and every module would be rebuilt.
+(the index widths: 32, 64 or both) keep the modules of those keys alone: what a test group or a
+benchmark of one dtype and N loads, when the source has changed and every module would be rebuilt.
 ``--set MODULE.NAME=VALUE`` (repeatable) sets a backend's module-level source switch in every
 worker before it builds, e.g. ``--set cuda_fused_backward.WS_LOADS_AHEAD=False``: the modules of a
 switch's other value, which an ``ab.py`` A/B of that switch would otherwise compile one after the
@@ -64,13 +64,13 @@ def _sm90a(task) -> bool:
 def tasks(backends, dtypes=None, ndims=None, index_bits=None) -> list:
     """(backend, key) of every module to build, the sm_90a ones (the slowest) first; a fused
     backward's key ends with whether it is the sm_90a module. ``dtypes`` (numpy dtypes),
-    ``ndims`` and ``index_bits`` (32 or 64), where given, keep those keys alone."""
+    ``ndims`` and ``index_bits`` (widths, of 32 and 64), where given, keep those keys alone."""
     found = []
     for backend in backends:
         for key in module_keys(backend):
             dtype, ndim, index64 = key[:3]
             if ((dtypes is not None and dtype not in dtypes) or (ndims is not None and ndim not in ndims)
-                    or (index_bits is not None and index64 != (index_bits == 64))):
+                    or (index_bits is not None and (64 if index64 else 32) not in index_bits)):
                 continue
             if backend == "fused-backward":   # (its sm_90 and its sm_90a module)
                 found += [(backend, tuple(key) + (sm90a,)) for sm90a in (False, True)]
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default=None, help="comma-separated, of float16,bfloat16,float32,float64 "
                         "(default: all)")
     parser.add_argument("--ndims", default=None, help="comma-separated, of 1,2,3 (default: all)")
-    parser.add_argument("--index", type=int, default=None, choices=(32, 64), help="index width (default: both)")
+    parser.add_argument("--index", default=None, help="comma-separated index widths, of 32,64 (default: both)")
     parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                         help="a backend module's switch set in every worker before it builds (a Python literal; "
                              "repeatable), e.g. cuda_fused_backward.WS_LOADS_AHEAD=False")
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     unknown = [name for name in backends if name not in BACKENDS]
     if unknown:
         parser.error(f"--backends: unknown {', '.join(unknown)} (known: {', '.join(BACKENDS)})")
-    dtypes = ndims = None
+    dtypes = ndims = widths = None
     if args.dtypes is not None:
         from stages import DTYPES as known
         names = [name for name in args.dtypes.split(",") if name]
@@ -162,6 +162,13 @@ def main(argv=None) -> int:
             ndims = []
         if not ndims or any(n not in (1, 2, 3) for n in ndims):
             parser.error(f"--ndims: expected numbers among 1,2,3, got {args.ndims!r}")
+    if args.index is not None:
+        try:
+            widths = [int(n) for n in args.index.split(",") if n]
+        except ValueError:
+            widths = []
+        if not widths or any(n not in (32, 64) for n in widths):
+            parser.error(f"--index: expected widths among 32,64, got {args.index!r}")
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     try:
@@ -173,7 +180,7 @@ def main(argv=None) -> int:
     if reason is not None:
         print(f"benchmarks/warm_modules.py: {reason}: nothing to compile.")
         return 0
-    todo = tasks(backends, dtypes, ndims, args.index)
+    todo = tasks(backends, dtypes, ndims, widths)
     if not todo:
         print("warm_modules.py: no module of those backends has those keys: nothing to compile.")
         return 0

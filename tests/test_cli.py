@@ -446,11 +446,13 @@ def test_warm_modules_lists_every_backend_module_and_checks_its_arguments(capsys
     # (the slowest first)
     assert wgmma == list(range(len(wgmma))) and len(wgmma) > len(cuda_fused_backward.all_module_keys())
     # the keys of some dtypes, N and one index width alone
-    some = module.tasks(["fused-backward", "im2col"], [np.dtype(np.float32)], [2], 32)
+    some = module.tasks(["fused-backward", "im2col"], [np.dtype(np.float32)], [2], [32])
     assert sorted(some) == sorted([("fused-backward", (np.dtype(np.float32), 2, False, True)),
                                    ("fused-backward", (np.dtype(np.float32), 2, False, False)),
                                    ("im2col", (np.dtype(np.float32), 2, False))])
     assert some[0] == ("fused-backward", (np.dtype(np.float32), 2, False, True))
+    both = module.tasks(["im2col"], [np.dtype(np.float32)], [2], [32, 64])
+    assert sorted(both) == [("im2col", (np.dtype(np.float32), 2, False)), ("im2col", (np.dtype(np.float32), 2, True))]
     with pytest.raises(SystemExit):
         module.main(["--backends", "fused,nope"])
     assert "--backends: unknown nope" in capsys.readouterr().err
@@ -460,6 +462,9 @@ def test_warm_modules_lists_every_backend_module_and_checks_its_arguments(capsys
     with pytest.raises(SystemExit):
         module.main(["--ndims", "4"])
     assert "--ndims: expected numbers among 1,2,3, got '4'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        module.main(["--index", "32,16"])
+    assert "--index: expected widths among 32,64, got '32,16'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         module.main(["--jobs", "0"])
     assert "--jobs must be at least 1, got 0" in capsys.readouterr().err
