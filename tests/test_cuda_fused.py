@@ -893,44 +893,38 @@ def test_position_rows_give_the_bits_of_two_m64n64(monkeypatch, ndim):
     positions the wgmma's M, one m64n128 a k step) give the bits of the two-m64n64 order, and the
     reference's values: every tile it reaches, each corner source (the threads' own, the sampling
     plan, the warps' batches, two steps of loads in flight), both step orders; 160 output channels
-    (the second warpgroup's rows partly past C_out) and a partial last position tile. (Its
-    512-thread tiles do not build in 3D.)"""
+    (the second warpgroup's rows partly past C_out) and a partial last position tile. (3xTF32 does
+    not persist, and its 512-thread tiles do not build in 3D.)"""
     cupy = _cupy()
     fused = _fused()
     rng = np.random.default_rng(110 + ndim)
     arrays, params = wide_case(rng, ndim, groups=1, offset_groups=2, mask_groups=1, c_in=64, c_out=160, batch=3)
     geom = _case_geom(arrays, params)
+    precision, dtype = "float32", DTYPE["float32"]
+    dev = {k: cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
+    expected = reference.deform_conv(**{k: a.astype(dtype).astype(np.float64) for k, a in arrays.items()}, **params)
     # (sampling plan, warp corners, loads ahead)
     sources = ((False, False, False), (True, False, False), (False, True, False), (False, True, True))
     ran = 0
-    for precision in PRECISIONS:
-        dtype = DTYPE[precision]
-        dev = {k: cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
-        expected = reference.deform_conv(**{k: a.astype(dtype).astype(np.float64) for k, a in arrays.items()},
-                                         **params)
-        for tile in fused._tiles(dtype):
-            if not (fused.position_rows_serve(tile, PREC[precision]) and tile_runs(tile, precision, ndim)
-                    and serves(arrays, params, precision, tile)):
-                continue
-            for taps_inner in (True, False):
-                for (plan, warp, ahead), persistent in itertools.product(sources, (False, True)):
-                    config = fused.LaunchConfig(geom, dtype, precision == "tf32", tile=tile, taps_inner=taps_inner,
-                                                sampling_plan=plan, warp_corners=warp, loads_ahead=ahead,
-                                                persistent=persistent)
-                    if (config.sampling_plan, config.warp_corners, config.loads_ahead,
-                            config.persistent) != (plan, warp, ahead, persistent):
-                        continue   # (not served: a kernel another combination runs)
-                    label = (precision, tile, taps_inner, plan, warp, ahead, persistent)
-                    results = []
-                    for rows in (False, True):
-                        monkeypatch.setattr(fused, "POSITION_ROWS", rows)
-                        out = cupy.full(geom.y_shape, np.nan, dtype=dtype)
-                        fused.run_forward(config, dev["input"], dev["weight"], dev["offset"], dev["mask"],
-                                          dev["bias"], out)
-                        results.append(cupy.asnumpy(out))
-                    np.testing.assert_array_equal(results[1], results[0], err_msg=str(label))
-                    assert relative_error(results[1].astype(np.float64), expected) < TOL[precision], label
-                    ran += 1
+    for tile in fused._tiles(dtype):
+        if not (fused.position_rows_serve(tile, PREC[precision]) and tile_runs(tile, precision, ndim)
+                and serves(arrays, params, precision, tile)):
+            continue
+        for taps_inner, (plan, warp, ahead) in itertools.product((True, False), sources):
+            config = fused.LaunchConfig(geom, dtype, False, tile=tile, taps_inner=taps_inner, sampling_plan=plan,
+                                        warp_corners=warp, loads_ahead=ahead)
+            if (config.sampling_plan, config.warp_corners, config.loads_ahead) != (plan, warp, ahead):
+                continue   # (not served: a kernel another combination runs)
+            label = (tile, taps_inner, plan, warp, ahead)
+            results = []
+            for rows in (False, True):
+                monkeypatch.setattr(fused, "POSITION_ROWS", rows)
+                out = cupy.full(geom.y_shape, np.nan, dtype=dtype)
+                fused.run_forward(config, dev["input"], dev["weight"], dev["offset"], dev["mask"], dev["bias"], out)
+                results.append(cupy.asnumpy(out))
+            np.testing.assert_array_equal(results[1], results[0], err_msg=str(label))
+            assert relative_error(results[1].astype(np.float64), expected) < TOL[precision], label
+            ran += 1
     if not ran:
         pytest.skip("POSITION_ROWS: ENGINE 3's 512-thread 3xTF32 tiles, compute capability 9.0")
 
