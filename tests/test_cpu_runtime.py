@@ -23,6 +23,7 @@ from dcn_cupy._backends import cpu
 from dcn_cupy._limits import format_size, parse_size
 
 from cases import ARGUMENTS, random_case, relative_error
+from snapshot import source_snapshot
 
 REPO = Path(__file__).resolve().parent.parent
 FULL = frozenset({"input", "weight", "offset", "mask"})
@@ -357,9 +358,7 @@ def test_read_only_install_without_cache_folder_works(tmp_path):
                                capture_output=True, text=True, check=True).stdout.strip())
     parent = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     (site / "_parent_environment.pth").write_text("".join(f"{p}\n" for p in sorted(parent)))
-    source = tmp_path / "src"
-    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
-        ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "*.nbi", "*.nbc"))
+    source = source_snapshot(tmp_path / "src")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_REQUIRE_VIRTUALENV")}
     def pip(python_, *args):
         done = subprocess.run([str(python_), "-m", "pip", *map(str, args), "-q", "--disable-pip-version-check"],

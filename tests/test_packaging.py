@@ -1,6 +1,6 @@
 """The wheel ships the CUDA sources, and an installed (non-editable) copy finds them.
 
-Builds the wheel from a snapshot of the repository (so the checkout gets no build/ or
+Builds the wheel from a snapshot of the build's inputs (so the checkout gets no build/ or
 *.egg-info), checks that every file of ``cuda/`` is in it as ``dcn_cupy/cuda/<name>``, then
 installs it with ``--no-deps`` into a fresh virtual environment and, from another working
 directory, imports dcn_cupy there and asks it for its CUDA sources. Needs pip, venv and
@@ -9,7 +9,6 @@ setuptools>=77 (the ``test`` extra); no network.
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -18,14 +17,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from snapshot import REPO, source_snapshot
 
 pytestmark = pytest.mark.slow
-
-_IGNORE = shutil.ignore_patterns(
-    ".git", ".ci", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".venv", "venv",
-    "*.nbi", "*.nbc", "*.pyc",
-)
 
 
 def _run(command, **kwargs):
@@ -46,8 +40,7 @@ def _cuda_files(root: Path) -> dict:
 def built(tmp_path_factory):
     """``(snapshot_root, wheel_path)``: the wheel built from a snapshot of the repository."""
     tmp = tmp_path_factory.mktemp("packaging")
-    source = tmp / "src"
-    shutil.copytree(REPO, source, ignore=_IGNORE)
+    source = source_snapshot(tmp / "src")
     wheels = tmp / "wheels"
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
           "-w", wheels, source], cwd=tmp)
