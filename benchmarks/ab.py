@@ -6,9 +6,10 @@
 ``SWITCH`` is ``MODULE.NAME``: a module-level setting of ``dcn_cupy._backends.MODULE`` (or of
 ``dcn_cupy._plan``), read when a plan is built or a launch list recorded; or ``plan.KEYWORD``, a
 keyword of ``dcn_cupy.plan`` (``plan.deterministic``: the cost of deterministic mode, each shape
-in one process). ``--deterministic`` builds every plan deterministic. ``--values`` are
-Python literals (default ``False,True``). A value may repeat: a second plan with the same value
-shows how far two plans of one value differ, which is the noise floor.
+in one process). ``--deterministic`` builds every plan deterministic. ``--set MODULE.NAME=VALUE``
+(repeatable) holds another setting at VALUE for the whole run: one switch's A/B with another one
+on. ``--values`` are Python literals (default ``False,True``). A value may repeat: a second plan
+with the same value shows how far two plans of one value differ, which is the noise floor.
 
 A case is ``SHAPE-PRECISION``:
 - SHAPE is one of c256, c64, 14, 1d, 3d (``gpu.py``'s SHAPES, in order), or 2dt, 3dt (its
@@ -117,6 +118,22 @@ def resolve_switch(name: str):
     return module, attribute
 
 
+def parse_setting(text: str) -> tuple:
+    """``"cuda_fused_backward.WS_LOADS_AHEAD=False"`` -> ("dcn_cupy._backends.cuda_fused_backward",
+    "WS_LOADS_AHEAD", False): a module-level setting that ``ab.py`` can switch (of a module of
+    dcn_cupy._backends, or of dcn_cupy._plan), and a Python literal; ValueError naming what is
+    wrong otherwise."""
+    switch, equals, literal = text.partition("=")
+    module, name = resolve_switch(switch.strip()) if equals else (None, None)
+    if module is None:   # (no "=", or ab's plan.KEYWORD: not a module's setting)
+        raise ValueError(f"expected MODULE.NAME=VALUE (e.g. cuda_fused_backward.WS_LOADS_AHEAD=False), got {text!r}")
+    try:
+        value = ast.literal_eval(literal.strip())
+    except (ValueError, SyntaxError):
+        raise ValueError(f"{text!r}: the value {literal.strip()!r} is not a Python literal") from None
+    return module.__name__, name, value
+
+
 def _case_arguments(shape: dict, precision: str):
     """(plan arguments, grad_output, plan keywords) on gpu.py's inputs: a 'same' 3^N convolution,
     or gpu.py's transposed case for the transposed shapes."""
@@ -170,6 +187,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--inner", type=int, default=10)
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="another module-level setting held at VALUE for the whole run (repeatable), e.g. "
+                             "to A/B one switch with another one on")
     parser.add_argument("--deterministic", action="store_true", help="every plan deterministic")
     parser.add_argument("--json", default=None, help="write the results as JSON to this path (default: nowhere)")
     args = parser.parse_args(argv)
@@ -178,6 +198,7 @@ def main(argv=None) -> int:
         cases = parse_cases(args.cases, dict(parse_shape(text) for text in args.shape))
     except ValueError as error:
         parser.error(str(error))
+
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     reason = _gpu.no_gpu_reason() or (None if _bench.torch_installed() else "PyTorch is not installed")
@@ -188,9 +209,19 @@ def main(argv=None) -> int:
         module, attribute = resolve_switch(args.switch)
     except ValueError as error:
         parser.error(str(error))
+    try:
+        held_modules = [(importlib.import_module(path), name, value)
+                        for path, name, value in (parse_setting(text) for text in args.set)]
+    except ValueError as error:
+        parser.error(f"--set: {error}")
+    if any(m is module and name == attribute for m, name, _ in held_modules):
+        parser.error(f"--set holds {args.switch}, the switch that the A/B turns")
     old = getattr(module, attribute) if module is not None else None
+    held_old = [getattr(m, name) for m, name, _ in held_modules]
     results = []
     try:
+        for m, name, value in held_modules:
+            setattr(m, name, value)
         for shape, precision, name in cases:
             rows = run_case(module, attribute, values, shape, precision, args.rounds,
                             (args.warmup, args.repeats, args.inner), args.deterministic)
@@ -200,7 +231,10 @@ def main(argv=None) -> int:
             print(f"{name}: {rows[0][3]}", flush=True)
     finally:
         _set(module, attribute, old)
-    print(f"\n{args.switch} on {_gpu._device_name()}: the best of {args.rounds} rounds, ms "
+        for (m, name, _), value in zip(held_modules, held_old):
+            setattr(m, name, value)
+    holding = "".join(f", {text.strip()}" for text in args.set)
+    print(f"\n{args.switch} on {_gpu._device_name()}{holding}: the best of {args.rounds} rounds, ms "
           f"(ratio: over the first value's)")
     print("| case | value | f+b | backward | f+b ratio | backward ratio |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")

@@ -81,20 +81,9 @@ def tasks(backends, dtypes=None, ndims=None, index_bits=None) -> list:
 
 def parse_setting(text: str) -> tuple:
     """``"cuda_fused_backward.WS_LOADS_AHEAD=False"`` -> ("dcn_cupy._backends.cuda_fused_backward",
-    "WS_LOADS_AHEAD", False): a module-level setting that ``ab.py`` can switch (of a module of
-    dcn_cupy._backends, or of dcn_cupy._plan), and a Python literal; ValueError naming what is
-    wrong otherwise."""
-    import ast
-    from ab import resolve_switch   # (ab.py's switches: a module of dcn_cupy._backends or _plan)
-    switch, equals, literal = text.partition("=")
-    module, name = resolve_switch(switch.strip()) if equals else (None, None)
-    if module is None:   # (no "=", or ab's plan.KEYWORD: not a module's setting)
-        raise ValueError(f"expected MODULE.NAME=VALUE (e.g. cuda_fused_backward.WS_LOADS_AHEAD=False), got {text!r}")
-    try:
-        value = ast.literal_eval(literal.strip())
-    except (ValueError, SyntaxError):
-        raise ValueError(f"{text!r}: the value {literal.strip()!r} is not a Python literal") from None
-    return module.__name__, name, value
+    "WS_LOADS_AHEAD", False): ab.py's ``parse_setting`` (its ``--set`` too)."""
+    from ab import parse_setting as parse
+    return parse(text)
 
 
 def apply_settings(settings) -> None:

@@ -253,6 +253,20 @@ def test_ab_benchmark_parses_its_cases_and_steps_aside_without_a_gpu(capsys, mon
     monkeypatch.setattr(module._gpu, "no_gpu_reason", lambda: "no CUDA device visible to CuPy")
     assert module.main(["cuda_fused_backward.EARLY_COPIES", "--cases", "2dt-bf16"]) == 0
     assert "benchmarks/ab.py: no CUDA device visible to CuPy: nothing to measure." in capsys.readouterr().out
+    # --set: another setting held through the run (checked once there is a device to run on)
+    assert module.main(["cuda_fused_backward.WS_CORNER_BASES", "--set", "cuda_fused_backward.NOPE=1"]) == 0
+    pytest.importorskip("cupy")
+    assert module.parse_setting("cuda_fused_backward.WS_INTERLEAVED_ROWS=True") == (
+        "dcn_cupy._backends.cuda_fused_backward", "WS_INTERLEAVED_ROWS", True)
+    monkeypatch.setattr(module._gpu, "no_gpu_reason", lambda: None)
+    monkeypatch.setattr(module._bench, "torch_installed", lambda: True)
+    for setting, message in (("cuda_fused_backward.NOPE=1", "--set: dcn_cupy._backends.cuda_fused_backward has no "
+                                                            "setting 'NOPE'"),
+                             ("cuda_fused_backward.WS_CORNER_BASES=True", "--set holds cuda_fused_backward."
+                                                                          "WS_CORNER_BASES, the switch that the A/B turns")):
+        with pytest.raises(SystemExit):
+            module.main(["cuda_fused_backward.WS_CORNER_BASES", "--set", setting])
+        assert message in capsys.readouterr().err, setting
 
 
 def test_benchmark_cases_build_conv_and_transposed_inputs(monkeypatch):

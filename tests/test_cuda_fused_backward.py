@@ -69,18 +69,33 @@ def test_sm90a_kernels_compile(key, compile_module):
     compile_module(fb.module_source(), "deform_fused_backward.cu", fb.ws_name_expressions(*key), arch="sm_90a")
 
 
-@pytest.mark.parametrize("switch", ["WS_LOADS_AHEAD", "WS_CHANNEL_ROWS"])
-def test_sm90a_kernels_compile_with_a_switch_off(switch, compile_module, monkeypatch):
-    """The sm_90a module built with one of the warp-specialised weight kernel's switches off (the
-    A/B's other side, benchmarks/ab.py) compiles; the other module's source does not change."""
+@pytest.mark.parametrize("switch", ["WS_LOADS_AHEAD", "WS_CHANNEL_ROWS", "WS_INTERLEAVED_ROWS", "WS_CORNER_BASES"])
+def test_sm90a_kernels_compile_with_a_switch_flipped(switch, compile_module, monkeypatch):
+    """The sm_90a module built with one of the warp-specialised weight kernel's switches away from
+    its default (the A/B's other side, benchmarks/ab.py) compiles; the other module's source does
+    not change."""
     fb = _backward_module()
-    other = fb.module_source(sm90a=False)
-    monkeypatch.setattr(fb, switch, False)
+    other, default = fb.module_source(sm90a=False), fb.module_source()
+    value = not getattr(fb, switch)
+    monkeypatch.setattr(fb, switch, value)
     source = fb.module_source()
-    assert source.startswith(f"#define DCN_{switch} 0\n") and fb.module_source(sm90a=False) == other
-    assert fb._switches(sm90a=False) == (fb.DETERMINISTIC_FAST_PATH,) and False in fb._switches()
-    for key in ((np.float32, 2, False), (np.float16, 1, True)):
+    assert source == f"#define DCN_{switch} {int(value)}\n" + default and fb.module_source(sm90a=False) == other
+    assert fb._switches(sm90a=False) == (fb.DETERMINISTIC_FAST_PATH,) and value in fb._switches()
+    for key in ((np.float32, 2, False), (np.float16, 1, True), (np.float32, 3, False)):
         compile_module(source, "deform_fused_backward.cu", fb.ws_name_expressions(*key), arch="sm_90a")
+
+
+def test_ws_switch_defaults_are_the_sources():
+    """``_WS_SOURCE_DEFAULTS`` (what module_source leaves undefined) is what the source's #ifndef
+    blocks define, and the module's settings start there, but for the two experiments (off)."""
+    import re
+    from dcn_cupy._backends import cuda_source_dir
+    fb = _backward_module()
+    text = (cuda_source_dir() / "deform_fused_backward.cu").read_text()
+    for switch, value in fb._WS_SOURCE_DEFAULTS.items():
+        found = re.search(rf"#ifndef DCN_{switch}\n#define DCN_{switch} ([01])\n#endif", text)
+        assert found and int(found.group(1)) == int(value), switch
+        assert getattr(fb, switch) == value, switch
 
 
 def test_module_source_defines_exactly_the_instantiated_kernels():
@@ -1549,10 +1564,28 @@ def test_warp_specialised_loads_ahead_same_bits(ndim, precision, monkeypatch):
             assert np.array_equal(weights[False], weights[True]), label
 
 
-def _ws_weight_gradient(monkeypatch, case, precision, name, splits, **switches):
+#: The same-bits tests' position splits of the warp-specialised weight kernel (name, splits(steps)):
+#: names as :func:`_ws_weight_gradient` reads them.
+_WS_SPLITS = (("5 splits", lambda steps: min(5, steps)), ("64-bit", lambda steps: min(5, steps)),
+              ("chunks", lambda steps: min(3, steps)))
+
+
+def _ws_cases(rng, ndim):
+    """(C_out, case) of the warp-specialised weight kernel's same-bits tests: 96 output channels
+    (the 128-row tile, its rows past C_out/groups not stored) and 160 (the 256-row one), 128 input
+    channels in 2 offset groups, 4 samples of 203 (1D) or 15x15 (2D) positions."""
+    size = {1: 203, 2: 15}[ndim]
+    for c_out in (96, 160):
+        yield c_out, wide_case(rng, ndim, groups=1, c_in=128, offset_groups=2, mask_groups=1, c_out=c_out, batch=4,
+                               size=size)
+
+
+def _ws_weight_gradient(monkeypatch, case, precision, name, splits, gradient_plan=None, **switches):
     """The warp-specialised kernel's weight gradient of ``case`` (arrays, params, grad_output) with
     the module's ``switches`` set and ``splits(steps)`` position splits; ``name`` "64-bit": 64-bit
-    indices, "chunks": one sample a chunk. (got, expected, config) of :func:`run_gradients`."""
+    indices, "chunks": one sample a chunk; ``gradient_plan`` as :class:`BackwardConfig`'s (True:
+    the corners from the plan shared with the data kernel). (got, expected, config) of
+    :func:`run_gradients`."""
     fb = _backward_module()
     with monkeypatch.context() as m:
         for switch, value in switches.items():
@@ -1562,7 +1595,7 @@ def _ws_weight_gradient(monkeypatch, case, precision, name, splits, **switches):
             m.setattr(fb, "_INT32_SAFE", 16)
         if name == "chunks":
             m.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", 1)
-        return run_gradients(*case, precision, wanted=("weight",), ws_weight=True)
+        return run_gradients(*case, precision, wanted=("weight",), ws_weight=True, gradient_plan=gradient_plan)
 
 
 @pytest.mark.gpu
@@ -1618,14 +1651,8 @@ def test_warp_specialised_channel_rows_same_bits(ndim, precision, monkeypatch):
     fb = _backward_module()
     if not fb._fused.wgmma_available():
         pytest.skip("the warp-specialised weight kernel runs on sm_90a devices")
-    rng = np.random.default_rng(90 + ndim)
-    size = {1: 203, 2: 15}[ndim]
-    cases = (("5 splits", lambda steps: min(5, steps)), ("64-bit", lambda steps: min(5, steps)),
-             ("chunks", lambda steps: min(3, steps)))
-    for c_out in (96, 160):
-        case = wide_case(rng, ndim, groups=1, c_in=128, offset_groups=2, mask_groups=1, c_out=c_out, batch=4,
-                         size=size)
-        for name, splits in cases:
+    for c_out, case in _ws_cases(np.random.default_rng(90 + ndim), ndim):
+        for name, splits in _WS_SPLITS:
             label = (c_out, name)
             weights = {}
             for channel_rows in (False, True):
@@ -1636,6 +1663,43 @@ def test_warp_specialised_channel_rows_same_bits(ndim, precision, monkeypatch):
                 check(got, expected, precision, label)
                 weights[channel_rows] = got["weight"]
             assert np.array_equal(weights[False], weights[True]), label
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switch", ["WS_INTERLEAVED_ROWS", "WS_CORNER_BASES"])
+@pytest.mark.parametrize("ndim", [1, 2])
+@pytest.mark.parametrize("precision", ["float16", "tf32", "float32"])
+def test_warp_specialised_sampler_switches_same_bits(switch, ndim, precision, monkeypatch):
+    """The warp-specialised weight kernel's samplers with the tile's rows interleaved
+    (WS_INTERLEAVED_ROWS: no rotation; the epilogue maps the rows back to channels) or with their
+    corners from one base an item (WS_CORNER_BASES: the plan's test as selects) give the bits of
+    the default build, and the reference's values: the 128-row tile (96 output channels) and the
+    256-row one (160); 5 splits, 64-bit indices, chunks of one sample (the units add to the
+    partial sums); corners from the sampling plan and from the data kernel's (its masks apart, a
+    third of them 0); interleaved rows also under the m64n64 order's epilogue (WS_CHANNEL_ROWS
+    off, 5 splits)."""
+    fb = _backward_module()
+    if not fb._fused.wgmma_available():
+        pytest.skip("the warp-specialised weight kernel runs on sm_90a devices")
+    rng = np.random.default_rng(100 + ndim)
+    for c_out, case in _ws_cases(rng, ndim):
+        case[0]["mask"] = np.where(rng.random(case[0]["mask"].shape) < 1 / 3, 0.0, case[0]["mask"])
+        for name, splits in _WS_SPLITS:
+            for gradient_plan in (False, True):
+                orders = (True, False) if switch == "WS_INTERLEAVED_ROWS" and name == "5 splits" else (True,)
+                for channel_rows in orders:
+                    label = (c_out, name, gradient_plan, channel_rows)
+                    weights = {}
+                    for on in (False, True):
+                        got, expected, config = _ws_weight_gradient(
+                            monkeypatch, case, precision, name, splits, gradient_plan=gradient_plan,
+                            WS_CHANNEL_ROWS=channel_rows, **{switch: on})
+                        assert config.ws_weight and config.index64 == (name == "64-bit"), label
+                        assert config.plan_shared == gradient_plan, label
+                        assert config.weight_tile[0] == (128 if c_out == 96 else 256), label
+                        check(got, expected, precision, label)
+                        weights[on] = got["weight"]
+                    assert np.array_equal(weights[False], weights[True]), label
 
 
 @pytest.mark.gpu
