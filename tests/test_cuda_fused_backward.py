@@ -1675,9 +1675,9 @@ def test_warp_specialised_sampler_switches_same_bits(switch, ndim, precision, mo
     corners from one base an item (WS_CORNER_BASES: the plan's test as selects) give the bits of
     the default build, and the reference's values: the 128-row tile (96 output channels) and the
     256-row one (160); 5 splits, 64-bit indices, chunks of one sample (the units add to the
-    partial sums); corners from the sampling plan and from the data kernel's (its masks apart, a
-    third of them 0); interleaved rows also under the m64n64 order's epilogue (WS_CHANNEL_ROWS
-    off, 5 splits)."""
+    partial sums); with 5 splits, corners from the sampling plan and from the data kernel's (its
+    masks apart; a third of the masks 0), and interleaved rows also under the m64n64 order's
+    epilogue (WS_CHANNEL_ROWS off)."""
     fb = _backward_module()
     if not fb._fused.wgmma_available():
         pytest.skip("the warp-specialised weight kernel runs on sm_90a devices")
@@ -1685,8 +1685,10 @@ def test_warp_specialised_sampler_switches_same_bits(switch, ndim, precision, mo
     for c_out, case in _ws_cases(rng, ndim):
         case[0]["mask"] = np.where(rng.random(case[0]["mask"].shape) < 1 / 3, 0.0, case[0]["mask"])
         for name, splits in _WS_SPLITS:
-            for gradient_plan in (False, True):
-                orders = (True, False) if switch == "WS_INTERLEAVED_ROWS" and name == "5 splits" else (True,)
+            # (5 splits: each plan, and interleaved rows in each MMA order; else the plan's rule)
+            plans = (False, True) if name == "5 splits" else (None,)
+            orders = (True, False) if switch == "WS_INTERLEAVED_ROWS" and name == "5 splits" else (True,)
+            for gradient_plan in plans:
                 for channel_rows in orders:
                     label = (c_out, name, gradient_plan, channel_rows)
                     weights = {}
@@ -1695,7 +1697,7 @@ def test_warp_specialised_sampler_switches_same_bits(switch, ndim, precision, mo
                             monkeypatch, case, precision, name, splits, gradient_plan=gradient_plan,
                             WS_CHANNEL_ROWS=channel_rows, **{switch: on})
                         assert config.ws_weight and config.index64 == (name == "64-bit"), label
-                        assert config.plan_shared == gradient_plan, label
+                        assert gradient_plan is None or config.plan_shared == gradient_plan, label
                         assert config.weight_tile[0] == (128 if c_out == 96 else 256), label
                         check(got, expected, precision, label)
                         weights[on] = got["weight"]
