@@ -253,9 +253,15 @@ def test_ab_benchmark_parses_its_cases_and_steps_aside_without_a_gpu(capsys, mon
     monkeypatch.setattr(module._gpu, "no_gpu_reason", lambda: "no CUDA device visible to CuPy")
     assert module.main(["cuda_fused_backward.EARLY_COPIES", "--cases", "2dt-bf16"]) == 0
     assert "benchmarks/ab.py: no CUDA device visible to CuPy: nothing to measure." in capsys.readouterr().out
-    # --set: another setting held through the run (checked once there is a device to run on)
+    # (--set is checked once there is a device to run on)
     assert module.main(["cuda_fused_backward.WS_CORNER_BASES", "--set", "cuda_fused_backward.NOPE=1"]) == 0
+
+
+def test_ab_benchmark_holds_other_settings(capsys, monkeypatch):
+    """benchmarks/ab.py --set MODULE.NAME=VALUE: a backend's setting held through the run, parsed
+    as warm_modules.py's; a setting it cannot find, or the switch the A/B turns, is an error."""
     pytest.importorskip("cupy")
+    module = _bench.load_script(REPO / "benchmarks" / "ab.py", "_test_ab_set")
     assert module.parse_setting("cuda_fused_backward.WS_INTERLEAVED_ROWS=True") == (
         "dcn_cupy._backends.cuda_fused_backward", "WS_INTERLEAVED_ROWS", True)
     monkeypatch.setattr(module._gpu, "no_gpu_reason", lambda: None)
