@@ -198,7 +198,6 @@ def main(argv=None) -> int:
         cases = parse_cases(args.cases, dict(parse_shape(text) for text in args.shape))
     except ValueError as error:
         parser.error(str(error))
-
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     reason = _gpu.no_gpu_reason() or (None if _bench.torch_installed() else "PyTorch is not installed")

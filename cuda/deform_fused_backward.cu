@@ -1537,11 +1537,10 @@ __device__ __forceinline__ const char* row_address(const char* base, long long r
 }
 
 // The channel (of the BN the tile's B rows hold) in row `row` of the warp-specialised weight
-// kernel's sampled tile: lines of LINE channels, VEC a lane's vector, the rows in the vectors'
-// order where DCN_WS_INTERLEAVED_ROWS (row k + 8 j of a line: element j of lane k's vector).
+// kernel's sampled tile under DCN_WS_INTERLEAVED_ROWS: lines of LINE channels, VEC a lane's
+// vector, row k + 8 j of a line holding element j of lane k's vector.
 template <int LINE, int VEC>
 __device__ __forceinline__ int ws_tile_channel(int row) {
-    if (!DCN_WS_INTERLEAVED_ROWS) return row;
     const int within = row % LINE;
     return row - within + VEC * (within & 7) + (within >> 3);
 }

@@ -258,8 +258,8 @@ def test_ab_benchmark_parses_its_cases_and_steps_aside_without_a_gpu(capsys, mon
 
 
 def test_ab_benchmark_holds_other_settings(capsys, monkeypatch):
-    """benchmarks/ab.py --set MODULE.NAME=VALUE: a backend's setting held through the run, parsed
-    as warm_modules.py's; a setting it cannot find, or the switch the A/B turns, is an error."""
+    """benchmarks/ab.py --set MODULE.NAME=VALUE (a setting held through the run) parses as
+    warm_modules.py's --set; a setting it cannot find, or the switch the A/B turns, is an error."""
     pytest.importorskip("cupy")
     module = _bench.load_script(REPO / "benchmarks" / "ab.py", "_test_ab_set")
     assert module.parse_setting("cuda_fused_backward.WS_INTERLEAVED_ROWS=True") == (
