@@ -1504,48 +1504,6 @@ __global__ void fused_position_segments(const T* __restrict__ gy, T* __restrict_
 #define DCN_WS_CHANNEL_ROWS 1
 #endif
 
-// The warp-specialised weight kernel's sampled tile with each 128-byte line's channels
-// interleaved: lane k's vector (channels VEC k .. VEC k + VEC - 1 of the line) in rows k, k + 8,
-// ..., k + 8 (VEC - 1), so that in each store the 8 lanes of a position write 8 rows of distinct
-// (row & 7) without rotating their elements (no selects), every element at a fixed offset from
-// one address a step. The epilogue maps the rows back to channels (ws_tile_channel): the order of
-// the rows moves a channel's sum to another accumulator, not its products or their order. Defining
-// DCN_WS_INTERLEAVED_ROWS 1 builds it (cuda_fused_backward.WS_INTERLEAVED_ROWS, the A/B).
-#ifndef DCN_WS_INTERLEAVED_ROWS
-#define DCN_WS_INTERLEAVED_ROWS 0
-#endif
-
-// The warp-specialised weight kernel's corner loads from one base pointer an item and unit (the
-// input's row of the tile's channels) plus the corner's row times Cp, and the shared plan's test
-// of a corner (read: in the grid and of weight not 0) as selects, not branches. The same loads,
-// the same weights. Defining DCN_WS_CORNER_BASES 1 builds it (cuda_fused_backward.WS_CORNER_BASES,
-// the A/B).
-#ifndef DCN_WS_CORNER_BASES
-#define DCN_WS_CORNER_BASES 0
-#endif
-
-namespace fused_bwd {
-// base + row * bytes: one mad.wide.s32 (IMAD.WIDE) for 32-bit rows, where the compiler's own
-// product of the sign-extended factors takes a 64-bit multiply (5 instructions)
-__device__ __forceinline__ const char* row_address(const char* base, int row, int bytes) {
-    const char* at;
-    asm("mad.wide.s32 %0, %1, %2, %3;" : "=l"(at) : "r"(row), "r"(bytes), "l"(base));
-    return at;
-}
-__device__ __forceinline__ const char* row_address(const char* base, long long row, int bytes) {
-    return base + row * bytes;
-}
-
-// The channel (of the BN the tile's B rows hold) in row `row` of the warp-specialised weight
-// kernel's sampled tile under DCN_WS_INTERLEAVED_ROWS: lines of LINE channels, VEC a lane's
-// vector, row k + 8 j of a line holding element j of lane k's vector.
-template <int LINE, int VEC>
-__device__ __forceinline__ int ws_tile_channel(int row) {
-    const int within = row % LINE;
-    return row - within + VEC * (within & 7) + (within >> 3);
-}
-}  // namespace fused_bwd
-
 // The weight gradient warp-specialised on wgmma (sm_90a; fp16, bf16, TF32, 3xTF32): the GEMM, the
 // block mapping, the plan's corners and the partial sums of deform_fused_backward_weight (PLAN),
 // but the block's warps split into roles as in the forward's ENGINE 3. MMA_WGS warpgroups
@@ -1565,8 +1523,7 @@ __device__ __forceinline__ int ws_tile_channel(int row) {
 //     rounding: the values of deform_fused_backward_weight, bitwise) and stores its VEC channels
 //     one element a row. Its k-th vector's rows are rotated by k (TF32: by k / 2), so that the 8
 //     lanes of a position write rows of 8 distinct (row & 7) in each store: with the 4 positions'
-//     columns, 32 distinct banks (half types: 16 words, 2 halves each). (DCN_WS_INTERLEAVED_ROWS:
-//     the rows interleaved instead, not rotated.)
+//     columns, 32 distinct banks (half types: 16 words, 2 halves each).
 // 3xTF32 (PREC 2): each tile a pair of planes, the big parts then the small ones (split_tf32, as
 // ENGINE 3 splits its tiles), multiplied as a_small*b_big + a_big*b_small + a_big*b_big into
 // registers of their own (p) for a run of DCN_WS_PROMOTE_POSITIONS positions, then added to the
@@ -1775,75 +1732,37 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
                     for (int e = 0; e < 2; ++e) {
                         const int o = blk.m0 + wg * WG_ROWS + 8 * j + 2 * tq + e;
                         if (o >= Cog) continue;
-                        if constexpr (DCN_WS_INTERLEAVED_ROWS) {
-                            // (rows r and r + 8 of a line: channels c and c + 1, c even)
-                            float* const row = part + (((I)blk.split * out_channels + blk.grp * Cog + o) * K + blk.t) * Cg +
-                                               blk.n0;
-                            float2* const at = reinterpret_cast<float2*>(
-                                row + fused_bwd::ws_tile_channel<LINE, VEC>((warp & 3) * 16 + gq));
-                            float2 v = make_float2(d[0][4 * j + e], d[0][4 * j + 2 + e]);
-                            if (accumulate) {
-                                const float2 old = *at;
-                                v.x += old.x;
-                                v.y += old.y;
-                            }
-                            *at = v;
-                        } else {
-                            float* const row = part + (((I)blk.split * out_channels + blk.grp * Cog + o) * K + blk.t) * Cg +
-                                               blk.n0 + (warp & 3) * 16 + gq;
+                        float* const row = part + (((I)blk.split * out_channels + blk.grp * Cog + o) * K + blk.t) * Cg +
+                                           blk.n0 + (warp & 3) * 16 + gq;
 #pragma unroll
-                            for (int h = 0; h < 2; ++h) {
-                                float v = d[0][4 * j + 2 * h + e];
-                                if (accumulate) v += row[8 * h];
-                                row[8 * h] = v;
-                            }
+                        for (int h = 0; h < 2; ++h) {
+                            float v = d[0][4 * j + 2 * h + e];
+                            if (accumulate) v += row[8 * h];
+                            row[8 * h] = v;
                         }
                     }
             } else {
                 // d[mi][4j + 2h + e] is output channel 64 mi + 16 (warp % 4) + lane / 4 + 8 h of the
                 // warpgroup's rows, input channel 8 j + 2 (lane % 4) + e of the tile: float2 stores (Cg
-                // and the channel even). Interleaved rows: tile row 8 j + 2 (lane % 4) + e is channel
-                // LINE (j / VEC) + VEC (2 (lane % 4) + e) + j % VEC, so float4 stores of 4 consecutive j.
+                // and the channel even).
 #pragma unroll
                 for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const int o = blk.m0 + wg * WG_ROWS + mi * 64 + (warp & 3) * 16 + gq + h * 8;
                         if (o >= Cog) continue;
-                        if constexpr (DCN_WS_INTERLEAVED_ROWS) {
-                            float* const row =
-                                part + (((I)blk.split * out_channels + blk.grp * Cog + o) * K + blk.t) * Cg + blk.n0;
+                        float* const row =
+                            part + (((I)blk.split * out_channels + blk.grp * Cog + o) * K + blk.t) * Cg + blk.n0 + 2 * tq;
 #pragma unroll
-                            for (int e = 0; e < 2; ++e)
-#pragma unroll
-                                for (int j = 0; j < BN / 8; j += 4) {
-                                    float4* const at = reinterpret_cast<float4*>(
-                                        row + fused_bwd::ws_tile_channel<LINE, VEC>(8 * j + 2 * tq + e));
-                                    float4 v = make_float4(d[mi][4 * j + 2 * h + e], d[mi][4 * (j + 1) + 2 * h + e],
-                                                           d[mi][4 * (j + 2) + 2 * h + e], d[mi][4 * (j + 3) + 2 * h + e]);
-                                    if (accumulate) {
-                                        const float4 old = *at;
-                                        v.x += old.x;
-                                        v.y += old.y;
-                                        v.z += old.z;
-                                        v.w += old.w;
-                                    }
-                                    *at = v;
-                                }
-                        } else {
-                            float* const row =
-                                part + (((I)blk.split * out_channels + blk.grp * Cog + o) * K + blk.t) * Cg + blk.n0 + 2 * tq;
-#pragma unroll
-                            for (int j = 0; j < BN / 8; ++j) {
-                                float2* const at = reinterpret_cast<float2*>(row + 8 * j);
-                                float2 v = make_float2(d[mi][4 * j + 2 * h], d[mi][4 * j + 2 * h + 1]);
-                                if (accumulate) {
-                                    const float2 old = *at;
-                                    v.x += old.x;
-                                    v.y += old.y;
-                                }
-                                *at = v;
+                        for (int j = 0; j < BN / 8; ++j) {
+                            float2* const at = reinterpret_cast<float2*>(row + 8 * j);
+                            float2 v = make_float2(d[mi][4 * j + 2 * h], d[mi][4 * j + 2 * h + 1]);
+                            if (accumulate) {
+                                const float2 old = *at;
+                                v.x += old.x;
+                                v.y += old.y;
                             }
+                            *at = v;
                         }
                     }
             }
@@ -1858,10 +1777,8 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
     const int swarp = stid >> 5;
     const int k = lane >> 2;       // this lane's 16-byte vector of a 128-byte line of channels
     const int i4 = lane & 3;       // its position within the item's 4
-#if !DCN_WS_INTERLEAVED_ROWS
     // The rotation of its vector's element stores (the rows 8 apart share banks)
     const int rot = sizeof(T) == 2 ? k : (k >> 1);
-#endif
     // The unit's tile: its first channel, whose plan segment holds every channel of the tile (the
     // host's rule), that segment's plan entries for the tap, and the tile's A rows: BM rows from
     // row grp * Cog + m0 of each segment of gys
@@ -1874,16 +1791,6 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
     float pmask[U];
     auto item_quad = [&](int u) { return (swarp + SAMPLER_WARPS * u) % QUADS; };
     auto item_line = [&](int u) { return (swarp + SAMPLER_WARPS * u) / QUADS; };
-#if DCN_WS_INTERLEAVED_ROWS
-    // item u's element 0 in a stage's B plane, row k of its line (the 128-byte swizzle: 16-byte
-    // chunk c of row r at c ^ (r & 7), and r & 7 = k for every element)
-    int store_offset[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-        const int p = (item_quad(u) * 4 + i4) * (int)sizeof(T);   // the position's byte in a row
-        store_offset[u] = (item_line(u) * LINE + k) * ROW + (((p >> 4) ^ k) << 4) + (p & 15);
-    }
-#endif
     auto fetch_ahead = [&](int step) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -1903,24 +1810,6 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
     // item_line(u), into raw[u] and their weights into wts[u]
     uint4 raw[U][NC];
     float wts[U][NC];
-#if DCN_WS_CORNER_BASES
-    // item u's vector in the input's row 0, from the unit's tile on
-    const T* item_base[U];
-    const int row_bytes = Cp * (int)sizeof(T);
-    // |weight| above which a corner is read: the shared plan's where in the grid and of weight
-    // not 0; the sampling plan's rows are all the input's or its zero row, its weights finite
-    const float read_above = plan_masks != nullptr ? 0.0f : -1.0f;
-    auto load_item = [&](int u) {
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            const bool read = fabsf(pwt[u][c]) > (prow[u][c] >= 0 ? read_above : __int_as_float(0x7f800000));
-            const I row = read ? prow[u][c] : zero_row;
-            wts[u][c] = read ? pwt[u][c] * pmask[u] : 0.0f;
-            const char* const at = fused_bwd::row_address(reinterpret_cast<const char*>(item_base[u]), row, row_bytes);
-            raw[u][c] = __ldg(reinterpret_cast<const uint4*>(at));
-        }
-    };
-#else
     auto load_item = [&](int u) {
         const int ch = item_line(u) * LINE + k * VEC;   // first channel of the vector in the tile
 #pragma unroll
@@ -1931,7 +1820,6 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
             raw[u][c] = __ldg(reinterpret_cast<const uint4*>(xcl + row * Cp + cabs0 + ch));
         }
     };
-#endif
     int u0 = 0;   // the block's step of the unit's first
     for (I unit = blockIdx.x; unit < units; unit += gridDim.x) {
         enter_unit(unit);
@@ -1939,10 +1827,6 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
         cabs0 = blk.grp * Cg + blk.n0;
         plan_first = ((I)(cabs0 / seg_len) * K + blk.t) * BQ;
         a_src = gys + (I)(blk.grp * Cog + blk.m0) * BK;
-#if DCN_WS_CORNER_BASES
-#pragma unroll
-        for (int u = 0; u < U; ++u) item_base[u] = xcl + cabs0 + item_line(u) * LINE + k * VEC;
-#endif
         fetch_ahead(0);
         if (DCN_WS_LOADS_AHEAD) {   // step 0's corners, before the loop
 #pragma unroll
@@ -1996,49 +1880,29 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
                 }
                 // raw[u] blended: step s + 1's corners of item u go in flight before the stores
                 if (DCN_WS_LOADS_AHEAD && s + 1 < steps) load_item(u);
-#if DCN_WS_INTERLEAVED_ROWS
-                {
-                    // element j in row k + 8 j of the line: 8 rows (1 KiB) on from element j - 1
-                    unsigned char* const at = b_tile + store_offset[u];
+                // element j of the rotated order is channel (j + rot) % VEC of the vector
+                const int p = item_quad(u) * 4 + i4;                        // column (position in the step)
+                const int row0 = item_line(u) * LINE + k * VEC;             // the vector's first row
+                const int chunk = (p * (int)sizeof(T)) >> 4, within = (p * (int)sizeof(T)) & 15;
 #pragma unroll
-                    for (int j = 0; j < VEC; ++j) {
-                        if constexpr (sizeof(T) == 4) {
-                            *reinterpret_cast<unsigned*>(at + j * 8 * ROW) = wv[j];
-                            if constexpr (SPLIT == 2) *reinterpret_cast<unsigned*>(at + j * 8 * ROW + B_PLANE) = ws[j];
-                        } else {
-                            const unsigned word = wv[j >> 1];
-                            *reinterpret_cast<unsigned short*>(at + j * 8 * ROW) =
-                                (unsigned short)((j & 1) ? word >> 16 : word);
+                for (int j = 0; j < VEC; ++j) {
+                    const int jj = (j + rot) & (VEC - 1);
+                    const int r = row0 + jj;
+                    unsigned char* const at = b_tile + r * ROW + ((chunk ^ (r & 7)) << 4) + within;
+                    if constexpr (sizeof(T) == 4) {
+                        const unsigned lo = (jj & 1) ? wv[1] : wv[0], hi = (jj & 1) ? wv[3] : wv[2];
+                        *reinterpret_cast<unsigned*>(at) = (jj & 2) ? hi : lo;
+                        if constexpr (SPLIT == 2) {
+                            const unsigned slo = (jj & 1) ? ws[1] : ws[0], shi = (jj & 1) ? ws[3] : ws[2];
+                            *reinterpret_cast<unsigned*>(at + B_PLANE) = (jj & 2) ? shi : slo;
                         }
+                    } else {
+                        const int w = jj >> 1;
+                        const unsigned lo = (w & 1) ? wv[1] : wv[0], hi = (w & 1) ? wv[3] : wv[2];
+                        const unsigned word = (w & 2) ? hi : lo;
+                        *reinterpret_cast<unsigned short*>(at) = (unsigned short)((jj & 1) ? word >> 16 : word);
                     }
                 }
-#else
-                {
-                    // element j of the rotated order is channel (j + rot) % VEC of the vector
-                    const int p = item_quad(u) * 4 + i4;                        // column (position in the step)
-                    const int row0 = item_line(u) * LINE + k * VEC;             // the vector's first row
-                    const int chunk = (p * (int)sizeof(T)) >> 4, within = (p * (int)sizeof(T)) & 15;
-#pragma unroll
-                    for (int j = 0; j < VEC; ++j) {
-                        const int jj = (j + rot) & (VEC - 1);
-                        const int r = row0 + jj;
-                        unsigned char* const at = b_tile + r * ROW + ((chunk ^ (r & 7)) << 4) + within;
-                        if constexpr (sizeof(T) == 4) {
-                            const unsigned lo = (jj & 1) ? wv[1] : wv[0], hi = (jj & 1) ? wv[3] : wv[2];
-                            *reinterpret_cast<unsigned*>(at) = (jj & 2) ? hi : lo;
-                            if constexpr (SPLIT == 2) {
-                                const unsigned slo = (jj & 1) ? ws[1] : ws[0], shi = (jj & 1) ? ws[3] : ws[2];
-                                *reinterpret_cast<unsigned*>(at + B_PLANE) = (jj & 2) ? shi : slo;
-                            }
-                        } else {
-                            const int w = jj >> 1;
-                            const unsigned lo = (w & 1) ? wv[1] : wv[0], hi = (w & 1) ? wv[3] : wv[2];
-                            const unsigned word = (w & 2) ? hi : lo;
-                            *reinterpret_cast<unsigned short*>(at) = (unsigned short)((jj & 1) ? word >> 16 : word);
-                        }
-                    }
-                }
-#endif
             }
             if (DCN_WS_LOADS_AHEAD) fetch_ahead(s + 2);
             proxy_fence();

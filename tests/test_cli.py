@@ -254,7 +254,7 @@ def test_ab_benchmark_parses_its_cases_and_steps_aside_without_a_gpu(capsys, mon
     assert module.main(["cuda_fused_backward.EARLY_COPIES", "--cases", "2dt-bf16"]) == 0
     assert "benchmarks/ab.py: no CUDA device visible to CuPy: nothing to measure." in capsys.readouterr().out
     # (--set is checked once there is a device to run on)
-    assert module.main(["cuda_fused_backward.WS_CORNER_BASES", "--set", "cuda_fused_backward.NOPE=1"]) == 0
+    assert module.main(["cuda_fused_backward.WS_LOADS_AHEAD", "--set", "cuda_fused_backward.NOPE=1"]) == 0
 
 
 def test_ab_benchmark_holds_other_settings(capsys, monkeypatch):
@@ -262,16 +262,16 @@ def test_ab_benchmark_holds_other_settings(capsys, monkeypatch):
     warm_modules.py's --set; a setting it cannot find, or the switch the A/B turns, is an error."""
     pytest.importorskip("cupy")
     module = _bench.load_script(REPO / "benchmarks" / "ab.py", "_test_ab_set")
-    assert module.parse_setting("cuda_fused_backward.WS_INTERLEAVED_ROWS=True") == (
-        "dcn_cupy._backends.cuda_fused_backward", "WS_INTERLEAVED_ROWS", True)
+    assert module.parse_setting("cuda_fused_backward.WS_CHANNEL_ROWS=False") == (
+        "dcn_cupy._backends.cuda_fused_backward", "WS_CHANNEL_ROWS", False)
     monkeypatch.setattr(module._gpu, "no_gpu_reason", lambda: None)
     monkeypatch.setattr(module._bench, "torch_installed", lambda: True)
     for setting, message in (("cuda_fused_backward.NOPE=1", "--set: dcn_cupy._backends.cuda_fused_backward has no "
                                                             "setting 'NOPE'"),
-                             ("cuda_fused_backward.WS_CORNER_BASES=True", "--set holds cuda_fused_backward."
-                                                                          "WS_CORNER_BASES, the switch that the A/B turns")):
+                             ("cuda_fused_backward.WS_LOADS_AHEAD=False", "--set holds cuda_fused_backward."
+                                                                          "WS_LOADS_AHEAD, the switch that the A/B turns")):
         with pytest.raises(SystemExit):
-            module.main(["cuda_fused_backward.WS_CORNER_BASES", "--set", setting])
+            module.main(["cuda_fused_backward.WS_LOADS_AHEAD", "--set", setting])
         assert message in capsys.readouterr().err, setting
 
 

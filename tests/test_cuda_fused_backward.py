@@ -69,7 +69,7 @@ def test_sm90a_kernels_compile(key, compile_module):
     compile_module(fb.module_source(), "deform_fused_backward.cu", fb.ws_name_expressions(*key), arch="sm_90a")
 
 
-@pytest.mark.parametrize("switch", ["WS_LOADS_AHEAD", "WS_CHANNEL_ROWS", "WS_INTERLEAVED_ROWS", "WS_CORNER_BASES"])
+@pytest.mark.parametrize("switch", ["WS_LOADS_AHEAD", "WS_CHANNEL_ROWS"])
 def test_sm90a_kernels_compile_with_a_switch_flipped(switch, compile_module, monkeypatch):
     """The sm_90a module built with one of the warp-specialised weight kernel's switches away from
     its default (the A/B's other side, benchmarks/ab.py) compiles; the other module's source does
@@ -87,7 +87,7 @@ def test_sm90a_kernels_compile_with_a_switch_flipped(switch, compile_module, mon
 
 def test_ws_switch_defaults_are_the_sources():
     """``_WS_SOURCE_DEFAULTS`` (what module_source leaves undefined) is what the source's #ifndef
-    blocks define, and the module's settings start there, but for the two experiments (off)."""
+    blocks define, and the module's settings start there."""
     import re
     from dcn_cupy._backends import cuda_source_dir
     fb = _backward_module()
@@ -1663,45 +1663,6 @@ def test_warp_specialised_channel_rows_same_bits(ndim, precision, monkeypatch):
                 check(got, expected, precision, label)
                 weights[channel_rows] = got["weight"]
             assert np.array_equal(weights[False], weights[True]), label
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("switch", ["WS_INTERLEAVED_ROWS", "WS_CORNER_BASES"])
-@pytest.mark.parametrize("ndim", [1, 2])
-@pytest.mark.parametrize("precision", ["float16", "tf32", "float32"])
-def test_warp_specialised_sampler_switches_same_bits(switch, ndim, precision, monkeypatch):
-    """The warp-specialised weight kernel's samplers with the tile's rows interleaved
-    (WS_INTERLEAVED_ROWS: no rotation; the epilogue maps the rows back to channels) or with their
-    corners from one base an item (WS_CORNER_BASES: the plan's test as selects) give the bits of
-    the default build, and the reference's values: the 128-row tile (96 output channels) and the
-    256-row one (160); 5 splits, 64-bit indices, chunks of one sample (the units add to the
-    partial sums); with 5 splits, corners from the sampling plan and from the data kernel's (its
-    masks apart; a third of the masks 0), and interleaved rows also under the m64n64 order's
-    epilogue (WS_CHANNEL_ROWS off)."""
-    fb = _backward_module()
-    if not fb._fused.wgmma_available():
-        pytest.skip("the warp-specialised weight kernel runs on sm_90a devices")
-    rng = np.random.default_rng(100 + ndim)
-    for c_out, case in _ws_cases(rng, ndim):
-        case[0]["mask"] = np.where(rng.random(case[0]["mask"].shape) < 1 / 3, 0.0, case[0]["mask"])
-        for name, splits in _WS_SPLITS:
-            # (5 splits: each plan, and interleaved rows in each MMA order; else the plan's rule)
-            plans = (False, True) if name == "5 splits" else (None,)
-            orders = (True, False) if switch == "WS_INTERLEAVED_ROWS" and name == "5 splits" else (True,)
-            for gradient_plan in plans:
-                for channel_rows in orders:
-                    label = (c_out, name, gradient_plan, channel_rows)
-                    weights = {}
-                    for on in (False, True):
-                        got, expected, config = _ws_weight_gradient(
-                            monkeypatch, case, precision, name, splits, gradient_plan=gradient_plan,
-                            WS_CHANNEL_ROWS=channel_rows, **{switch: on})
-                        assert config.ws_weight and config.index64 == (name == "64-bit"), label
-                        assert gradient_plan is None or config.plan_shared == gradient_plan, label
-                        assert config.weight_tile[0] == (128 if c_out == 96 else 256), label
-                        check(got, expected, precision, label)
-                        weights[on] = got["weight"]
-                    assert np.array_equal(weights[False], weights[True]), label
 
 
 @pytest.mark.gpu

@@ -322,19 +322,6 @@ WS_LOADS_AHEAD = True
 #: C256 strict 0.998x; 2D transposed (128-row tile) strict 0.992x, TF32 0.990x, fp16 0.999x. False:
 #: the m64n64 order (``DCN_WS_CHANNEL_ROWS 0``, the A/B; a module of its own).
 WS_CHANNEL_ROWS = True
-#: The warp-specialised weight kernel's sampled tile with each 128-byte line's channels
-#: interleaved (a lane's vector in rows 8 apart), so that its samplers store every element at a
-#: fixed offset from one address a step, with no rotation (no selects); the epilogue maps the rows
-#: back to channels. The same products in the same order, in other accumulators. Sampler step loop
-#: (SASS, sm_90a, 2D 256-row tiles): 3xTF32 457 -> 406 instructions, fp16 290 -> 175 (NOTES-gpu.md,
-#: session 65). Not yet timed on a GPU: off (``DCN_WS_INTERLEAVED_ROWS 1`` builds it; a module of
-#: its own).
-WS_INTERLEAVED_ROWS = False
-#: The warp-specialised weight kernel's corner loads from one base pointer an item and unit plus
-#: one wide multiply-add a corner, and the shared plan's corner test as selects, not branches. The
-#: same loads and weights. Sampler step loop (as above): 3xTF32 457 -> 419, fp16 290 -> 265; both
-#: switches 359 and 151. Not yet timed on a GPU: off (``DCN_WS_CORNER_BASES 1`` builds it).
-WS_CORNER_BASES = False
 #: The warp-specialised weight kernel in persistent blocks: a grid of one block a multiprocessor
 #: (the kernel's registers hold one block an SM), each computing units (tile and split)
 #: blockIdx.x, blockIdx.x + gridDim.x, ... through one ring, so that its samplers fill the next
@@ -358,8 +345,7 @@ _ALIGN = 256
 #: The value each ``WS_*`` switch has in ``deform_fused_backward.cu`` when nothing defines it:
 #: ``module_source`` prefixes a ``#define`` only where the module's setting differs, so that the
 #: default build's text (and NVRTC's cache key) stays the source's.
-_WS_SOURCE_DEFAULTS = {"WS_LOADS_AHEAD": True, "WS_CHANNEL_ROWS": True, "WS_INTERLEAVED_ROWS": False,
-                       "WS_CORNER_BASES": False}
+_WS_SOURCE_DEFAULTS = {"WS_LOADS_AHEAD": True, "WS_CHANNEL_ROWS": True}
 
 
 def _switches(sm90a: bool = True) -> tuple:
@@ -374,8 +360,7 @@ def module_source(sm90a: bool = True) -> str:
     """``deform_fused_backward.cu`` with its local headers inlined (#line directives kept); without
     the deterministic scatter's fast path where ``DETERMINISTIC_FAST_PATH`` is off; for the sm_90a
     module (``sm90a``), without the weight samplers' loads ahead where ``WS_LOADS_AHEAD`` is off,
-    nor the ws MMAs' swapped operands where ``WS_CHANNEL_ROWS`` is, and with the interleaved tile
-    rows and the corner bases where ``WS_INTERLEAVED_ROWS`` and ``WS_CORNER_BASES`` are on."""
+    nor the ws MMAs' swapped operands where ``WS_CHANNEL_ROWS`` is."""
     text = _cuda.module_text(_SOURCE)
     for switch, default in _WS_SOURCE_DEFAULTS.items() if sm90a else ():
         if bool(globals()[switch]) != default:
