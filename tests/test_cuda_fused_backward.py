@@ -1734,6 +1734,79 @@ def test_warp_specialised_weight_rule(monkeypatch):
     assert strict.offsets["gyr"][1] == 2 * 256 * strict.Pp + 256 * 32 == 2 * tall.offsets["gyr"][1] - 256 * 32
 
 
+def test_ws_rows_over_the_copy_share_its_region(monkeypatch):
+    """ROWS_OVER_COPY: the warp-specialised weight kernel's rows of grad_output start where the
+    data kernel's channels-last copy of it does, in one region as long as the longer of the two,
+    and a sample's bytes lose that buffer: B=8 C256 56x56 strict float32 then takes one chunk of 8
+    (two of 4 without), 1D B=16 C256 L4096 strict the same three chunks in less workspace, TF32
+    two chunks of 8 (three of 6 without). The other weight kernels keep rows of their own."""
+    fb = _backward_module()
+
+    def config(dtype, tf32, batch, channels, size, ndim=2):
+        S, k = (size,) * ndim, (3,) * ndim
+        K = math.prod(k)
+        geom = _geometry.conv_geometry((batch, channels) + S, (channels, channels) + k, (batch, K * ndim) + S,
+                                       (batch, K) + S, None, stride=1, padding=1, dilation=1, groups=1)[0]
+        return fb.BackwardConfig(geom, dtype, tf32, multiprocessors=132, wgmma=True)
+
+    shapes = {"c256 strict": (np.float32, False, 8, 256, 56), "1d strict": (np.float32, False, 16, 256, 4096, 1),
+              "1d tf32": (np.float32, True, 16, 256, 4096, 1), "c64 fp16": (np.float16, False, 32, 64, 56)}
+    off = {name: config(*shape) for name, shape in shapes.items()}
+    monkeypatch.setattr(fb, "ROWS_OVER_COPY", True)
+    on = {name: config(*shape) for name, shape in shapes.items()}
+    for name, c in on.items():
+        before = off[name]
+        assert not before.rows_over_copy and before.offsets["gyr"][0] != before.offsets["gycl"][0], name
+        assert "over its copy" not in before.description, name
+        if not before.ws_weight:   # (C64: the 64-row weight tile's kernel)
+            assert not c.rows_over_copy and c.offsets == before.offsets, name
+            continue
+        assert c.rows_over_copy and "grad_output's rows over its copy" in c.description, name
+        assert (c.gradient_plan, c.plan_shared) == (before.gradient_plan, before.plan_shared), name   # (its rule)
+        (copy_at, copy_count, dt), (rows_at, rows_count, rows_dt) = c.offsets["gycl"], c.offsets["gyr"]
+        assert rows_at == copy_at and rows_dt == dt == np.dtype(shapes[name][0]), name
+        n = c.chunk
+        assert copy_count == max((n * c.Q + 1) * c.gy_row, rows_count), name
+        assert rows_count == c.geom.out_channels * c.Pp * fb.operand_planes(c.precision) + 256 * 32, name
+        # nothing else in the region: the next buffer starts past the longer of the two
+        assert min(at for key, (at, _, _) in c.offsets.items() if at > copy_at) >= copy_at + copy_count * dt.itemsize
+    assert (off["c256 strict"].chunk, on["c256 strict"].chunk) == (4, 8)
+    assert (off["1d strict"].chunk, on["1d strict"].chunk) == (6, 6)
+    assert on["1d strict"].workspace_bytes < off["1d strict"].workspace_bytes - 32 * 2**20
+    assert (off["1d tf32"].chunk, on["1d tf32"].chunk) == (6, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ndim", [1, 2])
+@pytest.mark.parametrize("precision", ["float16", "tf32", "float32"])
+def test_ws_rows_over_the_copy_same_bits(ndim, precision, monkeypatch):
+    """The warp-specialised weight kernel reading grad_output's rows over the data kernel's copy
+    of it (ROWS_OVER_COPY) gives every gradient bitwise as with rows of their own, and the
+    reference's values, on a workspace poisoned with NaN: all the gradients with the bias's, the
+    weight's alone, the weight's with the bias's (the copy made for the bias sums alone); whole and
+    in one-sample chunks (the next chunk's copy over the rows the weight kernel read)."""
+    fb = _backward_module()
+    if not fb._fused.wgmma_available():
+        pytest.skip("the warp-specialised weight kernel runs on sm_90a devices")
+    _, case = next(_ws_cases(np.random.default_rng(110 + ndim), ndim))
+    for limit in (None, 1):
+        for wanted in (NAMES + ("bias",), ("weight",), ("weight", "bias")):
+            label = (limit, wanted)
+            got = {}
+            for on in (False, True):
+                with monkeypatch.context() as m:
+                    m.setattr(fb, "ROWS_OVER_COPY", on)
+                    if limit is not None:
+                        m.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", limit)
+                    got[on], expected, config = run_gradients(*case, precision, wanted=wanted, ws_weight=True)
+                assert config.ws_weight and config.rows_over_copy == on, label
+                assert config.chunk == (1 if limit else 4), label
+                check(got[on], expected, precision, label)
+            assert got[False].keys() == got[True].keys() == set(wanted), label
+            for name in wanted:
+                assert np.array_equal(got[False][name], got[True][name], equal_nan=True), (label, name)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ndim", [1, 2, 3])
 def test_non_finite_and_huge_offsets(ndim):

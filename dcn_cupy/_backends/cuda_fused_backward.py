@@ -290,6 +290,14 @@ SAMPLING_PLAN = None
 #: 1.265 -> 1.226 ms, B=32 C64 56x56 TF32 0.880 -> 0.855, B=8 C256 TF32 1.317 -> 1.298, the
 #: weight gradient bitwise the same (NOTES-gpu.md, session 31).
 ROWS_FROM_COPY = True
+#: The warp-specialised weight kernel's rows of grad_output (gyr, written by
+#: fused_position_segments) over the data kernel's channels-last copy of it (gycl) in the
+#: workspace, not beside it: the data kernel has finished with the copy by then (the kernels after
+#: it wait for it; the next chunk's copy waits for the weight kernel), so that a sample takes one
+#: grad_output buffer fewer and a chunk holds more samples. B=8 C256 56x56 strict float32: 17.9 ->
+#: 14.8 MiB a sample, one chunk of 8 where the 128 MiB bound gave two of 4 (measured through the
+#: bound alone: f+b 0.949x, NOTES-gpu.md, session 66). Not yet run on a GPU: off.
+ROWS_OVER_COPY = False
 #: The list's leading channels-last copies of the call's inputs (the weight's rows, x, grad_output
 #: of the first chunk) start beside the kernel before them (``channels_last_copy``'s ``early``),
 #: not after it; False: each waits for the one before (the A/B). H200, f+b: 2D transposed strict
@@ -863,8 +871,11 @@ class BackwardConfig:
         # the bias gradient folded into the copy of grad_output: a float32 sum per channel and
         # 64-position tile (fused_channels_last), added by fused_channel_totals
         self.bias_rows = -(-self.Q // _fused._LAYOUT_TILE)          # per sample
-        per_sample = (buffers + plan_entries * self.Q * 8 + gradient_entries * self.Q * entry_bytes
-                      + self.bias_rows * Co * 4)
+        # the warp-specialised kernel's rows of grad_output over its copy (ROWS_OVER_COPY): a
+        # sample's bytes without them (the plan's rule above still counts them)
+        self.rows_over_copy = bool(ROWS_OVER_COPY) and self.ws_weight
+        per_sample = (buffers - (self.Q * Co * it if self.rows_over_copy else 0) + plan_entries * self.Q * 8
+                      + gradient_entries * self.Q * entry_bytes + self.bias_rows * Co * 4)
         # as few chunks as the workspace bound allows, of equal size (but the last): 16 + 16, not 19 + 13
         most = max(1, min(geom.batch, int(_fused.WORKSPACE_LIMIT_BYTES) // max(per_sample, 1)))
         self.chunk = n = -(-geom.batch // -(-geom.batch // most))
@@ -906,10 +917,16 @@ class BackwardConfig:
                            (n * self.Q + bn) * self.gy_row, Co * (self.Pp * gy_planes + wbk)) > _INT32_SAFE
         sizes["plan_rows"] = (n * self.Q * plan_entries, np.int64 if self.index64 else np.int32)
         sizes["gradient_rows"] = (n * self.Q * gradient_entries * corners, np.int64 if self.index64 else np.int32)
+        rows = sizes["gyr"]
+        if self.rows_over_copy:   # (one region, as long as the longer of the two)
+            sizes["gycl"] = (max(sizes["gycl"][0], rows[0]), dtype)
+            sizes["gyr"] = (0, dtype)
         self.offsets, total = {}, 0
         for name, (count, dt) in sizes.items():
             self.offsets[name] = (total, count, np.dtype(dt))
             total = _fused._round_up(total + count * np.dtype(dt).itemsize, _ALIGN)
+        if self.rows_over_copy:
+            self.offsets["gyr"] = (self.offsets["gycl"][0], rows[0], np.dtype(dtype))
         self.workspace_bytes = total
         # the data kernel's main loop on wgmma (wgmma_data / WGMMA_DATA: None the rule, on; True
         # forced; False off) on its 64-row tiles, where the device has it (deterministic mode:
@@ -940,6 +957,7 @@ class BackwardConfig:
         ws = (f"warp-specialised wgmma, {self.weight_tile[0]} rows, "
               f"{'persistent blocks, ' if self.weight_grid < self.splits * self.weight_tiles else ''}"
               if self.ws_weight else "")
+        ws += "grad_output's rows over its copy, " if self.rows_over_copy else ""
         weight = (f"weight gradient fused ({ws}{self.splits} position splits, fixed-order sum{plan})"
                   if self.fused_weight else "weight gradient through cuda/im2col")
         data_plan = " from a plan per chunk" if self.gradient_plan else ""
