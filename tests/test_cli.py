@@ -275,6 +275,72 @@ def test_ab_benchmark_holds_other_settings(capsys, monkeypatch):
         assert message in capsys.readouterr().err, setting
 
 
+#: Three rows of ncu's --csv output for one backward (H200, session 66), with ncu's own lines.
+_NCU_CSV = """==PROF== Connected to process 988
+kernel_times plan: conv_backward (backward): cuda/fused-backward: 3xtf32 wgmma, chunks of 4 samples
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","988","python3.12","127.0.0.1","void fused_channels_last_vectors_split<int>(const float *, float *, int, int, int, T1, T1, float *, float *, T1, int)","1","7","(256, 1, 1)","(144, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","6,400"
+"1","988","python3.12","127.0.0.1","void fused_channels_last_vectors<float, int>(const T1 *, T1 *, int, int, int, T2, T2, dcn::Traits<T1>::acc *, T1 *, T2, int)","1","7","(256, 1, 1)","(784, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","10,176"
+"2","988","python3.12","127.0.0.1","void fused_channels_last_vectors_split<int>(const float *, float *, int, int, int, T1, T1, float *, float *, T1, int)","1","7","(256, 1, 1)","(784, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","us","14.208"
+==PROF== Disconnected from process 988
+"""
+
+
+def test_kernel_times_sums_ncu_rows_per_kernel(capsys, monkeypatch):
+    """benchmarks/kernel_times.py: ncu's CSV rows summed per kernel (its name without template
+    arguments), in the order of first launch, units to µs, ncu's other lines skipped; a bad
+    --phases named; without a CUDA device it says so and exits 0."""
+    module = _bench.load_script(REPO / "benchmarks" / "kernel_times.py", "_test_kernel_times")
+    times = module.kernel_times(_NCU_CSV)
+    assert [(name, launches) for name, launches, _ in times] == [("fused_channels_last_vectors_split", 2),
+                                                                  ("fused_channels_last_vectors", 1)]
+    assert times[0][2] == pytest.approx(6.4 + 14.208) and times[1][2] == pytest.approx(10.176)
+    assert module.kernel_times("==PROF== nothing profiled\n") == []
+    with pytest.raises(ValueError, match="in 'cycles'"):
+        module.kernel_times(_NCU_CSV.replace('"us","14.208"', '"cycles","14"'))
+    text = module.table("14-fp32", "backward", "its plan", times)
+    assert text.splitlines()[0] == "14-fp32 backward: its plan"
+    assert text.splitlines()[-1] == "| total | 3 | 30.8 |"
+    with pytest.raises(SystemExit):
+        module.main(["--cases", "14-fp32", "--phases", "backward,both"])
+    assert "--phases must be comma-separated, of forward, backward, got 'backward,both'" in capsys.readouterr().err
+    monkeypatch.setattr(module.ab._gpu, "no_gpu_reason", lambda: "no CUDA device visible to CuPy")
+    assert module.main(["--cases", "14-fp32,1d-tf32", "--phases", "forward,backward"]) == 0
+    assert "benchmarks/kernel_times.py: no CUDA device visible to CuPy: nothing to measure." in capsys.readouterr().out
+
+
+def test_kernel_times_runs_each_case_and_phase_under_ncu(capsys, monkeypatch, tmp_path):
+    """benchmarks/kernel_times.py runs a process of its own under the ncu command line for each
+    case and phase (the profiled one told its case and phase, the --set settings passed on) and
+    prints each one's table, or ncu's last lines where it failed (here: a stand-in for ncu that
+    prints call 4's rows, and fails for the forward)."""
+    module = _bench.load_script(REPO / "benchmarks" / "kernel_times.py", "_test_kernel_times_runs")
+    (tmp_path / "rows.csv").write_text(_NCU_CSV)
+    fake = tmp_path / "fake-ncu"
+    fake.write_text('#!/bin/sh\necho "$@" >> "%s"\ncase "$*" in *:forward*) echo broken; exit 3;; esac\n'
+                    'cat "%s"\n' % (tmp_path / "calls", tmp_path / "rows.csv"))
+    fake.chmod(0o755)
+    monkeypatch.setattr(module.ab._gpu, "no_gpu_reason", lambda: None)
+    monkeypatch.setattr(module.ab._bench, "torch_installed", lambda: True)
+    monkeypatch.setattr(module.ab._gpu, "_device_name", lambda: "a card")
+    assert module.main(["--shape", "c128=8,128,128,56x56", "--cases", "c128-fp32", "--phases", "forward,backward",
+                        "--ncu", str(fake)]) == 0
+    out = capsys.readouterr().out
+    assert "kernel_times on a card: ncu's gpu__time_duration" in out
+    assert "c128-fp32 forward: ncu exited with 3 and 0 kernels; its last lines:\nbroken" in out
+    assert ("c128-fp32 backward: conv_backward (backward): cuda/fused-backward: 3xtf32 wgmma, chunks of 4 samples\n"
+            "| kernel | launches | µs |") in out and "| total | 3 | 30.8 |" in out
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert len(calls) == 2 and all(" ".join(module.NCU_OPTIONS) in call for call in calls)
+    assert [call.split("--profile ")[1].split()[0] for call in calls] == ["c128-fp32:forward", "c128-fp32:backward"]
+    assert all("--shape c128=8,128,128,56x56" in call for call in calls)
+    # --set (its module needs CuPy): passed on to the profiled process, named in the heading
+    pytest.importorskip("cupy")
+    assert module.main(["--cases", "14-fp32", "--ncu", str(fake), "--set", "cuda_fused.WORKSPACE_LIMIT_BYTES=1"]) == 0
+    assert "kernel_times on a card, cuda_fused.WORKSPACE_LIMIT_BYTES=1" in capsys.readouterr().out
+    assert "--set cuda_fused.WORKSPACE_LIMIT_BYTES=1" in (tmp_path / "calls").read_text().splitlines()[-1]
+
+
 def test_benchmark_cases_build_conv_and_transposed_inputs(monkeypatch):
     """gpu.py's ``transposed_case`` (which ``bench_transposed`` and ab.py take) and ab.py's
     plain case, on NumPy stand-ins for torch's and CuPy's arrays: the transposed weight is
