@@ -1504,6 +1504,20 @@ __global__ void fused_position_segments(const T* __restrict__ gy, T* __restrict_
 #define DCN_WS_CHANNEL_ROWS 1
 #endif
 
+// The warp-specialised weight kernel's epilogue, where it adds to the partial sums of the chunks
+// before (accumulate): each sum added by a global reduction (red.global.add, issued and not
+// waited for), not loaded, added and stored. The compiler may not move a load above a store to
+// `part` (it cannot tell them apart), so each pair of loads waits for the store before it: 32
+// round trips a unit in SASS (3xTF32, 1D 256-row tile), about 27 us a launch of every chunk but
+// the first (NOTES-gpu.md, session 66). Loading a group of sums first spills the MMA warpgroups'
+// registers. One thread adds to a sum in a launch, so the sums are those of the loads and stores
+// (red.add.f32 rounds to nearest even, as the add does), but where an input or result is
+// subnormal: red flushes it to zero. Defining DCN_WS_EPILOGUE_RED 1 builds it
+// (cuda_fused_backward.WS_EPILOGUE_RED).
+#ifndef DCN_WS_EPILOGUE_RED
+#define DCN_WS_EPILOGUE_RED 0
+#endif
+
 // The weight gradient warp-specialised on wgmma (sm_90a; fp16, bf16, TF32, 3xTF32): the GEMM, the
 // block mapping, the plan's corners and the partial sums of deform_fused_backward_weight (PLAN),
 // but the block's warps split into roles as in the forward's ENGINE 3. MMA_WGS warpgroups
@@ -1737,6 +1751,10 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
                             float v = d[0][4 * j + 2 * h + e];
+                            if (DCN_WS_EPILOGUE_RED && accumulate) {
+                                atomicAdd(row + 8 * h, v);   // (its result unused: a reduction)
+                                continue;
+                            }
                             if (accumulate) v += row[8 * h];
                             row[8 * h] = v;
                         }
@@ -1757,6 +1775,10 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
                         for (int j = 0; j < BN / 8; ++j) {
                             float2* const at = reinterpret_cast<float2*>(row + 8 * j);
                             float2 v = make_float2(d[mi][4 * j + 2 * h], d[mi][4 * j + 2 * h + 1]);
+                            if (DCN_WS_EPILOGUE_RED && accumulate) {
+                                atomicAdd(at, v);   // (a vector reduction)
+                                continue;
+                            }
                             if (accumulate) {
                                 const float2 old = *at;
                                 v.x += old.x;

@@ -69,7 +69,7 @@ def test_sm90a_kernels_compile(key, compile_module):
     compile_module(fb.module_source(), "deform_fused_backward.cu", fb.ws_name_expressions(*key), arch="sm_90a")
 
 
-@pytest.mark.parametrize("switch", ["WS_LOADS_AHEAD", "WS_CHANNEL_ROWS"])
+@pytest.mark.parametrize("switch", ["WS_LOADS_AHEAD", "WS_CHANNEL_ROWS", "WS_EPILOGUE_RED"])
 def test_sm90a_kernels_compile_with_a_switch_flipped(switch, compile_module, monkeypatch):
     """The sm_90a module built with one of the warp-specialised weight kernel's switches away from
     its default (the A/B's other side, benchmarks/ab.py) compiles; the other module's source does
@@ -1663,6 +1663,34 @@ def test_warp_specialised_channel_rows_same_bits(ndim, precision, monkeypatch):
                 check(got, expected, precision, label)
                 weights[channel_rows] = got["weight"]
             assert np.array_equal(weights[False], weights[True]), label
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ndim", [1, 2])
+@pytest.mark.parametrize("precision", ["float16", "tf32", "float32"])
+def test_warp_specialised_epilogue_reductions_same_bits(ndim, precision, monkeypatch):
+    """The warp-specialised weight kernel adding to the chunks' partial sums by global reductions
+    (WS_EPILOGUE_RED) gives the bits of its loads and stores (no sum here is subnormal), and the
+    reference's values: chunks of one sample (every launch but the first adds), in both MMA orders
+    (WS_CHANNEL_ROWS: scalar reductions; off, the m64n64 order's float2 ones), the 128-row tile
+    (96 output channels: rows past C_out/groups not added) and the 256-row one (160); and whole
+    (no chunk adds: the same code)."""
+    fb = _backward_module()
+    if not fb._fused.wgmma_available():
+        pytest.skip("the warp-specialised weight kernel runs on sm_90a devices")
+    for c_out, case in _ws_cases(np.random.default_rng(120 + ndim), ndim):
+        for name, splits in _WS_SPLITS[::2]:   # ("5 splits": whole; "chunks")
+            for channel_rows in ((True, False) if name == "chunks" else (True,)):
+                label = (c_out, name, channel_rows)
+                weights = {}
+                for red in (False, True):
+                    got, expected, config = _ws_weight_gradient(monkeypatch, case, precision, name, splits,
+                                                                WS_EPILOGUE_RED=red, WS_CHANNEL_ROWS=channel_rows)
+                    assert config.ws_weight and config.chunk == (1 if name == "chunks" else 4), label
+                    assert config.weight_tile[0] == (128 if c_out == 96 else 256), label
+                    check(got, expected, precision, label)
+                    weights[red] = got["weight"]
+                assert np.array_equal(weights[False], weights[True]), label
 
 
 @pytest.mark.gpu

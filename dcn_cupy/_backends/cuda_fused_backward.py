@@ -330,6 +330,14 @@ WS_LOADS_AHEAD = True
 #: C256 strict 0.998x; 2D transposed (128-row tile) strict 0.992x, TF32 0.990x, fp16 0.999x. False:
 #: the m64n64 order (``DCN_WS_CHANNEL_ROWS 0``, the A/B; a module of its own).
 WS_CHANNEL_ROWS = True
+#: The warp-specialised weight kernel's epilogue, in every chunk but the first (where it adds to
+#: the partial sums before): each sum added by a global reduction, issued and not waited for, where
+#: the compiler otherwise waits for each pair of loads after the store before it (32 round trips a
+#: unit in 3xTF32). A launch of such a chunk cost about 27 us more than its steps (1D B=16 C256
+#: L4096 strict, ncu: the weight kernel 417 us in three chunks, 359 in one; NOTES-gpu.md, session
+#: 66). The same sums, but subnormal ones flushed to zero. Not yet run on a GPU: off
+#: (``DCN_WS_EPILOGUE_RED 1`` builds it; a module of its own).
+WS_EPILOGUE_RED = False
 #: The warp-specialised weight kernel in persistent blocks: a grid of one block a multiprocessor
 #: (the kernel's registers hold one block an SM), each computing units (tile and split)
 #: blockIdx.x, blockIdx.x + gridDim.x, ... through one ring, so that its samplers fill the next
@@ -353,7 +361,7 @@ _ALIGN = 256
 #: The value each ``WS_*`` switch has in ``deform_fused_backward.cu`` when nothing defines it:
 #: ``module_source`` prefixes a ``#define`` only where the module's setting differs, so that the
 #: default build's text (and NVRTC's cache key) stays the source's.
-_WS_SOURCE_DEFAULTS = {"WS_LOADS_AHEAD": True, "WS_CHANNEL_ROWS": True}
+_WS_SOURCE_DEFAULTS = {"WS_LOADS_AHEAD": True, "WS_CHANNEL_ROWS": True, "WS_EPILOGUE_RED": False}
 
 
 def _switches(sm90a: bool = True) -> tuple:
@@ -368,7 +376,8 @@ def module_source(sm90a: bool = True) -> str:
     """``deform_fused_backward.cu`` with its local headers inlined (#line directives kept); without
     the deterministic scatter's fast path where ``DETERMINISTIC_FAST_PATH`` is off; for the sm_90a
     module (``sm90a``), without the weight samplers' loads ahead where ``WS_LOADS_AHEAD`` is off,
-    nor the ws MMAs' swapped operands where ``WS_CHANNEL_ROWS`` is."""
+    nor the ws MMAs' swapped operands where ``WS_CHANNEL_ROWS`` is, and with the epilogue's
+    reductions where ``WS_EPILOGUE_RED`` is on."""
     text = _cuda.module_text(_SOURCE)
     for switch, default in _WS_SOURCE_DEFAULTS.items() if sm90a else ():
         if bool(globals()[switch]) != default:
