@@ -1141,6 +1141,15 @@ __global__ void fused_position_rows(const T* __restrict__ gy, T* __restrict__ gy
     }
 }
 
+// The weight kernel's epilogue (deform_fused_backward_weight), where it adds to the partial sums
+// of the chunks before (accumulate): each sum added by a global reduction, not loaded, added and
+// stored, where each load waits for the store before it (as in the warp-specialised kernel:
+// DCN_WS_EPILOGUE_RED below). The same sums but subnormal ones, which red flushes to zero.
+// Defining DCN_WEIGHT_EPILOGUE_RED 1 builds it (cuda_fused_backward.WEIGHT_EPILOGUE_RED).
+#ifndef DCN_WEIGHT_EPILOGUE_RED
+#define DCN_WEIGHT_EPILOGUE_RED 0
+#endif
+
 // The weight gradient, an implicit GEMM over the positions with the fused forward's sampler:
 //   part[split, o, t, c] (+)= sum_{p in the split's share of the chunk} gy[o, p] * m * sample(x[b, c], P(q, t))
 // Per block a tile of BM output channels x BN input channels of one conv group and ONE tap, for
@@ -1408,7 +1417,8 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
         }
     }
 
-    // Epilogue: part[split, o, t, c] from the fragments (row = output channel, column = channel).
+    // Epilogue: part[split, o, t, c] from the fragments (row = output channel, column = channel);
+    // where a chunk adds to the sums before, by reductions where DCN_WEIGHT_EPILOGUE_RED (above).
     const int gq = lane >> 2, tq = lane & 3;
 #pragma unroll
     for (int i = 0; i < MT; ++i)
@@ -1424,7 +1434,10 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
                     const int c = n0 + wn * WN + j * 8 + 2 * tq + e;
                     if (c < Cg) {
                         const float v = acc[i][j][h * 2 + e];
-                        row[c] = accumulate ? row[c] + v : v;
+                        if (DCN_WEIGHT_EPILOGUE_RED && accumulate)
+                            atomicAdd(row + c, v);   // (its result unused: a reduction)
+                        else
+                            row[c] = accumulate ? row[c] + v : v;
                     }
                 }
         }

@@ -80,9 +80,25 @@ def test_sm90a_kernels_compile_with_a_switch_flipped(switch, compile_module, mon
     monkeypatch.setattr(fb, switch, value)
     source = fb.module_source()
     assert source == f"#define DCN_{switch} {int(value)}\n" + default and fb.module_source(sm90a=False) == other
-    assert fb._switches(sm90a=False) == (fb.DETERMINISTIC_FAST_PATH,) and value in fb._switches()
+    assert fb._switches(sm90a=False) == (fb.DETERMINISTIC_FAST_PATH, False) and value in fb._switches()
     for key in ((np.float32, 2, False), (np.float16, 1, True), (np.float32, 3, False)):
         compile_module(source, "deform_fused_backward.cu", fb.ws_name_expressions(*key), arch="sm_90a")
+
+
+def test_weight_kernel_compiles_with_its_epilogue_reductions(compile_module, monkeypatch):
+    """The other module built with the mma.sync weight kernel's epilogue reductions
+    (WEIGHT_EPILOGUE_RED, the A/B's other side) compiles; the sm_90a module's source and key do
+    not change."""
+    fb = _backward_module()
+    other, default, other_key = fb.module_source(), fb.module_source(sm90a=False), fb._switches()
+    monkeypatch.setattr(fb, "WEIGHT_EPILOGUE_RED", True)
+    source = fb.module_source(sm90a=False)
+    assert source == "#define DCN_WEIGHT_EPILOGUE_RED 1\n" + default and fb.module_source() == other
+    assert fb._switches(sm90a=False) == (fb.DETERMINISTIC_FAST_PATH, True) and fb._switches() == other_key
+    for key in ((np.float32, 2, False), (np.float16, 1, True), (np.float32, 3, True)):
+        names = [name for name in fb.name_expressions(*key) if name.startswith("deform_fused_backward_weight<")]
+        assert names, key
+        compile_module(source, "deform_fused_backward.cu", names)
 
 
 def test_ws_switch_defaults_are_the_sources():
@@ -96,6 +112,9 @@ def test_ws_switch_defaults_are_the_sources():
         found = re.search(rf"#ifndef DCN_{switch}\n#define DCN_{switch} ([01])\n#endif", text)
         assert found and int(found.group(1)) == int(value), switch
         assert getattr(fb, switch) == value, switch
+    # (the other module's: off in the source and in the module)
+    assert "#ifndef DCN_WEIGHT_EPILOGUE_RED\n#define DCN_WEIGHT_EPILOGUE_RED 0\n#endif" in text
+    assert fb.WEIGHT_EPILOGUE_RED is False
 
 
 def test_module_source_defines_exactly_the_instantiated_kernels():
@@ -1691,6 +1710,32 @@ def test_warp_specialised_epilogue_reductions_same_bits(ndim, precision, monkeyp
                     check(got, expected, precision, label)
                     weights[red] = got["weight"]
                 assert np.array_equal(weights[False], weights[True]), label
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ndim", [1, 2])
+@pytest.mark.parametrize("precision", ["float16", "tf32", "float32"])
+def test_weight_kernel_epilogue_reductions_same_bits(ndim, precision, monkeypatch):
+    """The mma.sync weight kernel adding to the chunks' partial sums by global reductions
+    (WEIGHT_EPILOGUE_RED) gives the bits of its loads and stores, and the reference's values: in
+    chunks of one sample (every launch but the first adds) and whole, C_out 96 (a partial tile)
+    and 160."""
+    fb = _backward_module()
+    for c_out, case in _ws_cases(np.random.default_rng(130 + ndim), ndim):
+        for limit in (None, 1):
+            label = (c_out, limit)
+            weights = {}
+            for red in (False, True):
+                with monkeypatch.context() as m:
+                    m.setattr(fb, "WEIGHT_EPILOGUE_RED", red)
+                    if limit is not None:
+                        m.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", limit)
+                    got, expected, config = run_gradients(*case, precision, wanted=("weight",), ws_weight=False)
+                assert config.fused_weight and not config.ws_weight, label
+                assert config.chunk == (1 if limit else 4), label
+                check(got, expected, precision, label)
+                weights[red] = got["weight"]
+            assert np.array_equal(weights[False], weights[True]), label
 
 
 @pytest.mark.gpu

@@ -338,6 +338,9 @@ WS_CHANNEL_ROWS = True
 #: 66). The same sums, but subnormal ones flushed to zero. Not yet run on a GPU: off
 #: (``DCN_WS_EPILOGUE_RED 1`` builds it; a module of its own).
 WS_EPILOGUE_RED = False
+#: The same for the mma.sync weight kernel (``deform_fused_backward_weight``, the sm_90 module's;
+#: B=32 C64 56x56 runs it in two chunks). Not yet run on a GPU: off (``DCN_WEIGHT_EPILOGUE_RED 1``).
+WEIGHT_EPILOGUE_RED = False
 #: The warp-specialised weight kernel in persistent blocks: a grid of one block a multiprocessor
 #: (the kernel's registers hold one block an SM), each computing units (tile and split)
 #: blockIdx.x, blockIdx.x + gridDim.x, ... through one ring, so that its samplers fill the next
@@ -367,8 +370,9 @@ _WS_SOURCE_DEFAULTS = {"WS_LOADS_AHEAD": True, "WS_CHANNEL_ROWS": True, "WS_EPIL
 def _switches(sm90a: bool = True) -> tuple:
     """The source switches of a module, part of its key: the warp-specialised weight kernel's
     (``WS_*``) only in the sm_90a module, the one that instantiates it (so that switching them
-    rebuilds no other module)."""
-    ws = tuple(globals()[switch] for switch in _WS_SOURCE_DEFAULTS) if sm90a else ()
+    rebuilds no other module), the mma.sync weight kernel's (``WEIGHT_EPILOGUE_RED``) only in the
+    other one."""
+    ws = tuple(globals()[switch] for switch in _WS_SOURCE_DEFAULTS) if sm90a else (WEIGHT_EPILOGUE_RED,)
     return (DETERMINISTIC_FAST_PATH,) + ws
 
 
@@ -377,11 +381,14 @@ def module_source(sm90a: bool = True) -> str:
     the deterministic scatter's fast path where ``DETERMINISTIC_FAST_PATH`` is off; for the sm_90a
     module (``sm90a``), without the weight samplers' loads ahead where ``WS_LOADS_AHEAD`` is off,
     nor the ws MMAs' swapped operands where ``WS_CHANNEL_ROWS`` is, and with the epilogue's
-    reductions where ``WS_EPILOGUE_RED`` is on."""
+    reductions where ``WS_EPILOGUE_RED`` is on; for the other module, with the mma.sync weight
+    kernel's epilogue reductions where ``WEIGHT_EPILOGUE_RED`` is on."""
     text = _cuda.module_text(_SOURCE)
     for switch, default in _WS_SOURCE_DEFAULTS.items() if sm90a else ():
         if bool(globals()[switch]) != default:
             text = f"#define DCN_{switch} {int(bool(globals()[switch]))}\n" + text
+    if not sm90a and WEIGHT_EPILOGUE_RED:
+        text = "#define DCN_WEIGHT_EPILOGUE_RED 1\n" + text
     return text if DETERMINISTIC_FAST_PATH else "#define DCN_DET_FAST_PATH 0\n" + text
 
 
