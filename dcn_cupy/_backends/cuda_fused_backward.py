@@ -295,7 +295,7 @@ ROWS_FROM_COPY = True
 #: workspace, not beside it: the data kernel has finished with the copy by then (the kernels after
 #: it wait for it; the next chunk's copy waits for the weight kernel), so that a sample takes one
 #: grad_output buffer fewer and a chunk holds more samples. B=8 C256 56x56 strict float32: 17.9 ->
-#: 14.8 MiB a sample, one chunk of 8 where the 128 MiB bound gave two of 4 (measured through the
+#: 14.9 MiB a sample, one chunk of 8 where the 128 MiB bound gave two of 4 (measured through the
 #: bound alone: f+b 0.949x, NOTES-gpu.md, session 66). Not yet run on a GPU: off.
 ROWS_OVER_COPY = False
 #: The list's leading channels-last copies of the call's inputs (the weight's rows, x, grad_output
