@@ -347,21 +347,30 @@ def fused_backward_cases(quick: bool = False, persistent_only: bool = False) -> 
     def persistent_cases():
         # the warp-specialised weight kernel (forced) in persistent blocks: a grid of 2, each
         # block running its units (tile and split) through one ring; 64 channels a group (its
-        # tile's); not tuned, so that no timing hands the weight gradient to cuda/im2col
+        # tile's); not tuned, so that no timing hands the weight gradient to cuda/im2col. Whole,
+        # then in one-sample chunks: each launch after the first adds to the partial sums (the
+        # epilogue's reductions, WS_EPILOGUE_RED), and each chunk's copy of grad_output goes over
+        # the rows the weight kernel read before (ROWS_OVER_COPY)
         count = 0
-        saved = fb.WS_WEIGHT, fb.WS_PERSISTENT, fb.WS_PERSISTENT_BLOCKS, fb._fused.TUNE
+        saved = fb.WS_WEIGHT, fb.WS_PERSISTENT, fb.WS_PERSISTENT_BLOCKS, fb._fused.TUNE, fb._fused.WORKSPACE_LIMIT_BYTES
         try:
             fb.WS_WEIGHT, fb.WS_PERSISTENT, fb.WS_PERSISTENT_BLOCKS, fb._fused.TUNE = True, True, 2, False
             if fb._fused.wgmma_available():
                 for ndim in (1, 2):
                     many = random_case(np.random.default_rng(1998), ndim, False, batch=12, channels_scale=64)
+                    few = random_case(np.random.default_rng(1997), ndim, False, batch=3, channels_scale=64)
                     for dtype, tf32 in ((np.float16, False), (np.float32, True), (np.float32, False)):
-                        description = run(many, dtype, tf32)
-                        assert "warp-specialised wgmma" in description and "persistent blocks" in description, \
-                            description
-                        count += 1
+                        for case, limit in ((many, saved[-1]), (few, 1)):
+                            fb._fused.WORKSPACE_LIMIT_BYTES = limit
+                            description = run(case, dtype, tf32)
+                            assert "warp-specialised wgmma" in description and "persistent blocks" in description, \
+                                description
+                            assert (limit != 1) or "chunks of 1 sample" in description, description
+                            assert (not fb.ROWS_OVER_COPY) or "rows over its copy" in description, description
+                            count += 1
         finally:
-            fb.WS_WEIGHT, fb.WS_PERSISTENT, fb.WS_PERSISTENT_BLOCKS, fb._fused.TUNE = saved
+            (fb.WS_WEIGHT, fb.WS_PERSISTENT, fb.WS_PERSISTENT_BLOCKS, fb._fused.TUNE,
+             fb._fused.WORKSPACE_LIMIT_BYTES) = saved
         return count
 
     if persistent_only:

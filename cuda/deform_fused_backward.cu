@@ -1525,10 +1525,11 @@ __global__ void fused_position_segments(const T* __restrict__ gy, T* __restrict_
 // the first (NOTES-gpu.md, session 66). Loading a group of sums first spills the MMA warpgroups'
 // registers. One thread adds to a sum in a launch, so the sums are those of the loads and stores
 // (red.add.f32 rounds to nearest even, as the add does), but where an input or result is
-// subnormal: red flushes it to zero. Defining DCN_WS_EPILOGUE_RED 1 builds it
-// (cuda_fused_backward.WS_EPILOGUE_RED).
+// subnormal: red flushes it to zero. H200, ncu: the weight kernel 415 -> 386 us in 1D strict
+// (three chunks), 499 -> 455 in B=8 C256 strict (two; NOTES-gpu.md, session 67). Defining
+// DCN_WS_EPILOGUE_RED 0 builds the loads and stores (cuda_fused_backward.WS_EPILOGUE_RED, the A/B).
 #ifndef DCN_WS_EPILOGUE_RED
-#define DCN_WS_EPILOGUE_RED 0
+#define DCN_WS_EPILOGUE_RED 1
 #endif
 
 // The weight gradient warp-specialised on wgmma (sm_90a; fp16, bf16, TF32, 3xTF32): the GEMM, the

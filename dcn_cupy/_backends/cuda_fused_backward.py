@@ -296,8 +296,11 @@ ROWS_FROM_COPY = True
 #: it wait for it; the next chunk's copy waits for the weight kernel), so that a sample takes one
 #: grad_output buffer fewer and a chunk holds more samples. B=8 C256 56x56 strict float32: 17.9 ->
 #: 14.9 MiB a sample, one chunk of 8 where the 128 MiB bound gave two of 4 (measured through the
-#: bound alone: f+b 0.949x, NOTES-gpu.md, session 66). Not yet run on a GPU: off.
-ROWS_OVER_COPY = False
+#: bound alone: f+b 0.949x, NOTES-gpu.md, session 66). H200, f+b (session 67): B=8 C256 strict
+#: 1.679 -> 1.593 ms (for 33 MiB more workspace), 1D TF32 0.943 -> 0.919 (chunks of 8, not 6);
+#: 1D strict, 1D fp16, C256 TF32 and 14x14 strict level, on less workspace (1D strict 157 -> 109
+#: MiB). False: rows of their own (the A/B).
+ROWS_OVER_COPY = True
 #: The list's leading channels-last copies of the call's inputs (the weight's rows, x, grad_output
 #: of the first chunk) start beside the kernel before them (``channels_last_copy``'s ``early``),
 #: not after it; False: each waits for the one before (the A/B). H200, f+b: 2D transposed strict
@@ -335,11 +338,15 @@ WS_CHANNEL_ROWS = True
 #: the compiler otherwise waits for each pair of loads after the store before it (32 round trips a
 #: unit in 3xTF32). A launch of such a chunk cost about 27 us more than its steps (1D B=16 C256
 #: L4096 strict, ncu: the weight kernel 417 us in three chunks, 359 in one; NOTES-gpu.md, session
-#: 66). The same sums, but subnormal ones flushed to zero. Not yet run on a GPU: off
-#: (``DCN_WS_EPILOGUE_RED 1`` builds it; a module of its own).
-WS_EPILOGUE_RED = False
+#: 66). The same sums, but subnormal ones flushed to zero. H200 (NOTES-gpu.md, session 67): the
+#: weight kernel 415 -> 386 us (1D strict) and 499 -> 455 (B=8 C256 strict); f+b 1D strict
+#: 1.567 -> 1.537 ms, B=8 C256 strict 1.678 -> 1.633, 1D TF32, 1D fp16 and C256 TF32 level (0.999-1.002x).
+#: False: the loads and stores (``DCN_WS_EPILOGUE_RED 0``, the A/B; a module of its own).
+WS_EPILOGUE_RED = True
 #: The same for the mma.sync weight kernel (``deform_fused_backward_weight``, the sm_90 module's;
-#: B=32 C64 56x56 runs it in two chunks). Not yet run on a GPU: off (``DCN_WEIGHT_EPILOGUE_RED 1``).
+#: B=32 C64 56x56 runs it in two chunks). H200, f+b: C64 strict 1.2524 -> 1.2493 ms, TF32 0.8016 ->
+#: 0.7987 (0.998x, 0.996x: within two runs' spread; NOTES-gpu.md, session 67): off
+#: (``DCN_WEIGHT_EPILOGUE_RED 1`` builds it).
 WEIGHT_EPILOGUE_RED = False
 #: The warp-specialised weight kernel in persistent blocks: a grid of one block a multiprocessor
 #: (the kernel's registers hold one block an SM), each computing units (tile and split)
@@ -364,7 +371,7 @@ _ALIGN = 256
 #: The value each ``WS_*`` switch has in ``deform_fused_backward.cu`` when nothing defines it:
 #: ``module_source`` prefixes a ``#define`` only where the module's setting differs, so that the
 #: default build's text (and NVRTC's cache key) stays the source's.
-_WS_SOURCE_DEFAULTS = {"WS_LOADS_AHEAD": True, "WS_CHANNEL_ROWS": True, "WS_EPILOGUE_RED": False}
+_WS_SOURCE_DEFAULTS = {"WS_LOADS_AHEAD": True, "WS_CHANNEL_ROWS": True, "WS_EPILOGUE_RED": True}
 
 
 def _switches(sm90a: bool = True) -> tuple:
