@@ -350,7 +350,8 @@ def fused_backward_cases(quick: bool = False, persistent_only: bool = False) -> 
         # tile's); not tuned, so that no timing hands the weight gradient to cuda/im2col. Whole,
         # then in one-sample chunks: each launch after the first adds to the partial sums (the
         # epilogue's reductions, WS_EPILOGUE_RED), and each chunk's copy of grad_output goes over
-        # the rows the weight kernel read before (ROWS_OVER_COPY)
+        # the rows the weight kernel read before (ROWS_OVER_COPY). A one-sample chunk may have
+        # just 2 units (1D, a tap, 2 groups), so its grid is one block, to stay persistent
         count = 0
         saved = fb.WS_WEIGHT, fb.WS_PERSISTENT, fb.WS_PERSISTENT_BLOCKS, fb._fused.TUNE, fb._fused.WORKSPACE_LIMIT_BYTES
         try:
@@ -360,8 +361,8 @@ def fused_backward_cases(quick: bool = False, persistent_only: bool = False) -> 
                     many = random_case(np.random.default_rng(1998), ndim, False, batch=12, channels_scale=64)
                     few = random_case(np.random.default_rng(1997), ndim, False, batch=3, channels_scale=64)
                     for dtype, tf32 in ((np.float16, False), (np.float32, True), (np.float32, False)):
-                        for case, limit in ((many, saved[-1]), (few, 1)):
-                            fb._fused.WORKSPACE_LIMIT_BYTES = limit
+                        for case, limit, blocks in ((many, saved[-1], 2), (few, 1, 1)):
+                            fb._fused.WORKSPACE_LIMIT_BYTES, fb.WS_PERSISTENT_BLOCKS = limit, blocks
                             description = run(case, dtype, tf32)
                             assert "warp-specialised wgmma" in description and "persistent blocks" in description, \
                                 description
