@@ -437,6 +437,26 @@ def _fmt(value, spec="{:8.3f}"):
     return spec.format(value) if isinstance(value, (int, float)) else f"{str(value):>8}"
 
 
+def add_ratios(results: list) -> None:
+    """Adds to each dcn_cupy row its speed-ups and peak-memory ratios against torchvision ("tv")
+    and dense cuDNN ("dense") of the same shape and precision. bf16 goes against torchvision's
+    fp16 (issue 8's target), since torchvision's bf16 row is an error (it has no bf16 kernel)."""
+    by_key = {(r["shape"], r["precision"], r["impl"]): r for r in results}
+    for r in results:
+        if not r["impl"].startswith("dcn_cupy") or "transposed" in r["impl"] or "fwd_ms" not in r:
+            continue
+        for other, tag in (("torchvision", "tv"), ("dense conv (cuDNN)", "dense")):
+            o = by_key.get((r["shape"], r["precision"], other))
+            if (o is None or "fwd_ms" not in o) and tag == "tv" and r["precision"] == "bf16":
+                o = by_key.get((r["shape"], "fp16", other))
+            if o and "fwd_ms" in o:
+                r[f"fwd_speedup_vs_{tag}"] = o["fwd_ms"] / r["fwd_ms"]
+                r[f"fwd_peak_ratio_vs_{tag}"] = r["fwd_peak_mib"] / max(o["fwd_peak_mib"], 1e-9)
+                if "fwdbwd_ms" in r:
+                    r[f"fwdbwd_speedup_vs_{tag}"] = o["fwdbwd_ms"] / r["fwdbwd_ms"]
+                    r[f"fwdbwd_peak_ratio_vs_{tag}"] = r["fwdbwd_peak_mib"] / max(o["fwdbwd_peak_mib"], 1e-9)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/gpu.py", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
@@ -529,23 +549,7 @@ def main(argv=None) -> int:
         print(f"--budget {args.budget:g} s reached after {time.monotonic() - started:.0f} s; not run: "
               + ", ".join(f"{shape['name']} {precision}" for shape, precision in skipped))
 
-    # speedups of dcn_cupy against the others, per shape and precision
-    by_key = {(r["shape"], r["precision"], r["impl"]): r for r in results}
-    for r in results:
-        if not r["impl"].startswith("dcn_cupy") or "transposed" in r["impl"] or "fwd_ms" not in r:
-            continue
-        for other, tag in (("torchvision", "tv"), ("dense conv (cuDNN)", "dense")):
-            # bf16: torchvision has none, so against its fp16 (issue 8's target)
-            o = by_key.get((r["shape"], r["precision"], other))
-            if o is None and tag == "tv" and r["precision"] == "bf16":
-                o = by_key.get((r["shape"], "fp16", other))
-            if o and "fwd_ms" in o:
-                r[f"fwd_speedup_vs_{tag}"] = o["fwd_ms"] / r["fwd_ms"]
-                r[f"fwd_peak_ratio_vs_{tag}"] = r["fwd_peak_mib"] / max(o["fwd_peak_mib"], 1e-9)
-                if "fwdbwd_ms" in r:
-                    r[f"fwdbwd_speedup_vs_{tag}"] = o["fwdbwd_ms"] / r["fwdbwd_ms"]
-                    r[f"fwdbwd_peak_ratio_vs_{tag}"] = r["fwdbwd_peak_mib"] / max(o["fwdbwd_peak_mib"], 1e-9)
-
+    add_ratios(results)
     print()
     print(f"device: {meta['device']}; cupy {meta['cupy']}, torch {meta['torch']}, torchvision {tv_version}; "
           f"median of {args.repeats} x {args.inner} launches (CUDA events)")

@@ -341,6 +341,31 @@ def test_kernel_times_runs_each_case_and_phase_under_ncu(capsys, monkeypatch, tm
     assert "--set cuda_fused.WORKSPACE_LIMIT_BYTES=1" in (tmp_path / "calls").read_text().splitlines()[-1]
 
 
+def test_gpu_benchmark_ratios_put_bf16_against_torchvision_fp16():
+    """gpu.py's ``add_ratios``: a dcn_cupy row gets its time and peak ratios against torchvision
+    and cuDNN of its shape and precision; bf16, where torchvision's row is an error, goes against
+    torchvision's fp16 (issue 8's target), and cuDNN's bf16 stays cuDNN's bf16."""
+    gpu = _bench.load_script(REPO / "benchmarks" / "gpu.py", "_test_gpu_ratios")
+
+    def row(precision, impl, fwd, fwdbwd, peak):
+        return dict(shape="s", precision=precision, impl=impl, fwd_ms=fwd, fwdbwd_ms=fwdbwd,
+                    fwd_peak_mib=peak, fwdbwd_peak_mib=2 * peak)
+
+    results = [row("fp16", "dcn_cupy", 0.1, 0.5, 20), row("fp16", "torchvision", 0.4, 4.0, 100),
+               row("fp16", "dense conv (cuDNN)", 0.08, 0.3, 10), row("bf16", "dcn_cupy", 0.2, 1.0, 25),
+               dict(shape="s", precision="bf16", impl="torchvision", error="NotImplementedError"),
+               row("bf16", "dense conv (cuDNN)", 0.05, 0.25, 10), row("bf16", "dcn_cupy transposed", 0.1, 1.0, 5),
+               dict(shape="s", precision="tf32", impl="dcn_cupy", error="failed")]
+    gpu.add_ratios(results)
+    fp16, bf16 = results[0], results[3]
+    assert fp16["fwd_speedup_vs_tv"] == pytest.approx(4.0) and fp16["fwdbwd_speedup_vs_tv"] == pytest.approx(8.0)
+    assert fp16["fwd_peak_ratio_vs_tv"] == pytest.approx(0.2) and fp16["fwd_speedup_vs_dense"] == pytest.approx(0.8)
+    assert bf16["fwd_speedup_vs_tv"] == pytest.approx(2.0) and bf16["fwdbwd_speedup_vs_tv"] == pytest.approx(4.0)
+    assert bf16["fwdbwd_peak_ratio_vs_tv"] == pytest.approx(0.25)
+    assert bf16["fwd_speedup_vs_dense"] == pytest.approx(0.25) and bf16["fwdbwd_speedup_vs_dense"] == pytest.approx(0.25)
+    assert not any(key.startswith("fwd_speedup") for key in results[6]) and "fwd_speedup_vs_tv" not in results[7]
+
+
 def test_benchmark_cases_build_conv_and_transposed_inputs(monkeypatch):
     """gpu.py's ``transposed_case`` (which ``bench_transposed`` and ab.py take) and ab.py's
     plain case, on NumPy stand-ins for torch's and CuPy's arrays: the transposed weight is
