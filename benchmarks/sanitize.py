@@ -296,6 +296,13 @@ def fused_cases(quick: bool = False) -> int:
     return count
 
 
+def forcing_data_tile(tiles: dict, key: str, tile: tuple) -> dict:
+    """``cuda_fused_backward.TILES`` with ``tile`` as every data tile its rule may take for
+    ``key`` ("half" or "float"): the rule picks the list's first (narrow) or second (wide) tile,
+    and a one-tile list would leave it no second."""
+    return dict(tiles, **{key: (tuple(tile), tuple(tile))})
+
+
 def fused_backward_cases(quick: bool = False, persistent_only: bool = False) -> int:
     """cuda/fused-backward (forced through plans): every gradient of conv and transposed conv
     (its forward is this backward's input gradient), N = 1, 2, 3, every precision, poisoned
@@ -317,8 +324,8 @@ def fused_backward_cases(quick: bool = False, persistent_only: bool = False) -> 
         key = "float" if dtype == np.float32 else "half"
         weight_key = fb.weight_tile_key(dtype, fb._fused.precision_of(dtype, allow_tf32))
         try:
-            if tile is not None:   # the plan's rule takes the first tile of each list
-                fb.TILES = dict(saved[0], **{key: (tile,)})
+            if tile is not None:
+                fb.TILES = forcing_data_tile(saved[0], key, tile)
                 fb.WEIGHT_TILES = {n: dict(tables, **{weight_key: (weight_tile,)}) for n, tables in saved[1].items()}
             fb.SAMPLING_PLAN = sampling_plan
             p = dcn_cupy.plan(*(gpu[k] for k in ARGUMENTS), **case.params, transposed=case.transposed,
@@ -326,6 +333,7 @@ def fused_backward_cases(quick: bool = False, persistent_only: bool = False) -> 
         finally:
             fb.TILES, fb.WEIGHT_TILES, fb.SAMPLING_PLAN = saved
         assert "backward: cuda/fused-backward" in p.algorithm or case.transposed, p.algorithm
+        assert tile is None or "tile {}x{}x{},".format(*tile[:3]) in str(p), (tile, str(p))
         y = p.forward(*(gpu[k] for k in ARGUMENTS))
         gy = cupy.ones(y.shape, dtype=dtype)
         grads = p.backward(gy, *(gpu[k] for k in ARGUMENTS))

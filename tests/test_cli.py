@@ -366,6 +366,30 @@ def test_gpu_benchmark_ratios_put_bf16_against_torchvision_fp16():
     assert not any(key.startswith("fwd_speedup") for key in results[6]) and "fwd_speedup_vs_tv" not in results[7]
 
 
+def test_sanitize_forces_each_fused_backward_data_tile(monkeypatch):
+    """sanitize.py's fused-backward cases force each data tile through ``TILES``: the rule takes
+    the list's first (narrow) or second (wide) tile and, in 3D, the narrow one for the input
+    gradient alone, so every one of them must be the forced tile (a one-tile list broke the rule's
+    unpacking, and the run stopped at its first forced tile)."""
+    pytest.importorskip("cupy")
+    sanitize = _bench.load_script(REPO / "benchmarks" / "sanitize.py", "_test_sanitize_tiles")
+    from dcn_cupy._backends import cuda_fused_backward as fb
+    from dcn_cupy._geometry import ConvGeometry
+    tiles = fb.TILES
+    for key, dtype in (("half", np.float16), ("float", np.float32)):
+        for tile in tiles[key]:
+            monkeypatch.setattr(fb, "TILES", sanitize.forcing_data_tile(tiles, key, tile))
+            for ndim, channels in ((2, 16), (2, 256), (3, 16), (1, 512)):
+                geom = ConvGeometry(ndim, 2, channels, channels, 1, 1, 1, (3,) * ndim, (1,) * ndim, (1,) * ndim,
+                                    (1,) * ndim, (8,) * ndim, (8,) * ndim)
+                config = fb.BackwardConfig(geom, dtype, False, wgmma=True)
+                assert config.tile == tile and config.scatter_tile == tile, (key, tile, ndim, channels)
+                assert "tile {}x{}x{},".format(*tile[:3]) in config.description
+    monkeypatch.setattr(fb, "TILES", tiles)
+    assert fb.BackwardConfig(ConvGeometry(3, 2, 16, 16, 1, 1, 1, (3,) * 3, (1,) * 3, (1,) * 3, (1,) * 3, (8,) * 3,
+                                          (8,) * 3), np.float16, False, wgmma=True).tile == tiles["half"][1]
+
+
 def test_benchmark_cases_build_conv_and_transposed_inputs(monkeypatch):
     """gpu.py's ``transposed_case`` (which ``bench_transposed`` and ab.py take) and ab.py's
     plain case, on NumPy stand-ins for torch's and CuPy's arrays: the transposed weight is
