@@ -359,7 +359,10 @@ def fused_backward_stages(x, w, off, msk, gy, geom, name, t, deterministic=False
         if own.chunk < geom.batch:
             print(f"  (chunks of {own.chunk} samples: kernel-alone timings skipped)")
             continue
-        call(own, every)()   # the layout copies and re-laid weights in the workspace
+        # the data kernel's inputs in the workspace (layout copies, re-laid weights, the data
+        # gradients' plan), by a call without the weight gradient: with it, grad_output's rows for
+        # the weight kernel go over its channels-last copy (rows_over_copy)
+        call(own, ("input", "offset", "mask"))()
         index = np.int64 if own.index64 else np.int32
         i32 = np.int32
         view = lambda name: own.view(ws, name)  # noqa: E731
@@ -398,21 +401,24 @@ def fused_backward_stages(x, w, off, msk, gy, geom, name, t, deterministic=False
                     i32(own.Gm), i32(own.seg_len), i32(own.segments), off_bs, msk_bs)), 4)
                 print(f"  {'sampling plan of the weight gradient':<44} {ms:8.3f} ms  ({entries} entries)")
             weight = own.kernel("weight")
-            if own.ws_weight:   # warp-specialised (wgmma): grad_output in segments (filled above)
+            call(own, ("weight",))()   # its inputs: the copy of x, grad_output's rows, the plan
+            if own.ws_weight:   # warp-specialised (wgmma): grad_output in segments (filled above); its
+                # units (tile and split) in the plan's grid (persistent blocks where it has them)
                 weight_args = (view("gyr"), view("xcl"), plan_rows, plan_weights, plan_masks, view("part"),
                                own.struct, i32(n), i32(geom.in_channels), i32(own.Cp), i32(geom.out_channels),
-                               i32(geom.groups), i32(own.seg_len), i32(own.weight_steps(n)), i32(0))
+                               i32(geom.groups), i32(own.seg_len), i32(own.weight_steps(n)), i32(0),
+                               i32(own.splits * own.weight_tiles))
             else:
                 weight_args = (view("gyr"), view("xcl"), off, msk, plan_rows, plan_weights, plan_masks, view("part"),
                                own.struct, i32(n), i32(geom.in_channels), i32(own.Cp), i32(geom.out_channels),
                                i32(geom.groups), i32(own.Go), i32(own.Gm), i32(own.seg_len), index(own.Pp), off_bs,
                                msk_bs, i32(own.splits), i32(own.weight_steps(n)), i32(0))
-            ms = t(lambda: weight((own.splits * own.weight_tiles,), (own.weight_threads,), weight_args,
+            ms = t(lambda: weight((own.weight_grid,), (own.weight_threads,), weight_args,
                                   shared_mem=own.weight_smem_bytes), 4)
             kind = "warp-specialised " if own.ws_weight else ""
             print(f"  {kind + 'weight-gradient kernel alone, tile %dx%dx%d' % own.weight_tile[:3]:<44} {ms:8.3f} ms  "
-                  f"{flop / ms / 1e9:7.1f} TFLOP/s ({own.splits * own.weight_tiles} blocks, "
-                  f"{fb._fused.num_registers(weight)} regs)", flush=True)
+                  f"{flop / ms / 1e9:7.1f} TFLOP/s ({own.weight_grid} blocks for {own.splits * own.weight_tiles} "
+                  f"units, {fb._fused.num_registers(weight)} regs)", flush=True)
 
 
 if __name__ == "__main__":
