@@ -1851,6 +1851,22 @@ def test_ws_rows_over_the_copy_share_its_region(monkeypatch):
     assert (off["1d tf32"].chunk, on["1d tf32"].chunk) == (6, 8)
 
 
+def test_fused_workspace_limit_sizes_the_chunk_not_the_workspace(monkeypatch):
+    """README's figures: at the default ``DCN_CUPY_FUSED_WORKSPACE_BYTES`` (128M), B=8 C256 56x56
+    takes one chunk in every precision, and its backward's workspace (132 SMs, wgmma) is 145 MiB
+    in strict float32, 118 in TF32 and 93 in fp16, over the limit by the buffers that do not grow
+    with the batch (the re-laid weights ``wt`` and the weight gradient's partial sums ``part``)."""
+    fb = _backward_module()
+    monkeypatch.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", 128 * 2**20)   # (the default, whatever the environment)
+    geom = _geometry.conv_geometry((8, 256, 56, 56), (256, 256, 3, 3), (8, 18, 56, 56), (8, 9, 56, 56), None,
+                                   stride=1, padding=1, dilation=1, groups=1)[0]
+    for dtype, tf32, mib in ((np.float32, False, 145), (np.float32, True, 118), (np.float16, False, 93)):
+        c = fb.BackwardConfig(geom, dtype, tf32, multiprocessors=132, wgmma=True)
+        assert c.chunk == 8 and round(c.workspace_bytes / 2**20) == mib, (dtype, tf32, c.chunk, c.workspace_bytes)
+        fixed = sum(count * dt.itemsize for name, (_, count, dt) in c.offsets.items() if name in ("wt", "part"))
+        assert c.workspace_bytes - fixed <= 128 * 2**20, (dtype, tf32)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ndim", [1, 2])
 @pytest.mark.parametrize("precision", ["float16", "tf32", "float32"])
