@@ -359,62 +359,37 @@ def fused_backward_stages(x, w, off, msk, gy, geom, name, t, deterministic=False
         if own.chunk < geom.batch:
             print(f"  (chunks of {own.chunk} samples: kernel-alone timings skipped)")
             continue
-        # the data kernel's inputs in the workspace (layout copies, re-laid weights, the data
-        # gradients' plan), by a call without the weight gradient: with it, grad_output's rows for
-        # the weight kernel go over its channels-last copy (rows_over_copy)
-        call(own, ("input", "offset", "mask"))()
-        index = np.int64 if own.index64 else np.int32
-        i32 = np.int32
-        view = lambda name: own.view(ws, name)  # noqa: E731
+        # Each kernel alone: the launch the library records for a call (its arguments and grid as
+        # plans pass them), replayed by itself after that call has left its inputs in the
+        # workspace. The data kernels' call leaves out the weight gradient, whose rows of
+        # grad_output would go over the channels-last copy of it (rows_over_copy).
+        stream = cupy.cuda.get_current_stream().ptr
         n = geom.batch
-        data = own.kernel("data")
-        gradient_plan = [view(name) if own.gradient_plan else None for name in fb.GRADIENT_PLAN]
+
+        def alone(wanted, kernel):
+            call(own, wanted)()
+            function = own.kernel(kernel)
+            ptr = (function.kernel if hasattr(function, "kernel") else function).ptr
+            ops = [op[:7] + (None,) for op in fb.gradient_launches(own, dict(args, wanted=frozenset(wanted)), grads, ws)
+                   if op[0] == 0 and op[1] == ptr]   # (no programmatic dependent launch)
+            assert len(ops) == 1, (kernel, len(ops))
+            return function, lambda: be._replay(ops, None, stream)
+
+        data_gradients = ("input", "offset", "mask")
+        entries = n * own.Q * own.K * own.segments
         if own.gradient_plan:
-            plan_kernel = own.kernel("fused_gradient_plan")
-            entries = n * own.Q * own.K * own.segments
-            ms = t(lambda: plan_kernel((-(-entries // 256),), (256,), (
-                off, msk, *gradient_plan, own.struct, i32(n), i32(geom.in_channels), i32(own.Go), i32(own.Gm),
-                i32(own.seg_len), i32(own.segments), index(fb._fused._batch_stride(off)),
-                index(fb._fused._batch_stride(msk)))), 4)
-            print(f"  {'plan of the data gradients':<44} {ms:8.3f} ms  ({entries} entries)")
-        # the deterministic accumulator, flags and bounds (the bounds as the whole call left them)
-        fixed = ((view("gxq"), view("gx_flags"), view("weight_bound"), view("bounds"), view("bounds")[own.chunk:])
-                 if deterministic else (None,) * 5)
-        ms = t(lambda: data((own.blocks(n),), (256,), (
-            view("gycl"), view("wt"), view("xcl"), off, msk, None if deterministic else view("gxcl"), view("goff"),
-            view("gmsk"), own.struct, i32(n), i32(geom.in_channels), i32(own.Cp), i32(own.Cpa),
-            i32(geom.out_channels), i32(own.gy_row), i32(geom.groups), i32(own.Go), i32(own.Gm), i32(own.wt_row),
-            index(fb._fused._batch_stride(off)), index(fb._fused._batch_stride(msk)), i32(own.seg), *gradient_plan,
-            i32(own.seg_len), *fixed, i32(own.log2_count)), shared_mem=own.smem_bytes), 4)
+            _, run = alone(data_gradients, "fused_gradient_plan")
+            print(f"  {'plan of the data gradients':<44} {t(run, 4):8.3f} ms  ({entries} entries)")
+        data, run = alone(data_gradients, "data")
+        ms = t(run, 4)
         print(f"  {'data-gradient kernel alone, tile %dx%dx%d' % own.tile[:3]:<44} {ms:8.3f} ms  "
               f"{flop / ms / 1e9:7.1f} TFLOP/s ({own.blocks(n)} blocks, {fb._fused.num_registers(data)} regs)")
         if own.fused_weight:
-            off_bs, msk_bs = index(fb._fused._batch_stride(off)), index(fb._fused._batch_stride(msk))
-            # the weight kernel's corners: the data gradients' plan (filled above), a sampling plan of
-            # its own, or none
-            plan_rows, plan_weights, plan_masks = (view(name) if name else None for name in own.weight_plan)
             if own.sampling_plan and not own.plan_shared:
-                sampling_plan = own.kernel("fused_sampling_plan")
-                entries = n * own.Q * own.K * own.segments
-                ms = t(lambda: sampling_plan((-(-entries // 256),), (256,), (
-                    off, msk, plan_rows, plan_weights, own.struct, i32(n), i32(geom.in_channels), i32(own.Go),
-                    i32(own.Gm), i32(own.seg_len), i32(own.segments), off_bs, msk_bs)), 4)
-                print(f"  {'sampling plan of the weight gradient':<44} {ms:8.3f} ms  ({entries} entries)")
-            weight = own.kernel("weight")
-            call(own, ("weight",))()   # its inputs: the copy of x, grad_output's rows, the plan
-            if own.ws_weight:   # warp-specialised (wgmma): grad_output in segments (filled above); its
-                # units (tile and split) in the plan's grid (persistent blocks where it has them)
-                weight_args = (view("gyr"), view("xcl"), plan_rows, plan_weights, plan_masks, view("part"),
-                               own.struct, i32(n), i32(geom.in_channels), i32(own.Cp), i32(geom.out_channels),
-                               i32(geom.groups), i32(own.seg_len), i32(own.weight_steps(n)), i32(0),
-                               i32(own.splits * own.weight_tiles))
-            else:
-                weight_args = (view("gyr"), view("xcl"), off, msk, plan_rows, plan_weights, plan_masks, view("part"),
-                               own.struct, i32(n), i32(geom.in_channels), i32(own.Cp), i32(geom.out_channels),
-                               i32(geom.groups), i32(own.Go), i32(own.Gm), i32(own.seg_len), index(own.Pp), off_bs,
-                               msk_bs, i32(own.splits), i32(own.weight_steps(n)), i32(0))
-            ms = t(lambda: weight((own.weight_grid,), (own.weight_threads,), weight_args,
-                                  shared_mem=own.weight_smem_bytes), 4)
+                _, run = alone(("weight",), "fused_sampling_plan")
+                print(f"  {'sampling plan of the weight gradient':<44} {t(run, 4):8.3f} ms  ({entries} entries)")
+            weight, run = alone(("weight",), "weight")
+            ms = t(run, 4)
             kind = "warp-specialised " if own.ws_weight else ""
             print(f"  {kind + 'weight-gradient kernel alone, tile %dx%dx%d' % own.weight_tile[:3]:<44} {ms:8.3f} ms  "
                   f"{flop / ms / 1e9:7.1f} TFLOP/s ({own.weight_grid} blocks for {own.splits * own.weight_tiles} "

@@ -212,6 +212,46 @@ def test_leading_copies_start_beside_the_kernel_before_them(monkeypatch, determi
     assert early_flags(chunked)[0] == [0] * 7
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gradient_launches_hold_each_kernel_once(monkeypatch, deterministic):
+    """``gradient_launches`` (no GPU: kernels, launches and arrays stubbed) records what
+    ``run_gradients`` runs: for the data gradients one data kernel and, where the config makes it,
+    one plan of them; for the weight gradient alone one weight kernel (and its sampling plan where
+    it does not share the data gradients'). ``benchmarks/stages.py`` replays each of these launches
+    alone, with the library's own arguments."""
+    fb = _backward_module()
+    monkeypatch.setattr(fb.BackwardConfig, "kernel", lambda self, name, scatter=False: name)
+    monkeypatch.setattr(fb._cuda, "_kernel_op", lambda kernel, grid, block, args, shared_mem=0, overlap=False:
+                        (0, kernel, args))
+
+    class Array:   # what gradient_launches reads of an array: its address, shape and strides
+        def __init__(self, address, shape, itemsize=2):
+            self.data = type("Pointer", (), {"ptr": address})()
+            self.shape, self.itemsize = shape, itemsize
+            self.strides = (math.prod(shape[1:]) * itemsize,) + (itemsize,) * (len(shape) - 1)
+
+    shapes = dict(grad_output=(3, 64, 9, 9), input=(3, 64, 9, 9), weight=(64, 64, 3, 3), offset=(3, 18, 9, 9),
+                  mask=(3, 9, 9, 9))
+    args = {name: Array((k + 1) << 24, shape) for k, (name, shape) in enumerate(shapes.items())}
+    args["bias"] = None
+    grads = {name: Array((k + 7) << 24, shapes[name]) for k, name in enumerate(("input", "weight", "offset", "mask"))}
+    geom = _geometry.conv_geometry(*(shapes[name] for name in ("input", "weight", "offset", "mask")), None,
+                                   stride=1, padding=1, dilation=1, groups=1)[0]
+    config = fb.BackwardConfig(geom, np.float16, False, deterministic=deterministic)
+    assert config.chunk == 3 and config.fused_weight
+
+    def kernels(wanted):
+        ops = fb.gradient_launches(config, dict(args, wanted=frozenset(wanted)), grads, Array(12 << 24, (1,)))
+        return [op[1] for op in ops if op[0] == 0]
+
+    data = kernels(("input", "offset", "mask"))
+    assert data.count("data") == 1 and "weight" not in data
+    assert data.count("fused_gradient_plan") == int(config.gradient_plan)
+    weight = kernels(("weight",))
+    assert weight.count("weight") == 1 and "data" not in weight
+    assert weight.count("fused_sampling_plan") == int(config.sampling_plan and not config.plan_shared)
+
+
 @pytest.mark.parametrize("in_place", [True, False])
 def test_deterministic_offset_and_mask_gradients_stored_in_place(monkeypatch, in_place):
     """The deterministic backward's launches (no GPU: kernels and launches stubbed): float32 offset

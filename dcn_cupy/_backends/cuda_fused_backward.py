@@ -1267,14 +1267,18 @@ def run_gradients(config: BackwardConfig, args: dict, out: dict, workspace) -> N
     """The wanted ones of the input, offset and mask gradients, and the weight gradient where
     ``config.fused_weight``, into ``out`` (``args`` and ``out`` as the ``conv_backward``
     primitive's: any batch strides), on CuPy's current stream."""
+    _cuda._replay(gradient_launches(config, args, out, workspace), None, cupy.cuda.get_current_stream().ptr)
+
+
+def gradient_launches(config: BackwardConfig, args: dict, out: dict, workspace) -> list:
+    """``run_gradients``' launches, recorded (``_launches``) and not run."""
     wanted = args["wanted"]
     outs = tuple(out.get(name) if name in wanted else None for name in ("input", "weight", "offset", "mask", "bias"))
     bs = _fused._batch_stride
     arrays = (args["grad_output"], args["input"], args["offset"], args["mask"], outs[0], outs[2], outs[3])
     strides = tuple(0 if a is None else bs(a) for a in arrays)
     inputs = tuple(_address(args.get(name)) for name in ("grad_output", "input", "weight", "offset", "mask", "bias"))
-    ops = _launches(config, inputs, strides, tuple(_address(a) for a in outs), workspace.data.ptr)
-    _cuda._replay(ops, None, cupy.cuda.get_current_stream().ptr)
+    return _launches(config, inputs, strides, tuple(_address(a) for a in outs), workspace.data.ptr)
 
 
 # ---------------------------------------------------------------------------------------------
