@@ -21,10 +21,13 @@ backward (cuda/fused-backward, ``fused_backward_cases``: every gradient of conv 
 conv, every data and weight tile, the weight gradient with and without its sampling plan,
 deterministic plans (the fixed-point scatter), the warp-specialised weight kernel in persistent
 blocks, one-sample chunks, 64-bit indices). ``--fused-only`` runs just the fused cases (for
-racecheck; ``--fused-quick`` fewer of them; ``--fused-persistent`` the persistent weight kernel's); ``--columns-only`` just cuda/im2col's channels-last
-column sampler (half types and float32, 1D/2D/3D, channels per group multiples of 8, its block
-shapes: conv and transposed, poisoned offsets, one-sample chunks, 64-bit); ``--robustness-only`` just the degenerate-shape
-and non-finite cases.
+racecheck; ``--fused-quick`` fewer of them; ``--fused-persistent`` the persistent weight kernel's;
+``--fused-backward-only`` the fused backward's alone, which under racecheck takes longer than a
+10-minute device call, so ``--ndims 1,2`` and ``--ndims 3`` split it; every fused case prints a
+line as it passes); ``--columns-only`` just cuda/im2col's channels-last column sampler (half
+types and float32, 1D/2D/3D, channels per group multiples of 8, its block shapes: conv and
+transposed, poisoned offsets, one-sample chunks, 64-bit); ``--robustness-only`` just the
+degenerate-shape and non-finite cases.
 Without a CUDA device (or CuPy) it says so and exits with status 0.
 """
 
@@ -34,6 +37,7 @@ import contextlib
 import dataclasses
 import itertools
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +58,14 @@ HALF = (np.dtype(np.float16), BFLOAT16)
 
 cupy = None        # imported by _setup(), once a CUDA device is known to be there
 dcn_cuda = None    # dcn_cupy._backends.cuda (imports CuPy)
+_STARTED = time.perf_counter()
+
+
+def progress(section: str, number: int, what: str) -> None:
+    """One line a case, flushed: a run that a time limit cuts off (compute-sanitizer is slow: the
+    full fused backward takes about 8 minutes under memcheck or racecheck on an H200) still says
+    how far it got."""
+    print(f"[{time.perf_counter() - _STARTED:6.0f} s] {section} {number}: {what}", flush=True)
 
 
 def _setup() -> None:
@@ -198,6 +210,7 @@ def fused_cases(quick: bool = False) -> int:
     from dcn_cupy import _geometry, reference
     from dcn_cupy._backends import cuda_fused as fu
     count = 0
+    checked = [0]   # the cases run, for progress
 
     def run(case, dtype, allow_tf32, poison, tile=None, sampling_plan=None, warp_corners=False, loads_ahead=False):
         arrays = _poisoned(case.arrays_) if poison else dict(case.arrays_)
@@ -226,6 +239,9 @@ def fused_cases(quick: bool = False) -> int:
         err = relative_error(got, reference.deform_conv(**rounded, **case.params))
         assert err < {np.dtype(np.float32): 3e-3, np.dtype(np.float16): 3e-3, BFLOAT16: 2.4e-2}[np.dtype(dtype)], \
             (err, case.label)
+        checked[0] += 1
+        progress("fused forward", checked[0], f"{case.label}, {np.dtype(dtype).name}, "
+                 + (f"tile {tile}" if tile is not None else p.algorithm))
         return True
 
     for ndim in (2,) if quick else (1, 2, 3):
@@ -303,16 +319,18 @@ def forcing_data_tile(tiles: dict, key: str, tile: tuple) -> dict:
     return dict(tiles, **{key: (tuple(tile), tuple(tile))})
 
 
-def fused_backward_cases(quick: bool = False, persistent_only: bool = False) -> int:
+def fused_backward_cases(quick: bool = False, persistent_only: bool = False, ndims=(1, 2, 3)) -> int:
     """cuda/fused-backward (forced through plans): every gradient of conv and transposed conv
     (its forward is this backward's input gradient), N = 1, 2, 3, every precision, poisoned
     offsets; the weight gradient with and without its sampling plan; deterministic plans; every
     data and weight tile; one-sample chunks and the 64-bit instantiation;
-    checked against the float64 reference of the rounded inputs."""
+    checked against the float64 reference of the rounded inputs. ``ndims``: the dimensions
+    whose cases run (the data and weight tiles' cases are 2D, the taller weight tiles' 1D)."""
     from dcn_cupy import reference
     from dcn_cupy._backends import cuda_fused_backward as fb
     tol = {np.dtype(np.float32): 5e-3, np.dtype(np.float16): 5e-3, BFLOAT16: 4e-2}
     count = 0
+    checked = [0]   # the cases run, for progress
 
     def run(case, dtype, allow_tf32, tile=None, weight_tile=None, sampling_plan=None, deterministic=False):
         dtype = np.dtype(dtype)
@@ -350,6 +368,8 @@ def fused_backward_cases(quick: bool = False, persistent_only: bool = False) -> 
                 assert np.isfinite(got).all(), (name, case.label)
                 # weight / bias of float32: strict or TF32 GEMMs, within the float32 budget
                 assert relative_error(got, value) < tol[dtype], (name, case.label)
+        checked[0] += 1
+        progress("fused backward", checked[0], f"{case.label}, {dtype.name}: {p}")
         return str(p)
 
     def persistent_cases():
@@ -365,7 +385,7 @@ def fused_backward_cases(quick: bool = False, persistent_only: bool = False) -> 
         try:
             fb.WS_WEIGHT, fb.WS_PERSISTENT, fb.WS_PERSISTENT_BLOCKS, fb._fused.TUNE = True, True, 2, False
             if fb._fused.wgmma_available():
-                for ndim in (1, 2):
+                for ndim in (n for n in (1, 2) if n in ndims):
                     many = random_case(np.random.default_rng(1998), ndim, False, batch=12, channels_scale=64)
                     few = random_case(np.random.default_rng(1997), ndim, False, batch=3, channels_scale=64)
                     for dtype, tf32 in ((np.float16, False), (np.float32, True), (np.float32, False)):
@@ -384,7 +404,7 @@ def fused_backward_cases(quick: bool = False, persistent_only: bool = False) -> 
 
     if persistent_only:
         return persistent_cases()
-    for ndim in (2,) if quick else (1, 2, 3):
+    for ndim in (n for n in ((2,) if quick else (1, 2, 3)) if n in ndims):
         for transposed in (False, True):
             rng = np.random.default_rng(1990 + ndim + 10 * transposed)
             case = random_case(rng, ndim, transposed, batch=2, channels_scale=16)
@@ -402,26 +422,27 @@ def fused_backward_cases(quick: bool = False, persistent_only: bool = False) -> 
                                                                      (np.float32, False)):
                 run(case, dtype, tf32, deterministic=True)
                 count += 1
-    rng = np.random.default_rng(1999)
-    case = random_case(rng, 2, False, batch=2, channels_scale=16)
     precisions = ((np.float16, "half", False), (np.float32, "float", False), (np.float32, "float", True))
-    for dtype, key, tf32 in precisions:
-        weight_tiles = fb._weight_tiles(dtype, 2, fb._fused.precision_of(dtype, tf32))
-        for tile, weight_tile in itertools.zip_longest(fb.TILES[key], weight_tiles):
-            run(case, dtype, tf32, tile or fb.TILES[key][0], weight_tile or weight_tiles[0])
+    if 2 in ndims:
+        case = random_case(np.random.default_rng(1999), 2, False, batch=2, channels_scale=16)
+        for dtype, key, tf32 in precisions:
+            weight_tiles = fb._weight_tiles(dtype, 2, fb._fused.precision_of(dtype, tf32))
+            for tile, weight_tile in itertools.zip_longest(fb.TILES[key], weight_tiles):
+                run(case, dtype, tf32, tile or fb.TILES[key][0], weight_tile or weight_tiles[0])
+                count += 1
+    if 1 in ndims:   # 1D's own weight tiles (the taller one; the shorter is 2D's too)
+        case = random_case(np.random.default_rng(1998), 1, False, batch=2, channels_scale=16)
+        for dtype, key, tf32 in precisions:
+            run(case, dtype, tf32, fb.TILES[key][0],
+                fb._weight_tiles(dtype, 1, fb._fused.precision_of(dtype, tf32))[-1])
             count += 1
-    # 1D's own weight tiles (the taller one; the shorter is 2D's too)
-    case = random_case(np.random.default_rng(1998), 1, False, batch=2, channels_scale=16)
-    for dtype, key, tf32 in precisions:
-        run(case, dtype, tf32, fb.TILES[key][0], fb._weight_tiles(dtype, 1, fb._fused.precision_of(dtype, tf32))[-1])
-        count += 1
     count += persistent_cases()
     if quick:
         return count
     limit, safe = fb._fused.WORKSPACE_LIMIT_BYTES, fb._INT32_SAFE
     try:
         fb._fused.WORKSPACE_LIMIT_BYTES, fb._INT32_SAFE = 1, 0
-        for ndim in (1, 2, 3):
+        for ndim in (n for n in (1, 2, 3) if n in ndims):
             rng = np.random.default_rng(1995 + ndim)
             case = random_case(rng, ndim, False, batch=3, channels_scale=16)
             run(case, np.float16, False)
@@ -433,7 +454,28 @@ def fused_backward_cases(quick: bool = False, persistent_only: bool = False) -> 
     return count
 
 
+def ndims_option(argv) -> tuple:
+    """The dimensions of ``--ndims 1,3`` in ``argv`` (default 1, 2 and 3), for the fused
+    backward's cases."""
+    if "--ndims" not in argv:
+        return (1, 2, 3)
+    at = argv.index("--ndims")
+    text = argv[at + 1] if at + 1 < len(argv) else ""
+    try:
+        ndims = tuple(sorted({int(part) for part in text.split(",")}))
+    except ValueError:
+        ndims = ()
+    if not ndims or not set(ndims) <= {1, 2, 3}:
+        raise ValueError(f"--ndims takes a comma-separated list of 1, 2 and 3, got {text!r}")
+    return ndims
+
+
 def main() -> int:
+    try:
+        ndims = ndims_option(sys.argv)
+    except ValueError as error:
+        print(f"sanitize.py: {error}", file=sys.stderr)
+        return 2
     reason = no_gpu_reason()
     if reason is not None:
         print(f"sanitize.py: {reason}: nothing to run.")
@@ -441,8 +483,11 @@ def main() -> int:
     _setup()
     if "--fused-only" in sys.argv or "--fused-quick" in sys.argv:
         count = fused_cases(quick="--fused-quick" in sys.argv)
-        count += fused_backward_cases(quick="--fused-quick" in sys.argv)
+        count += fused_backward_cases(quick="--fused-quick" in sys.argv, ndims=ndims)
         print(f"SANITIZE RUN OK: {count} fused cases")
+        return 0
+    if "--fused-backward-only" in sys.argv:   # the fused backward's whole section alone
+        print(f"SANITIZE RUN OK: {fused_backward_cases(ndims=ndims)} fused backward cases")
         return 0
     if "--fused-persistent" in sys.argv:   # the warp-specialised weight kernel's persistent blocks
         print(f"SANITIZE RUN OK: {fused_backward_cases(persistent_only=True)} persistent weight kernel cases")

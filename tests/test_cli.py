@@ -390,6 +390,25 @@ def test_sanitize_forces_each_fused_backward_data_tile(monkeypatch):
                                           (8,) * 3), np.float16, False, wgmma=True).tile == tiles["half"][1]
 
 
+def test_sanitize_ndims_option_splits_the_fused_backward():
+    """sanitize.py's ``--ndims`` (the fused backward's dimensions, so that its racecheck, longer
+    than a device call, runs in parts): a comma-separated subset of 1, 2 and 3, all by default;
+    anything else is refused before the script looks for a GPU, naming the option and the text."""
+    sanitize = _bench.load_script(REPO / "benchmarks" / "sanitize.py", "_test_sanitize_ndims")
+    assert sanitize.ndims_option(["sanitize.py", "--fused-backward-only"]) == (1, 2, 3)
+    assert sanitize.ndims_option(["sanitize.py", "--fused-backward-only", "--ndims", "3"]) == (3,)
+    assert sanitize.ndims_option(["sanitize.py", "--ndims", "2,1", "--fused-quick"]) == (1, 2)
+    for text in ("4", "1,x", ""):
+        with pytest.raises(ValueError, match=f"--ndims takes a comma-separated list of 1, 2 and 3, got {text!r}"):
+            sanitize.ndims_option(["sanitize.py", "--ndims", text])
+    with pytest.raises(ValueError, match="got ''"):
+        sanitize.ndims_option(["sanitize.py", "--ndims"])
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "sanitize.py"), "--fused-backward-only",
+                             "--ndims", "0,3"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "--ndims takes a comma-separated list of 1, 2 and 3, got '0,3'" in result.stderr
+
+
 def test_benchmark_cases_build_conv_and_transposed_inputs(monkeypatch):
     """gpu.py's ``transposed_case`` (which ``bench_transposed`` and ab.py take) and ab.py's
     plain case, on NumPy stand-ins for torch's and CuPy's arrays: the transposed weight is
