@@ -33,6 +33,7 @@ Without a CUDA device (or CuPy) it says so and exits with status 0.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -59,13 +60,15 @@ HALF = (np.dtype(np.float16), BFLOAT16)
 cupy = None        # imported by _setup(), once a CUDA device is known to be there
 dcn_cuda = None    # dcn_cupy._backends.cuda (imports CuPy)
 _STARTED = time.perf_counter()
+_PASSED = collections.Counter()   # section -> its cases passed so far
 
 
-def progress(section: str, number: int, what: str) -> None:
-    """One line a case, flushed: a run that a time limit cuts off (compute-sanitizer is slow: the
-    full fused backward takes about 8 minutes under memcheck or racecheck on an H200) still says
-    how far it got."""
-    print(f"[{time.perf_counter() - _STARTED:6.0f} s] {section} {number}: {what}", flush=True)
+def progress(section: str, what: str) -> None:
+    """One line a case passed, numbered in its section and flushed: a run that a time limit cuts
+    off (compute-sanitizer is slow: the full fused backward takes about 8 minutes under memcheck
+    or racecheck on an H200) still says how far it got."""
+    _PASSED[section] += 1
+    print(f"[{time.perf_counter() - _STARTED:6.0f} s] {section} {_PASSED[section]}: {what}", flush=True)
 
 
 def _setup() -> None:
@@ -210,7 +213,6 @@ def fused_cases(quick: bool = False) -> int:
     from dcn_cupy import _geometry, reference
     from dcn_cupy._backends import cuda_fused as fu
     count = 0
-    checked = [0]   # the cases run, for progress
 
     def run(case, dtype, allow_tf32, poison, tile=None, sampling_plan=None, warp_corners=False, loads_ahead=False):
         arrays = _poisoned(case.arrays_) if poison else dict(case.arrays_)
@@ -239,8 +241,7 @@ def fused_cases(quick: bool = False) -> int:
         err = relative_error(got, reference.deform_conv(**rounded, **case.params))
         assert err < {np.dtype(np.float32): 3e-3, np.dtype(np.float16): 3e-3, BFLOAT16: 2.4e-2}[np.dtype(dtype)], \
             (err, case.label)
-        checked[0] += 1
-        progress("fused forward", checked[0], f"{case.label}, {np.dtype(dtype).name}, "
+        progress("fused forward", f"{case.label}, {np.dtype(dtype).name}, "
                  + (f"tile {tile}" if tile is not None else p.algorithm))
         return True
 
@@ -330,7 +331,6 @@ def fused_backward_cases(quick: bool = False, persistent_only: bool = False, ndi
     from dcn_cupy._backends import cuda_fused_backward as fb
     tol = {np.dtype(np.float32): 5e-3, np.dtype(np.float16): 5e-3, BFLOAT16: 4e-2}
     count = 0
-    checked = [0]   # the cases run, for progress
 
     def run(case, dtype, allow_tf32, tile=None, weight_tile=None, sampling_plan=None, deterministic=False):
         dtype = np.dtype(dtype)
@@ -368,9 +368,9 @@ def fused_backward_cases(quick: bool = False, persistent_only: bool = False, ndi
                 assert np.isfinite(got).all(), (name, case.label)
                 # weight / bias of float32: strict or TF32 GEMMs, within the float32 budget
                 assert relative_error(got, value) < tol[dtype], (name, case.label)
-        checked[0] += 1
-        progress("fused backward", checked[0], f"{case.label}, {dtype.name}: {p}")
-        return str(p)
+        description = str(p)
+        progress("fused backward", f"{case.label}, {dtype.name}: {description}")
+        return description
 
     def persistent_cases():
         # the warp-specialised weight kernel (forced) in persistent blocks: a grid of 2, each
