@@ -3,7 +3,8 @@ kernel cache, so that later processes load them instead of compiling.
 
     CUPY_CACHE_DIR=$PWD/.kcache python benchmarks/warm_modules.py [--jobs 16] \
         [--backends fused,fused-backward,im2col,direct,deterministic] \
-        [--dtypes float32,float16] [--ndims 2] [--index 32,64] [--set MODULE.NAME=VALUE ...]
+        [--dtypes float32,float16] [--ndims 2] [--index 32,64] [--set MODULE.NAME=VALUE ...] \
+        [--unpack PREFIX] [--pack PREFIX]
 
 A cold process spends minutes in NVRTC before its first launch (a fused module of sm_90a
 kernels takes about a minute alone). Test groups or benchmarks run in parallel on a fresh
@@ -20,6 +21,14 @@ worker before it builds, e.g. ``--set cuda_fused_backward.WS_LOADS_AHEAD=False``
 switch's other value, which an ``ab.py`` A/B of that switch would otherwise compile one after the
 other inside the timed process.
 
+A fresh device machine starts with an empty cache, and one left by an earlier call does not
+survive to the next. ``--pack PREFIX`` writes the cache, after building, as an xz tar in pieces
+``PREFIX.00``, ``PREFIX.01``, ... of at most 15 MiB each (the device tool returns files of at most
+16 MiB from $OUT); ``--unpack PREFIX`` extracts such pieces into the cache before building, so a
+later call that carries them finds its modules built (NOTES-gpu.md, session 72: 150 modules, 18 MB
+packed, found in 4 s where compiling took 125-150 s). CuPy and the fused loader key each entry by
+its source, so entries of an older source are never loaded, only left unused.
+
 Run it as a file: its workers are spawned processes, which import this script again (a pool
 started from a script on standard input cannot, and waits for ever). Without a CUDA device it
 says so and exits with status 0.
@@ -28,9 +37,12 @@ says so and exits with status 0.
 from __future__ import annotations
 
 import argparse
+import glob
+import io
 import multiprocessing
 import os
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -42,6 +54,71 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 #: Backend name -> its module under dcn_cupy._backends.
 BACKENDS = {"fused": "cuda_fused", "fused-backward": "cuda_fused_backward", "im2col": "cuda",
             "direct": "cuda_direct", "deterministic": "cuda_deterministic"}
+
+
+#: Largest piece of a packed cache: the device tool brings back files of at most 16 MiB.
+PIECE_BYTES = 15 << 20
+
+
+def cache_dir() -> Path:
+    """The kernel cache the backends use: CuPy's (``CUPY_CACHE_DIR``, or its default), which also
+    holds ``cuda_fused``'s own sm_90a files."""
+    return Path(os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache")))
+
+
+def pack_cache(folder, prefix, piece_bytes: int = PIECE_BYTES) -> list:
+    """Write ``folder``'s files as one xz tar (paths relative to it) in pieces ``prefix.00``,
+    ``prefix.01``, ... of at most ``piece_bytes`` each; returns the pieces' paths."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"--pack: the kernel cache {str(folder)!r} is not a folder")
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w:xz", preset=2) as tar:
+        for path in sorted(folder.rglob("*")):
+            if path.is_file():
+                tar.add(path, arcname=str(path.relative_to(folder)), recursive=False)
+    blob = data.getvalue()
+    for stale in _pieces(prefix):   # (an earlier pack's, which unpack would read after these)
+        stale.unlink()
+    pieces = []
+    for number, start in enumerate(range(0, max(len(blob), 1), piece_bytes)):
+        piece = Path(f"{prefix}.{number:02d}")
+        piece.parent.mkdir(parents=True, exist_ok=True)
+        piece.write_bytes(blob[start:start + piece_bytes])
+        pieces.append(piece)
+    return pieces
+
+
+def _pieces(prefix) -> list:
+    """The pieces ``prefix.00``, ``prefix.01``, ... that exist, in order."""
+    return sorted(Path(name) for name in glob.glob(glob.escape(str(prefix)) + ".[0-9][0-9]"))
+
+
+def unpack_cache(prefix, folder) -> int:
+    """Extract the pieces ``prefix.NN`` of ``pack_cache`` into ``folder``; returns the number of
+    files. Anything but a plain file under ``folder`` is refused before a byte is written."""
+    pieces = _pieces(prefix)
+    if not pieces:
+        raise ValueError(f"--unpack: expected pieces {str(prefix)!r}.00, .01, ..., found none")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    blob = b"".join(Path(piece).read_bytes() for piece in pieces)
+    try:
+        tar = tarfile.open(fileobj=io.BytesIO(blob), mode="r:xz")
+    except (tarfile.TarError, EOFError) as error:
+        raise ValueError(f"--unpack: the {len(pieces)} pieces {str(prefix)!r}.NN are not an xz tar ({error})") from None
+    with tar:
+        members = tar.getmembers()
+        root = folder.resolve()
+        for member in members:
+            target = (folder / member.name).resolve()
+            if root not in target.parents or not member.isfile():
+                raise ValueError(f"--unpack: member {member.name!r} of {str(prefix)!r}.NN is not a file under the cache")
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(folder, filter="data")
+        else:
+            tar.extractall(folder)
+    return sum(member.isfile() for member in members)
 
 
 def module_keys(backend: str) -> list:
@@ -128,6 +205,10 @@ def main(argv=None) -> int:
                         "(default: all)")
     parser.add_argument("--ndims", default=None, help="comma-separated, of 1,2,3 (default: all)")
     parser.add_argument("--index", default=None, help="comma-separated index widths, of 32,64 (default: both)")
+    parser.add_argument("--unpack", default=None, metavar="PREFIX",
+                        help="extract a packed cache (pieces PREFIX.00, PREFIX.01, ...) into the kernel cache first")
+    parser.add_argument("--pack", default=None, metavar="PREFIX",
+                        help="write the kernel cache, after building, as pieces PREFIX.00, PREFIX.01, ...")
     parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                         help="a backend module's switch set in every worker before it builds (a Python literal; "
                              "repeatable), e.g. cuda_fused_backward.WS_LOADS_AHEAD=False")
@@ -164,6 +245,27 @@ def main(argv=None) -> int:
         settings = [parse_setting(text) for text in args.set]
     except ValueError as error:
         parser.error(f"--set: {error}")
+    if args.unpack is not None:
+        start = time.perf_counter()
+        try:
+            count = unpack_cache(args.unpack, cache_dir())
+        except ValueError as error:
+            parser.error(str(error))
+        print(f"warm_modules.py: unpacked {count} files from {args.unpack}.NN into {cache_dir()} in "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
+    status = build_all(args, backends, dtypes, ndims, widths, settings)
+    if args.pack is not None:
+        try:
+            pieces = pack_cache(cache_dir(), args.pack)
+        except ValueError as error:
+            parser.error(str(error))
+        size = sum(piece.stat().st_size for piece in pieces)
+        print(f"warm_modules.py: packed {cache_dir()} into {len(pieces)} pieces {args.pack}.NN ({size / 2**20:.1f} MiB)")
+    return status
+
+
+def build_all(args, backends, dtypes, ndims, widths, settings) -> int:
+    """Build the modules ``main`` asked for, ``args.jobs`` processes at a time; its exit status."""
     from gpu import no_gpu_reason
     reason = no_gpu_reason()
     if reason is not None:
@@ -184,7 +286,7 @@ def main(argv=None) -> int:
     switches = "".join(f", {path.rsplit('.', 1)[1]}.{name}={value!r}" for path, name, value in settings)
     print(f"warm_modules.py: {len(todo) - failed} of {len(todo)} modules ({', '.join(backends)}{switches}) in "
           f"{time.perf_counter() - start:.0f} s, {min(args.jobs, len(todo))} processes; "
-          f"cache {os.environ.get('CUPY_CACHE_DIR', '~/.cupy/kernel_cache')}")
+          f"cache {cache_dir()}")
     return 1 if failed else 0
 
 

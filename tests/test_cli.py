@@ -580,6 +580,61 @@ def test_module_entry_point_runs_as_subprocess(tmp_path):
     assert result.returncode == 2 and "usage" in result.stderr
 
 
+def test_warm_modules_packs_and_unpacks_the_kernel_cache(capsys, monkeypatch, tmp_path):
+    """benchmarks/warm_modules.py --pack / --unpack: the cache (nested files) comes back byte for
+    byte from pieces of at most the piece size, an earlier pack's extra pieces are removed, and
+    missing pieces, pieces that are no xz tar, or a member outside the cache are refused by name
+    before anything is written."""
+    pytest.importorskip("cupy")
+    import io
+    import tarfile
+    module = _bench.load_script(REPO / "benchmarks" / "warm_modules.py", "_test_warm_modules_pack")
+    cache = tmp_path / "cache"
+    (cache / "sub").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    files = {"a.cubin": rng.bytes(3000), "sub/b.json": b'{"k": 1}', "c.cubin": rng.bytes(5000)}
+    for name, data in files.items():
+        (cache / name).write_bytes(data)
+    prefix = tmp_path / "out" / "kcache"
+    pieces = module.pack_cache(cache, prefix, piece_bytes=1024)
+    assert [piece.name for piece in pieces] == [f"kcache.{n:02d}" for n in range(len(pieces))] and len(pieces) > 3
+    assert all(piece.stat().st_size <= 1024 for piece in pieces)
+    assert module.unpack_cache(prefix, tmp_path / "back") == 3
+    assert {name: (tmp_path / "back" / name).read_bytes() for name in files} == files
+    # a second pack in fewer pieces leaves none of the first's behind
+    assert len(module.pack_cache(cache, prefix)) == 1
+    assert sorted(path.name for path in prefix.parent.iterdir()) == ["kcache.00"]
+    assert module.unpack_cache(prefix, tmp_path / "again") == 3
+    with pytest.raises(ValueError, match=r"--unpack: expected pieces .*'\.00, \.01, \.\.\., found none"):
+        module.unpack_cache(tmp_path / "nope", tmp_path / "x")
+    (tmp_path / "junk.00").write_bytes(b"not a tar")
+    with pytest.raises(ValueError, match=r"--unpack: the 1 pieces .*junk'\.NN are not an xz tar"):
+        module.unpack_cache(tmp_path / "junk", tmp_path / "x")
+    evil = io.BytesIO()
+    with tarfile.open(fileobj=evil, mode="w:xz") as tar:
+        info = tarfile.TarInfo("../escaped")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    (tmp_path / "evil.00").write_bytes(evil.getvalue())
+    with pytest.raises(ValueError, match=r"member '\.\./escaped' .* is not a file under the cache"):
+        module.unpack_cache(tmp_path / "evil", tmp_path / "x")
+    assert not (tmp_path / "escaped").exists()
+    with pytest.raises(ValueError, match=r"--pack: the kernel cache '.*nothing' is not a folder"):
+        module.pack_cache(tmp_path / "nothing", prefix)
+    # through main, without a CUDA device: unpack, nothing built, pack
+    import gpu
+    monkeypatch.setattr(gpu, "no_gpu_reason", lambda: "no CUDA device visible to CuPy")
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "main-cache"))
+    assert module.main(["--unpack", str(prefix), "--pack", str(tmp_path / "repacked")]) == 0
+    out = capsys.readouterr().out
+    assert "unpacked 3 files from" in out and "nothing to compile" in out and "into 1 pieces" in out
+    assert module.unpack_cache(tmp_path / "repacked", tmp_path / "third") == 3
+    assert (tmp_path / "third" / "sub" / "b.json").read_bytes() == files["sub/b.json"]
+    with pytest.raises(SystemExit):
+        module.main(["--unpack", str(tmp_path / "nope")])
+    assert "--unpack: expected pieces" in capsys.readouterr().err
+
+
 def test_warm_modules_lists_every_backend_module_and_checks_its_arguments(capsys, monkeypatch):
     """benchmarks/warm_modules.py: one task per module each backend can build (the fused sm_90a
     engines and the fused backward's sm_90a modules first), or of the keys asked for; its
