@@ -106,14 +106,16 @@ def unpack_cache(prefix, folder) -> int:
     try:
         tar = tarfile.open(fileobj=io.BytesIO(blob), mode="r:xz")
     except (tarfile.TarError, EOFError) as error:
-        raise ValueError(f"--unpack: the {len(pieces)} pieces {str(prefix)!r}.NN are not an xz tar ({error})") from None
+        raise ValueError(f"--unpack: the {len(pieces)} pieces {str(prefix)!r}.NN are not an xz tar "
+                         f"({error})") from None
     with tar:
         members = tar.getmembers()
         root = folder.resolve()
         for member in members:
             target = (folder / member.name).resolve()
             if root not in target.parents or not member.isfile():
-                raise ValueError(f"--unpack: member {member.name!r} of {str(prefix)!r}.NN is not a file under the cache")
+                raise ValueError(f"--unpack: member {member.name!r} of {str(prefix)!r}.NN is not a file under "
+                                 "the cache")
         if hasattr(tarfile, "data_filter"):
             tar.extractall(folder, filter="data")
         else:
@@ -260,7 +262,8 @@ def main(argv=None) -> int:
         except ValueError as error:
             parser.error(str(error))
         size = sum(piece.stat().st_size for piece in pieces)
-        print(f"warm_modules.py: packed {cache_dir()} into {len(pieces)} pieces {args.pack}.NN ({size / 2**20:.1f} MiB)")
+        print(f"warm_modules.py: packed {cache_dir()} into {len(pieces)} pieces {args.pack}.NN "
+              f"({size / 2**20:.1f} MiB)")
     return status
 
 
