@@ -409,6 +409,12 @@ def all_module_keys():
 SM90A = "-arch=sm_90a"
 
 
+def kernel_cache_folder() -> str:
+    """CuPy's kernel cache (``CUPY_CACHE_DIR``, or its default), where the sm_90a modules are
+    cached beside CuPy's own."""
+    return os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
+
+
 class _Sm90aModule:
     """Kernels compiled by NVRTC for sm_90a and loaded as a CUDA module (cached on disk next to
     CuPy's kernel cache, keyed by the source, options, names and NVRTC version): of
@@ -421,7 +427,7 @@ class _Sm90aModule:
         options = tuple(_cuda.compile_options()) + (SM90A,)
         source = module_source() if source is None else source
         key = hashlib.sha256(repr((source, options, tuple(names), nvrtc.getVersion())).encode()).hexdigest()[:32]
-        folder = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
+        folder = kernel_cache_folder()
         path = os.path.join(folder, f"dcn_fused_sm90a_{key}")
         try:
             with open(path + ".cubin", "rb") as fh:
