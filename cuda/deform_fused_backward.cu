@@ -202,6 +202,13 @@ __device__ __forceinline__ float sampling_position(const Geom<N>& g, const int (
     return mask == nullptr ? 1.0f : Traits<T>::load(mask[b * mask_bstride + ((I)gm * K + t) * Q + q]);
 }
 
+// How a weight kernel's epilogue leaves its unit's sums in part (its sum_mode argument,
+// cuda_fused_backward.SUMS_*): STORE them in the slot of the unit's split (the first chunk), ADD
+// them to it (the chunks after), or REDUCE them (red.global.add) into slot 0, which every split
+// shares and which the launches cleared before the first chunk: one slot in place of one a split,
+// the splits' sums added in no fixed order (the default mode; cuda_fused_backward.REDUCED_SPLITS).
+enum WeightSums { SUMS_STORE = 0, SUMS_ADD = 1, SUMS_REDUCE = 2 };
+
 }  // namespace fused_bwd
 
 // The staged value of fused_channels_first: float32, or (FIXED) the fixed-point sum's double.
@@ -1142,7 +1149,7 @@ __global__ void fused_position_rows(const T* __restrict__ gy, T* __restrict__ gy
 }
 
 // The weight kernel's epilogue (deform_fused_backward_weight), where it adds to the partial sums
-// of the chunks before (accumulate): each sum added by a global reduction, not loaded, added and
+// of the chunks before (SUMS_ADD): each sum added by a global reduction, not loaded, added and
 // stored, where each load waits for the store before it (as in the warp-specialised kernel:
 // DCN_WS_EPILOGUE_RED below). The same sums but subnormal ones, which red flushes to zero.
 // Defining DCN_WEIGHT_EPILOGUE_RED 1 builds it (cuda_fused_backward.WEIGHT_EPILOGUE_RED).
@@ -1162,7 +1169,8 @@ __global__ void fused_position_rows(const T* __restrict__ gy, T* __restrict__ gy
 // double-buffered, multiplied by fused::warp_mma (float32 accumulation). Each (split, o, t, c)
 // belongs to one block per launch: the partial sums are stored (first chunk) or added (later
 // chunks) without atomics, and fused_weight_sum adds the splits in a fixed order: the weight
-// gradient is bitwise repeatable. Served where no thread's channels cross a group boundary
+// gradient is bitwise repeatable. Or (SUMS_REDUCE, the default mode) every split adds its sums to
+// one shared slot by reductions (fused_bwd::WeightSums). Served where no thread's channels cross a group boundary
 // (cuda_fused_backward.weight_unsupported). PLAN: the corners are read from the chunk's sampling
 // plan (fused_sampling_plan: plan_rows / plan_weights, segments of seg_len channels), fetched a
 // step ahead, instead of computed from the offsets and mask here; or, where plan_masks is not
@@ -1178,7 +1186,7 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
                              const int batch, const int channels, const int Cp, const int out_channels,
                              const int groups, const int offset_groups, const int mask_groups, const int seg_len,
                              const I Pp, const I offset_bstride, const I mask_bstride, const int splits,
-                             const int steps_per_split, const int accumulate) {
+                             const int steps_per_split, const int sum_mode) {
     using namespace fused;
     start_after_prerequisites();
     using fused_bwd::THREADS;
@@ -1417,16 +1425,20 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
         }
     }
 
-    // Epilogue: part[split, o, t, c] from the fragments (row = output channel, column = channel);
-    // where a chunk adds to the sums before, by reductions where DCN_WEIGHT_EPILOGUE_RED (above).
+    // Epilogue: part[split, o, t, c] from the fragments (row = output channel, column = channel),
+    // as sum_mode says (fused_bwd::WeightSums); where a chunk adds to the sums before, by
+    // reductions where DCN_WEIGHT_EPILOGUE_RED (above).
     const int gq = lane >> 2, tq = lane & 3;
+    const bool reduce =
+        sum_mode == fused_bwd::SUMS_REDUCE || (DCN_WEIGHT_EPILOGUE_RED && sum_mode == fused_bwd::SUMS_ADD);
+    const int slot = sum_mode == fused_bwd::SUMS_REDUCE ? 0 : split;
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int o = m0 + wm * WM + i * 16 + gq + h * 8;
             if (o >= Cog) continue;
-            float* row = part + (((I)split * out_channels + grp * Cog + o) * K + t) * Cg;
+            float* row = part + (((I)slot * out_channels + grp * Cog + o) * K + t) * Cg;
 #pragma unroll
             for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -1434,10 +1446,10 @@ deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xc
                     const int c = n0 + wn * WN + j * 8 + 2 * tq + e;
                     if (c < Cg) {
                         const float v = acc[i][j][h * 2 + e];
-                        if (DCN_WEIGHT_EPILOGUE_RED && accumulate)
+                        if (reduce)
                             atomicAdd(row + c, v);   // (its result unused: a reduction)
                         else
-                            row[c] = accumulate ? row[c] + v : v;
+                            row[c] = sum_mode == fused_bwd::SUMS_ADD ? row[c] + v : v;
                     }
                 }
         }
@@ -1518,7 +1530,7 @@ __global__ void fused_position_segments(const T* __restrict__ gy, T* __restrict_
 #endif
 
 // The warp-specialised weight kernel's epilogue, where it adds to the partial sums of the chunks
-// before (accumulate): each sum added by a global reduction (red.global.add, issued and not
+// before (SUMS_ADD): each sum added by a global reduction (red.global.add, issued and not
 // waited for), not loaded, added and stored. The compiler may not move a load above a store to
 // `part` (it cannot tell them apart), so each pair of loads waits for the store before it: 32
 // round trips a unit in SASS (3xTF32, 1D 256-row tile), about 27 us a launch of every chunk but
@@ -1564,7 +1576,7 @@ __global__ void fused_position_segments(const T* __restrict__ gy, T* __restrict_
 // every block's BN channels lie in one conv group and one plan segment
 // (cuda_fused_backward.ws_weight_unsupported). THREADS: the MMA warpgroups' 128 * MMA_WGS, then
 // the samplers. In fp16, bf16 and TF32 bitwise the partial sums of deform_fused_backward_weight
-// with the same splits.
+// with the same splits where they are stored or added (reduced into one slot: in no fixed order).
 template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int DEPTH, int THREADS>
 __global__ void __launch_bounds__(THREADS, 1)
 deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__ xcl,
@@ -1572,7 +1584,7 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
                                 const float* __restrict__ plan_masks, float* __restrict__ part, const Geom<N> g,
                                 const int batch, const int channels, const int Cp, const int out_channels,
                                 const int groups, const int seg_len, const int steps_per_split,
-                                const int accumulate, const int units) {
+                                const int sum_mode, const int units) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using namespace fused;
     start_after_prerequisites();
@@ -1748,8 +1760,11 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
             // (the unit's last stage)
             if (steps > 0 && u0 - 1 + DEPTH < block_steps) barrier_arrive(empty_barrier((u0 - 1) % DEPTH), THREADS);
             enter_unit(unit);   // (again: its tile not held in registers through the steps)
-            // Epilogue.
+            // Epilogue, as sum_mode says (fused_bwd::WeightSums).
             const int gq = lane >> 2, tq = lane & 3;
+            const bool add = sum_mode == fused_bwd::SUMS_ADD;
+            const bool reduce = sum_mode == fused_bwd::SUMS_REDUCE || (DCN_WS_EPILOGUE_RED && add);
+            const I slot = sum_mode == fused_bwd::SUMS_REDUCE ? 0 : blk.split;
             if constexpr (CHANNEL_ROWS) {
                 // d[0][4j + 2h + e] is input channel 16 (warp % 4) + lane / 4 + 8 h of the tile, output
                 // channel 8 j + 2 (lane % 4) + e of the warpgroup's rows: a store a value, 8 lanes'
@@ -1760,16 +1775,16 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
                     for (int e = 0; e < 2; ++e) {
                         const int o = blk.m0 + wg * WG_ROWS + 8 * j + 2 * tq + e;
                         if (o >= Cog) continue;
-                        float* const row = part + (((I)blk.split * out_channels + blk.grp * Cog + o) * K + blk.t) * Cg +
+                        float* const row = part + ((slot * out_channels + blk.grp * Cog + o) * K + blk.t) * Cg +
                                            blk.n0 + (warp & 3) * 16 + gq;
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
                             float v = d[0][4 * j + 2 * h + e];
-                            if (DCN_WS_EPILOGUE_RED && accumulate) {
+                            if (reduce) {
                                 atomicAdd(row + 8 * h, v);   // (its result unused: a reduction)
                                 continue;
                             }
-                            if (accumulate) v += row[8 * h];
+                            if (add) v += row[8 * h];
                             row[8 * h] = v;
                         }
                     }
@@ -1784,16 +1799,16 @@ deform_fused_backward_weight_ws(const T* __restrict__ gys, const T* __restrict__
                         const int o = blk.m0 + wg * WG_ROWS + mi * 64 + (warp & 3) * 16 + gq + h * 8;
                         if (o >= Cog) continue;
                         float* const row =
-                            part + (((I)blk.split * out_channels + blk.grp * Cog + o) * K + blk.t) * Cg + blk.n0 + 2 * tq;
+                            part + ((slot * out_channels + blk.grp * Cog + o) * K + blk.t) * Cg + blk.n0 + 2 * tq;
 #pragma unroll
                         for (int j = 0; j < BN / 8; ++j) {
                             float2* const at = reinterpret_cast<float2*>(row + 8 * j);
                             float2 v = make_float2(d[mi][4 * j + 2 * h], d[mi][4 * j + 2 * h + 1]);
-                            if (DCN_WS_EPILOGUE_RED && accumulate) {
+                            if (reduce) {
                                 atomicAdd(at, v);   // (a vector reduction)
                                 continue;
                             }
-                            if (accumulate) {
+                            if (add) {
                                 const float2 old = *at;
                                 v.x += old.x;
                                 v.y += old.y;

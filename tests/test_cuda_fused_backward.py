@@ -252,6 +252,80 @@ def test_gradient_launches_hold_each_kernel_once(monkeypatch, deterministic):
     assert weight.count("fused_sampling_plan") == int(config.sampling_plan and not config.plan_shared)
 
 
+@pytest.mark.parametrize("ws_weight", [False, True], ids=["mma.sync", "warp-specialised"])
+def test_default_mode_reduces_the_weight_splits_into_one_sum(monkeypatch, ws_weight):
+    """The launches of the weight gradient (no GPU: kernels, launches and arrays stubbed). In the
+    default mode, its position splits reduce their sums into one float32 slot (``REDUCED_SPLITS``):
+    the workspace holds one copy of the weight gradient, not one a split, cleared by a memset
+    before any kernel; every chunk's weight kernel reduces (``SUMS_REDUCE``), and
+    ``fused_weight_sum`` reads one slot. Deterministic mode, ``REDUCED_SPLITS`` off and a single
+    split keep a slot a split, stored by the first chunk and added to by the others."""
+    fb = _backward_module()
+    monkeypatch.setattr(fb.BackwardConfig, "kernel", lambda self, name, scatter=False: name)
+    monkeypatch.setattr(fb._cuda, "_kernel_op", lambda kernel, grid, block, args, shared_mem=0, overlap=False:
+                        (0, kernel, args))
+
+    class Array:   # what gradient_launches reads of an array: its address, shape and strides
+        def __init__(self, address, shape, itemsize=2):
+            self.data = type("Pointer", (), {"ptr": address})()
+            self.shape, self.itemsize = shape, itemsize
+            self.strides = (math.prod(shape[1:]) * itemsize,) + (itemsize,) * (len(shape) - 1)
+
+    shapes = dict(grad_output=(4, 256, 14, 14), input=(4, 128, 14, 14), weight=(256, 128, 3, 3),
+                  offset=(4, 18, 14, 14), mask=(4, 9, 14, 14))
+    args = {name: Array((k + 1) << 28, shape) for k, (name, shape) in enumerate(shapes.items())}
+    args["bias"] = None
+    grads = {name: Array((k + 7) << 28, shapes[name]) for k, name in enumerate(("input", "weight", "offset", "mask"))}
+    geom = _geometry.conv_geometry(*(shapes[name] for name in ("input", "weight", "offset", "mask")), None,
+                                   stride=1, padding=1, dilation=1, groups=1)[0]
+    workspace = 12 << 28
+    weight_size = 256 * 128 * 9
+
+    def launches(config, wanted):
+        ops = fb.gradient_launches(config, dict(args, wanted=frozenset(wanted)), grads, Array(workspace, (1,)))
+        part = workspace + config.offsets["part"][0]
+        memsets = [k for k, op in enumerate(ops) if op[0] == 2 and op[1] == part]
+        first_kernel = next(k for k, op in enumerate(ops) if op[0] == 0)
+        weights = [op[2] for op in ops if op[0] == 0 and op[1] == "weight"]
+        sums = [op[2] for op in ops if op[0] == 0 and op[1] == "fused_weight_sum"]
+        assert len(sums) == 1 and int(sums[0][2]) == config.part_slots, wanted
+        # the kernels' sum_mode: the warp-specialised one's last argument but one, the mma.sync one's last
+        return memsets, first_kernel, [int(a[-2] if config.ws_weight else a[-1]) for a in weights]
+
+    def config(**options):
+        c = fb.BackwardConfig(geom, np.float16, False, ws_weight=ws_weight, wgmma=ws_weight, **options)
+        assert c.fused_weight and c.ws_weight == ws_weight and c.splits > 1, c.description
+        return c
+
+    for chunked in (False, True):
+        with monkeypatch.context() as m:
+            if chunked:
+                m.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", 1)
+            reduced = config()
+            fixed = config(deterministic=True)
+            unreduced = config(reduced_splits=False)
+            m.setattr(fb, "REDUCED_SPLITS", False)
+            off = config()
+        chunks = 4 if chunked else 1
+        assert reduced.chunk == 4 // chunks
+        assert reduced.reduced_splits and reduced.part_slots == 1
+        assert reduced.offsets["part"][1] == weight_size and "reduced into one sum" in reduced.description
+        for wanted in (NAMES, ("weight",)):
+            memsets, first_kernel, modes = launches(reduced, wanted)
+            assert len(memsets) == 1 and memsets[0] < first_kernel, wanted
+            assert modes == [fb.SUMS_REDUCE] * chunks, wanted
+        for c in (fixed, unreduced, off):
+            assert not c.reduced_splits and c.part_slots == c.splits
+            assert c.offsets["part"][1] == c.splits * weight_size and "fixed-order sum" in c.description
+            memsets, _, modes = launches(c, ("weight",))
+            assert not memsets and modes == [fb.SUMS_STORE] + [fb.SUMS_ADD] * (chunks - 1)
+        assert unreduced.workspace_bytes - reduced.workspace_bytes >= (reduced.splits - 1) * weight_size * 4
+    # one split: nothing to reduce
+    monkeypatch.setattr(fb, "MAX_SPLITS", 1)
+    single = fb.BackwardConfig(geom, np.float16, False, ws_weight=ws_weight, wgmma=ws_weight)
+    assert single.splits == 1 and not single.reduced_splits and launches(single, ("weight",))[2] == [fb.SUMS_STORE]
+
+
 @pytest.mark.parametrize("in_place", [True, False])
 def test_deterministic_offset_and_mask_gradients_stored_in_place(monkeypatch, in_place):
     """The deterministic backward's launches (no GPU: kernels and launches stubbed): float32 offset
@@ -681,10 +755,12 @@ def wide_case(rng, ndim, *, groups=2, offset_groups=2, mask_groups=1, c_in=64, c
 
 
 def run_gradients(arrays, params, grad_output, precision, tile=None, wanted=NAMES, broadcast=False, weight_tile=None,
-                  sampling_plan=None, gradient_plan=None, lane_channels=None, ws_weight=None):
+                  sampling_plan=None, gradient_plan=None, lane_channels=None, ws_weight=None, reduced_splits=None):
     """The fused data gradients of float64 NumPy arrays cast to ``precision``'s dtype (outputs
     poisoned with NaN) and the float64 reference gradients of the rounded inputs; "bias" in
-    ``wanted``: the bias gradient too (folded into the copy of grad_output)."""
+    ``wanted``: the bias gradient too (folded into the copy of grad_output). ``reduced_splits``
+    as :class:`BackwardConfig`'s (False: a partial sum a split, added in a fixed order, where a
+    test compares weight gradients bitwise)."""
     cupy = _cupy()
     fb = _backward_module()
     dtype = DTYPE[precision]
@@ -702,7 +778,7 @@ def run_gradients(arrays, params, grad_output, precision, tile=None, wanted=NAME
     geom = _geometry.conv_geometry(*shapes, None, **params)[0]
     config = fb.BackwardConfig(geom, dtype, precision == "tf32", tile, weight_tile=weight_tile,
                                sampling_plan=sampling_plan, gradient_plan=gradient_plan, lane_channels=lane_channels,
-                               ws_weight=ws_weight)
+                               ws_weight=ws_weight, reduced_splits=reduced_splits)
     out = {name: cupy.full(arrays[name].shape, np.nan, dtype=dtype) for name in wanted
            if name != "bias" and arrays[name] is not None}
     if "bias" in wanted:
@@ -869,8 +945,8 @@ def test_weight_gradient_rows_from_vectors_or_elements(precision):
     rng = np.random.default_rng(17)
     arrays, params, gy = wide_case(rng, 2, groups=1, offset_groups=1, mask_groups=1, c_in=64, c_out=48, batch=3,
                                    size=8, stride=(1, 1), padding=(1, 1), dilation=(1, 1))   # Q = 64
-    got, expected, config = run_gradients(arrays, params, gy, precision, wanted=("weight",))
-    assert config.fused_weight
+    got, expected, config = run_gradients(arrays, params, gy, precision, wanted=("weight",), reduced_splits=False)
+    assert config.fused_weight and not config.reduced_splits
     assert relative_error(got["weight"], expected["weight"]) < TOL[precision]
     # the same grad_output one element past a 16-byte boundary, with a sample stride of (C_out + 1) * Q
     geom = config.geom
@@ -911,15 +987,16 @@ def test_weight_gradient_from_the_sampling_plan_equals_corners_computed_in_place
                                        c_in=64, c_out=32, offset=offset, mask=mask, batch=3)
         label = (offset_groups, mask_groups, offset, mask)
         planned, expected, config = run_gradients(arrays, params, gy, precision, wanted=("weight",), sampling_plan=True,
-                                                  gradient_plan=False)
+                                                  gradient_plan=False, reduced_splits=False)
         assert config.sampling_plan and not config.plan_shared and "sampling plan" in config.description
-        in_place, _, config = run_gradients(arrays, params, gy, precision, wanted=("weight",), sampling_plan=False)
+        in_place, _, config = run_gradients(arrays, params, gy, precision, wanted=("weight",), sampling_plan=False,
+                                            reduced_splits=False)
         assert not config.sampling_plan
         assert np.array_equal(planned["weight"], in_place["weight"]), label
         check(planned, expected, precision, label)
         for wanted in (("weight",), NAMES):
             shared, expected_all, config = run_gradients(arrays, params, gy, precision, wanted=wanted,
-                                                         sampling_plan=True, gradient_plan=True)
+                                                         sampling_plan=True, gradient_plan=True, reduced_splits=False)
             assert config.plan_shared and "the data gradients' plan" in config.description
             assert config.offsets["plan_rows"][1] == 0          # no sampling plan of its own
             assert np.array_equal(shared["weight"], in_place["weight"]), (label, wanted)
@@ -1322,7 +1399,7 @@ def test_weight_gradient_rows_from_the_copy_equal_their_own_copy(ndim, monkeypat
             weights = []
             for rows in (False, True):
                 monkeypatch.setattr(fb, "ROWS_FROM_COPY", rows)
-                got, expected, config = run_gradients(arrays, params, gy, precision)
+                got, expected, config = run_gradients(arrays, params, gy, precision, reduced_splits=False)
                 assert config.fused_weight and (limit is None or config.chunk == 1)
                 check(got, expected, precision, (rows, limit))
                 weights.append(got["weight"].tobytes())
@@ -1614,7 +1691,7 @@ def test_warp_specialised_loads_ahead_same_bits(ndim, precision, monkeypatch):
                     if index64:
                         m.setattr(fb, "_INT32_SAFE", 16)
                     got, expected, config = run_gradients(arrays, params, gy, precision, wanted=("weight",),
-                                                          ws_weight=True)
+                                                          ws_weight=True, reduced_splits=False)
                 assert config.ws_weight and config.index64 == index64, label
                 assert config.weight_tile[0] == (128 if c_out == 96 else 256), label
                 assert config.splits == min(splits, -(-config.chunk * config.Q // config.weight_tile[2])), label
@@ -1639,12 +1716,14 @@ def _ws_cases(rng, ndim):
                                size=size)
 
 
-def _ws_weight_gradient(monkeypatch, case, precision, name, splits, gradient_plan=None, **switches):
+def _ws_weight_gradient(monkeypatch, case, precision, name, splits, gradient_plan=None, reduced_splits=False,
+                        **switches):
     """The warp-specialised kernel's weight gradient of ``case`` (arrays, params, grad_output) with
     the module's ``switches`` set and ``splits(steps)`` position splits; ``name`` "64-bit": 64-bit
-    indices, "chunks": one sample a chunk; ``gradient_plan`` as :class:`BackwardConfig`'s (True:
-    the corners from the plan shared with the data kernel). (got, expected, config) of
-    :func:`run_gradients`."""
+    indices, "chunks": one sample a chunk; ``gradient_plan`` and ``reduced_splits`` as
+    :class:`BackwardConfig`'s (True: the corners from the plan shared with the data kernel; False:
+    a partial sum a split, added in a fixed order, for the same-bits tests). (got, expected,
+    config) of :func:`run_gradients`."""
     fb = _backward_module()
     with monkeypatch.context() as m:
         for switch, value in switches.items():
@@ -1654,7 +1733,8 @@ def _ws_weight_gradient(monkeypatch, case, precision, name, splits, gradient_pla
             m.setattr(fb, "_INT32_SAFE", 16)
         if name == "chunks":
             m.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", 1)
-        return run_gradients(*case, precision, wanted=("weight",), ws_weight=True, gradient_plan=gradient_plan)
+        return run_gradients(*case, precision, wanted=("weight",), ws_weight=True, gradient_plan=gradient_plan,
+                             reduced_splits=reduced_splits)
 
 
 @pytest.mark.gpu
@@ -1770,12 +1850,57 @@ def test_weight_kernel_epilogue_reductions_same_bits(ndim, precision, monkeypatc
                     m.setattr(fb, "WEIGHT_EPILOGUE_RED", red)
                     if limit is not None:
                         m.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", limit)
-                    got, expected, config = run_gradients(*case, precision, wanted=("weight",), ws_weight=False)
+                    got, expected, config = run_gradients(*case, precision, wanted=("weight",), ws_weight=False,
+                                                          reduced_splits=False)
                 assert config.fused_weight and not config.ws_weight, label
                 assert config.chunk == (1 if limit else 4), label
                 check(got, expected, precision, label)
                 weights[red] = got["weight"]
             assert np.array_equal(weights[False], weights[True]), label
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+@pytest.mark.parametrize("precision", ["float16", "tf32", "float32"])
+def test_reduced_splits_give_the_fixed_order_sums_values(ndim, precision, monkeypatch):
+    """The default mode's position splits reduced into one float32 sum (``REDUCED_SPLITS``: the
+    slot cleared first, on a workspace poisoned with NaN) give the reference's weight gradient and,
+    to float32 rounding, that of the fixed-order sum of a slot a split: the mma.sync weight kernel
+    and the warp-specialised one (where the device has it and it serves), 5 splits beside the data
+    gradients, splits of no steps, 64-bit indices, and chunks of one sample (every chunk's splits
+    reduced into the one slot) each for the weight gradient alone."""
+    fb = _backward_module()
+    rng = np.random.default_rng(150 + ndim)
+    size = {1: 203, 2: 15, 3: 6}[ndim]
+    geometry = dict(stride=(1,) * ndim, padding=(1,) * ndim, dilation=(1,) * ndim)
+    case = wide_case(rng, ndim, groups=1, c_in=128, offset_groups=2, mask_groups=1, c_out=96, batch=4, size=size,
+                     **geometry)
+    cases = (("5 splits", NAMES, lambda steps: min(5, steps)),
+             ("empty splits", ("weight",), lambda steps: max(1, steps - 1)),
+             ("64-bit", ("weight",), lambda steps: min(5, steps)),
+             ("chunks", ("weight",), lambda steps: min(3, steps)))
+    kernels = (False, True) if fb._fused.wgmma_available() else (False,)
+    for ws in kernels:
+        for name, wanted, splits in cases:
+            label = (ws, name)
+            weights = {}
+            for reduced in (False, True):
+                with monkeypatch.context() as m:
+                    m.setattr(fb, "weight_splits", lambda tiles, steps, slots: splits(steps))
+                    if name == "64-bit":
+                        m.setattr(fb, "_INT32_SAFE", 16)
+                    if name == "chunks":
+                        m.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", 1)
+                    got, expected, config = run_gradients(*case, precision, wanted=wanted, ws_weight=ws,
+                                                          reduced_splits=None if reduced else False)
+                assert config.fused_weight and config.ws_weight == ws and config.splits > 1, label
+                assert config.reduced_splits == reduced, label
+                assert config.chunk == (1 if name == "chunks" else 4) and config.index64 == (name == "64-bit"), label
+                assert ("reduced into one sum" in config.description) == reduced, label
+                check(got, expected, precision, (label, reduced))
+                weights[reduced] = got["weight"]
+            # (float16: an element whose float32 sums differ in the last bits may round to the next half)
+            assert relative_error(weights[True], weights[False]) < (1e-3 if precision == "float16" else 1e-6), label
 
 
 @pytest.mark.gpu
@@ -1932,7 +2057,8 @@ def test_ws_rows_over_the_copy_same_bits(ndim, precision, monkeypatch):
                     m.setattr(fb, "ROWS_OVER_COPY", on)
                     if limit is not None:
                         m.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", limit)
-                    got[on], expected, config = run_gradients(*case, precision, wanted=wanted, ws_weight=True)
+                    got[on], expected, config = run_gradients(*case, precision, wanted=wanted, ws_weight=True,
+                                                              reduced_splits=False)
                 assert config.ws_weight and config.rows_over_copy == on, label
                 assert config.chunk == (1 if limit else 4), label
                 check(got[on], expected, precision, label)

@@ -20,7 +20,9 @@ reduction):
   bits;
 * ``deform_fused_backward_weight``: ``grad_output . sampled^T`` over the positions, the sampled
   tile built in shared memory by the fused forward's sampler; the positions are split over
-  blocks and the splits' float32 partial sums added in a fixed order (bitwise repeatable).
+  blocks and the splits' float32 partial sums added in a fixed order (bitwise repeatable), or,
+  in the default mode, reduced into one float32 sum by global reductions (``REDUCED_SPLITS``:
+  one copy of the weight gradient in the workspace, not one a split).
   Its tiles: ``WEIGHT_TILES``, per N and precision. Where a tile's channels lie in one group, a
   position's sampling threads are adjacent lanes reading interleaved 16-byte vectors of its
   corners (a warp's load touches 8 rows, not 32: the loads' L1 wavefronts bound the kernel), and
@@ -49,8 +51,8 @@ samples' by ``fused_sample_bound``; non-finite values as sticky flags) into a ch
 integer accumulator, which ``fused_channels_first[_vectors]<T, I, true>`` turns back into the
 gradient's dtype and layout; the offset and mask gradients are stored as
 one partial sum per segment of channels and added in a fixed order, and the weight gradient's
-splits are summed in a fixed order as always: every gradient is bitwise the same from run to
-run, whatever the order of the atomics.
+splits keep a partial sum each, summed in a fixed order: every gradient is bitwise the same from
+run to run, whatever the order of the atomics.
 
 In 2D and 3D, and in 1D for float32, the data kernel likewise reads each position's corners,
 slopes and mask from a plan of its own (``fused_gradient_plan``) where that plan fits
@@ -363,6 +365,16 @@ WS_PERSISTENT_BLOCKS = None
 #: Position splits of the weight gradient (partial sums added in a fixed order), at most this
 #: many: ``weight_splits`` picks the count.
 MAX_SPLITS = 64
+#: The default mode's position splits of the weight gradient all add their sums into one float32
+#: slot by global reductions (red.global.add; the slot cleared before the first chunk) in place of
+#: a slot a split summed in a fixed order (``fused_weight_sum``): the workspace's partial sums
+#: shrink from ``splits`` copies of the float32 weight gradient to one (B=16 C512 14x14: 7 x 9 MiB
+#: in TF32, 5 in fp16; B=8 C256: 11 x 2.25 MiB), the sums no longer bitwise repeatable.
+#: Deterministic mode keeps a slot a split. False: a slot a split in every mode (the A/B).
+REDUCED_SPLITS = True
+#: The weight kernels' ``sum_mode`` (``fused_bwd::WeightSums``): the unit's sums stored in its
+#: split's slot, added to it, or reduced into the one slot every split shares.
+SUMS_STORE, SUMS_ADD, SUMS_REDUCE = 0, 1, 2
 _INT32_SAFE = 2**30
 _MAX_GRID = 1 << 20
 _ALIGN = 256
@@ -797,7 +809,7 @@ class BackwardConfig:
 
     def __init__(self, geom, dtype, allow_tf32: bool, tile=None, multiprocessors: int = 132, fused_weight=None,
                  weight_tile=None, sampling_plan=None, gradient_plan=None, deterministic: bool = False,
-                 lane_channels=None, ws_weight=None, wgmma=None, wgmma_data=None):
+                 lane_channels=None, ws_weight=None, wgmma=None, wgmma_data=None, reduced_splits=None):
         dtype = np.dtype(dtype)
         reason = unsupported(geom, dtype)
         if reason is not None:
@@ -908,6 +920,11 @@ class BackwardConfig:
         gy_planes = planes if self.ws_weight else 1   # (its segments: 3xTF32's big and small parts)
         self.weight_tiles = self.K * G * -(-self.Cog // wbm) * -(-self.Cg // wbn)
         self.splits = weight_splits(self.weight_tiles, -(-n * self.Q // wbk), self.weight_tile[3] * multiprocessors)
+        # the splits' sums reduced into one slot (REDUCED_SPLITS / reduced_splits: None the rule, in
+        # the default mode where there are several; True, False forced), else a slot a split
+        rule = REDUCED_SPLITS and not self.deterministic and self.splits > 1
+        self.reduced_splits = self.fused_weight and (rule if reduced_splits is None else bool(reduced_splits))
+        self.part_slots = 1 if self.reduced_splits else self.splits
         # the weight kernel's grid: a block a unit (tile and split), or persistent blocks
         units = self.splits * self.weight_tiles
         self.weight_grid = units
@@ -927,7 +944,7 @@ class BackwardConfig:
             "wt": ((G * self.Cg * self.K + 1) * self.wt_row, dtype),
             "gyr": ((Co * self.Pp * gy_planes + (wbm * wbk if self.ws_weight else 0)) if self.fused_weight else 0,
                     dtype),
-            "part": (self.splits * Co * self.K * self.Cg if self.fused_weight else 0, np.float32),
+            "part": (self.part_slots * Co * self.K * self.Cg if self.fused_weight else 0, np.float32),
             "plan_weights": (n * self.Q * plan_entries, np.float32),
             "gradient_weights": (n * self.Q * gradient_entries * corners, np.float32),
             "gradient_slopes": (n * self.Q * gradient_entries * corners * geom.ndim, np.float32),
@@ -981,7 +998,8 @@ class BackwardConfig:
               f"{'persistent blocks, ' if self.weight_grid < self.splits * self.weight_tiles else ''}"
               if self.ws_weight else "")
         ws += "grad_output's rows over its copy, " if self.rows_over_copy else ""
-        weight = (f"weight gradient fused ({ws}{self.splits} position splits, fixed-order sum{plan})"
+        summed = "reduced into one sum" if self.reduced_splits else "fixed-order sum"
+        weight = (f"weight gradient fused ({ws}{self.splits} position splits, {summed}{plan})"
                   if self.fused_weight else "weight gradient through cuda/im2col")
         data_plan = " from a plan per chunk" if self.gradient_plan else ""
         scatter = ("deterministic: fixed-point 64-bit channels-last scatter, offset and mask gradients summed in a "
@@ -998,6 +1016,10 @@ class BackwardConfig:
         """The data kernel's blocks for n samples (``scatter``: at ``scatter_tile``)."""
         bn = (self.scatter_tile if scatter else self.tile)[1]
         return -(-n * self.Q // bn) * self.K * self.geom.groups * self.m_tiles
+
+    def weight_sums(self, start: int) -> int:
+        """The weight kernels' ``sum_mode`` for the chunk whose first sample is ``start``."""
+        return SUMS_REDUCE if self.reduced_splits else SUMS_ADD if start > 0 else SUMS_STORE
 
     def weight_steps(self, n: int) -> int:
         """Steps (of BK positions) of each of the weight gradient's splits, for n samples."""
@@ -1142,6 +1164,9 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
 
     if data:
         clear(0, min(config.chunk, g.batch))
+    if gw and config.reduced_splits:   # the one slot every chunk's splits reduce their sums into
+        _, count, dt = config.offsets["part"]
+        ops.append((2, view["part"], count * dt.itemsize))
 
     def gradient_plan_op(n, off_n, msk_n):   # the data gradients' plan of a chunk of n samples
         return op(kernel("fused_gradient_plan"), grid(n * config.Q * config.K * config.segments), (_THREADS,), (
@@ -1243,19 +1268,19 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
             if config.ws_weight:
                 args = (u64(view["gyr"]), u64(view["xcl"]), plan_rows, plan_weights, plan_masks, u64(view["part"]),
                         config.struct, i32(n), i32(g.in_channels), i32(config.Cp), i32(g.out_channels),
-                        i32(g.groups), i32(config.seg_len), i32(config.weight_steps(n)), i32(start > 0),
+                        i32(g.groups), i32(config.seg_len), i32(config.weight_steps(n)), i32(config.weight_sums(start)),
                         i32(config.splits * config.weight_tiles))
             else:
                 args = (u64(view["gyr"]), u64(view["xcl"]), off_n, msk_n, plan_rows, plan_weights, plan_masks,
                         u64(view["part"]), config.struct, i32(n), i32(g.in_channels), i32(config.Cp),
                         i32(g.out_channels), i32(g.groups), i32(config.Go), i32(config.Gm), i32(config.seg_len),
                         index(pp), index(off_bs), index(msk_bs), i32(config.splits), i32(config.weight_steps(n)),
-                        i32(start > 0))
+                        i32(config.weight_sums(start)))
             ops.append(op(kernel("weight"), (config.weight_grid,), (config.weight_threads,), args,
                           config.weight_smem_bytes))
     if gw:
         ops.append(op(kernel("fused_weight_sum"), grid(g.out_channels * config.Cg * config.K), (_THREADS,), (
-            u64(view["part"]), u64(gw), i32(config.splits), i32(g.out_channels), i32(config.Cg), i32(config.K))))
+            u64(view["part"]), u64(gw), i32(config.part_slots), i32(g.out_channels), i32(config.Cg), i32(config.K))))
     return ops
 
 
