@@ -368,8 +368,11 @@ MAX_SPLITS = 64
 #: The default mode's position splits of the weight gradient all add their sums into one float32
 #: slot by global reductions (red.global.add; the slot cleared before the first chunk) in place of
 #: a slot a split summed in a fixed order (``fused_weight_sum``): the workspace's partial sums
-#: shrink from ``splits`` copies of the float32 weight gradient to one (B=16 C512 14x14: 7 x 9 MiB
-#: in TF32, 5 in fp16; B=8 C256: 11 x 2.25 MiB), the sums no longer bitwise repeatable.
+#: shrink from ``splits`` copies of the float32 weight gradient to one (7 x 9 MiB at B=16 C512
+#: 14x14, 11 x 2.25 MiB at B=8 C256), the sums no longer bitwise repeatable. H200, f+b (NOTES-gpu.md,
+#: session 73): time 0.984-1.005x at every shape A/B'd; peak MiB B=8 C256 fp16 119 -> 97, TF32
+#: 172 -> 149, strict 199 -> 176; 14x14 strict 129 -> 75 (below torchvision's 84); 1D 7-8 less, C64
+#: 4 (14x14 fp16 and TF32 take cuda/im2col's weight gradient, whose columns set their peak).
 #: Deterministic mode keeps a slot a split. False: a slot a split in every mode (the A/B).
 REDUCED_SPLITS = True
 #: The weight kernels' ``sum_mode`` (``fused_bwd::WeightSums``): the unit's sums stored in its
@@ -1268,7 +1271,8 @@ def _launches(config: BackwardConfig, inputs, strides, outs, workspace: int, inp
             if config.ws_weight:
                 args = (u64(view["gyr"]), u64(view["xcl"]), plan_rows, plan_weights, plan_masks, u64(view["part"]),
                         config.struct, i32(n), i32(g.in_channels), i32(config.Cp), i32(g.out_channels),
-                        i32(g.groups), i32(config.seg_len), i32(config.weight_steps(n)), i32(config.weight_sums(start)),
+                        i32(g.groups), i32(config.seg_len), i32(config.weight_steps(n)),
+                        i32(config.weight_sums(start)),
                         i32(config.splits * config.weight_tiles))
             else:
                 args = (u64(view["gyr"]), u64(view["xcl"]), off_n, msk_n, plan_rows, plan_weights, plan_masks,
