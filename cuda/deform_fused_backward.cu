@@ -1170,13 +1170,14 @@ __global__ void fused_position_rows(const T* __restrict__ gy, T* __restrict__ gy
 // belongs to one block per launch: the partial sums are stored (first chunk) or added (later
 // chunks) without atomics, and fused_weight_sum adds the splits in a fixed order: the weight
 // gradient is bitwise repeatable. Or (SUMS_REDUCE, the default mode) every split adds its sums to
-// one shared slot by reductions (fused_bwd::WeightSums). Served where no thread's channels cross a group boundary
-// (cuda_fused_backward.weight_unsupported). PLAN: the corners are read from the chunk's sampling
-// plan (fused_sampling_plan: plan_rows / plan_weights, segments of seg_len channels), fetched a
-// step ahead, instead of computed from the offsets and mask here; or, where plan_masks is not
-// null, from the data kernel's plan (fused_gradient_plan: the same entries, but a row for every
-// corner on the grid, weights without the mask, and the mask apart), read as the sampling plan
-// (a corner of weight 0 not read, the others' weights times the mask: Sampler's values, bitwise).
+// one shared slot by reductions (fused_bwd::WeightSums). Served where no thread's channels cross a
+// group boundary (cuda_fused_backward.weight_unsupported). PLAN: the corners are read from the
+// chunk's sampling plan (fused_sampling_plan: plan_rows / plan_weights, segments of seg_len
+// channels), fetched a step ahead, instead of computed from the offsets and mask here; or, where
+// plan_masks is not null, from the data kernel's plan (fused_gradient_plan: the same entries, but a
+// row for every corner on the grid, weights without the mask, and the mask apart), read as the
+// sampling plan (a corner of weight 0 not read, the others' weights times the mask: Sampler's
+// values, bitwise).
 template <typename T, typename I, int N, int PREC, int BM, int BN, int BK, int MINB, bool PLAN>
 __global__ void __launch_bounds__(fused_bwd::THREADS, MINB)
 deform_fused_backward_weight(const T* __restrict__ gyr, const T* __restrict__ xcl, const T* __restrict__ offset,
