@@ -212,6 +212,16 @@ def test_leading_copies_start_beside_the_kernel_before_them(monkeypatch, determi
     assert early_flags(chunked)[0] == [0] * 7
 
 
+class _StubArray:
+    """What ``gradient_launches`` reads of an array, without a GPU: its address, shape and strides
+    (C-contiguous, 2-byte elements by default)."""
+
+    def __init__(self, address, shape, itemsize=2):
+        self.data = type("Pointer", (), {"ptr": address})()
+        self.shape, self.itemsize = shape, itemsize
+        self.strides = (math.prod(shape[1:]) * itemsize,) + (itemsize,) * (len(shape) - 1)
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_gradient_launches_hold_each_kernel_once(monkeypatch, deterministic):
     """``gradient_launches`` (no GPU: kernels, launches and arrays stubbed) records what
@@ -224,24 +234,19 @@ def test_gradient_launches_hold_each_kernel_once(monkeypatch, deterministic):
     monkeypatch.setattr(fb._cuda, "_kernel_op", lambda kernel, grid, block, args, shared_mem=0, overlap=False:
                         (0, kernel, args))
 
-    class Array:   # what gradient_launches reads of an array: its address, shape and strides
-        def __init__(self, address, shape, itemsize=2):
-            self.data = type("Pointer", (), {"ptr": address})()
-            self.shape, self.itemsize = shape, itemsize
-            self.strides = (math.prod(shape[1:]) * itemsize,) + (itemsize,) * (len(shape) - 1)
-
     shapes = dict(grad_output=(3, 64, 9, 9), input=(3, 64, 9, 9), weight=(64, 64, 3, 3), offset=(3, 18, 9, 9),
                   mask=(3, 9, 9, 9))
-    args = {name: Array((k + 1) << 24, shape) for k, (name, shape) in enumerate(shapes.items())}
+    args = {name: _StubArray((k + 1) << 24, shape) for k, (name, shape) in enumerate(shapes.items())}
     args["bias"] = None
-    grads = {name: Array((k + 7) << 24, shapes[name]) for k, name in enumerate(("input", "weight", "offset", "mask"))}
+    grads = {name: _StubArray((k + 7) << 24, shapes[name])
+             for k, name in enumerate(("input", "weight", "offset", "mask"))}
     geom = _geometry.conv_geometry(*(shapes[name] for name in ("input", "weight", "offset", "mask")), None,
                                    stride=1, padding=1, dilation=1, groups=1)[0]
     config = fb.BackwardConfig(geom, np.float16, False, deterministic=deterministic)
     assert config.chunk == 3 and config.fused_weight
 
     def kernels(wanted):
-        ops = fb.gradient_launches(config, dict(args, wanted=frozenset(wanted)), grads, Array(12 << 24, (1,)))
+        ops = fb.gradient_launches(config, dict(args, wanted=frozenset(wanted)), grads, _StubArray(12 << 24, (1,)))
         return [op[1] for op in ops if op[0] == 0]
 
     data = kernels(("input", "offset", "mask"))
@@ -265,24 +270,19 @@ def test_default_mode_reduces_the_weight_splits_into_one_sum(monkeypatch, ws_wei
     monkeypatch.setattr(fb._cuda, "_kernel_op", lambda kernel, grid, block, args, shared_mem=0, overlap=False:
                         (0, kernel, args))
 
-    class Array:   # what gradient_launches reads of an array: its address, shape and strides
-        def __init__(self, address, shape, itemsize=2):
-            self.data = type("Pointer", (), {"ptr": address})()
-            self.shape, self.itemsize = shape, itemsize
-            self.strides = (math.prod(shape[1:]) * itemsize,) + (itemsize,) * (len(shape) - 1)
-
     shapes = dict(grad_output=(4, 256, 14, 14), input=(4, 128, 14, 14), weight=(256, 128, 3, 3),
                   offset=(4, 18, 14, 14), mask=(4, 9, 14, 14))
-    args = {name: Array((k + 1) << 28, shape) for k, (name, shape) in enumerate(shapes.items())}
+    args = {name: _StubArray((k + 1) << 28, shape) for k, (name, shape) in enumerate(shapes.items())}
     args["bias"] = None
-    grads = {name: Array((k + 7) << 28, shapes[name]) for k, name in enumerate(("input", "weight", "offset", "mask"))}
+    grads = {name: _StubArray((k + 7) << 28, shapes[name])
+             for k, name in enumerate(("input", "weight", "offset", "mask"))}
     geom = _geometry.conv_geometry(*(shapes[name] for name in ("input", "weight", "offset", "mask")), None,
                                    stride=1, padding=1, dilation=1, groups=1)[0]
     workspace = 12 << 28
     weight_size = 256 * 128 * 9
 
     def launches(config, wanted):
-        ops = fb.gradient_launches(config, dict(args, wanted=frozenset(wanted)), grads, Array(workspace, (1,)))
+        ops = fb.gradient_launches(config, dict(args, wanted=frozenset(wanted)), grads, _StubArray(workspace, (1,)))
         part = workspace + config.offsets["part"][0]
         memsets = [k for k, op in enumerate(ops) if op[0] == 2 and op[1] == part]
         first_kernel = next(k for k, op in enumerate(ops) if op[0] == 0)
