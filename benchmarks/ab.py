@@ -20,9 +20,11 @@ A case is ``SHAPE-PRECISION``:
 
 Each case builds one plan per value, with the switch set, on ``gpu.py``'s inputs (seed 0). Then
 the values take turns, round after round. In each turn the switch is set again and the plan is
-timed on forward+backward and on the backward alone (``gpu.py``'s CUDA-event timing). The table
-gives each value's best time over the rounds, and its ratio to the first value's. The switch
-gets its old value back at the end.
+timed on forward+backward and on the backward alone (``gpu.py``'s CUDA-event timing). Last,
+each value's forward+backward runs once more under ``gpu.py``'s memory hook: its peak extra MiB in
+CuPy's pool (outputs, gradients and workspace). The table gives each value's best time over the
+rounds, its ratio to the first value's, and that peak. The switch gets its old value back at the
+end.
 
 The A/Bs of sessions 29-49 (``scratch/ab*.py``, ``NOTES-gpu.md``) were done this way. Compare
 figures only within one run. Needs CuPy, a CUDA device and PyTorch (for gpu.py's inputs).
@@ -150,8 +152,8 @@ def _set(module, attribute: str, value) -> None:
 
 def run_case(module, attribute: str, values: list, shape: dict, precision: str, rounds: int, timing: tuple,
              deterministic: bool = False) -> list:
-    """[(value, best f+b ms, best backward ms, plan description)] for one case (``module`` None:
-    ``attribute`` is a plan keyword)."""
+    """[(value, best f+b ms, best backward ms, f+b peak MiB, plan description)] for one case
+    (``module`` None: ``attribute`` is a plan keyword)."""
     import dcn_cupy
 
     args, gy, keywords = _case_arguments(shape, precision)
@@ -162,17 +164,20 @@ def run_case(module, attribute: str, values: list, shape: dict, precision: str, 
         plans.append(dcn_cupy.plan(*args, **(keywords if module is not None else dict(keywords, **{attribute: value}))))
     both = [math.inf] * len(values)
     backward = [math.inf] * len(values)
+
+    def step(p):   # (its outputs returned: held to the end of a peak's measurement)
+        return p.forward(*args), p.backward(gy, *args)
+
     for _ in range(rounds):
         for i, (value, p) in enumerate(zip(values, plans)):
             _set(module, attribute, value)
-
-            def step(p=p):
-                p.forward(*args)
-                p.backward(gy, *args)
-
-            both[i] = min(both[i], _gpu._time_cupy(step, *timing))
+            both[i] = min(both[i], _gpu._time_cupy(lambda p=p: step(p), *timing))
             backward[i] = min(backward[i], _gpu._time_cupy(lambda p=p: p.backward(gy, *args), *timing))
-    return [(value, f, b, p.algorithm) for value, f, b, p in zip(values, both, backward, plans)]
+    peaks = []
+    for value, p in zip(values, plans):
+        _set(module, attribute, value)
+        peaks.append(_gpu._peak_cupy(lambda p=p: step(p)))
+    return [(value, f, b, peak, p.algorithm) for value, f, b, peak, p in zip(values, both, backward, peaks, plans)]
 
 
 def main(argv=None) -> int:
@@ -224,24 +229,25 @@ def main(argv=None) -> int:
         for shape, precision, name in cases:
             rows = run_case(module, attribute, values, shape, precision, args.rounds,
                             (args.warmup, args.repeats, args.inner), args.deterministic)
-            for value, f, b, algorithm in rows:
+            for value, f, b, peak, algorithm in rows:
                 results.append({"case": name, "shape": shape["name"], "precision": precision, "value": repr(value),
-                                "fwdbwd_ms": f, "bwd_ms": b, "algorithm": algorithm})
-            print(f"{name}: {rows[0][3]}", flush=True)
+                                "fwdbwd_ms": f, "bwd_ms": b, "fwdbwd_peak_mib": peak, "algorithm": algorithm})
+            print(f"{name}: {rows[0][4]}", flush=True)
     finally:
         _set(module, attribute, old)
         for (m, name, _), value in zip(held_modules, held_old):
             setattr(m, name, value)
     holding = "".join(f", {text.strip()}" for text in args.set)
     print(f"\n{args.switch} on {_gpu._device_name()}{holding}: the best of {args.rounds} rounds, ms "
-          f"(ratio: over the first value's)")
-    print("| case | value | f+b | backward | f+b ratio | backward ratio |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
+          f"(ratio: over the first value's), and the f+b peak extra MiB")
+    print("| case | value | f+b | backward | f+b ratio | backward ratio | f+b peak MiB |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     first = {}
     for r in results:
         base = first.setdefault(r["case"], r)
         print(f"| {r['case']} | {r['value']} | {r['fwdbwd_ms']:.4f} | {r['bwd_ms']:.4f} | "
-              f"{r['fwdbwd_ms'] / base['fwdbwd_ms']:.3f} | {r['bwd_ms'] / base['bwd_ms']:.3f} |")
+              f"{r['fwdbwd_ms'] / base['fwdbwd_ms']:.3f} | {r['bwd_ms'] / base['bwd_ms']:.3f} | "
+              f"{r['fwdbwd_peak_mib']:.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"switch": args.switch, "rounds": args.rounds,
                                                "device": _gpu._device_name(), "results": results}, indent=1))

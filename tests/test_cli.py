@@ -275,6 +275,45 @@ def test_ab_benchmark_holds_other_settings(capsys, monkeypatch):
         assert message in capsys.readouterr().err, setting
 
 
+def test_ab_benchmark_tables_each_values_times_and_peak(capsys, monkeypatch, tmp_path):
+    """benchmarks/ab.py's table and JSON (``run_case`` stubbed, no GPU needed): per case and value
+    the best f+b and backward times, their ratios to the case's first value, and the f+b peak MiB;
+    the switch set back afterwards."""
+    import json
+    pytest.importorskip("cupy")
+    module = _bench.load_script(REPO / "benchmarks" / "ab.py", "_test_ab_table")
+    from dcn_cupy._backends import cuda_fused_backward as fb
+    monkeypatch.setattr(module._gpu, "no_gpu_reason", lambda: None)
+    monkeypatch.setattr(module._bench, "torch_installed", lambda: True)
+    monkeypatch.setattr(module._gpu, "_device_name", lambda: "a card")
+    seen = []
+
+    def run_case(m, attribute, values, shape, precision, rounds, timing, deterministic=False):
+        seen.append((m.__name__, attribute, values, shape["name"], precision, rounds))
+        return [(values[0], 2.0, 1.0, 120.0, "its plan"), (values[1], 1.5, 0.8, 96.5, "its plan")]
+
+    monkeypatch.setattr(module, "run_case", run_case)
+    before = fb.REDUCED_SPLITS
+    out_json = tmp_path / "ab.json"
+    assert module.main(["cuda_fused_backward.REDUCED_SPLITS", "--cases", "14-fp16,c256-tf32", "--rounds", "2",
+                        "--json", str(out_json)]) == 0
+    assert fb.REDUCED_SPLITS is before
+    assert seen == [("dcn_cupy._backends.cuda_fused_backward", "REDUCED_SPLITS", [False, True],
+                     "2D B=16 C512->512 14x14 3x3", "fp16", 2),
+                    ("dcn_cupy._backends.cuda_fused_backward", "REDUCED_SPLITS", [False, True],
+                     "2D B=8 C256->256 56x56 3x3", "tf32", 2)]
+    out = capsys.readouterr().out
+    assert "14-fp16: its plan" in out
+    assert "| case | value | f+b | backward | f+b ratio | backward ratio | f+b peak MiB |" in out
+    assert "| 14-fp16 | False | 2.0000 | 1.0000 | 1.000 | 1.000 | 120.0 |" in out
+    assert "| c256-tf32 | True | 1.5000 | 0.8000 | 0.750 | 0.800 | 96.5 |" in out
+    report = json.loads(out_json.read_text())
+    assert report["device"] == "a card" and len(report["results"]) == 4
+    assert report["results"][1] == {"case": "14-fp16", "shape": "2D B=16 C512->512 14x14 3x3", "precision": "fp16",
+                                    "value": "True", "fwdbwd_ms": 1.5, "bwd_ms": 0.8, "fwdbwd_peak_mib": 96.5,
+                                    "algorithm": "its plan"}
+
+
 #: Three rows of ncu's --csv output for one backward (H200, session 66), with ncu's own lines.
 _NCU_CSV = """==PROF== Connected to process 988
 kernel_times plan: conv_backward (backward): cuda/fused-backward: 3xtf32 wgmma, chunks of 4 samples
