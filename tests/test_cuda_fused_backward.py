@@ -2018,16 +2018,18 @@ def test_ws_rows_over_the_copy_share_its_region(monkeypatch):
 
 def test_fused_workspace_limit_sizes_the_chunk_not_the_workspace(monkeypatch):
     """README's figures: at the default ``DCN_CUPY_FUSED_WORKSPACE_BYTES`` (128M), B=8 C256 56x56
-    takes one chunk in every precision, and its backward's workspace (132 SMs, wgmma) is 145 MiB
-    in strict float32, 118 in TF32 and 93 in fp16: within the limit but for the buffers that do
+    takes one chunk in every precision, and its backward's workspace (132 SMs, wgmma) is 122 MiB
+    in strict float32, 96 in TF32 and 70 in fp16: within the limit but for the buffers that do
     not grow with the batch (the re-laid weights ``wt`` and the weight gradient's partial sums
-    ``part``), which take strict float32's over it."""
+    ``part``), which take strict float32's over it with a partial sum a split (145 MiB,
+    ``REDUCED_SPLITS`` off)."""
     fb = _backward_module()
     monkeypatch.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", 128 * 2**20)   # (the default, whatever the environment)
     geom = _geometry.conv_geometry((8, 256, 56, 56), (256, 256, 3, 3), (8, 18, 56, 56), (8, 9, 56, 56), None,
                                    stride=1, padding=1, dilation=1, groups=1)[0]
-    for dtype, tf32, mib in ((np.float32, False, 145), (np.float32, True, 118), (np.float16, False, 93)):
-        c = fb.BackwardConfig(geom, dtype, tf32, multiprocessors=132, wgmma=True)
+    for dtype, tf32, mib, reduced in ((np.float32, False, 122, None), (np.float32, True, 96, None),
+                                      (np.float16, False, 70, None), (np.float32, False, 145, False)):
+        c = fb.BackwardConfig(geom, dtype, tf32, multiprocessors=132, wgmma=True, reduced_splits=reduced)
         assert c.chunk == 8 and round(c.workspace_bytes / 2**20) == mib, (dtype, tf32, c.chunk, c.workspace_bytes)
         fixed = sum(count * dt.itemsize for name, (_, count, dt) in c.offsets.items() if name in ("wt", "part"))
         assert c.workspace_bytes - fixed <= 128 * 2**20 and (c.workspace_bytes > 128 * 2**20) == (mib > 128)
