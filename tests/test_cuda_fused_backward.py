@@ -222,6 +222,22 @@ class _StubArray:
         self.strides = (math.prod(shape[1:]) * itemsize,) + (itemsize,) * (len(shape) - 1)
 
 
+def _stubbed_launch_arguments(monkeypatch, fb, shapes: dict, shift: int):
+    """``gradient_launches``' arguments without a GPU: kernels named and launches recorded as
+    ``(0, name, args)``; ``shapes`` of grad_output, input, weight, offset and mask; the arrays and
+    the gradients at addresses ``k << shift`` (1-5 and 7-10). (args, grads, geometry)."""
+    monkeypatch.setattr(fb.BackwardConfig, "kernel", lambda self, name, scatter=False: name)
+    monkeypatch.setattr(fb._cuda, "_kernel_op", lambda kernel, grid, block, args, shared_mem=0, overlap=False:
+                        (0, kernel, args))
+    args = {name: _StubArray((k + 1) << shift, shape) for k, (name, shape) in enumerate(shapes.items())}
+    args["bias"] = None
+    names = ("input", "weight", "offset", "mask")
+    grads = {name: _StubArray((k + 7) << shift, shapes[name]) for k, name in enumerate(names)}
+    geom = _geometry.conv_geometry(*(shapes[name] for name in names), None, stride=1, padding=1, dilation=1,
+                                   groups=1)[0]
+    return args, grads, geom
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_gradient_launches_hold_each_kernel_once(monkeypatch, deterministic):
     """``gradient_launches`` (no GPU: kernels, launches and arrays stubbed) records what
@@ -230,18 +246,9 @@ def test_gradient_launches_hold_each_kernel_once(monkeypatch, deterministic):
     it does not share the data gradients'). ``benchmarks/stages.py`` replays each of these launches
     alone, with the library's own arguments."""
     fb = _backward_module()
-    monkeypatch.setattr(fb.BackwardConfig, "kernel", lambda self, name, scatter=False: name)
-    monkeypatch.setattr(fb._cuda, "_kernel_op", lambda kernel, grid, block, args, shared_mem=0, overlap=False:
-                        (0, kernel, args))
-
-    shapes = dict(grad_output=(3, 64, 9, 9), input=(3, 64, 9, 9), weight=(64, 64, 3, 3), offset=(3, 18, 9, 9),
-                  mask=(3, 9, 9, 9))
-    args = {name: _StubArray((k + 1) << 24, shape) for k, (name, shape) in enumerate(shapes.items())}
-    args["bias"] = None
-    grads = {name: _StubArray((k + 7) << 24, shapes[name])
-             for k, name in enumerate(("input", "weight", "offset", "mask"))}
-    geom = _geometry.conv_geometry(*(shapes[name] for name in ("input", "weight", "offset", "mask")), None,
-                                   stride=1, padding=1, dilation=1, groups=1)[0]
+    args, grads, geom = _stubbed_launch_arguments(
+        monkeypatch, fb, dict(grad_output=(3, 64, 9, 9), input=(3, 64, 9, 9), weight=(64, 64, 3, 3),
+                              offset=(3, 18, 9, 9), mask=(3, 9, 9, 9)), shift=24)
     config = fb.BackwardConfig(geom, np.float16, False, deterministic=deterministic)
     assert config.chunk == 3 and config.fused_weight
 
@@ -266,18 +273,9 @@ def test_default_mode_reduces_the_weight_splits_into_one_sum(monkeypatch, ws_wei
     ``fused_weight_sum`` reads one slot. Deterministic mode, ``REDUCED_SPLITS`` off and a single
     split keep a slot a split, stored by the first chunk and added to by the others."""
     fb = _backward_module()
-    monkeypatch.setattr(fb.BackwardConfig, "kernel", lambda self, name, scatter=False: name)
-    monkeypatch.setattr(fb._cuda, "_kernel_op", lambda kernel, grid, block, args, shared_mem=0, overlap=False:
-                        (0, kernel, args))
-
-    shapes = dict(grad_output=(4, 256, 14, 14), input=(4, 128, 14, 14), weight=(256, 128, 3, 3),
-                  offset=(4, 18, 14, 14), mask=(4, 9, 14, 14))
-    args = {name: _StubArray((k + 1) << 28, shape) for k, (name, shape) in enumerate(shapes.items())}
-    args["bias"] = None
-    grads = {name: _StubArray((k + 7) << 28, shapes[name])
-             for k, name in enumerate(("input", "weight", "offset", "mask"))}
-    geom = _geometry.conv_geometry(*(shapes[name] for name in ("input", "weight", "offset", "mask")), None,
-                                   stride=1, padding=1, dilation=1, groups=1)[0]
+    args, grads, geom = _stubbed_launch_arguments(
+        monkeypatch, fb, dict(grad_output=(4, 256, 14, 14), input=(4, 128, 14, 14), weight=(256, 128, 3, 3),
+                              offset=(4, 18, 14, 14), mask=(4, 9, 14, 14)), shift=28)
     workspace = 12 << 28
     weight_size = 256 * 128 * 9
 
