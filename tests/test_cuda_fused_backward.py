@@ -1404,6 +1404,57 @@ def test_weight_gradient_rows_from_the_copy_equal_their_own_copy(ndim, monkeypat
             assert weights[0] == weights[1], (precision, limit)
 
 
+class _StubDevice:
+    """``cupy.cuda.Device`` of an H200 for executables built without a GPU (no kernel loaded)."""
+
+    compute_capability = "90"
+    attributes = {"MultiProcessorCount": 132}
+
+    def __init__(self, device_id=0):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("precision, saved_mib", [("float16", 61.25), ("tf32", 55.125), ("float32", 55.125)])
+def test_weight_gradient_through_im2col_lays_out_the_weight_gradient_alone(monkeypatch, precision, saved_mib):
+    """cuda/im2col's weight gradient beside the fused data gradients (``weight_through_im2col``,
+    the plans' choice at B=16 C512 14x14 in fp16 and TF32) has a workspace without the whole
+    backward's column grads and float32 input-gradient accumulator: 61 MiB less in fp16, 55 in
+    float32, and the same chunks; asked for a data gradient, it refuses rather than write past
+    its workspace. No GPU: the device, its kernels and the chunks' GEMMs stubbed."""
+    fb = _backward_module()
+    cuda = fb._cuda
+    from dcn_cupy._backends import PlanSpec
+    monkeypatch.setattr(cuda.cupy.cuda, "Device", _StubDevice)
+    monkeypatch.setattr(cuda._Executable, "kernels", lambda self, index64: {"finalize": None})
+    monkeypatch.setattr(cuda._Executable, "column_kernels", lambda self, wide: (None, None))
+    monkeypatch.setattr(cuda, "_Gemm", lambda *args, **kwargs: None)
+    geom = _geometry.conv_geometry((16, 512, 14, 14), (512, 512, 3, 3), (16, 18, 14, 14), (16, 9, 14, 14), None,
+                                   stride=1, padding=1, dilation=1, groups=1)[0]
+    dtype, tf32 = DTYPE[precision], precision == "tf32"
+    spec = PlanSpec(geom, dtype, "cuda", 0, False, tf32)
+    config = fb.BackwardConfig(geom, dtype, tf32, fused_weight=False, multiprocessors=132, wgmma=True)
+    assert fb.copy_shareable(config)
+    lean, whole = fb.weight_through_im2col(config, spec), cuda._Backward(spec, shared_copy=True)
+    assert lean.weight_only and not whole.weight_only and lean.copy_given and whole.copy_given
+    assert "weight gradient alone" in lean.description
+    assert set(whole.layout.slots) - set(lean.layout.slots) == {"cgrad"} | ({"grad_x"} if precision == "float16" else set())
+    assert [(c.start, c.stop) for c in lean.chunks] == [(c.start, c.stop) for c in whole.chunks] == [(0, 16)]
+    assert (whole.workspace_bytes - lean.workspace_bytes) / 2**20 == saved_mib
+    with pytest.raises(ValueError, match="weight gradient alone.*input, offset or mask gradient"):
+        lean._record(1, 2, 3, 4, 5, 0, 6 << 30, frozenset(("input", "weight")), 7 << 30, 8 << 30, 0, 0)
+    with pytest.raises(ValueError, match="weight gradient alone"):
+        lean._direct(dict(grad_output=None, input=None, weight=None, offset=None, mask=None,
+                          wanted=frozenset(("input",))), {}, None, None)
+    monkeypatch.setattr(fb, "WEIGHT_ONLY_WORKSPACE", False)   # the A/B: the whole backward's
+    assert fb.weight_through_im2col(config, spec).workspace_bytes == whole.workspace_bytes
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ndim, precision", [(2, "float16"), (2, "tf32"), (3, "float32")])
 def test_weight_gradient_through_im2col_samples_the_fused_copy(ndim, precision, monkeypatch):
@@ -1411,8 +1462,9 @@ def test_weight_gradient_through_im2col_samples_the_fused_copy(ndim, precision, 
     channels-last copy of x (``SHARED_COPY``), on the workspace past it: made by the offset and
     mask gradients' launches, else by its own into that slot. For each ``wanted``, through the
     raw-address path and through batch-strided arrays (a workspace poisoned each call): the weight
-    gradient bitwise that of cuda/im2col with its own copy, every gradient the reference's; and
-    not shared where the fused backward cuts the batch into chunks."""
+    gradient bitwise that of cuda/im2col with its own copy and with the whole backward's workspace
+    (``WEIGHT_ONLY_WORKSPACE`` off), every gradient the reference's; and not shared where the
+    fused backward cuts the batch into chunks."""
     cupy = _cupy()
     fb = _backward_module()
     from dcn_cupy._backends import PlanSpec
@@ -1435,10 +1487,12 @@ def test_weight_gradient_through_im2col_samples_the_fused_copy(ndim, precision, 
     spec = PlanSpec(geom, dtype, "cuda", cupy.cuda.runtime.getDevice(), False, precision == "tf32")
     config = fb.BackwardConfig(geom, dtype, precision == "tf32", fused_weight=False)
     weights = {}
-    for shared in (False, True):
+    for shared, lean in ((False, True), (True, False), (True, True)):
         monkeypatch.setattr(fb, "SHARED_COPY", shared)
+        monkeypatch.setattr(fb, "WEIGHT_ONLY_WORKSPACE", lean)
         executable = fb.FusedBackward(config, fb.weight_through_im2col(config, spec))
         assert bool(executable._weight_at) == shared and executable._weight.copy_given == shared
+        assert executable._weight.weight_only == lean
         for wanted in (("input", "weight", "offset", "mask"), ("weight",), ("weight", "mask"), ("input", "weight")):
             for inputs in (dev, strided):
                 out = {name: cupy.full(arrays[name].shape, np.nan, dtype=dtype) for name in wanted}

@@ -1546,23 +1546,29 @@ class _Backward(_Executable):
 
     needs_scatter = True
 
-    def __init__(self, spec, shared_copy: bool = False):
+    def __init__(self, spec, shared_copy: bool = False, weight_only: bool = False):
         """``shared_copy``: the caller (the fused backward, for its weight gradient) gives the
         input's channels-last copy, the zero row included, in its own part of the workspace
         (``copy`` of ``run``, ``run_pointers`` and ``record``), where this executable's columns
-        come from the channels-last sampler in one chunk (``copy_given``); else it makes its own."""
+        come from the channels-last sampler in one chunk (``copy_given``); else it makes its own.
+        ``weight_only``: it computes the weight gradient alone (the fused backward's, beside its
+        own data gradients), with no column grads or input-gradient accumulator in its workspace."""
         super().__init__(spec)
         it, acc = self.dtype.itemsize, self.acc.itemsize
         geom = self.geom
         self.off_ch = geom.offset_groups * self.K * geom.ndim
         self.m_ch = geom.mask_groups * self.K
         half = self.acc != self.dtype
+        self.weight_only = bool(weight_only)
+        data = not self.weight_only      # whether it computes the input, offset and mask gradients
         # gy columns + columns (weight) + column grads; grad_w in float32 for the half types
-        per_position = self.Co * it + self.C * self.K * (it + acc)
+        per_position = self.Co * it + self.C * self.K * (it + (acc if data else 0))
         fixed = self.cublas_bytes + (self.G * self.Cog * self.Cg * self.K * acc if half else 0)
-        per_sample = self.C * self.S * acc if half else 0     # grad_x accumulated in float32
-        # rows: staging of offsets, mask and their gradients
-        n, rows = self._chunking(per_position, fixed, per_sample, 2 * (self.off_ch + self.m_ch) * it, "backward")
+        per_sample = self.C * self.S * acc if half and data else 0     # grad_x accumulated in float32
+        # rows: staging of offsets and mask, and of their gradients
+        staged = ("offset", "mask") + (("grad_offset", "grad_mask") if data else ())
+        n, rows = self._chunking(per_position, fixed, per_sample, len(staged) // 2 * (self.off_ch + self.m_ch) * it,
+                                 "backward")
         self.rows = rows
         self.pointer_path = rows is None   # run_pointers serves every call (no staging)
         self.copy_given = bool(shared_copy) and self.channels_last and rows is None and n >= self.B
@@ -1571,10 +1577,12 @@ class _Backward(_Executable):
         layout.add("cublas", self.cublas_bytes, np.uint8)
         layout.add("gy", self.Co * nq, self.dtype)
         layout.add("cols", self.C * self.K * nq, self.dtype)
-        layout.add("cgrad", self.C * self.K * nq, self.acc)
+        if data:
+            layout.add("cgrad", self.C * self.K * nq, self.acc)
         if half:
             layout.add("grad_w", self.G * self.Cog * self.Cg * self.K, self.acc)
-            layout.add("grad_x", n * self.C * self.S, self.acc)
+            if data:
+                layout.add("grad_x", n * self.C * self.S, self.acc)
         # the weight gradient's GEMM split along the positions (gemm_splits): its partial sums
         try:
             sms = int(cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"])
@@ -1586,9 +1594,8 @@ class _Backward(_Executable):
             layout.add("w_split", self.gemm_splits * self.Cog * self.Cg * self.K, self.acc)
         self._column_layout(n)
         if rows is not None:
-            for name, ch in (("offset", self.off_ch), ("mask", self.m_ch), ("grad_offset", self.off_ch),
-                             ("grad_mask", self.m_ch)):
-                layout.add(name, ch * nq, self.dtype)
+            for name in staged:
+                layout.add(name, (self.off_ch if name.endswith("offset") else self.m_ch) * nq, self.dtype)
         self.workspace_bytes = layout.size
         final = _index64(self.B * self.C * self.S, self.G * self.Cog * self.Cg * self.K)
         with cupy.cuda.Device(self.device_id):
@@ -1603,13 +1610,15 @@ class _Backward(_Executable):
                     _Gemm(self.G, self.Cog, self.Cg * self.K, q, self.dtype, self.acc, trans_b=True, beta=1.0,
                           allow_tf32=spec.allow_tf32),                                    # grad_w += gy @ cols^T
                     _Gemm(self.G, self.Cg * self.K, q, self.Cog, self.dtype, self.acc, trans_a=True,
-                          allow_tf32=spec.allow_tf32),                                    # cgrad = W^T @ gy
+                          allow_tf32=spec.allow_tf32) if data else None,                  # cgrad = W^T @ gy
                 )
                 self.split_gemms[q] = self._split_gemms(q, spec.allow_tf32)
         if self.gemm_splits > 1:   # the row of ones the partial sums' GEMM adds them with
             with cupy.cuda.Device(self.device_id):
                 self._ones = cupy.ones(self.gemm_splits, dtype=self.acc)
         self.description = self._describe("backward", n, rows)
+        if self.weight_only:
+            self.description += ", the weight gradient alone"
         if self.gemm_splits > 1:
             self.description += f", weight GEMM split {self.gemm_splits} ways along the positions"
 
@@ -1643,6 +1652,11 @@ class _Backward(_Executable):
             done *= self.dtype.itemsize
             ops.append((1, rest, gy_cols + done, cols + done, w_acc))
         return ops
+
+    def _check_weight_only(self, data_gradients: bool) -> None:
+        if data_gradients and self.weight_only:
+            raise ValueError("this cuda/im2col backward computes the weight gradient alone (weight_only=True; its "
+                             "workspace has no column grads), got a request for the input, offset or mask gradient")
 
     def _given(self, copy):
         if self.copy_given and copy is None:
@@ -1689,6 +1703,7 @@ class _Backward(_Executable):
         need_input, need_weight = bool(grad_x), bool(grad_w)
         need_offset, need_mask = bool(grad_off) and bool(offset), bool(grad_m) and bool(mask)
         need_cgrad = need_input or need_offset or need_mask
+        self._check_weight_only(need_cgrad)
         ops, it, acc = [], self.dtype.itemsize, self.acc.itemsize
         half = self.acc != self.dtype
         B, C, Co, Q, S, K, G = self.B, self.C, self.Co, self.Q, self.S, self.K, self.G
@@ -1765,6 +1780,7 @@ class _Backward(_Executable):
         need_offset = "offset" in wanted and offset is not None
         need_mask = "mask" in wanted and mask is not None
         need_cgrad = need_input or need_offset or need_mask
+        self._check_weight_only(need_cgrad)
         layout, geom, C, G, K = self.layout, self.geom, self.C, self.G, self.K
         half = self.acc != self.dtype
         grad_x = out.get("input") if need_input else None
