@@ -1420,20 +1420,59 @@ class _StubDevice:
         return False
 
 
+class _KernelNames(dict):
+    """An executable's kernels without a GPU: each one its name."""
+
+    def __missing__(self, key):
+        return key
+
+
+def _stub_im2col_builds(monkeypatch, cuda):
+    """cuda/im2col's executables built and recorded without a GPU: an H200's device, kernels
+    named, each GEMM the tuple of its arguments, launches recorded as ``(0, kernel, grid, block,
+    args, shared memory)``."""
+    monkeypatch.setattr(cuda.cupy.cuda, "Device", _StubDevice)
+    monkeypatch.setattr(cuda._Executable, "kernels", lambda self, index64: _KernelNames())
+    monkeypatch.setattr(cuda._Executable, "column_kernels", lambda self, wide: ("copy", "sample"))
+    monkeypatch.setattr(cuda, "_Gemm", lambda *args, **kwargs: ("gemm",) + args + tuple(sorted(kwargs.items())))
+    monkeypatch.setattr(cuda, "_kernel_op", lambda kernel, grid, block, args, shared_mem=0, overlap=False:
+                        (0, kernel, grid, block, args, shared_mem))
+    monkeypatch.setattr(cuda.cupy, "ones", lambda count, dtype: _StubArray(15 << 40, (count,)))
+
+
+def _slotted(ops, executable, workspace: int):
+    """``ops`` with each address in ``workspace`` as (slot name, offset in it), every other value
+    comparable; an AssertionError for an address past the workspace or between its slots."""
+    def slot(value):
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >> 40 == workspace >> 40:
+            at = int(value) - workspace
+            assert 0 <= at < executable.workspace_bytes, (at, executable.workspace_bytes)
+            found = [(name, at - offset) for name, (offset, count, dt) in executable.layout.slots.items()
+                     if 0 <= at - offset < max(count * dt.itemsize, 1)]
+            assert len(found) == 1, (at, executable.layout.slots)
+            return found[0]
+        if isinstance(value, np.ndarray):
+            return value.tobytes()
+        if isinstance(value, tuple):
+            return tuple(slot(v) for v in value)
+        return value
+
+    return [slot(op) for op in ops]
+
+
 @pytest.mark.parametrize("precision, saved_mib", [("float16", 61.25), ("tf32", 55.125), ("float32", 55.125)])
 def test_weight_gradient_through_im2col_lays_out_the_weight_gradient_alone(monkeypatch, precision, saved_mib):
     """cuda/im2col's weight gradient beside the fused data gradients (``weight_through_im2col``,
     the plans' choice at B=16 C512 14x14 in fp16 and TF32) has a workspace without the whole
     backward's column grads and float32 input-gradient accumulator: 61 MiB less in fp16, 55 in
-    float32, and the same chunks; asked for a data gradient, it refuses rather than write past
-    its workspace. No GPU: the device, its kernels and the chunks' GEMMs stubbed."""
+    float32, with the same chunks. Its recorded launches for the weight gradient (the shared
+    channels-last copy made or not) are the whole backward's, each workspace address in the slot
+    of the same name; asked for a data gradient, it refuses rather than write past its
+    workspace. No GPU: the device, kernels, GEMMs and launches stubbed."""
     fb = _backward_module()
     cuda = fb._cuda
     from dcn_cupy._backends import PlanSpec
-    monkeypatch.setattr(cuda.cupy.cuda, "Device", _StubDevice)
-    monkeypatch.setattr(cuda._Executable, "kernels", lambda self, index64: {"finalize": None})
-    monkeypatch.setattr(cuda._Executable, "column_kernels", lambda self, wide: (None, None))
-    monkeypatch.setattr(cuda, "_Gemm", lambda *args, **kwargs: None)
+    _stub_im2col_builds(monkeypatch, cuda)
     geom = _geometry.conv_geometry((16, 512, 14, 14), (512, 512, 3, 3), (16, 18, 14, 14), (16, 9, 14, 14), None,
                                    stride=1, padding=1, dilation=1, groups=1)[0]
     dtype, tf32 = DTYPE[precision], precision == "tf32"
@@ -1446,13 +1485,59 @@ def test_weight_gradient_through_im2col_lays_out_the_weight_gradient_alone(monke
     assert set(whole.layout.slots) - set(lean.layout.slots) == {"cgrad"} | ({"grad_x"} if precision == "float16" else set())
     assert [(c.start, c.stop) for c in lean.chunks] == [(c.start, c.stop) for c in whole.chunks] == [(0, 16)]
     assert (whole.workspace_bytes - lean.workspace_bytes) / 2**20 == saved_mib
+    inputs, ws = tuple(k << 40 for k in (1, 2, 3, 4, 5)) + (0,), 6 << 40
+    for made in (False, True):
+        recorded = [_slotted(e._record(*inputs, ws, frozenset(("weight",)), 0, 8 << 40, 0, 0, copy=(7 << 40, made)),
+                             e, ws) for e in (lean, whole)]
+        assert recorded[0] == recorded[1] and len(recorded[0]) >= 4 - made, made
+        assert ("copy" in str(recorded[0])) != made
     with pytest.raises(ValueError, match="weight gradient alone.*input, offset or mask gradient"):
-        lean._record(1, 2, 3, 4, 5, 0, 6 << 30, frozenset(("input", "weight")), 7 << 30, 8 << 30, 0, 0)
+        lean._record(*inputs, ws, frozenset(("input", "weight")), 9 << 40, 8 << 40, 0, 0, copy=(7 << 40, True))
     with pytest.raises(ValueError, match="weight gradient alone"):
         lean._direct(dict(grad_output=None, input=None, weight=None, offset=None, mask=None,
                           wanted=frozenset(("input",))), {}, None, None)
     monkeypatch.setattr(fb, "WEIGHT_ONLY_WORKSPACE", False)   # the A/B: the whole backward's
     assert fb.weight_through_im2col(config, spec).workspace_bytes == whole.workspace_bytes
+
+
+@pytest.mark.parametrize("shape, limit", [
+    (dict(input=(2, 32, 16, 16, 16), weight=(32, 32, 3, 3, 3), offset=(2, 81, 16, 16, 16), mask=(2, 27, 16, 16, 16)),
+     32 * 2**20),                                                    # 3D: whole, a sample a chunk
+    (dict(input=(3, 64, 24, 24), weight=(16, 64, 3, 3), offset=(3, 36, 24, 24), mask=(3, 9, 24, 24)), None),
+    (dict(input=(2, 16, 40, 40), weight=(16, 16, 3, 3), offset=(2, 18, 40, 40), mask=(2, 9, 40, 40)), 2**19),
+])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_weight_only_im2col_records_within_its_workspace(monkeypatch, shape, limit, dtype):
+    """A weight-only cuda/im2col backward records its launches (one chunk where the whole
+    backward takes two, the weight GEMM split along the positions, or rows of one sample) with
+    every workspace address inside one of its slots; it takes no more chunks than the whole
+    backward, a smaller workspace in as many, and stays within the limit. No GPU (stubbed as
+    above)."""
+    fb = _backward_module()
+    cuda = fb._cuda
+    from dcn_cupy._backends import PlanSpec
+    _stub_im2col_builds(monkeypatch, cuda)
+    if limit is not None:
+        monkeypatch.setattr(cuda, "WORKSPACE_LIMIT_BYTES", limit)
+    geom = _geometry.conv_geometry(shape["input"], shape["weight"], shape["offset"], shape["mask"], None,
+                                   stride=1, padding=1, dilation=1, groups=1)[0]
+    spec = PlanSpec(geom, np.dtype(dtype), "cuda", 0, False, False)
+    lean, whole = cuda._Backward(spec, weight_only=True), cuda._Backward(spec)
+    assert len(lean.chunks) <= len(whole.chunks)
+    if len(lean.chunks) == len(whole.chunks):
+        assert lean.workspace_bytes < whole.workspace_bytes
+    if limit is not None:   # (within the limit, but for its slots' 256-byte alignment)
+        assert len(lean.chunks) < len(whole.chunks) and lean.workspace_bytes <= limit + 16 * 256
+    inputs, ws = tuple(k << 40 for k in (1, 2, 3, 4, 5)) + (0,), 6 << 40
+    if lean.rows is None:
+        ops = _slotted(lean._record(*inputs, ws, frozenset(("weight",)), 0, 8 << 40, 0, 0), lean, ws)
+        names = str(ops)
+        assert "cgrad" not in names and "grad_x" not in names and "'cols'" in names
+    assert (limit == 2**19) == (lean.rows is not None)   # (rows: the direct path, staged in its slots)
+    if lean.rows is not None:
+        assert {"offset", "mask"} <= set(lean.layout.slots) and "grad_offset" not in lean.layout.slots
+    if shape["weight"][0] == 16 and limit is None:
+        assert lean.gemm_splits > 1 and "w_split" in lean.layout.slots
 
 
 @pytest.mark.gpu

@@ -1708,7 +1708,8 @@ class _Backward(_Executable):
         half = self.acc != self.dtype
         B, C, Co, Q, S, K, G = self.B, self.C, self.Co, self.Q, self.S, self.K, self.G
         layout = self.layout
-        gy_cols, cols, cgrad = layout.ptr(ws, "gy"), layout.ptr(ws, "cols"), layout.ptr(ws, "cgrad")
+        gy_cols, cols = layout.ptr(ws, "gy"), layout.ptr(ws, "cols")
+        cgrad = layout.ptr(ws, "cgrad") if need_cgrad else 0   # (none in a weight-only workspace)
         w_size = G * self.Cog * self.Cg * K
         if need_weight:
             w_acc = layout.ptr(ws, "grad_w") if half else grad_w
