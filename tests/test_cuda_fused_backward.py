@@ -1420,44 +1420,110 @@ class _StubDevice:
         return False
 
 
+class _StubKernel(str):
+    """A kernel without a GPU: its name; called (cuda/im2col's direct path), it appends its name
+    and arguments to ``calls``."""
+
+    calls: list = []
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        self.calls.append((str(self), args))
+
+
+class _StubGemm(tuple):
+    """A cuBLAS GEMM without a GPU: the tuple of its arguments; called, it appends them and its
+    operands' addresses to ``_StubKernel.calls``."""
+
+    def __call__(self, handle, a, b, c):
+        _StubKernel.calls.append((tuple(self), a, b, c))
+
+
 class _KernelNames(dict):
-    """An executable's kernels without a GPU: each one its name."""
+    """An executable's kernels without a GPU: each one a ``_StubKernel`` of its name."""
 
     def __missing__(self, key):
-        return key
+        return _StubKernel(key)
 
 
-def _stub_im2col_builds(monkeypatch, cuda):
-    """cuda/im2col's executables built and recorded without a GPU: an H200's device, kernels
-    named, each GEMM the tuple of its arguments, launches recorded as ``(0, kernel, grid, block,
-    args, shared memory)``."""
+class _HostArray(np.ndarray):
+    """A host array in a CuPy array's place (``.data.ptr`` its address), for cuda/im2col's direct
+    path without a GPU."""
+
+    @property
+    def data(self):
+        return type("Pointer", (), {"ptr": self.__array_interface__["data"][0]})()
+
+
+def _host(shape, dtype) -> _HostArray:
+    return np.zeros(shape, dtype).view(_HostArray)
+
+
+def _stub_im2col_builds(monkeypatch, cuda) -> list:
+    """cuda/im2col's executables built and run without a GPU: an H200's device, kernels and GEMMs
+    stubbed, launches recorded as ``(0, kernel, grid, block, args, shared memory)``. The list the
+    direct path's calls go to."""
+    calls = []
+    monkeypatch.setattr(_StubKernel, "calls", calls)
     monkeypatch.setattr(cuda.cupy.cuda, "Device", _StubDevice)
     monkeypatch.setattr(cuda._Executable, "kernels", lambda self, index64: _KernelNames())
-    monkeypatch.setattr(cuda._Executable, "column_kernels", lambda self, wide: ("copy", "sample"))
-    monkeypatch.setattr(cuda, "_Gemm", lambda *args, **kwargs: ("gemm",) + args + tuple(sorted(kwargs.items())))
+    monkeypatch.setattr(cuda._Executable, "column_kernels", lambda self, wide: (_StubKernel("copy"),
+                                                                                _StubKernel("sample")))
+    monkeypatch.setattr(cuda, "_Gemm", lambda *args, **kwargs: _StubGemm(args + tuple(sorted(kwargs.items()))))
     monkeypatch.setattr(cuda, "_kernel_op", lambda kernel, grid, block, args, shared_mem=0, overlap=False:
                         (0, kernel, grid, block, args, shared_mem))
-    monkeypatch.setattr(cuda.cupy, "ones", lambda count, dtype: _StubArray(15 << 40, (count,)))
+    monkeypatch.setattr(cuda.cupy, "ones", lambda count, dtype: _host((count,), dtype))
+    return calls
 
 
-def _slotted(ops, executable, workspace: int):
-    """``ops`` with each address in ``workspace`` as (slot name, offset in it), every other value
-    comparable; an AssertionError for an address past the workspace or between its slots."""
-    def slot(value):
-        if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >> 40 == workspace >> 40:
-            at = int(value) - workspace
-            assert 0 <= at < executable.workspace_bytes, (at, executable.workspace_bytes)
+def _slotted(ops, executable, workspace: int, regions: dict):
+    """``ops`` (recorded launches, or the direct path's calls) with each address, an integer from
+    2**32 up or a host array's, as (slot name, offset) in ``workspace`` or (name, offset) in one
+    of ``regions`` (name -> (address, bytes)); an AssertionError for one in none of them, past the
+    workspace's end, or reaching past its slot."""
+    ones = getattr(executable, "_ones", None)   # (the split weight GEMM's row of ones)
+    if ones is not None:
+        regions = dict(regions, ones=(ones.data.ptr, ones.nbytes))
+
+    def within(at, size, length):
+        return 0 <= at < length and at + size <= length
+
+    def place(address, size):
+        at = address - workspace
+        if 0 <= at < executable.workspace_bytes:
             found = [(name, at - offset) for name, (offset, count, dt) in executable.layout.slots.items()
-                     if 0 <= at - offset < max(count * dt.itemsize, 1)]
-            assert len(found) == 1, (at, executable.layout.slots)
-            return found[0]
+                     if within(at - offset, size, count * dt.itemsize)]
+        else:
+            found = [(name, address - start) for name, (start, length) in regions.items()
+                     if within(address - start, size, length)]
+        assert len(found) == 1, (at, size, executable.layout.slots)
+        return found[0]
+
+    def slot(value):
+        if isinstance(value, _HostArray):
+            return place(value.__array_interface__["data"][0], value.nbytes) + (value.shape, value.dtype.str)
         if isinstance(value, np.ndarray):
             return value.tobytes()
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 2**32:
+            return place(int(value), 0)
         if isinstance(value, tuple):
             return tuple(slot(v) for v in value)
         return value
 
     return [slot(op) for op in ops]
+
+
+def _direct_weight_gradient(executable, arrays: dict, copy=None) -> list:
+    """cuda/im2col's direct path (batch-strided or staged calls) for the weight gradient alone on
+    host arrays: its kernel and GEMM calls, with addresses as ``_slotted``'s."""
+    calls = _StubKernel.calls
+    del calls[:]
+    ws = _host((executable.workspace_bytes,), np.uint8)
+    grad_w = _host(arrays["weight"].shape, arrays["weight"].dtype)
+    executable._direct(dict(arrays, bias=None, wanted=frozenset(("weight",))), {"weight": grad_w}, ws, None, copy)
+    regions = {name: (a.data.ptr, a.nbytes) for name, a in dict(arrays, grad_weight=grad_w).items()}
+    if copy is not None:
+        regions["xcl"] = (copy[0].data.ptr, copy[0].nbytes)
+    return _slotted(calls, executable, ws.data.ptr, regions)
 
 
 @pytest.mark.parametrize("precision, saved_mib", [("float16", 61.25), ("tf32", 55.125), ("float32", 55.125)])
@@ -1466,9 +1532,10 @@ def test_weight_gradient_through_im2col_lays_out_the_weight_gradient_alone(monke
     the plans' choice at B=16 C512 14x14 in fp16 and TF32) has a workspace without the whole
     backward's column grads and float32 input-gradient accumulator: 61 MiB less in fp16, 55 in
     float32, with the same chunks. Its recorded launches for the weight gradient (the shared
-    channels-last copy made or not) are the whole backward's, each workspace address in the slot
-    of the same name; asked for a data gradient, it refuses rather than write past its
-    workspace. No GPU: the device, kernels, GEMMs and launches stubbed."""
+    channels-last copy made or not), and its direct path's calls, are the whole backward's, each
+    workspace address in the slot of the same name; asked for a data gradient, it refuses rather
+    than write past its workspace. No GPU: the device, kernels, GEMMs and launches stubbed, the
+    direct path on host arrays."""
     fb = _backward_module()
     cuda = fb._cuda
     from dcn_cupy._backends import PlanSpec
@@ -1486,11 +1553,20 @@ def test_weight_gradient_through_im2col_lays_out_the_weight_gradient_alone(monke
     assert [(c.start, c.stop) for c in lean.chunks] == [(c.start, c.stop) for c in whole.chunks] == [(0, 16)]
     assert (whole.workspace_bytes - lean.workspace_bytes) / 2**20 == saved_mib
     inputs, ws = tuple(k << 40 for k in (1, 2, 3, 4, 5)) + (0,), 6 << 40
+    regions = {name: (k << 40, 1 << 40) for k, name in enumerate(("gy", "x", "w", "offset", "mask", "ws", "xcl",
+                                                                   "grad_w"), 1) if name != "ws"}
     for made in (False, True):
         recorded = [_slotted(e._record(*inputs, ws, frozenset(("weight",)), 0, 8 << 40, 0, 0, copy=(7 << 40, made)),
-                             e, ws) for e in (lean, whole)]
+                             e, ws, regions) for e in (lean, whole)]
         assert recorded[0] == recorded[1] and len(recorded[0]) >= 4 - made, made
         assert ("copy" in str(recorded[0])) != made
+    # the direct path (batch-strided arrays), on host arrays: the same calls on same-named slots
+    arrays = {name: _host(shape, dtype) for name, shape in zip(
+        ("grad_output", "input", "weight", "offset", "mask"),
+        ((16, 512, 14, 14), (16, 512, 14, 14), (512, 512, 3, 3), (16, 18, 14, 14), (16, 9, 14, 14)))}
+    copy = (_host(((16 * 196 + 1) * 512,), dtype), False)
+    direct = [_direct_weight_gradient(e, arrays, copy) for e in (lean, whole)]
+    assert direct[0] == direct[1] and "'sample'" in str(direct[0]) and "cols" in str(direct[0])
     with pytest.raises(ValueError, match="weight gradient alone.*input, offset or mask gradient"):
         lean._record(*inputs, ws, frozenset(("input", "weight")), 9 << 40, 8 << 40, 0, 0, copy=(7 << 40, True))
     with pytest.raises(ValueError, match="weight gradient alone"):
@@ -1529,13 +1605,18 @@ def test_weight_only_im2col_records_within_its_workspace(monkeypatch, shape, lim
     if limit is not None:   # (within the limit, but for its slots' 256-byte alignment)
         assert len(lean.chunks) < len(whole.chunks) and lean.workspace_bytes <= limit + 16 * 256
     inputs, ws = tuple(k << 40 for k in (1, 2, 3, 4, 5)) + (0,), 6 << 40
+    regions = {name: (k << 40, 1 << 40) for k, name in enumerate(("gy", "x", "w", "offset", "mask"), 1)}
+    regions["grad_w"] = (8 << 40, 1 << 40)
+    assert (limit == 2**19) == (lean.rows is not None)   # (rows of one sample: the direct path only)
     if lean.rows is None:
-        ops = _slotted(lean._record(*inputs, ws, frozenset(("weight",)), 0, 8 << 40, 0, 0), lean, ws)
-        names = str(ops)
+        names = str(_slotted(lean._record(*inputs, ws, frozenset(("weight",)), 0, 8 << 40, 0, 0), lean, ws, regions))
         assert "cgrad" not in names and "grad_x" not in names and "'cols'" in names
-    assert (limit == 2**19) == (lean.rows is not None)   # (rows: the direct path, staged in its slots)
-    if lean.rows is not None:
-        assert {"offset", "mask"} <= set(lean.layout.slots) and "grad_offset" not in lean.layout.slots
+    arrays = {name: _host(shape["input" if name == "grad_output" else name], dtype)
+              for name in ("grad_output", "input", "weight", "offset", "mask")}
+    names = str(_direct_weight_gradient(lean, arrays))
+    assert "cgrad" not in names and "grad_x" not in names and "'cols'" in names
+    if lean.rows is not None:   # offsets and mask staged in their slots, no slots for their gradients
+        assert "('offset', 0" in names and "('mask', 0" in names and "grad_offset" not in lean.layout.slots
     if shape["weight"][0] == 16 and limit is None:
         assert lean.gemm_splits > 1 and "w_split" in lean.layout.slots
 
