@@ -1561,14 +1561,15 @@ class _Backward(_Executable):
         half = self.acc != self.dtype
         self.weight_only = bool(weight_only)
         data = not self.weight_only      # whether it computes the input, offset and mask gradients
-        # gy columns + columns (weight) + column grads; grad_w in float32 for the half types
+        # gy columns + columns (weight) + column grads (data); grad_w in float32 for the half types
         per_position = self.Co * it + self.C * self.K * (it + (acc if data else 0))
         fixed = self.cublas_bytes + (self.G * self.Cog * self.Cg * self.K * acc if half else 0)
         per_sample = self.C * self.S * acc if half and data else 0     # grad_x accumulated in float32
-        # rows: staging of offsets and mask, and of their gradients
-        staged = ("offset", "mask") + (("grad_offset", "grad_mask") if data else ())
-        n, rows = self._chunking(per_position, fixed, per_sample, len(staged) // 2 * (self.off_ch + self.m_ch) * it,
-                                 "backward")
+        # rows: staging of offsets and mask, and of their gradients (data): name -> channels
+        staged = {"offset": self.off_ch, "mask": self.m_ch}
+        if data:
+            staged.update(grad_offset=self.off_ch, grad_mask=self.m_ch)
+        n, rows = self._chunking(per_position, fixed, per_sample, sum(staged.values()) * it, "backward")
         self.rows = rows
         self.pointer_path = rows is None   # run_pointers serves every call (no staging)
         self.copy_given = bool(shared_copy) and self.channels_last and rows is None and n >= self.B
@@ -1594,8 +1595,8 @@ class _Backward(_Executable):
             layout.add("w_split", self.gemm_splits * self.Cog * self.Cg * self.K, self.acc)
         self._column_layout(n)
         if rows is not None:
-            for name in staged:
-                layout.add(name, (self.off_ch if name.endswith("offset") else self.m_ch) * nq, self.dtype)
+            for name, channels in staged.items():
+                layout.add(name, channels * nq, self.dtype)
         self.workspace_bytes = layout.size
         final = _index64(self.B * self.C * self.S, self.G * self.Cog * self.Cg * self.K)
         with cupy.cuda.Device(self.device_id):
