@@ -1512,6 +1512,15 @@ def _slotted(ops, executable, workspace: int, regions: dict):
     return [slot(op) for op in ops]
 
 
+#: Where the recording tests put the arrays (fake addresses, a TiB apart): grad_output, x, w,
+#: offset and mask (``_record``'s inputs, then no bias), the workspace, the channels-last copy
+#: of x a caller gives, the weight gradient.
+_STUB_REGIONS = {name: (k << 40, 1 << 40) for k, name in ((1, "gy"), (2, "x"), (3, "w"), (4, "offset"), (5, "mask"),
+                                                          (7, "xcl"), (8, "grad_w"))}
+_STUB_INPUTS = tuple(_STUB_REGIONS[name][0] for name in ("gy", "x", "w", "offset", "mask")) + (0,)
+_STUB_WORKSPACE = 6 << 40
+
+
 def _direct_weight_gradient(executable, arrays: dict, copy=None) -> list:
     """cuda/im2col's direct path (batch-strided or staged calls) for the weight gradient alone on
     host arrays: its kernel and GEMM calls, with addresses as ``_slotted``'s."""
@@ -1549,15 +1558,14 @@ def test_weight_gradient_through_im2col_lays_out_the_weight_gradient_alone(monke
     lean, whole = fb.weight_through_im2col(config, spec), cuda._Backward(spec, shared_copy=True)
     assert lean.weight_only and not whole.weight_only and lean.copy_given and whole.copy_given
     assert "weight gradient alone" in lean.description
-    assert set(whole.layout.slots) - set(lean.layout.slots) == {"cgrad"} | ({"grad_x"} if precision == "float16" else set())
+    left_out = {"cgrad", "grad_x"} if precision == "float16" else {"cgrad"}   # (grad_x: the half types')
+    assert set(whole.layout.slots) - set(lean.layout.slots) == left_out
     assert [(c.start, c.stop) for c in lean.chunks] == [(c.start, c.stop) for c in whole.chunks] == [(0, 16)]
     assert (whole.workspace_bytes - lean.workspace_bytes) / 2**20 == saved_mib
-    inputs, ws = tuple(k << 40 for k in (1, 2, 3, 4, 5)) + (0,), 6 << 40
-    regions = {name: (k << 40, 1 << 40) for k, name in enumerate(("gy", "x", "w", "offset", "mask", "ws", "xcl",
-                                                                   "grad_w"), 1) if name != "ws"}
+    inputs, ws, grad_w, xcl = _STUB_INPUTS, _STUB_WORKSPACE, _STUB_REGIONS["grad_w"][0], _STUB_REGIONS["xcl"][0]
     for made in (False, True):
-        recorded = [_slotted(e._record(*inputs, ws, frozenset(("weight",)), 0, 8 << 40, 0, 0, copy=(7 << 40, made)),
-                             e, ws, regions) for e in (lean, whole)]
+        recorded = [_slotted(e._record(*inputs, ws, frozenset(("weight",)), 0, grad_w, 0, 0, copy=(xcl, made)),
+                             e, ws, _STUB_REGIONS) for e in (lean, whole)]
         assert recorded[0] == recorded[1] and len(recorded[0]) >= 4 - made, made
         assert ("copy" in str(recorded[0])) != made
     # the direct path (batch-strided arrays), on host arrays: the same calls on same-named slots
@@ -1568,7 +1576,7 @@ def test_weight_gradient_through_im2col_lays_out_the_weight_gradient_alone(monke
     direct = [_direct_weight_gradient(e, arrays, copy) for e in (lean, whole)]
     assert direct[0] == direct[1] and "'sample'" in str(direct[0]) and "cols" in str(direct[0])
     with pytest.raises(ValueError, match="weight gradient alone.*input, offset or mask gradient"):
-        lean._record(*inputs, ws, frozenset(("input", "weight")), 9 << 40, 8 << 40, 0, 0, copy=(7 << 40, True))
+        lean._record(*inputs, ws, frozenset(("input", "weight")), 9 << 40, grad_w, 0, 0, copy=(xcl, True))
     with pytest.raises(ValueError, match="weight gradient alone"):
         lean._direct(dict(grad_output=None, input=None, weight=None, offset=None, mask=None,
                           wanted=frozenset(("input",))), {}, None, None)
@@ -1587,8 +1595,8 @@ def test_weight_only_im2col_records_within_its_workspace(monkeypatch, shape, lim
     """A weight-only cuda/im2col backward records its launches (one chunk where the whole
     backward takes two, the weight GEMM split along the positions, or rows of one sample) with
     every workspace address inside one of its slots; it takes no more chunks than the whole
-    backward, a smaller workspace in as many, and stays within the limit. No GPU (stubbed as
-    above)."""
+    backward, a smaller workspace in as many, and stays within the limit. No GPU
+    (``_stub_im2col_builds``)."""
     fb = _backward_module()
     cuda = fb._cuda
     from dcn_cupy._backends import PlanSpec
@@ -1604,12 +1612,10 @@ def test_weight_only_im2col_records_within_its_workspace(monkeypatch, shape, lim
         assert lean.workspace_bytes < whole.workspace_bytes
     if limit is not None:   # (within the limit, but for its slots' 256-byte alignment)
         assert len(lean.chunks) < len(whole.chunks) and lean.workspace_bytes <= limit + 16 * 256
-    inputs, ws = tuple(k << 40 for k in (1, 2, 3, 4, 5)) + (0,), 6 << 40
-    regions = {name: (k << 40, 1 << 40) for k, name in enumerate(("gy", "x", "w", "offset", "mask"), 1)}
-    regions["grad_w"] = (8 << 40, 1 << 40)
     assert (limit == 2**19) == (lean.rows is not None)   # (rows of one sample: the direct path only)
     if lean.rows is None:
-        names = str(_slotted(lean._record(*inputs, ws, frozenset(("weight",)), 0, 8 << 40, 0, 0), lean, ws, regions))
+        names = str(_slotted(lean._record(*_STUB_INPUTS, _STUB_WORKSPACE, frozenset(("weight",)), 0,
+                                          _STUB_REGIONS["grad_w"][0], 0, 0), lean, _STUB_WORKSPACE, _STUB_REGIONS))
         assert "cgrad" not in names and "grad_x" not in names and "'cols'" in names
     arrays = {name: _host(shape["input" if name == "grad_output" else name], dtype)
               for name in ("grad_output", "input", "weight", "offset", "mask")}
