@@ -212,12 +212,17 @@ def test_leading_copies_start_beside_the_kernel_before_them(monkeypatch, determi
     assert early_flags(chunked)[0] == [0] * 7
 
 
+def _pointer(address: int):
+    """A CuPy array's ``.data`` without a GPU: its ``ptr``."""
+    return type("Pointer", (), {"ptr": address})()
+
+
 class _StubArray:
     """What ``gradient_launches`` reads of an array, without a GPU: its address, shape and strides
     (C-contiguous, 2-byte elements by default)."""
 
     def __init__(self, address, shape, itemsize=2):
-        self.data = type("Pointer", (), {"ptr": address})()
+        self.data = _pointer(address)
         self.shape, self.itemsize = shape, itemsize
         self.strides = (math.prod(shape[1:]) * itemsize,) + (itemsize,) * (len(shape) - 1)
 
@@ -1451,19 +1456,18 @@ class _HostArray(np.ndarray):
 
     @property
     def data(self):
-        return type("Pointer", (), {"ptr": self.__array_interface__["data"][0]})()
+        return _pointer(self.__array_interface__["data"][0])
 
 
 def _host(shape, dtype) -> _HostArray:
     return np.zeros(shape, dtype).view(_HostArray)
 
 
-def _stub_im2col_builds(monkeypatch, cuda) -> list:
+def _stub_im2col_builds(monkeypatch, cuda) -> None:
     """cuda/im2col's executables built and run without a GPU: an H200's device, kernels and GEMMs
-    stubbed, launches recorded as ``(0, kernel, grid, block, args, shared memory)``. The list the
-    direct path's calls go to."""
-    calls = []
-    monkeypatch.setattr(_StubKernel, "calls", calls)
+    stubbed, launches recorded as ``(0, kernel, grid, block, args, shared memory)``, the direct
+    path's calls appended to ``_StubKernel.calls``."""
+    monkeypatch.setattr(_StubKernel, "calls", [])
     monkeypatch.setattr(cuda.cupy.cuda, "Device", _StubDevice)
     monkeypatch.setattr(cuda._Executable, "kernels", lambda self, index64: _KernelNames())
     monkeypatch.setattr(cuda._Executable, "column_kernels", lambda self, wide: (_StubKernel("copy"),
@@ -1472,7 +1476,6 @@ def _stub_im2col_builds(monkeypatch, cuda) -> list:
     monkeypatch.setattr(cuda, "_kernel_op", lambda kernel, grid, block, args, shared_mem=0, overlap=False:
                         (0, kernel, grid, block, args, shared_mem))
     monkeypatch.setattr(cuda.cupy, "ones", lambda count, dtype: _host((count,), dtype))
-    return calls
 
 
 def _slotted(ops, executable, workspace: int, regions: dict):
