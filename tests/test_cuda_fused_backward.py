@@ -1552,6 +1552,7 @@ def test_weight_gradient_through_im2col_lays_out_the_weight_gradient_alone(monke
     cuda = fb._cuda
     from dcn_cupy._backends import PlanSpec
     _stub_im2col_builds(monkeypatch, cuda)
+    monkeypatch.setattr(fb, "WEIGHT_COLUMN_PANELS", False)   # (whole columns here: test_column_panels_rule)
     geom = _geometry.conv_geometry((16, 512, 14, 14), (512, 512, 3, 3), (16, 18, 14, 14), (16, 9, 14, 14), None,
                                    stride=1, padding=1, dilation=1, groups=1)[0]
     dtype, tf32 = DTYPE[precision], precision == "tf32"
@@ -1630,6 +1631,246 @@ def test_weight_only_im2col_records_within_its_workspace(monkeypatch, shape, lim
         assert lean.gemm_splits > 1 and "w_split" in lean.layout.slots
 
 
+# cuda/im2col's weight gradient run on host memory: its kernels and cuBLAS's GEMM emulated in
+# NumPy from their launch arguments (no GPU), so that what the host code computes (addresses,
+# sizes, leading dimensions, the order of the launches) is checked by the values it produces.
+
+def _address(value) -> int:
+    """A launch argument's address: a host array's, an integer's value, 0 for None."""
+    if value is None:
+        return 0
+    if isinstance(value, np.ndarray):
+        return value.__array_interface__["data"][0]
+    return int(value)
+
+
+def _memory(address: int, count: int, dtype) -> np.ndarray:
+    """``count`` elements of ``dtype`` of host memory at ``address``, as a writable array."""
+    import ctypes
+    dtype = np.dtype(dtype)
+    return np.frombuffer((ctypes.c_char * (count * dtype.itemsize)).from_address(address), dtype, count)
+
+
+def _strided(address: int, shape: tuple, strides: tuple, dtype) -> np.ndarray:
+    """The host memory at ``address`` seen as ``shape`` with ``strides`` in elements."""
+    dtype = np.dtype(dtype)
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    return np.lib.stride_tricks.as_strided(_memory(address, span, dtype), shape,
+                                           tuple(s * dtype.itemsize for s in strides))
+
+
+_CUBLAS_TYPES = {2: np.float16, 0: np.float32, 1: np.float64}
+
+
+def _emulated_gemm(handle, transa, transb, m, n, k, alpha, a, a_type, lda, stride_a, b, b_type, ldb, stride_b,
+                   beta, c, c_type, ldc, stride_c, batch, compute, algo) -> int:
+    """cublasGemmStridedBatchedEx on host memory, from cuBLAS's definition: column-major
+    ``C_i = alpha op(A_i) op(B_i) + beta C_i`` (C not read where beta is 0), in float64."""
+    scalar = np.float64 if compute == 70 else np.float32      # CUBLAS_COMPUTE_64F
+    alpha, beta = (float(_memory(p, 1, scalar)[0]) for p in (alpha, beta))
+    for i in range(batch):
+        def operand(address, t, ld, stride, rows, cols, trans):
+            dt = np.dtype(_CUBLAS_TYPES[t])
+            shape = (cols, rows) if trans else (rows, cols)
+            matrix = _strided(address + i * stride * dt.itemsize, shape, (1, ld), dt).astype(np.float64)
+            return matrix.T if trans else matrix
+        product = alpha * operand(a, a_type, lda, stride_a, m, k, transa) @ operand(b, b_type, ldb, stride_b, k, n,
+                                                                                    transb)
+        out = _strided(c + i * stride_c * np.dtype(_CUBLAS_TYPES[c_type]).itemsize, (m, n), (1, ldc),
+                       _CUBLAS_TYPES[c_type])
+        out[...] = product + (beta * out.astype(np.float64) if beta else 0.0)
+    return 0
+
+
+class _EmulatedKernel(str):
+    """A kernel of cuda/im2col's weight gradient run on host memory in NumPy (its name says
+    which), for one geometry and dtype."""
+
+    geom, dtype = None, None
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        getattr(self, "_" + str(self))(*args)
+
+    def _to_columns(self, src, dst, n, channels, q):
+        """batch_to_columns: (n, channels, q) -> (channels, n * q)."""
+        n, channels, q = int(n), int(channels), int(q)
+        values = _memory(_address(src), n * channels * q, self.dtype).reshape(n, channels, q)
+        _memory(_address(dst), n * channels * q, self.dtype)[...] = values.transpose(1, 0, 2).ravel()
+
+    def _copy(self, x, xcl, n, channels, cp, size, stride, sums, rows, pp, early):
+        """fused_channels_last: rows of ``cp`` channels, one per (sample, position), a zero row after."""
+        n, channels, cp, size = int(n), int(channels), int(cp), int(size)
+        out = _memory(_address(xcl), (n * size + 1) * cp, self.dtype).reshape(n * size + 1, cp)
+        out[...] = 0
+        out[:n * size, :channels] = _strided(_address(x), (n, size, channels), (int(stride), 1, size),
+                                             self.dtype).reshape(n * size, channels)
+
+    def _sample(self, xcl, offset, mask, cols, struct, n, channels, cp, offset_groups, mask_groups, taps):
+        """fused_columns: ``columns[c*K + t, b*Q + q]`` of ``channels`` channels from the rows of
+        ``xcl`` (``cp`` apart) on, by the float64 reference's sampler."""
+        geom, n, channels, cp = self.geom, int(n), int(channels), int(cp)
+        S, Q, K = geom.input_size, geom.output_size, geom.kernel_volume
+        x = _strided(_address(xcl), (n, channels, S), (S * cp, 1, cp), self.dtype).astype(np.float64)
+        x = x.reshape((n, channels) + tuple(geom.input_shape))
+        field = lambda address, rows: None if not address else _memory(address, n * rows * Q, self.dtype).astype(
+            np.float64).reshape((n, rows) + tuple(geom.output_shape))
+        off = field(_address(offset), int(offset_groups) * K * geom.ndim)
+        msk = field(_address(mask), int(mask_groups) * K)
+        picks = np.zeros((channels * K, 1, K))   # a grouped convolution that picks each (channel, tap)
+        picks[np.arange(channels * K), 0, np.tile(np.arange(K), channels)] = 1
+        picked = reference._conv_forward_on_grid(x, picks.reshape((channels * K, 1) + tuple(geom.kernel_size)), off,
+                                                 msk, geom.stride, geom.padding, geom.dilation, channels,
+                                                 tuple(geom.output_shape))
+        _memory(_address(cols), channels * K * n * Q, self.dtype)[...] = np.moveaxis(
+            picked.reshape(n, channels * K, Q), 0, 1).ravel()
+
+    def _finalize(self, src, bias, dst, total, channels, inner):
+        """finalize (no bias): the float32 accumulator cast to the dtype."""
+        assert bias is None and int(channels) == 1
+        _memory(_address(dst), int(total), self.dtype)[...] = _memory(_address(src), int(total), np.float32)
+
+
+def _emulate_im2col_builds(monkeypatch, cuda, geom, dtype) -> None:
+    """cuda/im2col's executables built without a GPU (``_stub_im2col_builds``), their weight
+    gradient's kernels and GEMMs run on host memory (``_EmulatedKernel``, ``_emulated_gemm``)."""
+    from types import SimpleNamespace
+    gemm = cuda._Gemm
+    _stub_im2col_builds(monkeypatch, cuda)
+    kernel = type("_Kernel", (_EmulatedKernel,), {"geom": geom, "dtype": np.dtype(dtype)})
+    names = {"to_columns": kernel("to_columns"), "finalize": kernel("finalize")}
+    monkeypatch.setattr(cuda._Executable, "kernels", lambda self, index64: names)
+    monkeypatch.setattr(cuda._Executable, "column_kernels", lambda self, wide: (kernel("copy"), kernel("sample")))
+    monkeypatch.setattr(cuda, "_Gemm", gemm)
+    constants = SimpleNamespace(CUBLAS_OP_N=0, CUBLAS_OP_T=1, CUBLAS_COMPUTE_32F=68, CUBLAS_COMPUTE_32F_FAST_TF32=77,
+                                CUBLAS_COMPUTE_64F=70, CUBLAS_GEMM_DEFAULT=-1)
+    monkeypatch.setattr(cuda, "_cublas_module", lambda: constants)
+    monkeypatch.setattr(cuda, "_cublas_library", lambda: SimpleNamespace(cublasGemmStridedBatchedEx=_emulated_gemm))
+
+
+def _emulated_replay(ops) -> None:
+    """Recorded launches (``_stub_im2col_builds``'s) run in order on host memory."""
+    import ctypes
+    for op in ops:
+        if op[0] == 0:
+            op[1](op[2], op[3], op[4])
+        elif op[0] == 1:
+            op[1](None, *op[2:5])
+        else:
+            ctypes.memset(op[1], 0, op[2])
+
+
+def _panels_case(dtype):
+    """B=3 5x5 3x3 DCNv2 (one offset and mask group) whose input channels are two of the
+    channels-last sampler's channel tiles: 512 in the half types, 256 in float32."""
+    rng = np.random.default_rng(75)
+    channels = 512 if np.dtype(dtype).itemsize == 2 else 256
+    arrays, params, gy = wide_case(rng, 2, groups=1, offset_groups=1, mask_groups=1, c_in=channels, c_out=8,
+                                   size=5, stride=(1, 1), padding=(1, 1), dilation=(1, 1))
+    shapes = [arrays[k].shape for k in ("input", "weight", "offset", "mask")]
+    return arrays, params, gy, _geometry.conv_geometry(*shapes, None, **params)[0]
+
+
+@pytest.mark.parametrize("precision", ["float16", "tf32", "float32"])
+def test_column_panels_rule(monkeypatch, precision):
+    """``column_panels``: the fewest panels of whole sampler tiles whose columns fit the bytes
+    given (else the most), 1 where they do not serve; at B=16 C512 14x14 the fused backward's
+    weight gradient through cuda/im2col takes two panels of 256 channels (columns no larger than
+    the fused part's workspace), its workspace 36.9 MiB in fp16 and 47.8 in float32 (50.7 and
+    75.4 without panels: ``WEIGHT_COLUMN_PANELS`` off). No GPU (``_stub_im2col_builds``)."""
+    fb = _backward_module()
+    cuda = fb._cuda
+    from dcn_cupy._backends import PlanSpec
+    gemm = cuda._Gemm
+    _stub_im2col_builds(monkeypatch, cuda)
+    dtype, tf32 = DTYPE[precision], precision == "tf32"
+    geom = _geometry.conv_geometry((16, 512, 14, 14), (512, 512, 3, 3), (16, 18, 14, 14), (16, 9, 14, 14), None,
+                                   stride=1, padding=1, dilation=1, groups=1)[0]
+    spec = PlanSpec(geom, dtype, "cuda", 0, False, tf32)
+    config = fb.BackwardConfig(geom, dtype, tf32, fused_weight=False, multiprocessors=132, wgmma=True)
+    lean = fb.weight_through_im2col(config, spec)
+    columns = 512 * 9 * 16 * 196 * dtype.itemsize
+    assert lean.panels == 2 and columns / 2 <= config.workspace_bytes < columns
+    assert lean.layout.slots["cols"][1] == 256 * 9 * 16 * 196 and "2 panels of 256 channels" in lean.description
+    total = fb.FusedBackward(config, lean).workspace_bytes / 2**20
+    assert round(total, 1) == (36.9 if precision == "float16" else 47.8)
+    # its launches: the copy once, then per panel its sampling and GEMM, every address in a slot
+    for made in (False, True):
+        recorded = str(_slotted(lean._record(*_STUB_INPUTS, _STUB_WORKSPACE, frozenset(("weight",)), 0,
+                                             _STUB_REGIONS["grad_w"][0], 0, 0, copy=(_STUB_REGIONS["xcl"][0], made)),
+                                lean, _STUB_WORKSPACE, _STUB_REGIONS))
+        assert recorded.count("'sample'") == 2 and recorded.count("'copy'") == int(not made)
+        assert recorded.count("('xcl', 0)") == 1 + int(not made) and f"('xcl', {256 * dtype.itemsize})" in recorded
+    monkeypatch.setattr(fb, "WEIGHT_COLUMN_PANELS", False)
+    whole = fb.weight_through_im2col(config, spec)
+    assert whole.panels == 1 and round(fb.FusedBackward(config, whole).workspace_bytes / 2**20, 1) == (
+        50.7 if precision == "float16" else 75.4)
+    # the rule: tiles of 256 (half types) or 128 (float32) channels
+    tiles = 512 // lean.column_tile
+    assert tiles == (2 if precision == "float16" else 4)
+    assert cuda.column_panels(lean, columns, 132) == 1 and cuda.column_panels(lean, 1, 132) == tiles
+    assert cuda.column_panels(lean, columns // 2, 132) == 2
+    # not served: conv groups, several offset groups, deform_im2col's columns, a split GEMM
+    grouped = _geometry.conv_geometry((16, 512, 14, 14), (512, 256, 3, 3), (16, 18, 14, 14), (16, 9, 14, 14), None,
+                                      stride=1, padding=1, dilation=1, groups=2)[0]
+    offset_groups = _geometry.conv_geometry((16, 512, 14, 14), (512, 512, 3, 3), (16, 36, 14, 14), None, None,
+                                            stride=1, padding=1, dilation=1, groups=1)[0]
+    narrow = _geometry.conv_geometry((16, 512, 32, 32), (16, 512, 3, 3), (16, 18, 32, 32), None, None,
+                                     stride=1, padding=1, dilation=1, groups=1)[0]
+    for g in (grouped, offset_groups, narrow):
+        e = cuda._Backward(PlanSpec(g, dtype, "cuda", 0, False, tf32), weight_only=True, column_bytes=1)
+        assert e.panels == 1 and "panels" not in e.description, g
+    monkeypatch.setattr(cuda, "CHANNELS_LAST_COLUMNS", False)
+    assert cuda._Backward(spec, weight_only=True, column_bytes=1).panels == 1
+    with pytest.raises(ValueError, match="C rows of 8 elements cannot hold its 9 columns"):
+        gemm(1, 4, 9, 16, np.float32, np.float32, ldc=8)
+
+
+@pytest.mark.parametrize("precision", ["float16", "float32"])
+def test_column_panels_weight_gradient_on_emulated_kernels(monkeypatch, precision):
+    """The weight gradient of a weight-only cuda/im2col backward with its columns in panels
+    (each sampled from its channels of the channels-last copy, multiplied into its columns of
+    the gradient) equals the same backward's without panels and the float64 reference's: its
+    kernels and cuBLAS's GEMMs emulated in NumPy on host memory (``_emulate_im2col_builds``),
+    through the recorded launches (its own copy, the caller's made or not) and the direct path."""
+    fb = _backward_module()
+    cuda = fb._cuda
+    from dcn_cupy._backends import PlanSpec
+    dtype = DTYPE[precision]
+    arrays, params, gy, geom = _panels_case(dtype)
+    _emulate_im2col_builds(monkeypatch, cuda, geom, dtype)
+    spec = PlanSpec(geom, dtype, "cuda", 0, False, False)
+    built = {(shared, panels): cuda._Backward(spec, shared_copy=shared, weight_only=True,
+                                               column_bytes=1 if panels else None)
+             for shared in (False, True) for panels in (False, True)}
+    assert [e.panels for e in built.values()] == [1, 2, 1, 2] and all(e.copy_given for (s, _), e in built.items() if s)
+    host = {k: _host(a.shape, dtype) for k, a in dict(arrays, grad_output=gy).items()}
+    for k, a in dict(arrays, grad_output=gy).items():
+        host[k][...] = a
+    rounded = {k: np.asarray(a, np.float64) for k, a in host.items()}
+    expected = reference.deform_conv_backward(rounded.pop("grad_output"), **rounded, **params)[1]
+    inputs = tuple(_address(host[k]) for k in ("grad_output", "input", "weight", "offset", "mask")) + (0,)
+    copy = _host(((geom.batch * geom.input_size + 1) * geom.in_channels,), dtype)
+    got = {}
+    for (shared, panels), e in built.items():
+        ws = _host((e.workspace_bytes,), np.uint8)
+        for made in ((False, True) if shared else (None,)):
+            ws[...] = 0xFF   # poisoned: every byte read is one written first
+            grad_w = _host(arrays["weight"].shape, dtype)
+            given = None if made is None else (_address(copy), made)
+            _emulated_replay(e._record(*inputs, _address(ws), frozenset(("weight",)), 0, _address(grad_w), 0, 0,
+                                       copy=given))
+            got[("recorded", shared, panels, made)] = grad_w.copy()
+        ws[...] = 0xFF
+        grad_w = _host(arrays["weight"].shape, dtype)
+        e._direct(dict(host, bias=None, wanted=frozenset(("weight",))), {"weight": grad_w}, ws, None,
+                  None if not shared else (copy, False))
+        got[("direct", shared, panels)] = grad_w.copy()
+    first = next(iter(got.values()))
+    for label, value in got.items():
+        assert np.array_equal(value, first), label   # panels split the GEMM's columns, not its sums
+    assert relative_error(first.astype(np.float64), expected) < TOL[precision]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ndim, precision", [(2, "float16"), (2, "tf32"), (3, "float32")])
 def test_weight_gradient_through_im2col_samples_the_fused_copy(ndim, precision, monkeypatch):
@@ -1681,6 +1922,56 @@ def test_weight_gradient_through_im2col_samples_the_fused_copy(ndim, precision, 
     monkeypatch.setattr(fb._fused, "WORKSPACE_LIMIT_BYTES", 1)   # one-sample chunks: each makes its own
     chunked = fb.BackwardConfig(geom, dtype, precision == "tf32", fused_weight=False)
     assert chunked.chunk == 1 and not fb.weight_through_im2col(chunked, spec).copy_given
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["float16", "bfloat16", "tf32", "float32"])
+def test_column_panels_weight_gradient(monkeypatch, precision):
+    """cuda/im2col's weight gradient with its columns in two panels of input channels: alone
+    (its own channels-last copy) and beside the fused data gradients (their copy, made by
+    them or by its first panel), through the raw-address path and batch-strided arrays on a
+    poisoned workspace, the reference's weight gradient and, within rounding, the one of whole
+    columns (cuBLAS may choose other kernels for half the columns)."""
+    cupy = _cupy()
+    fb = _backward_module()
+    from dcn_cupy._backends import PlanSpec
+    dtype = DTYPE[precision]
+    arrays, params, gy, geom = _panels_case(dtype)
+    rounded = {k: a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
+    expected = dict(zip(NAMES, reference.deform_conv_backward(gy.astype(dtype).astype(np.float64), **rounded,
+                                                              **params)))
+    dev = {k: cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
+    strided = {k: cupy.zeros((2 * a.shape[0],) + a.shape[1:], dtype)[::2] for k, a in dev.items() if k != "weight"}
+    for k, a in strided.items():
+        a[...] = dev[k]
+    strided["weight"] = dev["weight"]
+    gy_dev = cupy.asarray(gy.astype(dtype))
+    spec = PlanSpec(geom, dtype, "cuda", cupy.cuda.runtime.getDevice(), False, precision == "tf32")
+    alone = {panels: fb._cuda._Backward(spec, weight_only=True, column_bytes=1 if panels else None)
+             for panels in (False, True)}
+    assert alone[True].panels == 2 and alone[False].panels == 1
+    config = fb.BackwardConfig(geom, dtype, precision == "tf32", fused_weight=False)
+    monkeypatch.setattr(fb._cuda, "column_panels", lambda *args, **kwargs: 2)
+    beside = fb.FusedBackward(config, fb.weight_through_im2col(config, spec))
+    assert beside._weight.panels == 2 and beside._weight.copy_given
+    weights = {}
+    for inputs in (dev, strided):
+        for panels, e in alone.items():
+            out = {"weight": cupy.full(arrays["weight"].shape, np.nan, dtype=dtype)}
+            workspace = cupy.full(e.workspace_bytes, 0xFF, dtype=np.uint8)
+            e.run(dict(grad_output=gy_dev, bias=None, wanted=frozenset(("weight",)), **inputs), out, workspace)
+            weights[("alone", panels, inputs is dev)] = cupy.asnumpy(out["weight"]).astype(np.float64)
+        for wanted in (("weight",), ("input", "weight", "offset", "mask")):   # the copy its own, or made
+            out = {name: cupy.full(arrays[name].shape, np.nan, dtype=dtype) for name in wanted}
+            workspace = cupy.full(beside.workspace_bytes, 0xFF, dtype=np.uint8)
+            beside.run(dict(grad_output=gy_dev, bias=None, wanted=frozenset(wanted), **inputs), out, workspace)
+            got = {k: cupy.asnumpy(v).astype(np.float64) for k, v in out.items()}
+            check(got, expected, precision, (wanted, inputs is dev))
+            weights[("beside", wanted, inputs is dev)] = got["weight"]
+    whole = weights[("alone", False, True)]
+    for label, value in weights.items():
+        check({"weight": value}, expected, precision, label)
+        assert relative_error(value, whole) < TOL[precision] / 4, label
 
 
 @pytest.mark.gpu

@@ -11,7 +11,9 @@ Per chunk (chunks bound the workspace by ``WORKSPACE_LIMIT_BYTES``):
              forward.
 * weight:    ``grad_W_g += grad_y_g @ columns_g^T`` (GEMM accumulating across chunks, beta = 1;
              split along the positions into partial sums, added in order, where its output is
-             too small to fill the device: ``gemm_splits``).
+             too small to fill the device: ``gemm_splits``; for the weight gradient alone, the
+             columns may come in panels of input channels, each multiplied into its columns of
+             grad_W: ``column_panels``).
 * offset, mask: one thread per (sample, group, tap, position) sums over the group's channels
              of column grads times the sample's derivative (offset) or the sample (mask).
 
@@ -456,14 +458,18 @@ class _Gemm:
     operands of fixed shapes: every cuBLAS argument but the pointers is fixed here."""
 
     def __init__(self, batch, m, n, k, a_dtype, c_dtype, trans_a=False, trans_b=False, beta=0.0, allow_tf32=False,
-                 depth=None):
+                 depth=None, ldc=None):
         # depth: the operands' row length along k where that exceeds k (a slice of k: each
-        # batch entry then the next slice of ``k``, the split weight gradient's GEMM)
+        # batch entry then the next slice of ``k``, the split weight gradient's GEMM); ldc: C's
+        # row length where that exceeds n (C a panel of columns of a wider matrix)
         if max(m, n, k) > _INT32_MAX:
             raise ValueError(
                 f"a GEMM of size {m}x{n}x{k} exceeds cuBLAS's 32-bit sizes: one sample's output grid "
                 f"(C_out/groups x prod(Q)) or columns (C_in/groups*K x prod(Q)) are too large"
             )
+        ldc = n if ldc is None else int(ldc)
+        if ldc < n:
+            raise ValueError(f"a GEMM's C rows of {ldc} elements cannot hold its {n} columns")
         cublas = _cublas_module()
         self._call = _cublas_library().cublasGemmStridedBatchedEx
         compute = _compute_type(np.dtype(a_dtype), allow_tf32)
@@ -485,7 +491,7 @@ class _Gemm:
             self._b = (t, depth, k)
             self._a = (t, depth, k)
         self._beta = beta_
-        self._c = (_CUDA_DTYPES[np.dtype(c_dtype)], n, m * n, batch, compute, cublas.CUBLAS_GEMM_DEFAULT)
+        self._c = (_CUDA_DTYPES[np.dtype(c_dtype)], ldc, m * ldc, batch, compute, cublas.CUBLAS_GEMM_DEFAULT)
 
     def __call__(self, handle, a_ptr, b_ptr, c_ptr) -> None:
         status = self._call(handle, *self._head, b_ptr, *self._b, a_ptr, *self._a, self._beta, c_ptr, *self._c)
@@ -521,6 +527,27 @@ def gemm_splits(groups: int, m: int, n: int, k: int, multiprocessors: int, most=
         return 1
     tiles = -(-m // _GEMM_TILE) * -(-n // _GEMM_TILE)
     return max(1, min(int(most), multiprocessors // tiles, k // _GEMM_SPLIT_DEPTH))
+
+
+def column_panels(executable, column_bytes: int, multiprocessors: int, strict: bool = False) -> int:
+    """Panels of input channels for a weight-only backward's columns (``_Backward``'s
+    ``column_bytes``): the fewest, each a whole number of the channels-last sampler's channel
+    tiles, whose columns over the whole batch take at most ``column_bytes`` (else the most that
+    serve); 1 where they do not serve: deform_im2col's columns, conv groups, several offset or
+    mask groups (the sampler's offsets and mask are indexed by all of them), or a panel whose
+    weight GEMM ``gemm_splits`` would split along the positions (its partial sums are whole rows)."""
+    e, geom = executable, executable.geom
+    if (not e.channels_last or e.G > 1 or (geom.has_offset and e.Go > 1) or (geom.has_mask and e.Gm > 1)
+            or e.C % e.column_tile):
+        return 1
+    tiles = e.C // e.column_tile
+    positions = e.B * e.Q
+    served = [p for p in range(1, tiles + 1) if tiles % p == 0 and (
+        p == 1 or gemm_splits(1, e.Cog, e.C // p * e.K, positions, multiprocessors, strict=strict) == 1)]
+    for p in served:
+        if e.C // p * e.K * positions * e.dtype.itemsize <= column_bytes:
+            return p
+    return served[-1]
 
 
 def _gemm(a, b, c, trans_a: bool = False, trans_b: bool = False, beta: float = 0.0, allow_tf32=None) -> None:
@@ -1273,6 +1300,7 @@ class _Executable:
     needs_scatter = False
     pointer_path = False      # whether run_pointers serves every call (set by the subclasses)
     copy_given = False        # whether the caller gives the input's channels-last copy (_Backward)
+    panels = 1                # the columns' panels of input channels, sampled in turn (_Backward)
 
     def __init__(self, spec):
         geom = self.geom = spec.geom
@@ -1347,10 +1375,12 @@ class _Executable:
                                                                            self.column_vectors, self.column_lanes)
         return found
 
-    def _column_launches(self, c, x, offset, mask, cols, xcl) -> list:
+    def _column_launches(self, c, x, offset, mask, cols, xcl, panel: int = 0) -> list:
         """The launches that fill chunk ``c``'s columns ``cols``, as ``(kernel, grid, block,
         args)``: deform_im2col, or the channels-last copy of ``x`` into ``xcl`` then
-        fused_columns. The pointers come as the caller launches them (arrays or addresses)."""
+        fused_columns; with ``panels``, the columns of panel ``panel``'s channels alone (read
+        from its first channel on in the copy's rows). The pointers come as the caller launches
+        them (arrays or addresses)."""
         q = c.n * c.Q
         if not self.channels_last:
             return [(c.kernels["im2col"], _grid(self.C * q), _BLOCK1,
@@ -1359,14 +1389,20 @@ class _Executable:
         index = np.int64 if wide else np.int32
         copy, sample = self.column_kernels(wide)
         from . import cuda_fused   # (it imports this module)
-        tiles = -(-q // self.column_positions) * -(-self.C // self.column_tile)
+        channels = self.C // self.panels
+        first = panel * channels
+        if first:   # (an address, or the copy's array)
+            xcl = (np.uint64(int(xcl) + first * self.dtype.itemsize) if isinstance(xcl, (int, np.integer))
+                   else xcl[first:])
+        tiles = -(-q // self.column_positions) * -(-channels // self.column_tile)
         taps = _column_taps(tiles, self.K)
         sample_blocks = tiles * -(-self.K // taps)
         return [(copy, cuda_fused.layout_grid(c.n, self.C, self.S), (cuda_fused._THREADS,),
                  (x, xcl, c.i_n, self.i_C, self.i_C, index(self.S), index(self.C * self.S), None, None, index(0),
                   np.int32(0))),
                 (sample, (min(sample_blocks, _MAX_GRID),), (_COLUMN_THREADS,),
-                 (xcl, offset, mask, cols, c.struct, c.i_n, self.i_C, self.i_C, self.i_Go, self.i_Gm, np.int32(taps)))]
+                 (xcl, offset, mask, cols, c.struct, c.i_n, np.int32(channels), self.i_C, self.i_Go, self.i_Gm,
+                  np.int32(taps)))]
 
     def kernels(self, index64: bool) -> dict:
         """Every kernel function of this executable for one index width (compiled here)."""
@@ -1422,16 +1458,18 @@ class _Executable:
         part = array[start:stop]
         return part if part.flags.c_contiguous else cupy.ascontiguousarray(part)
 
-    def _sample_columns(self, ws, c, x, offset, mask, cols, copy=None) -> None:
-        """Chunk ``c``'s columns into ``cols`` (arrays; the channels-last copy in ``ws``, or
-        ``copy``'s: ``_Backward.record``)."""
+    def _sample_columns(self, ws, c, x, offset, mask, cols, copy=None, panel: int = 0) -> None:
+        """Chunk ``c``'s columns (of panel ``panel``'s channels) into ``cols`` (arrays; the
+        channels-last copy in ``ws``, or ``copy``'s: ``_Backward.record``), the copy made by the
+        first panel's launches."""
         if copy is not None:
             xcl, made = copy
         else:
             xcl, made = (self.layout.view(ws, "xcl", ((c.n * self.S + 1) * self.C,)) if self.channels_last
                          else None), False
         if c.n * c.Q > 0:
-            for kernel, grid, block, args in self._column_launches(c, x, offset, mask, cols, xcl)[int(made):]:
+            launches = self._column_launches(c, x, offset, mask, cols, xcl, panel)
+            for kernel, grid, block, args in launches[int(made or panel > 0):]:
                 kernel(grid, block, args)
 
     def _launch(self, kernel, total, args):
@@ -1546,13 +1584,16 @@ class _Backward(_Executable):
 
     needs_scatter = True
 
-    def __init__(self, spec, shared_copy: bool = False, weight_only: bool = False):
+    def __init__(self, spec, shared_copy: bool = False, weight_only: bool = False, column_bytes=None):
         """``shared_copy``: the caller (the fused backward, for its weight gradient) gives the
         input's channels-last copy, the zero row included, in its own part of the workspace
         (``copy`` of ``run``, ``run_pointers`` and ``record``), where this executable's columns
         come from the channels-last sampler in one chunk (``copy_given``); else it makes its own.
         ``weight_only``: it computes the weight gradient alone (the fused backward's, beside its
-        own data gradients), with no column grads or input-gradient accumulator in its workspace."""
+        own data gradients), with no column grads or input-gradient accumulator in its workspace.
+        ``column_bytes`` (weight-only): the columns in panels of input channels
+        (``column_panels``), sampled and multiplied in turn, so that the whole batch's columns of
+        one panel take at most that many bytes."""
         super().__init__(spec)
         it, acc = self.dtype.itemsize, self.acc.itemsize
         geom = self.geom
@@ -1561,15 +1602,27 @@ class _Backward(_Executable):
         half = self.acc != self.dtype
         self.weight_only = bool(weight_only)
         data = not self.weight_only      # whether it computes the input, offset and mask gradients
-        # gy columns + columns (weight) + column grads (data); grad_w in float32 for the half types
-        per_position = self.Co * it + self.C * self.K * (it + (acc if data else 0))
+        try:
+            sms = int(cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"])
+        except Exception:   # no usable device: no split
+            sms = 0
+        strict = self.dtype == np.float32 and not spec.allow_tf32
+        if self.weight_only and column_bytes is not None:
+            self.panels = column_panels(self, column_bytes, sms, strict)
         fixed = self.cublas_bytes + (self.G * self.Cog * self.Cg * self.K * acc if half else 0)
         per_sample = self.C * self.S * acc if half and data else 0     # grad_x accumulated in float32
         # rows: staging of offsets and mask, and of their gradients (data): name -> channels
         staged = {"offset": self.off_ch, "mask": self.m_ch}
         if data:
             staged.update(grad_offset=self.off_ch, grad_mask=self.m_ch)
-        n, rows = self._chunking(per_position, fixed, per_sample, sum(staged.values()) * it, "backward")
+        while True:
+            # gy columns + columns (weight; a panel's) + column grads (data); grad_w in float32 for
+            # the half types
+            per_position = self.Co * it + self.C // self.panels * self.K * it + (self.C * self.K * acc if data else 0)
+            n, rows = self._chunking(per_position, fixed, per_sample, sum(staged.values()) * it, "backward")
+            if rows is None or self.panels == 1:
+                break
+            self.panels = 1   # rows of one sample: deform_im2col's columns, of every channel
         self.rows = rows
         self.pointer_path = rows is None   # run_pointers serves every call (no staging)
         self.copy_given = bool(shared_copy) and self.channels_last and rows is None and n >= self.B
@@ -1577,7 +1630,7 @@ class _Backward(_Executable):
         layout = self.layout = _Layout()
         layout.add("cublas", self.cublas_bytes, np.uint8)
         layout.add("gy", self.Co * nq, self.dtype)
-        layout.add("cols", self.C * self.K * nq, self.dtype)
+        layout.add("cols", self.C // self.panels * self.K * nq, self.dtype)
         if data:
             layout.add("cgrad", self.C * self.K * nq, self.acc)
         if half:
@@ -1585,12 +1638,9 @@ class _Backward(_Executable):
             if data:
                 layout.add("grad_x", n * self.C * self.S, self.acc)
         # the weight gradient's GEMM split along the positions (gemm_splits): its partial sums
-        try:
-            sms = int(cupy.cuda.Device(self.device_id).attributes["MultiProcessorCount"])
-        except Exception:   # no usable device: no split
-            sms = 0
-        strict = self.dtype == np.float32 and not spec.allow_tf32
-        self.gemm_splits = gemm_splits(self.G, self.Cog, self.Cg * self.K, nq, sms, strict=strict)
+        # (never with panels: column_panels)
+        self.gemm_splits = gemm_splits(self.G, self.Cog, self.Cg // self.panels * self.K, nq, sms, strict=strict)
+        assert self.panels == 1 or self.gemm_splits == 1
         if self.gemm_splits > 1:
             layout.add("w_split", self.gemm_splits * self.Cog * self.Cg * self.K, self.acc)
         self._column_layout(n)
@@ -1607,9 +1657,11 @@ class _Backward(_Executable):
         for c in self.chunks:
             q = c.n * c.Q
             if q not in self.gemms:
+                # (with panels, a panel's columns of grad_w, its rows Cg*K long)
+                panel = {} if self.panels == 1 else {"ldc": self.Cg * self.K}
                 self.gemms[q] = (
-                    _Gemm(self.G, self.Cog, self.Cg * self.K, q, self.dtype, self.acc, trans_b=True, beta=1.0,
-                          allow_tf32=spec.allow_tf32),                                    # grad_w += gy @ cols^T
+                    _Gemm(self.G, self.Cog, self.Cg // self.panels * self.K, q, self.dtype, self.acc, trans_b=True,
+                          beta=1.0, allow_tf32=spec.allow_tf32, **panel),                 # grad_w += gy @ cols^T
                     _Gemm(self.G, self.Cg * self.K, q, self.Cog, self.dtype, self.acc, trans_a=True,
                           allow_tf32=spec.allow_tf32) if data else None,                  # cgrad = W^T @ gy
                 )
@@ -1620,6 +1672,8 @@ class _Backward(_Executable):
         self.description = self._describe("backward", n, rows)
         if self.weight_only:
             self.description += ", the weight gradient alone"
+        if self.panels > 1:
+            self.description += f", its columns in {self.panels} panels of {self.C // self.panels} channels"
         if self.gemm_splits > 1:
             self.description += f", weight GEMM split {self.gemm_splits} ways along the positions"
 
@@ -1653,6 +1707,11 @@ class _Backward(_Executable):
             done *= self.dtype.itemsize
             ops.append((1, rest, gy_cols + done, cols + done, w_acc))
         return ops
+
+    @property
+    def _panel_bytes(self) -> int:
+        """How far apart, in bytes, the panels' columns of the weight gradient's accumulator start."""
+        return self.C // self.panels * self.K * self.acc.itemsize
 
     def _check_weight_only(self, data_gradients: bool) -> None:
         if data_gradients and self.weight_only:
@@ -1727,10 +1786,11 @@ class _Backward(_Executable):
             msk = _at(mask, c.start * self.m_ch * Q * it)
             if need_weight:
                 xcl, made = copy if copy is not None else (layout.ptr(ws, "xcl") if self.channels_last else 0, False)
-                launches = self._column_launches(c, x_part, off, msk, _u64(cols), _u64(xcl))
-                for kernel, grid, block, args in launches[int(made):]:
-                    ops.append(_kernel_op(kernel, grid, block, args, 0))
-                ops += self._weight_gemm_ops(q, gy_cols, cols, w_acc, ws)
+                for panel in range(self.panels):   # (the copy made by the first panel's launches)
+                    launches = self._column_launches(c, x_part, off, msk, _u64(cols), _u64(xcl), panel)
+                    for kernel, grid, block, args in launches[int(made or panel > 0):]:
+                        ops.append(_kernel_op(kernel, grid, block, args, 0))
+                    ops += self._weight_gemm_ops(q, gy_cols, cols, w_acc + panel * self._panel_bytes, ws)
             if not need_cgrad:
                 continue
             ops.append((1, gemm_cgrad, w, gy_cols, cgrad))
@@ -1814,11 +1874,12 @@ class _Backward(_Executable):
                 msk = None if mask is None else self._samples(mask, c.start, c.stop)
             x_part = None if x is None else self._samples(x, c.start, c.stop)
             if need_weight:
-                cols = layout.view(ws, "cols", (G, self.Cg * K, q))
-                self._sample_columns(ws, c, x_part, off, msk, cols, copy)
-                for _, gemm, a, b, out_ptr in self._weight_gemm_ops(q, gy.data.ptr, cols.data.ptr, w_acc.data.ptr,
-                                                                    ws.data.ptr):
-                    gemm(handle, a, b, out_ptr)
+                cols = layout.view(ws, "cols", (G, self.Cg // self.panels * K, q))
+                for panel in range(self.panels):
+                    self._sample_columns(ws, c, x_part, off, msk, cols, copy, panel)
+                    for _, gemm, a, b, out_ptr in self._weight_gemm_ops(
+                            q, gy.data.ptr, cols.data.ptr, w_acc.data.ptr + panel * self._panel_bytes, ws.data.ptr):
+                        gemm(handle, a, b, out_ptr)
             if not need_cgrad:
                 continue
             cgrad = layout.view(ws, "cgrad", (G, self.Cg * K, q))

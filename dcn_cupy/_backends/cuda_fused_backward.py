@@ -1449,6 +1449,16 @@ SHARED_COPY = True
 WEIGHT_ONLY_WORKSPACE = True
 
 
+#: That weight gradient's columns in panels of input channels (``_cuda.column_panels``), sampled
+#: and multiplied in turn: the fewest whose columns are no larger than the fused part's
+#: workspace, so that they no longer set the backward's. Computed (132 SMs, weight-only), B=16
+#: C512 14x14: two panels of 256 channels, the backward's workspace 50.7 -> 36.9 MiB in fp16 and
+#: 75.4 -> 47.8 in TF32; 3D B=2 C32 keeps one (its sampler's tile is all 32 channels). Not yet
+#: measured on a GPU (the plans still time it against the fused weight gradient). False: whole
+#: columns (the A/B).
+WEIGHT_COLUMN_PANELS = True
+
+
 def copy_shareable(config: BackwardConfig) -> bool:
     """Whether ``config``'s channels-last copy of x is what cuda/im2col's sampler reads: the whole
     batch, unpadded, at the workspace's start."""
@@ -1459,9 +1469,11 @@ def copy_shareable(config: BackwardConfig) -> bool:
 def weight_through_im2col(config: BackwardConfig, spec):
     """cuda/im2col's backward for the weight gradient beside ``config``'s fused gradients: taking
     their channels-last copy of x (``SHARED_COPY``) where it can (``copy_shareable``), with a
-    workspace for the weight gradient alone (``WEIGHT_ONLY_WORKSPACE``)."""
-    return _cuda._Backward(spec, shared_copy=SHARED_COPY and copy_shareable(config),
-                           weight_only=WEIGHT_ONLY_WORKSPACE)
+    workspace for the weight gradient alone (``WEIGHT_ONLY_WORKSPACE``), its columns in panels
+    no larger than the fused part's workspace (``WEIGHT_COLUMN_PANELS``)."""
+    lean = WEIGHT_ONLY_WORKSPACE
+    return _cuda._Backward(spec, shared_copy=SHARED_COPY and copy_shareable(config), weight_only=lean,
+                           column_bytes=config.workspace_bytes if lean and WEIGHT_COLUMN_PANELS else None)
 
 
 def _key(geom, dtype, allow_tf32: bool) -> tuple:
