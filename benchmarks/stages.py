@@ -168,7 +168,9 @@ def im2col_stages(x, w, off, msk, gy, geom, t, allow_tf32):
         fwd_chunks.append((c, q, fx._samples(x, c.start, c.stop), fx._samples(off, c.start, c.stop),
                            fx._samples(msk, c.start, c.stop), fx.layout.view(fws, "cols", (G, Cg * K, q)),
                            fx.layout.view(fws, "gemm", (G, Cog, q)), y[c.start:c.stop]))
-    w_acc = bx.layout.view(bws, "grad_w", (G, Cog, Cg * K)) if half else gw.reshape(G, Cog, Cg * K)
+    # (the half types' float32 accumulator, where the weight GEMM does not write the gradient itself)
+    w_acc = (gw.reshape(G, Cog, Cg * K) if bx.weight_in_one_gemm or not half
+             else bx.layout.view(bws, "grad_w", (G, Cog, Cg * K)))
     for c in bx.chunks:
         q = c.n * c.Q
         cgrad = bx.layout.view(bws, "cgrad", (G, Cg * K, q))

@@ -1775,7 +1775,7 @@ def test_column_panels_rule(monkeypatch, precision):
     """``column_panels``: the fewest panels of whole sampler tiles whose columns fit the bytes
     given (else the most), 1 where they do not serve; at B=16 C512 14x14 the fused backward's
     weight gradient through cuda/im2col takes two panels of 256 channels (columns no larger than
-    the fused part's workspace), its workspace 36.9 MiB in fp16 and 47.8 in float32 (50.7 and
+    the fused part's workspace), its workspace 27.9 MiB in fp16 and 47.8 in float32 (41.7 and
     75.4 without panels: ``WEIGHT_COLUMN_PANELS`` off). No GPU (``_stub_im2col_builds``)."""
     fb = _backward_module()
     cuda = fb._cuda
@@ -1792,7 +1792,7 @@ def test_column_panels_rule(monkeypatch, precision):
     assert lean.panels == 2 and columns / 2 <= config.workspace_bytes < columns
     assert lean.layout.slots["cols"][1] == 256 * 9 * 16 * 196 and "2 panels of 256 channels" in lean.description
     total = fb.FusedBackward(config, lean).workspace_bytes / 2**20
-    assert round(total, 1) == (36.9 if precision == "float16" else 47.8)
+    assert round(total, 1) == (27.9 if precision == "float16" else 47.8)
     # its launches: the copy once, then per panel its sampling and GEMM, every address in a slot
     for made in (False, True):
         recorded = str(_slotted(lean._record(*_STUB_INPUTS, _STUB_WORKSPACE, frozenset(("weight",)), 0,
@@ -1803,7 +1803,7 @@ def test_column_panels_rule(monkeypatch, precision):
     monkeypatch.setattr(fb, "WEIGHT_COLUMN_PANELS", False)
     whole = fb.weight_through_im2col(config, spec)
     assert whole.panels == 1 and round(fb.FusedBackward(config, whole).workspace_bytes / 2**20, 1) == (
-        50.7 if precision == "float16" else 75.4)
+        41.7 if precision == "float16" else 75.4)
     # the rule: tiles of 256 (half types) or 128 (float32) channels
     tiles = 512 // lean.column_tile
     assert tiles == (2 if precision == "float16" else 4)
@@ -1825,24 +1825,31 @@ def test_column_panels_rule(monkeypatch, precision):
         gemm(1, 4, 9, 16, np.float32, np.float32, ldc=8)
 
 
+@pytest.mark.parametrize("one_gemm", [True, False], ids=["one-gemm", "accumulated"])
 @pytest.mark.parametrize("precision", ["float16", "float32"])
-def test_column_panels_weight_gradient_on_emulated_kernels(monkeypatch, precision):
+def test_column_panels_weight_gradient_on_emulated_kernels(monkeypatch, precision, one_gemm):
     """The weight gradient of a weight-only cuda/im2col backward with its columns in panels
     (each sampled from its channels of the channels-last copy, multiplied into its columns of
-    the gradient) equals the same backward's without panels and the float64 reference's: its
-    kernels and cuBLAS's GEMMs emulated in NumPy on host memory (``_emulate_im2col_builds``),
-    through the recorded launches (its own copy, the caller's made or not) and the direct path."""
+    the gradient) equals the same backward's without panels and the float64 reference's, written
+    by its GEMM (``WEIGHT_IN_ONE_GEMM``) or accumulated from zero (in float32 for float16, then
+    cast): its kernels and cuBLAS's GEMMs emulated in NumPy on host memory
+    (``_emulate_im2col_builds``), through the recorded launches (its own copy, the caller's made
+    or not) and the direct path."""
     fb = _backward_module()
     cuda = fb._cuda
     from dcn_cupy._backends import PlanSpec
     dtype = DTYPE[precision]
     arrays, params, gy, geom = _panels_case(dtype)
     _emulate_im2col_builds(monkeypatch, cuda, geom, dtype)
+    monkeypatch.setattr(cuda, "WEIGHT_IN_ONE_GEMM", one_gemm)
     spec = PlanSpec(geom, dtype, "cuda", 0, False, False)
     built = {(shared, panels): cuda._Backward(spec, shared_copy=shared, weight_only=True,
                                                column_bytes=1 if panels else None)
              for shared in (False, True) for panels in (False, True)}
     assert [e.panels for e in built.values()] == [1, 2, 1, 2] and all(e.copy_given for (s, _), e in built.items() if s)
+    half_accumulator = precision == "float16" and not one_gemm
+    assert all(e.weight_in_one_gemm == one_gemm and ("grad_w" in e.layout.slots) == half_accumulator
+               for e in built.values())
     host = {k: _host(a.shape, dtype) for k, a in dict(arrays, grad_output=gy).items()}
     for k, a in dict(arrays, grad_output=gy).items():
         host[k][...] = a
@@ -1855,13 +1862,13 @@ def test_column_panels_weight_gradient_on_emulated_kernels(monkeypatch, precisio
         ws = _host((e.workspace_bytes,), np.uint8)
         for made in ((False, True) if shared else (None,)):
             ws[...] = 0xFF   # poisoned: every byte read is one written first
-            grad_w = _host(arrays["weight"].shape, dtype)
+            grad_w = _host(arrays["weight"].shape, dtype) + np.nan   # (written whole)
             given = None if made is None else (_address(copy), made)
             _emulated_replay(e._record(*inputs, _address(ws), frozenset(("weight",)), 0, _address(grad_w), 0, 0,
                                        copy=given))
             got[("recorded", shared, panels, made)] = grad_w.copy()
         ws[...] = 0xFF
-        grad_w = _host(arrays["weight"].shape, dtype)
+        grad_w = _host(arrays["weight"].shape, dtype) + np.nan
         e._direct(dict(host, bias=None, wanted=frozenset(("weight",))), {"weight": grad_w}, ws, None,
                   None if not shared else (copy, False))
         got[("direct", shared, panels)] = grad_w.copy()

@@ -155,7 +155,7 @@ def _column_taps(tiles: int, taps: int) -> int:
 def settings() -> tuple:
     """The module settings an executable is built with (part of the functional API's plan key)."""
     return (WORKSPACE_LIMIT_BYTES, TILE_HALO, TILE_SMEM_BYTES, _INT32_SAFE, CHANNELS_LAST_COLUMNS,
-            CHANNELS_LAST_COLUMNS_3D, COLUMN_MIN_LANES)
+            CHANNELS_LAST_COLUMNS_3D, COLUMN_MIN_LANES, WEIGHT_IN_ONE_GEMM)
 
 
 def device_context(device_id: int):
@@ -511,6 +511,12 @@ class _Gemm:
 #: a chunk, 2.614 -> 2.655 (4 splits 2.895): cuBLAS's strict kernel does better unsplit there,
 #: hence ``_GEMM_STRICT_DEPTH``. 1: never split.
 GEMM_SPLITS = 8
+
+#: Where the weight gradient is one GEMM's (one chunk, not split along the positions), that GEMM
+#: writes it in its own dtype (beta 0): no float32 accumulator for the half types (B=16 C512
+#: 14x14 fp16: 9 MiB of workspace), nothing cleared before and no cast after (computed; not yet
+#: measured on a GPU). False: accumulated from zero as over several chunks (the A/B).
+WEIGHT_IN_ONE_GEMM = True
 _GEMM_TILE = 64              # the output tile the rule assumes (cuBLAS's choice is its own)
 _GEMM_SPLIT_DEPTH = 512      # positions a split takes at least
 _GEMM_STRICT_DEPTH = 16384   # strict float32: positions a chunk beyond which it is not split
@@ -1633,14 +1639,20 @@ class _Backward(_Executable):
         layout.add("cols", self.C // self.panels * self.K * nq, self.dtype)
         if data:
             layout.add("cgrad", self.C * self.K * nq, self.acc)
-        if half:
-            layout.add("grad_w", self.G * self.Cog * self.Cg * self.K, self.acc)
-            if data:
-                layout.add("grad_x", n * self.C * self.S, self.acc)
         # the weight gradient's GEMM split along the positions (gemm_splits): its partial sums
         # (never with panels: column_panels)
         self.gemm_splits = gemm_splits(self.G, self.Cog, self.Cg // self.panels * self.K, nq, sms, strict=strict)
         assert self.panels == 1 or self.gemm_splits == 1
+        # the weight gradient written by its one GEMM (WEIGHT_IN_ONE_GEMM: one chunk of a
+        # non-empty batch, not split), else accumulated (in float32 for the half types)
+        self.weight_in_one_gemm = (bool(WEIGHT_IN_ONE_GEMM) and rows is None and 0 < self.B <= n and self.Q > 0
+                                   and self.gemm_splits == 1)
+        self.weight_dtype = self.dtype if self.weight_in_one_gemm else self.acc
+        if half:
+            if not self.weight_in_one_gemm:
+                layout.add("grad_w", self.G * self.Cog * self.Cg * self.K, self.acc)
+            if data:
+                layout.add("grad_x", n * self.C * self.S, self.acc)
         if self.gemm_splits > 1:
             layout.add("w_split", self.gemm_splits * self.Cog * self.Cg * self.K, self.acc)
         self._column_layout(n)
@@ -1660,8 +1672,9 @@ class _Backward(_Executable):
                 # (with panels, a panel's columns of grad_w, its rows Cg*K long)
                 panel = {} if self.panels == 1 else {"ldc": self.Cg * self.K}
                 self.gemms[q] = (
-                    _Gemm(self.G, self.Cog, self.Cg // self.panels * self.K, q, self.dtype, self.acc, trans_b=True,
-                          beta=1.0, allow_tf32=spec.allow_tf32, **panel),                 # grad_w += gy @ cols^T
+                    _Gemm(self.G, self.Cog, self.Cg // self.panels * self.K, q, self.dtype, self.weight_dtype,
+                          trans_b=True, beta=0.0 if self.weight_in_one_gemm else 1.0, allow_tf32=spec.allow_tf32,
+                          **panel),                                                       # grad_w += gy @ cols^T
                     _Gemm(self.G, self.Cg * self.K, q, self.Cog, self.dtype, self.acc, trans_a=True,
                           allow_tf32=spec.allow_tf32) if data else None,                  # cgrad = W^T @ gy
                 )
@@ -1711,7 +1724,7 @@ class _Backward(_Executable):
     @property
     def _panel_bytes(self) -> int:
         """How far apart, in bytes, the panels' columns of the weight gradient's accumulator start."""
-        return self.C // self.panels * self.K * self.acc.itemsize
+        return self.C // self.panels * self.K * self.weight_dtype.itemsize
 
     def _check_weight_only(self, data_gradients: bool) -> None:
         if data_gradients and self.weight_only:
@@ -1772,8 +1785,9 @@ class _Backward(_Executable):
         cgrad = layout.ptr(ws, "cgrad") if need_cgrad else 0   # (none in a weight-only workspace)
         w_size = G * self.Cog * self.Cg * K
         if need_weight:
-            w_acc = layout.ptr(ws, "grad_w") if half else grad_w
-            ops.append((2, w_acc, w_size * acc))
+            w_acc = grad_w if self.weight_in_one_gemm or not half else layout.ptr(ws, "grad_w")
+            if not self.weight_in_one_gemm:
+                ops.append((2, w_acc, w_size * acc))
         if need_input and not half:
             ops.append((2, grad_x, B * C * S * it))
         for c in self.chunks:
@@ -1829,7 +1843,7 @@ class _Backward(_Executable):
             total = B * C * S
             ops.append(_kernel_op(self.final, _grid(total), _BLOCK1, (
                 _u64(grad_x), _u64(bias), _u64(grad_x), self.final_index(total), self.i_C, self.final_index(S)), 0))
-        if need_weight and half:
+        if need_weight and half and not self.weight_in_one_gemm:
             ops.append(_kernel_op(self.final, _grid(w_size), _BLOCK1, (
                 _u64(w_acc), None, _u64(grad_w), self.final_index(w_size), np.int32(1), self.final_index(1)), 0))
         return ops
@@ -1850,9 +1864,10 @@ class _Backward(_Executable):
         grad_off = out.get("offset") if need_offset else None
         grad_m = out.get("mask") if need_mask else None
         if grad_w is not None:
-            w_acc = layout.view(ws, "grad_w", (G, self.Cog, self.Cg * K)) if half else grad_w.reshape(
-                G, self.Cog, self.Cg * K)
-            w_acc.fill(0)
+            w_acc = (grad_w.reshape(G, self.Cog, self.Cg * K) if self.weight_in_one_gemm or not half
+                     else layout.view(ws, "grad_w", (G, self.Cog, self.Cg * K)))
+            if not self.weight_in_one_gemm:
+                w_acc.fill(0)
         if grad_x is not None and not half:
             grad_x.fill(0)
         w_ptr = w.data.ptr
@@ -1918,7 +1933,7 @@ class _Backward(_Executable):
             total = self.B * C * self.S
             self._launch(self.final, total, (grad_x, bias, grad_x, self.final_index(total), self.i_C,
                                              self.final_index(self.S)))
-        if grad_w is not None and half:
+        if grad_w is not None and half and not self.weight_in_one_gemm:
             total = grad_w.size
             self._launch(self.final, total, (w_acc, None, grad_w, self.final_index(total), np.int32(1),
                                              self.final_index(1)))
