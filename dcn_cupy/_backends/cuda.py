@@ -31,8 +31,9 @@ CuPy's current allocator), launches on CuPy's current stream (the cuBLAS handle 
 before the GEMMs) and never synchronises with the host.
 
 Half types (float16, bfloat16) are stored as such in the columns and GEMM operands; the
-GEMMs compute and write float32, every kernel computes in float32 and the buffers that take
-atomics are float32, cast back once at the end. float32 GEMMs use TF32 exactly when the
+GEMMs compute and write float32 (but a weight gradient that is one GEMM's, written in its dtype:
+``WEIGHT_IN_ONE_GEMM``), every kernel computes in float32 and the buffers that take atomics are
+float32, cast back once at the end. float32 GEMMs use TF32 exactly when the
 plan's ``allow_tf32`` is set (the core API reads CuPy's setting when the plan is built; the
 torch adapter passes ``torch.backends.cuda.matmul.allow_tf32``).
 
@@ -1674,7 +1675,7 @@ class _Backward(_Executable):
                 self.gemms[q] = (
                     _Gemm(self.G, self.Cog, self.Cg // self.panels * self.K, q, self.dtype, self.weight_dtype,
                           trans_b=True, beta=0.0 if self.weight_in_one_gemm else 1.0, allow_tf32=spec.allow_tf32,
-                          **panel),                                                       # grad_w += gy @ cols^T
+                          **panel),                                                       # grad_w (+)= gy @ cols^T
                     _Gemm(self.G, self.Cg * self.K, q, self.Cog, self.dtype, self.acc, trans_a=True,
                           allow_tf32=spec.allow_tf32) if data else None,                  # cgrad = W^T @ gy
                 )
