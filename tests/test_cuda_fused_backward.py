@@ -1878,6 +1878,18 @@ def test_column_panels_weight_gradient_on_emulated_kernels(monkeypatch, precisio
     assert relative_error(first.astype(np.float64), expected) < TOL[precision]
 
 
+def _device_and_strided(cupy, arrays: dict, dtype) -> tuple:
+    """``arrays`` on the device in ``dtype``, contiguous and (but the weight) as every other
+    sample of a batch twice as long: a batch stride, the primitive's (cuda/im2col's _direct then,
+    on contiguous copies of the chunk's samples)."""
+    dev = {k: cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
+    strided = {k: cupy.zeros((2 * a.shape[0],) + a.shape[1:], dtype)[::2] for k, a in dev.items() if k != "weight"}
+    for k, a in strided.items():
+        a[...] = dev[k]
+    strided["weight"] = dev["weight"]
+    return dev, strided
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ndim, precision", [(2, "float16"), (2, "tf32"), (3, "float32")])
 def test_weight_gradient_through_im2col_samples_the_fused_copy(ndim, precision, monkeypatch):
@@ -1895,13 +1907,7 @@ def test_weight_gradient_through_im2col_samples_the_fused_copy(ndim, precision, 
     arrays, params, gy = wide_case(rng, ndim, groups=1, offset_groups=2, mask_groups=1, c_out=32, batch=3)
     dtype = DTYPE[precision]
     rounded = {k: a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
-    dev = {k: cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
-    # every other sample of a batch twice as long: a batch stride, the primitive's (cuda/im2col's
-    # _direct then, on contiguous copies of the chunk's samples)
-    strided = {k: cupy.zeros((2 * a.shape[0],) + a.shape[1:], dtype)[::2] for k, a in dev.items() if k != "weight"}
-    for k, a in strided.items():
-        a[...] = dev[k]
-    strided["weight"] = dev["weight"]
+    dev, strided = _device_and_strided(cupy, arrays, dtype)
     gy_dev = cupy.asarray(gy.astype(dtype))
     expected = dict(zip(NAMES, reference.deform_conv_backward(gy.astype(dtype).astype(np.float64), **rounded,
                                                               **params)))
@@ -1947,11 +1953,7 @@ def test_column_panels_weight_gradient(monkeypatch, precision):
     rounded = {k: a.astype(dtype).astype(np.float64) for k, a in arrays.items()}
     expected = dict(zip(NAMES, reference.deform_conv_backward(gy.astype(dtype).astype(np.float64), **rounded,
                                                               **params)))
-    dev = {k: cupy.asarray(a.astype(dtype)) for k, a in arrays.items()}
-    strided = {k: cupy.zeros((2 * a.shape[0],) + a.shape[1:], dtype)[::2] for k, a in dev.items() if k != "weight"}
-    for k, a in strided.items():
-        a[...] = dev[k]
-    strided["weight"] = dev["weight"]
+    dev, strided = _device_and_strided(cupy, arrays, dtype)
     gy_dev = cupy.asarray(gy.astype(dtype))
     spec = PlanSpec(geom, dtype, "cuda", cupy.cuda.runtime.getDevice(), False, precision == "tf32")
     alone = {panels: fb._cuda._Backward(spec, weight_only=True, column_bytes=1 if panels else None)
