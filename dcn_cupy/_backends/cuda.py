@@ -515,8 +515,9 @@ GEMM_SPLITS = 8
 
 #: Where the weight gradient is one GEMM's (one chunk, not split along the positions), that GEMM
 #: writes it in its own dtype (beta 0): no float32 accumulator for the half types (B=16 C512
-#: 14x14 fp16: 9 MiB of workspace), nothing cleared before and no cast after (computed; not yet
-#: measured on a GPU). False: accumulated from zero as over several chunks (the A/B).
+#: 14x14 fp16: 9 MiB of workspace), nothing cleared before and no cast after. H100, session 78,
+#: B=16 C512 14x14 beside the fused backward: f+b 0.937x in fp16 and 0.938x in bf16, peak 47.7 ->
+#: 38.7 MiB. False: accumulated from zero as over several chunks (the A/B).
 WEIGHT_IN_ONE_GEMM = True
 _GEMM_TILE = 64              # the output tile the rule assumes (cuBLAS's choice is its own)
 _GEMM_SPLIT_DEPTH = 512      # positions a split takes at least

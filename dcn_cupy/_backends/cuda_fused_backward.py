@@ -1441,10 +1441,11 @@ SHARED_COPY = True
 #: cuda/im2col's weight gradient beside the fused data gradients lays out only what the weight
 #: gradient needs (``_cuda._Backward(weight_only=True)``): not the whole backward's column grads
 #: and float32 input-gradient accumulator, which it never touches. The backward's workspace (132
-#: SMs, computed; not yet measured on a GPU): B=16 C512 14x14, where the plans take it in fp16
-#: and TF32, 111.9 -> 50.7 MiB in fp16 and 130.5 -> 75.4 in TF32; 3D B=2 C32 32^3 in one chunk
-#: of the batch, not two, sharing the fused backward's channels-last copy of x: 178.9 -> 124.9 MiB
-#: in fp16, 232.8 -> 240.8 in TF32 (within the 256 MiB limit). False: the whole backward's
+#: SMs): B=16 C512 14x14, where the plans take it in fp16 and TF32, 111.9 -> 50.7 MiB in fp16 and
+#: 130.5 -> 75.4 in TF32; 3D B=2 C32 32^3 in one chunk of the batch, not two, sharing the fused
+#: backward's channels-last copy of x: 178.9 -> 124.9 MiB in fp16, 232.8 -> 240.8 in TF32 (within
+#: the 256 MiB limit). H100, session 78 (panels and one GEMM off): f+b peak 122.7 -> 61.5 MiB in
+#: fp16, 152.1 -> 97.0 in TF32, times level (f+b 1.002x, 1.000x). False: the whole backward's
 #: workspace (the A/B).
 WEIGHT_ONLY_WORKSPACE = True
 
@@ -1453,9 +1454,10 @@ WEIGHT_ONLY_WORKSPACE = True
 #: and multiplied in turn: the fewest whose columns are no larger than the fused part's
 #: workspace, so that they no longer set the backward's. Computed (132 SMs, weight-only), B=16
 #: C512 14x14: two panels of 256 channels, the backward's workspace 50.7 -> 36.9 MiB in fp16 and
-#: 75.4 -> 47.8 in TF32; 3D B=2 C32 keeps one (its sampler's tile is all 32 channels). Not yet
-#: measured on a GPU (the plans still time it against the fused weight gradient). False: whole
-#: columns (the A/B).
+#: 75.4 -> 47.8 in TF32; 3D B=2 C32 keeps one (its sampler's tile is all 32 channels). H100,
+#: session 78: f+b peak 52.5 -> 38.7 MiB in fp16 and 97.0 -> 69.4 in TF32 (below torchvision's 42
+#: and 84), for f+b 3.2% and 5.6% slower (a second sampling launch, two half-width GEMMs): on for
+#: the memory. False: whole columns (the A/B).
 WEIGHT_COLUMN_PANELS = True
 
 
