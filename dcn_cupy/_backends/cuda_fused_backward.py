@@ -1445,7 +1445,8 @@ SHARED_COPY = True
 #: 130.5 -> 75.4 in TF32; 3D B=2 C32 32^3 in one chunk of the batch, not two, sharing the fused
 #: backward's channels-last copy of x: 178.9 -> 124.9 MiB in fp16, 232.8 -> 240.8 in TF32 (within
 #: the 256 MiB limit). H100, session 78 (panels and one GEMM off): f+b peak 122.7 -> 61.5 MiB in
-#: fp16, 152.1 -> 97.0 in TF32, times level (f+b 1.002x, 1.000x). False: the whole backward's
+#: fp16, 152.1 -> 97.0 in TF32, times level (f+b 1.002x, 1.000x); 3D 200.5 -> 146.5 in fp16 and
+#: 276.0 -> 284.0 in TF32, f+b 0.979x and 0.982x. False: the whole backward's
 #: workspace (the A/B).
 WEIGHT_ONLY_WORKSPACE = True
 
