@@ -616,16 +616,27 @@ def test_runs_on_torch_current_stream():
     torch.cuda.synchronize()
 
     host = {k: args[k].float().pin_memory() for k in names}
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        # Keep the side stream busy, then produce the inputs on it: a kernel launched on any
-        # other stream (without waiting for s) would read them before they are written.
-        torch.cuda._sleep(500_000_000)
+
+    def side_stream_leaves():
         leaves = {}
         for k in names:
             t = torch.empty(host[k].shape, device="cuda").fill_(float("nan"))
             t.copy_(host[k], non_blocking=True)
             leaves[k] = t.requires_grad_()
+        return leaves
+
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        # torch's first making of these inputs in a process (empty, fill_, copy_) waited for the
+        # device (on an H100: 2 s behind a 2 s sleep when this test ran first), so make them once
+        # before the sleep: the test is about the op, not torch's set-up.
+        side_stream_leaves()
+        s.synchronize()
+        # Keep the side stream busy, then produce the inputs on it: a kernel launched on any
+        # other stream (without waiting for s) would read them before they are written.
+        torch.cuda._sleep(500_000_000)
+        leaves = side_stream_leaves()
+        assert not s.query(), "making the inputs synchronised with the side stream"
         y = dct.deform_conv2d(**leaves, **params)
         assert not s.query(), "the op synchronised with the side stream"
         g = torch.empty_like(y).copy_(grad_out)
