@@ -1791,8 +1791,11 @@ def test_column_panels_rule(monkeypatch, precision):
     columns = 512 * 9 * 16 * 196 * dtype.itemsize
     assert lean.panels == 2 and columns / 2 <= config.workspace_bytes < columns
     assert lean.layout.slots["cols"][1] == 256 * 9 * 16 * 196 and "2 panels of 256 channels" in lean.description
-    total = fb.FusedBackward(config, lean).workspace_bytes / 2**20
-    assert round(total, 1) == (27.9 if precision == "float16" else 47.8)
+    both = fb.FusedBackward(config, lean)
+    assert round(both.workspace_bytes / 2**20, 1) == (27.9 if precision == "float16" else 47.8)
+    # the plan's description (the fused backward's) says what the weight gradient does
+    assert "weight gradient through cuda/im2col" in both.description, both.description
+    assert "(cuda/im2col backward: " in both.description and "2 panels of 256 channels" in both.description
     # its launches: the copy once, then per panel its sampling and GEMM, every address in a slot
     for made in (False, True):
         recorded = str(_slotted(lean._record(*_STUB_INPUTS, _STUB_WORKSPACE, frozenset(("weight",)), 0,

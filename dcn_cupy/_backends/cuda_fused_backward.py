@@ -1344,8 +1344,10 @@ class FusedBackward:
         self.workspace_bytes = max(config.workspace_bytes,
                                    self._weight_at + weight_gradient.workspace_bytes if weight_gradient else 0)
         self.description = config.description
-        if self._weight_at:
-            self.description += " (its columns from the channels-last copy of the input)"
+        if weight_gradient is not None:   # what that weight gradient does: its panels, split GEMM
+            self.description += (f" ({weight_gradient.description}"
+                                 + (", its columns from the channels-last copy of the input" if self._weight_at else "")
+                                 + ")")
         # the raw-address path: ours always; cuda/im2col's weight gradient where it has one
         self.pointer_path = weight_gradient is None or bool(getattr(weight_gradient, "pointer_path", False))
         self._recordings = _cuda.Recordings()
