@@ -69,6 +69,60 @@ def test_gradients_match_finite_differences(ndim, transposed, seed):
         assert actual == pytest.approx(expected, rel=1e-6, abs=1e-8), f"{name}: {case.label}"
 
 
+def _sampled_channels_per_run(case, transposed):
+    """The channels a sampling kernel takes together at most: those of one offset group and one
+    mask group (the output channels in the transposed operation)."""
+    a, ndim = case.arrays_, case.arrays_["input"].ndim - 2
+    taps = int(np.prod(a["weight"].shape[2:]))
+    channels = a["weight"].shape[1] * case.params["groups"] if transposed else a["input"].shape[1]
+    offset_groups, mask_groups = a["offset"].shape[1] // (taps * ndim), a["mask"].shape[1] // taps
+    return min(channels // offset_groups, channels // mask_groups)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_channel_quads_and_single_channels_match_the_reference(ndim, transposed):
+    """Runs of ``cpu.QUAD`` channels of one offset group and one mask group read each position's
+    corners once; the channels left over run one by one. Both, in one call, against the float64
+    reference and finite differences."""
+    from dcn_cupy._backends import cpu
+
+    rng = np.random.default_rng(6000 + (3 if transposed else 0))
+    case = random_case(rng, ndim, transposed, channels_scale=3)
+    run = _sampled_channels_per_run(case, transposed)
+    assert run > cpu.QUAD and run % cpu.QUAD, case.label  # quads and single channels
+    out = case.forward(**case.arrays(), **case.params)
+    assert relative_error(out, case.reference()) < 1e-10, case.label
+    grad_output = rng.standard_normal(out.shape)
+    grads = case.backward(grad_output, **case.arrays(), **case.params)
+    for name in ARGUMENTS:
+        direction = rng.standard_normal(case.arrays_[name].shape)
+        expected = directional_derivative(case, name, grad_output, direction)
+        actual = float(np.vdot(getattr(grads, name), direction))
+        assert actual == pytest.approx(expected, rel=1e-6, abs=1e-8), f"{name}: {case.label}"
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_int64_plan_indices_give_the_same_bits(ndim, transposed, monkeypatch):
+    """Sampling plans index in uint32 up to ``cpu.INDEX32_LIMIT`` positions a channel, else in
+    int64 (inputs of 2^32 positions and more): the int64 kernels, forced here on a small problem,
+    give the same bits."""
+    from dcn_cupy._backends import cpu
+
+    rng = np.random.default_rng(6100 + ndim)
+    case = random_case(rng, ndim, transposed, channels_scale=3)
+    arrays = case.arrays(lambda a: a.astype(np.float32))
+    grad_output = rng.standard_normal(case.reference().shape).astype(np.float32)
+    results = []
+    for limit in (cpu.INDEX32_LIMIT, 0):
+        monkeypatch.setattr(cpu, "INDEX32_LIMIT", limit)
+        results.append((case.forward(**arrays, **case.params), case.backward(grad_output, **arrays, **case.params)))
+    np.testing.assert_array_equal(results[1][0], results[0][0])
+    for name in ARGUMENTS:
+        np.testing.assert_array_equal(getattr(results[1][1], name), getattr(results[0][1], name), err_msg=name)
+
+
 @pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])
 def test_gradients_float32_match_float64(transposed):
     rng = np.random.default_rng(3)

@@ -250,7 +250,7 @@ def test_read_only_arrays_use_the_same_compilation():
     gy = rng.standard_normal((2, 4, 6, 6)).astype(np.float32)
     y = dcn_cupy.deform_conv2d(x, w, off, m, padding=1)
     grads = dcn_cupy.deform_conv2d_backward(gy, x, w, off, m, padding=1)
-    kernels = {name: cpu._compiled_kernel(name, np.float32) for name in cpu._KERNELS}
+    kernels = {name: cpu._compiled_kernel(name, np.float32, np.uint32) for name in cpu._KERNELS}
     for a in (x, w, off, m, gy):
         a.flags.writeable = False
     y_ro = dcn_cupy.deform_conv2d(x, w, off, m, padding=1)
@@ -260,7 +260,7 @@ def test_read_only_arrays_use_the_same_compilation():
         np.testing.assert_array_equal(getattr(grads_ro, name), getattr(grads, name))
     for name, kernel in kernels.items():
         assert len(kernel.overloads) == 1, (name, list(kernel.overloads))
-        assert cpu._compiled_kernel(name, np.float32) is kernel
+        assert cpu._compiled_kernel(name, np.float32, np.uint32) is kernel
 
 
 def test_cache_location_follows_the_environment(monkeypatch, tmp_path):
