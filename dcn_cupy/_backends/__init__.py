@@ -261,29 +261,48 @@ def get_backend(device: str):
 
 
 class _NumbaBackend:
-    """``cpu/numba``: the Numba loops and BLAS GEMMs of ``cpu.py``."""
+    """``cpu/numba``: the Numba loops (along positions) and BLAS GEMMs of ``cpu.py``."""
 
     device = "cpu"
     algorithm = "numba"
     priority = 0
     primitives = PRIMITIVES
+    module = "cpu"
+    summary = "sampling plan + BLAS, loops along positions, chunked over the batch"
 
     def serves(self, spec, primitive):
         return None
 
     def build(self, spec, primitive):
-        return _NumbaExecutable(spec, primitive)
+        return _NumbaExecutable(self, spec, primitive)
+
+
+class _ChannelsLastBackend(_NumbaBackend):
+    """``cpu/channels-last``: ``cpu_channels_last.py``'s loops along channels, chosen where every
+    run of channels of one offset, mask and conv group is long enough to fill them."""
+
+    algorithm = "channels-last"
+    priority = 10
+    module = "cpu_channels_last"
+    summary = "sampling plan + BLAS, loops along channels of a channels-last copy, chunked over the batch"
+
+    def recommends(self, spec, primitive):
+        from . import cpu_channels_last as cl
+        run = cl.channel_run(spec.geom)
+        if run < cl.MIN_CHANNELS:
+            return (f"runs of {run} channels share an offset, mask and conv group, under the "
+                    f"{cl.MIN_CHANNELS} its loops along channels need (cpu/numba loops along positions)")
+        return None
 
 
 class _NumbaExecutable:
     workspace_bytes = 0
 
-    def __init__(self, spec, primitive):
-        from . import cpu
-        self._cpu = cpu            # the module: its entry points are looked up per call
+    def __init__(self, backend, spec, primitive):
+        self._cpu = importlib.import_module(f"dcn_cupy._backends.{backend.module}")  # entry points looked up per call
         self.geom = spec.geom
         self.primitive = primitive
-        self.description = "cpu/numba: sampling plan + BLAS, chunked over the batch" + (
+        self.description = f"cpu/{backend.algorithm}: {backend.summary}" + (
             "; deterministic (no atomics: bitwise repeatable at any thread count)" if spec.deterministic else "")
 
     def run(self, args, out, workspace):
@@ -301,6 +320,7 @@ class _NumbaExecutable:
 
 
 register(_NumbaBackend())
+register(_ChannelsLastBackend())
 register_lazy("cuda", "im2col", 0, "dcn_cupy._backends.cuda:BACKEND")
 register_lazy("cuda", "im2col-deterministic", -1, "dcn_cupy._backends.cuda_deterministic:BACKEND")
 register_lazy("cuda", "fused", 20, "dcn_cupy._backends.cuda_fused:BACKEND")

@@ -140,6 +140,12 @@ def _signature(name, dtype, index_dtype):
         "_offset_mask_grads": (array(f, 3, True), array(f, 3, True), array(f, 3, True), flag, i64, index,
                                weight, array(f, 6, True), i64, flag, flag, array(types.float64, 3),
                                array(types.float64, 3)),
+        # cpu_channels_last's: the conv groups' count follows the mask groups'
+        "_im2col_cl": (array(f, 3, True), array(f, 3, True), flag, i64, i64, index, weight, array(f, 5)),
+        "_col2im_cl": (array(f, 5, True), array(f, 3, True), flag, i64, i64, index, weight, i64, array(f, 3)),
+        "_offset_mask_grads_cl": (array(f, 3, True), array(f, 5, True), array(f, 3, True), flag, i64, i64, index,
+                                  weight, array(f, 6, True), i64, flag, flag, array(types.float64, 3),
+                                  array(types.float64, 3)),
     }[name]
     return types.void(*args, i64, i64)
 
@@ -900,7 +906,7 @@ class _Workspace:
     be converted or gathered from a strided batch.
     """
 
-    def __init__(self, geom, dtype, *, columns, column_grads, dweight, grads, input_copy):
+    def __init__(self, geom, dtype, *, columns, column_grads, dweight, grads, input_copy, copies=None):
         itemsize = dtype.itemsize
         taps = max(geom.offset_groups, 1) * geom.kernel_volume
         index_size = plan_index_dtype(geom).itemsize
@@ -911,7 +917,9 @@ class _Workspace:
         # _offset_mask_grads keeps per-group corner sums of one tap in every running thread.
         grad_rows += num_threads() * max(geom.offset_groups, 1) * (1 << geom.ndim) if dweight else 0
         self.per_position = plan + itemsize * (rows + staged + geom.out_channels) + 8 * grad_rows
-        self.per_sample = geom.in_channels * geom.input_size * itemsize if input_copy else 0
+        # Per sample: ``copies`` input-sized arrays (cpu_channels_last's), else one where ``input_copy``.
+        copies = int(input_copy) if copies is None else copies
+        self.per_sample = copies * geom.in_channels * geom.input_size * itemsize
         self.limit = workspace_limit()
         self.geom = geom
         q = geom.output_size

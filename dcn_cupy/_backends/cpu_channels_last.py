@@ -1,0 +1,405 @@
+"""CPU backend, channels-last algorithm (``cpu/channels-last``): the loops run along channels.
+
+The input is copied channels-last, ``(B, S, C)``, so that one corner of one sampling point is
+a contiguous row of channels. Each (sample, position, tap, offset group)'s corners and weights
+are read once from the sampling plan (``cpu._Plan``, shared with ``cpu/numba``) and applied to a
+whole run of channels by loops that vectorise: the coordinates are computed once per sampling
+point and reused across channels, as in DCNv4's kernels. The columns and column gradients are
+laid out to match, ``(B, G, P, K, C_in/G)`` (position, then tap, then channel of the conv group),
+and the weights are reordered to ``(G, C_out/G, K, C_in/G)`` for the GEMMs:
+
+* forward:   columns[b, g, q, t, :] = mask * sum_corners weight * x_cl[b, index, channels of g];
+  y[b, g] = W'_g @ columns[b, g]^T
+* to input:  column grads[b, g] = grad_y[b, g]^T @ W'_g, scattered back into a channels-last
+  input gradient (each job owns a block of channels), then transposed into place
+* weight:    grad_W'_g = sum_b grad_y[b, g] @ columns[b, g]
+* offset, mask: per (sample, tap, position), sums over channels of column grads times the
+  sampled value (mask) or its corners (offset)
+
+A corner of weight zero is skipped, which gives the exact rule of the reference (it reads
+nothing, so no 0 * inf) with no test of the values: an accumulator that starts at +0 is the same
+with or without a zero term. Every job owns what it writes and the parts are cut by the shape
+alone, so results are bitwise the same at any thread count; the sums over channels of the offset
+and mask gradients are vectorised (re-associated), so their bits may differ from ``cpu/numba``'s
+and between CPUs of different vector widths.
+
+Where it serves: every configuration. Where it is chosen (``recommends``): where every run of
+channels that shares an offset group, a mask group and a conv group has at least
+``MIN_CHANNELS`` channels; shorter runs leave its vector loops mostly empty, and ``cpu/numba``'s
+loops along positions are faster there (benchmarks/README.md, "CPU kernels").
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from . import cpu
+from .cpu import POSITION_BLOCK, _kernel, _parallel_for
+
+#: Shortest run of channels (one offset group, one mask group, one conv group) for which plans
+#: choose this algorithm over ``cpu/numba`` (measured, benchmarks/README.md "CPU kernels").
+MIN_CHANNELS = 8
+
+#: Fewest channels of the input gradient one scatter job owns (a 64-byte line of float32).
+CHANNEL_BLOCK = 16
+
+
+def channel_run(geom) -> int:
+    """The length every run of input channels with one offset group, one mask group and one
+    conv group is a multiple of (the runs' boundaries are multiples of each group's size)."""
+    c = geom.in_channels
+    return math.gcd(c // max(geom.offset_groups, 1), c // max(geom.mask_groups, 1), c // geom.groups)
+
+
+# ---------------------------------------------------------------------------------------------
+# Numba kernels (signatures in cpu._signature). Each runs the jobs [start, stop) of its loop.
+
+
+@njit(nogil=True, error_model="numpy")
+def _runs(channels, n_offset_groups, n_mask_groups, n_groups):
+    """The runs of channels that share an offset, a mask and a conv group, computed once per call
+    (no divisions in the loops): rows of (first channel, end, conv group, offset group, mask
+    group, the conv group's first channel). Unsigned, so that an index computed from them is
+    known to be non-negative: a signed one is tested for Python's negative indices at every
+    element, which keeps the loops along channels from vectorising (4x slower)."""
+    per_offset, per_mask, per_group = channels // n_offset_groups, channels // n_mask_groups, channels // n_groups
+    runs = np.empty((channels, 6), dtype=np.uint64)
+    n, c = 0, 0
+    while c < channels:
+        end = min(channels, (c // per_offset + 1) * per_offset, (c // per_mask + 1) * per_mask,
+                  (c // per_group + 1) * per_group)
+        g = c // per_group
+        runs[n, 0], runs[n, 1], runs[n, 2], runs[n, 3], runs[n, 4], runs[n, 5] = (
+            c, end, g, c // per_offset, c // per_mask, g * per_group)
+        n, c = n + 1, end
+    return runs[:n]
+
+
+@_kernel
+def _im2col_cl(x, mask, has_mask, n_mask_groups, n_groups, index, weight, columns, start, stop):
+    batch, _, channels = x.shape
+    n_offset_groups, taps, positions, corners = index.shape[1], index.shape[2], index.shape[3], index.shape[4]
+    runs = _runs(channels, n_offset_groups, n_mask_groups, n_groups)
+    blocks = (positions + POSITION_BLOCK - 1) // POSITION_BLOCK
+    values = np.zeros(channels)  # float64 sums, corner by corner, where a corner's weight is 0
+    # (No sub-array views in the loops: each would count a reference to its array.)
+    for job in range(start, stop):  # jobs: batch * blocks, each owns columns[b, :, block]
+        b = job // blocks
+        q0 = (job % blocks) * POSITION_BLOCK
+        for q in range(q0, min(q0 + POSITION_BLOCK, positions)):
+            for t in range(taps):
+                for r in range(runs.shape[0]):
+                    c0, c1, o = runs[r, 0], runs[r, 1], runs[r, 5]
+                    g, go, m_row = np.int64(runs[r, 2]), np.int64(runs[r, 3]), np.int64(runs[r, 4]) * taps + t
+                    m = mask[b, m_row, q] if has_mask else mask[0, 0, 0]
+                    # The sum over the corners of non-zero weight, in corner order, in float64.
+                    w0, w1 = weight[b, go, t, q, 0], weight[b, go, t, q, 1]
+                    if corners == 4:
+                        w2, w3 = weight[b, go, t, q, 2], weight[b, go, t, q, 3]
+                        if w0 != 0.0 and w1 != 0.0 and w2 != 0.0 and w3 != 0.0:
+                            i0, i1 = index[b, go, t, q, 0], index[b, go, t, q, 1]
+                            i2, i3 = index[b, go, t, q, 2], index[b, go, t, q, 3]
+                            for j in range(c0, c1):
+                                value = (((0.0 + w0 * x[b, i0, j]) + w1 * x[b, i1, j]) + w2 * x[b, i2, j]
+                                         ) + w3 * x[b, i3, j]
+                                columns[b, g, q, t, j - o] = value * m if has_mask else value
+                            continue
+                    elif corners == 2 and w0 != 0.0 and w1 != 0.0:
+                        i0, i1 = index[b, go, t, q, 0], index[b, go, t, q, 1]
+                        for j in range(c0, c1):
+                            value = (0.0 + w0 * x[b, i0, j]) + w1 * x[b, i1, j]
+                            columns[b, g, q, t, j - o] = value * m if has_mask else value
+                        continue
+                    values[c0:c1] = 0.0
+                    for k in range(corners):
+                        w = weight[b, go, t, q, k]
+                        if w != 0.0:
+                            i = index[b, go, t, q, k]
+                            for j in range(c0, c1):
+                                values[j] += w * x[b, i, j]
+                    for j in range(c0, c1):
+                        columns[b, g, q, t, j - o] = values[j] * m if has_mask else values[j]
+
+
+@_kernel
+def _col2im_cl(column_grads, mask, has_mask, n_mask_groups, n_groups, index, weight, channel_block, grad_x,
+               start, stop):
+    batch, _, channels = grad_x.shape
+    n_offset_groups, taps, positions, corners = index.shape[1], index.shape[2], index.shape[3], index.shape[4]
+    runs = _runs(channels, n_offset_groups, n_mask_groups, n_groups)
+    blocks = (channels + channel_block - 1) // channel_block
+    for job in range(start, stop):  # jobs: batch * blocks, each owns grad_x[b, :, block of channels]
+        b = job // blocks
+        block0 = np.uint64((job % blocks) * channel_block)
+        block1 = np.uint64(min((job % blocks) * channel_block + channel_block, channels))
+        for t in range(taps):  # in the sampling plan's order
+            for q in range(positions):
+                for r in range(runs.shape[0]):
+                    c0, c1 = max(runs[r, 0], block0), min(runs[r, 1], block1)
+                    if c0 >= c1:
+                        continue
+                    o = runs[r, 5]
+                    g, go, m_row = np.int64(runs[r, 2]), np.int64(runs[r, 3]), np.int64(runs[r, 4]) * taps + t
+                    m = mask[b, m_row, q] if has_mask else mask[0, 0, 0]
+                    # Only the corners of non-zero weight: a non-finite gradient reaches nothing else.
+                    for k in range(corners):
+                        w = weight[b, go, t, q, k]
+                        if w != 0.0:
+                            i = index[b, go, t, q, k]
+                            if has_mask:
+                                for j in range(c0, c1):
+                                    grad_x[b, i, j] += (column_grads[b, g, q, t, j - o] * m) * w
+                            else:
+                                for j in range(c0, c1):
+                                    grad_x[b, i, j] += column_grads[b, g, q, t, j - o] * w
+
+
+@_kernel
+def _offset_mask_grads_cl(x, column_grads, mask, has_mask, n_mask_groups, n_groups, index, weight, dweight, ndim,
+                          want_offset, want_mask, grad_offset, grad_mask, start, stop):
+    batch, _, channels = x.shape
+    n_offset_groups, taps, positions, corners = index.shape[1], index.shape[2], index.shape[3], index.shape[4]
+    runs = _runs(channels, n_offset_groups, n_mask_groups, n_groups)
+    blocks = (positions + POSITION_BLOCK - 1) // POSITION_BLOCK
+    sums = np.zeros(corners)  # per corner: the offset group's sum over channels of mask * grad * x
+    terms = np.zeros(corners)  # per corner: the run's sum over channels of grad * x
+    for job in range(start, stop):  # jobs: batch * blocks, each owns the gradients' entries of a block
+        b = job // blocks
+        q0 = (job % blocks) * POSITION_BLOCK
+        for q in range(q0, min(q0 + POSITION_BLOCK, positions)):
+            for t in range(taps):
+                sums[:] = 0.0
+                for r in range(runs.shape[0]):
+                    c0, c1, o = runs[r, 0], runs[r, 1], runs[r, 5]
+                    g, go, m_row = np.int64(runs[r, 2]), np.int64(runs[r, 3]), np.int64(runs[r, 4]) * taps + t
+                    m = mask[b, m_row, q] if has_mask else mask[0, 0, 0]
+                    _run_sums(x, column_grads, b, g, q, t, o, c0, c1, index, weight, go, m, has_mask, sums, terms)
+                    if want_mask:
+                        # sum_j grad_j * sample_j = sum_k w_k * sum_j grad_j x_kj over the corners of
+                        # non-zero weight (0 where there are none: the tap samples nothing)
+                        term = 0.0
+                        for k in range(corners):
+                            w = weight[b, go, t, q, k]
+                            if w != 0.0:
+                                term += w * terms[k]
+                        grad_mask[b, m_row, q] += term
+                    if want_offset and (r + 1 == runs.shape[0] or np.int64(runs[r + 1, 3]) != go):  # group's last run
+                        o_row = (go * taps + t) * ndim
+                        for a in range(ndim):
+                            total = 0.0
+                            for k in range(corners):
+                                total += dweight[b, go, t, q, k, a] * sums[k]
+                            if not math.isfinite(total):  # outside and zero-slope corners add nothing
+                                total = 0.0
+                                for k in range(corners):
+                                    slope = dweight[b, go, t, q, k, a]
+                                    if slope != 0.0:
+                                        total += slope * sums[k]
+                            grad_offset[b, o_row + a, q] = total
+                        sums[:] = 0.0
+
+
+@njit(nogil=True, error_model="numpy", fastmath={"reassoc"})
+def _run_sums(x, column_grads, b, g, q, t, o, c0, c1, index, weight, go, m, has_mask, sums, terms):
+    """Over the channels [c0, c1) of one run, per corner k: ``sums[k] += sum_j (m * grad_j) *
+    x_kj`` (every corner: its slope may be non-zero where its weight is 0) and ``terms[k] =
+    sum_j grad_j * x_kj``, in float64, re-associated so that the loops vectorise."""
+    corners = index.shape[4]
+    if corners == 4:
+        i0, i1, i2, i3 = index[b, go, t, q, 0], index[b, go, t, q, 1], index[b, go, t, q, 2], index[b, go, t, q, 3]
+        s0 = s1 = s2 = s3 = 0.0
+        d0 = d1 = d2 = d3 = 0.0
+        for j in range(c0, c1):
+            grad = column_grads[b, g, q, t, j - o]
+            scaled = grad * m if has_mask else grad
+            v0, v1, v2, v3 = x[b, i0, j], x[b, i1, j], x[b, i2, j], x[b, i3, j]
+            s0 += scaled * v0
+            s1 += scaled * v1
+            s2 += scaled * v2
+            s3 += scaled * v3
+            d0 += grad * v0
+            d1 += grad * v1
+            d2 += grad * v2
+            d3 += grad * v3
+        sums[0] += s0
+        sums[1] += s1
+        sums[2] += s2
+        sums[3] += s3
+        terms[0], terms[1], terms[2], terms[3] = d0, d1, d2, d3
+        return
+    for k in range(corners):
+        i = index[b, go, t, q, k]
+        s = d = 0.0
+        for j in range(c0, c1):
+            grad = column_grads[b, g, q, t, j - o]
+            scaled = grad * m if has_mask else grad
+            s += scaled * x[b, i, j]
+            d += grad * x[b, i, j]
+        sums[k] += s
+        terms[k] = d
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+
+
+def _channels_last(part, dtype):
+    """The staged chunk ``part`` (Bc, C, S) as a C-contiguous (Bc, S, C) copy in ``dtype``."""
+    return np.ascontiguousarray(part.transpose(0, 2, 1), dtype=dtype)
+
+
+def _reordered_weight(weight, geom, dtype):
+    """(C_out, C_in/G, *k) -> (G, C_out/G, K, C_in/G): the GEMMs' order of the columns."""
+    w = np.asarray(weight, dtype=dtype).reshape(geom.groups, geom.out_channels_per_group,
+                                                geom.in_channels_per_group, geom.kernel_volume)
+    return np.ascontiguousarray(w.transpose(0, 1, 3, 2))
+
+
+def _layout(geom, batch, positions, dtype):
+    """An empty (Bc, G, P, K, C_in/G) array: the columns or column gradients of a chunk."""
+    return np.empty((batch, geom.groups, positions, geom.kernel_volume, geom.in_channels_per_group), dtype=dtype)
+
+
+def _gemm_view(a, geom):
+    """A (Bc, G, P, K, C_in/G) array as (Bc, G, K * C_in/G, P): the GEMMs' transposed operand."""
+    return a.reshape(a.shape[0], geom.groups, a.shape[2], -1).transpose(0, 1, 3, 2)
+
+
+def _channel_block(channels, batch):
+    """The channels of one scatter job: as many as leave about one job a thread (every job walks
+    the whole sampling plan), a multiple of CHANNEL_BLOCK. Each input-gradient element gets its
+    additions in the same order whatever the blocks, so this may follow the thread count."""
+    per_sample = max(1, -(-cpu.num_threads() // batch))
+    return -(-(-(-channels // per_sample)) // CHANNEL_BLOCK) * CHANNEL_BLOCK
+
+
+def _columns(xcl, mask, plan, geom, dtype):
+    batch, positions = plan.index.shape[0], plan.index.shape[3]
+    columns = _layout(geom, batch, positions, dtype)
+    m, has_mask, mask_groups = cpu._mask_args(mask, geom, dtype)
+    _parallel_for("_im2col_cl", dtype, plan.index.dtype,
+                  (xcl, m, has_mask, mask_groups, geom.groups, plan.index, plan.weight, columns),
+                  batch * cpu._position_blocks(positions))
+    return columns
+
+
+def _workspace(geom, dtype, *, columns, column_grads, dweight, grads, input_copy, grad_copy):
+    """cpu/numba's chunking, with this algorithm's per-sample copies: the channels-last input
+    (``input_copy``) and input gradient (``grad_copy``)."""
+    space = cpu._Workspace(geom, dtype, columns=columns, column_grads=column_grads, dweight=dweight, grads=grads,
+                           input_copy=input_copy, copies=int(input_copy) + int(grad_copy))
+    return space
+
+
+def conv_forward(x, weight, offset, mask, bias, geom):
+    """``y = deform_conv(x) (+ bias)``, shape ``geom.y_shape``, in ``x``'s dtype."""
+    with cpu._single_threaded_blas:
+        return _conv_forward(x, weight, offset, mask, bias, geom)
+
+
+def _conv_forward(x, weight, offset, mask, bias, geom):
+    dtype = cpu.compute_dtype(x.dtype)
+    space = _workspace(geom, dtype, columns=True, column_grads=False, dweight=False, grads=False,
+                       input_copy=True, grad_copy=False)
+    w = _reordered_weight(weight, geom, dtype).reshape(geom.groups, geom.out_channels_per_group, -1)
+    y = np.empty((geom.batch, geom.groups, geom.out_channels_per_group, geom.output_size), dtype=dtype)
+    staged = None
+    for chunk in space.chunks():
+        if staged is None or staged[0] != (chunk.b0, chunk.b1):
+            staged = None  # free the last copy first
+            staged = ((chunk.b0, chunk.b1), _channels_last(cpu._stage(x, chunk, dtype, positions=False), dtype))
+        off = None if offset is None else cpu._stage(offset, chunk, dtype)
+        msk = None if mask is None else cpu._stage(mask, chunk, dtype)
+        plan = cpu._Plan(geom, chunk, off, False, dtype)
+        columns = _columns(staged[1], msk, plan, geom, dtype)
+        cpu._matmul(w[None], _gemm_view(columns, geom), y[chunk.b0:chunk.b1, :, :, chunk.q0:chunk.q1])
+        del plan, columns, off, msk  # before the next chunk allocates its own
+    y = y.reshape(geom.y_shape)
+    cpu._add_bias(y, bias, geom.ndim)
+    return y.astype(x.dtype, copy=False)
+
+
+def conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias=None):
+    """``cpu.conv_backward``'s contract, computed channels-last."""
+    with cpu._single_threaded_blas:
+        return _conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias)
+
+
+def _conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias):
+    dtype = cpu.compute_dtype(grad_output.dtype)
+    out_dtype = grad_output.dtype
+    need_input, need_weight = "input" in wanted, "weight" in wanted
+    need_offset = "offset" in wanted and offset is not None
+    need_mask = "mask" in wanted and mask is not None
+    need_grads = need_input or need_offset or need_mask
+    need_x = need_weight or need_offset or need_mask
+    space = _workspace(geom, dtype, columns=need_weight, column_grads=need_grads, dweight=need_offset,
+                       grads=need_offset or need_mask, input_copy=need_x, grad_copy=need_input)
+    w = _reordered_weight(weight, geom, dtype).reshape(geom.groups, geom.out_channels_per_group, -1)
+    grad_x = np.zeros((geom.batch, geom.in_channels, geom.input_size), dtype=dtype) if need_input else None
+    grad_w = np.zeros(w.shape, dtype=np.float64) if need_weight else None
+    grad_off = np.zeros(geom.offset_shape[:2] + (geom.output_size,), np.float64) if need_offset else None
+    grad_m = np.zeros(geom.mask_shape[:2] + (geom.output_size,), np.float64) if need_mask else None
+    staged = None
+    for chunk in space.chunks():
+        batch, positions = chunk.batch, chunk.positions
+        if need_x and (staged is None or staged[0] != (chunk.b0, chunk.b1)):
+            staged = None
+            staged = ((chunk.b0, chunk.b1), _channels_last(cpu._stage(x, chunk, dtype, positions=False), dtype))
+        xcl = None if staged is None else staged[1]
+        off = None if offset is None else cpu._stage(offset, chunk, dtype)
+        msk = None if mask is None else cpu._stage(mask, chunk, dtype)
+        gy = cpu._stage(grad_output, chunk, dtype).reshape(batch, geom.groups, geom.out_channels_per_group, positions)
+        plan = cpu._Plan(geom, chunk, off, need_offset, dtype)
+        if need_weight:
+            columns = _columns(xcl, msk, plan, geom, dtype)
+            cpu._add_weight_gradient(grad_w, gy, _gemm_view(columns, geom))
+            del columns
+        if not need_grads:
+            del plan, off, msk, gy
+            continue
+        column_grads = _layout(geom, batch, positions, dtype)
+        cpu._matmul(gy.transpose(0, 1, 3, 2), w[None],
+                    column_grads.reshape(batch, geom.groups, positions, -1))
+        m, has_mask, mask_groups = cpu._mask_args(msk, geom, dtype)
+        if need_input:
+            gxcl = np.zeros((batch, geom.input_size, geom.in_channels), dtype=dtype)
+            block = _channel_block(geom.in_channels, batch)
+            _parallel_for("_col2im_cl", dtype, plan.index.dtype, (
+                column_grads, m, has_mask, mask_groups, geom.groups, plan.index, plan.weight, block, gxcl),
+                batch * -(-geom.in_channels // block))
+            grad_x[chunk.b0:chunk.b1] += gxcl.transpose(0, 2, 1)
+            del gxcl
+        if need_offset or need_mask:
+            def rows(full):
+                if full is None:
+                    return np.zeros((1, 1, 1))
+                if chunk.all_positions:
+                    return full[chunk.b0:chunk.b1]
+                return np.zeros((batch, full.shape[1], positions))
+            g_off, g_m = rows(grad_off), rows(grad_m)
+            _parallel_for("_offset_mask_grads_cl", dtype, plan.index.dtype, (
+                xcl, column_grads, m, has_mask, mask_groups, geom.groups, plan.index, plan.weight, plan.dweight,
+                geom.ndim, need_offset, need_mask, g_off, g_m), batch * cpu._position_blocks(positions))
+            if not chunk.all_positions:
+                if need_offset:
+                    grad_off[chunk.b0:chunk.b1, :, chunk.q0:chunk.q1] = g_off
+                if need_mask:
+                    grad_m[chunk.b0:chunk.b1, :, chunk.q0:chunk.q1] = g_m
+            del g_off, g_m
+        del plan, column_grads, off, msk, gy  # before the next chunk allocates its own
+    if need_input:
+        grad_x = grad_x.reshape(geom.x_shape)
+        cpu._add_bias(grad_x, bias, geom.ndim)
+    if need_weight:  # (G, C_out/G, K, C_in/G) -> the weight's own order
+        grad_w = grad_w.reshape(geom.groups, geom.out_channels_per_group, geom.kernel_volume,
+                                geom.in_channels_per_group).transpose(0, 1, 3, 2)
+    return (
+        None if grad_x is None else grad_x.astype(out_dtype, copy=False),
+        None if grad_w is None else grad_w.reshape(geom.weight_shape).astype(out_dtype, copy=False),
+        None if grad_off is None else grad_off.reshape(geom.offset_shape).astype(out_dtype, copy=False),
+        None if grad_m is None else grad_m.reshape(geom.mask_shape).astype(out_dtype, copy=False),
+    )
