@@ -3,10 +3,12 @@
 Shape of the CPU targets in benchmarks/README.md ("## Targets"): B=2, C 64->64, 56x56, 3x3, padding 1, offsets and masks
 (DCNv2), float32, NumPy arrays. Times the forward and the forward+backward (the backward is
 ``deform_conv2d_backward`` for all five gradients); each measurement is the median of
-``--repeats`` runs after ``--warmup`` runs (the Numba JIT compilation is excluded). When they
-import, torchvision's ``deform_conv2d`` and ``torch.nn.functional.conv2d`` are timed the same
-way. Prints a table, and the targets of benchmarks/README.md at their shape; writes JSON only
-where asked (``--json PATH``).
+``--repeats`` runs after ``--warmup`` runs (the Numba JIT compilation is excluded). The rows
+``dcn_cupy`` are the automatic choice of CPU algorithm (named above the table); each CPU
+algorithm is then timed forced (``dcn_cupy cpu/numba``, ...). When they import, torchvision's
+``deform_conv2d`` and ``torch.nn.functional.conv2d`` are timed the same way. Prints a table
+with each row's speed-up over torchvision and its time over the dense conv's, and the targets of
+benchmarks/README.md at their shape; writes JSON only where asked (``--json PATH``).
 
     python benchmarks/cpu.py [--repeats 7] [--json out.json]
     python -m dcn_cupy bench          # the same on a machine without a CUDA device
@@ -79,10 +81,17 @@ def _inputs(args):
     }
 
 
+#: The CPU algorithms timed forced, beside the automatic choice.
+ALGORITHMS = ("cpu/numba", "cpu/channels-last")
+
+
 def _bench_dcn_cupy(data, args) -> list:
     import dcn_cupy
+    from dcn_cupy._backends import use_algorithm
 
     x, w, off, m, bias, gy = (data[k] for k in ("input", "weight", "offset", "mask", "bias", "grad_output"))
+    chosen = dcn_cupy.plan(x, w, off, m, bias, padding=1).algorithm
+    print(f"  dcn_cupy's automatic choice: {chosen}", flush=True)
 
     def forward():
         return dcn_cupy.deform_conv2d(x, w, off, m, bias, padding=1)
@@ -97,6 +106,11 @@ def _bench_dcn_cupy(data, args) -> list:
     print(f"  dcn_cupy first call (JIT compile / cache load): {time.perf_counter() - tic:.1f} s", flush=True)
     for mode, fn in (("forward", forward), ("forward+backward", forward_backward)):
         results.append(_result("dcn_cupy", mode, _time(fn, args.warmup, args.repeats)))
+    for algorithm in ALGORITHMS:
+        with use_algorithm(algorithm):
+            forward_backward()  # its own compilation, excluded
+            for mode, fn in (("forward", forward), ("forward+backward", forward_backward)):
+                results.append(_result(f"dcn_cupy {algorithm}", mode, _time(fn, args.warmup, args.repeats)))
     return results
 
 
@@ -194,12 +208,14 @@ def _numba_threads() -> int:
 def _print_table(results: list) -> None:
     by = {(r["library"], r["mode"]): r for r in results}
     tv = {mode: by.get(("torchvision deform_conv2d", mode)) for mode in ("forward", "forward+backward")}
-    headers = ("library", "mode", "median ms", "min ms", "speed-up vs torchvision")
+    dense = {mode: by.get(("torch conv2d (dense)", mode)) for mode in ("forward", "forward+backward")}
+    headers = ("library", "mode", "median ms", "min ms", "speed-up vs torchvision", "time / dense conv's")
     rows = []
     for r in results:
-        ref = tv[r["mode"]]
+        ref, conv = tv[r["mode"]], dense[r["mode"]]
         speedup = f"{ref['median_ms'] / r['median_ms']:.2f}x" if ref else "-"
-        rows.append((r["library"], r["mode"], f"{r['median_ms']:.2f}", f"{r['min_ms']:.2f}", speedup))
+        over_dense = f"{r['median_ms'] / conv['median_ms']:.2f}x" if conv else "-"
+        rows.append((r["library"], r["mode"], f"{r['median_ms']:.2f}", f"{r['min_ms']:.2f}", speedup, over_dense))
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
     print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
     print("  ".join("-" * w for w in widths))

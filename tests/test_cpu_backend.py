@@ -1,4 +1,5 @@
-"""The CPU (Numba) backend against the float64 reference and float64 finite differences."""
+"""The CPU (Numba) backend, both of its algorithms, against the float64 reference and float64
+finite differences."""
 
 import numba
 import numpy as np
@@ -10,6 +11,15 @@ from dcn_cupy._interop import BFLOAT16
 from dcn_cupy.testing import ARGUMENTS, directional_derivative, random_case, relative_error
 
 SEEDS = range(6)
+
+
+@pytest.fixture(autouse=True, params=["cpu/numba", "cpu/channels-last"])
+def algorithm(request):
+    """Every test once per CPU algorithm, forced (the automatic choice follows the channels)."""
+    from dcn_cupy._backends import use_algorithm
+
+    with use_algorithm(request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])

@@ -1,8 +1,9 @@
 """Bad input, memory layouts, non-finite inputs and torchvision's kinks, in every array library.
 
-One suite, parametrised over NumPy, torch CPU tensors, CuPy arrays and torch CUDA tensors (the
-last two carry ``@pytest.mark.gpu``; each skips where its library or device is absent), so the
-CPU (Numba) and CUDA backends answer the same questions:
+One suite, parametrised over NumPy (with the automatic choice of CPU algorithm, and with
+``cpu/channels-last`` forced), torch CPU tensors, CuPy arrays and torch CUDA tensors (the last
+two carry ``@pytest.mark.gpu``; each skips where its library or device is absent), so the CPU
+(Numba) and CUDA backends answer the same questions:
 
 * bad input (empty axes, hyper-parameters beyond the kernels' 32-bit coordinates, shapes) is
   refused with a ValueError/TypeError naming the argument, before any kernel runs;
@@ -23,6 +24,7 @@ import pytest
 
 import dcn_cupy
 from dcn_cupy import reference
+from dcn_cupy._backends import use_algorithm
 
 from cases import ARGUMENTS, random_case, relative_error
 
@@ -92,6 +94,7 @@ class Library:
 
 LIBRARIES = [
     pytest.param("numpy", id="numpy"),
+    pytest.param("numpy-channels-last", id="numpy-channels-last"),  # cpu/channels-last forced
     pytest.param("torch", id="torch-cpu"),
     pytest.param("cupy", id="cupy", marks=pytest.mark.gpu),
     pytest.param("torch-cuda", id="torch-cuda", marks=pytest.mark.gpu),
@@ -100,7 +103,11 @@ LIBRARIES = [
 
 @pytest.fixture(params=LIBRARIES)
 def lib(request):
-    return Library(request.param)
+    if request.param == "numpy-channels-last":
+        with use_algorithm("cpu/channels-last"):
+            yield Library("numpy")
+        return
+    yield Library(request.param)
 
 
 def _same_pattern(actual, expected, what):

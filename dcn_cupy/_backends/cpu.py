@@ -1,5 +1,10 @@
 """CPU backend: Numba sampling kernels on a pool of Python threads, and NumPy matmul (BLAS) GEMMs.
 
+This module is the ``cpu/numba`` algorithm, whose loops run along positions, and what both CPU
+algorithms share: compilation, the thread pool, the GEMM blocks, the chunks and the sampling
+plan. ``cpu_channels_last.py`` (``cpu/channels-last``) runs its loops along the channels of a
+channels-last copy of the input instead, where the channels' groups are wide enough.
+
 One code path serves N = 1, 2 and 3: spatial axes are padded in front to three with size-1
 axes (kernel 1, stride 1, padding 0, dilation 1), which always sample at their single index,
 and only the N real axes get two interpolation corners each.
@@ -146,6 +151,8 @@ def _signature(name, dtype, index_dtype):
         "_offset_mask_grads_cl": (array(f, 3, True), array(f, 5, True), array(f, 3, True), flag, i64, i64, index,
                                   weight, array(f, 6, True), i64, flag, flag, array(types.float64, 3),
                                   array(types.float64, 3)),
+        "_to_channels_last": (array(f, 3, True), array(f, 3)),
+        "_add_channels_first": (array(f, 3, True), array(f, 3)),
     }[name]
     return types.void(*args, i64, i64)
 
@@ -473,10 +480,18 @@ def _sampling_plan(offset, has_offset, n_offset_groups, ndim, in_shape, out_shap
         t1 = (t // kernel[2]) % kernel[1]
         t2 = t % kernel[2]
         base = (g * taps + t) * ndim
+        # The output grid's loops, rather than divisions of q (a few dozen cycles each).
         for q in range(positions):
-            q0 = q // (out_shape[1] * out_shape[2])
-            q1 = (q // out_shape[2]) % out_shape[1]
-            q2 = q % out_shape[2]
+            if q == 0:
+                q0 = q1 = q2 = 0
+            else:
+                q2 += 1
+                if q2 == out_shape[2]:
+                    q2 = 0
+                    q1 += 1
+                    if q1 == out_shape[1]:
+                        q1 = 0
+                        q0 += 1
             p0 = float(q0 * stride[0] - padding[0] + t0 * dilation[0])
             p1 = float(q1 * stride[1] - padding[1] + t1 * dilation[1])
             p2 = float(q2 * stride[2] - padding[2] + t2 * dilation[2])

@@ -242,13 +242,60 @@ def _run_sums(x, column_grads, b, g, q, t, o, c0, c1, index, weight, go, m, has_
         terms[k] = d
 
 
+#: Positions of one job of the layout copies (a tile of them by TRANSPOSE_CHANNELS channels
+#: stays in L1).
+TRANSPOSE_POSITIONS = 64
+TRANSPOSE_CHANNELS = 16
+
+
+@_kernel
+def _to_channels_last(x, out, start, stop):
+    batch, channels, size = x.shape
+    blocks = (size + TRANSPOSE_POSITIONS - 1) // TRANSPOSE_POSITIONS
+    for job in range(start, stop):  # jobs: batch * blocks, each owns out[b, block, :]
+        b = job // blocks
+        s0 = np.uint64((job % blocks) * TRANSPOSE_POSITIONS)
+        s1 = np.uint64(min((job % blocks) * TRANSPOSE_POSITIONS + TRANSPOSE_POSITIONS, size))
+        for c0 in range(0, channels, TRANSPOSE_CHANNELS):  # tiles: numpy's whole-plane strides thrash the caches
+            c1 = np.uint64(min(c0 + TRANSPOSE_CHANNELS, channels))
+            for s_ in range(s0, s1):
+                for c in range(np.uint64(c0), c1):
+                    out[b, s_, c] = x[b, c, s_]
+
+
+@_kernel
+def _add_channels_first(x, out, start, stop):
+    batch, size, channels = x.shape
+    blocks = (size + TRANSPOSE_POSITIONS - 1) // TRANSPOSE_POSITIONS
+    for job in range(start, stop):  # jobs: batch * blocks, each owns out[b, :, block]
+        b = job // blocks
+        s0 = np.uint64((job % blocks) * TRANSPOSE_POSITIONS)
+        s1 = np.uint64(min((job % blocks) * TRANSPOSE_POSITIONS + TRANSPOSE_POSITIONS, size))
+        for c0 in range(0, channels, TRANSPOSE_CHANNELS):
+            c1 = np.uint64(min(c0 + TRANSPOSE_CHANNELS, channels))
+            for c in range(np.uint64(c0), c1):
+                for s_ in range(s0, s1):
+                    out[b, c, s_] += x[b, s_, c]
+
+
 # ---------------------------------------------------------------------------------------------
 # Driver
 
 
-def _channels_last(part, dtype):
-    """The staged chunk ``part`` (Bc, C, S) as a C-contiguous (Bc, S, C) copy in ``dtype``."""
-    return np.ascontiguousarray(part.transpose(0, 2, 1), dtype=dtype)
+def _channels_last(part, dtype, index_dtype):
+    """The staged chunk ``part`` (Bc, C, S) in ``dtype`` as a C-contiguous (Bc, S, C) copy."""
+    out = np.empty((part.shape[0], part.shape[2], part.shape[1]), dtype=dtype)
+    _parallel_for("_to_channels_last", dtype, index_dtype, (part, out), part.shape[0] * _transpose_blocks(part.shape[2]))
+    return out
+
+
+def _add_channels_first(part, out, dtype, index_dtype):
+    """``out`` (Bc, C, S) += ``part`` (Bc, S, C)."""
+    _parallel_for("_add_channels_first", dtype, index_dtype, (part, out), part.shape[0] * _transpose_blocks(part.shape[1]))
+
+
+def _transpose_blocks(size):
+    return -(-size // TRANSPOSE_POSITIONS)
 
 
 def _reordered_weight(weight, geom, dtype):
@@ -310,7 +357,8 @@ def _conv_forward(x, weight, offset, mask, bias, geom):
     for chunk in space.chunks():
         if staged is None or staged[0] != (chunk.b0, chunk.b1):
             staged = None  # free the last copy first
-            staged = ((chunk.b0, chunk.b1), _channels_last(cpu._stage(x, chunk, dtype, positions=False), dtype))
+            staged = ((chunk.b0, chunk.b1), _channels_last(cpu._stage(x, chunk, dtype, positions=False), dtype,
+                                                           cpu.plan_index_dtype(geom)))
         off = None if offset is None else cpu._stage(offset, chunk, dtype)
         msk = None if mask is None else cpu._stage(mask, chunk, dtype)
         plan = cpu._Plan(geom, chunk, off, False, dtype)
@@ -348,7 +396,8 @@ def _conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias):
         batch, positions = chunk.batch, chunk.positions
         if need_x and (staged is None or staged[0] != (chunk.b0, chunk.b1)):
             staged = None
-            staged = ((chunk.b0, chunk.b1), _channels_last(cpu._stage(x, chunk, dtype, positions=False), dtype))
+            staged = ((chunk.b0, chunk.b1), _channels_last(cpu._stage(x, chunk, dtype, positions=False), dtype,
+                                                           cpu.plan_index_dtype(geom)))
         xcl = None if staged is None else staged[1]
         off = None if offset is None else cpu._stage(offset, chunk, dtype)
         msk = None if mask is None else cpu._stage(mask, chunk, dtype)
@@ -371,7 +420,7 @@ def _conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias):
             _parallel_for("_col2im_cl", dtype, plan.index.dtype, (
                 column_grads, m, has_mask, mask_groups, geom.groups, plan.index, plan.weight, block, gxcl),
                 batch * -(-geom.in_channels // block))
-            grad_x[chunk.b0:chunk.b1] += gxcl.transpose(0, 2, 1)
+            _add_channels_first(gxcl, grad_x[chunk.b0:chunk.b1], dtype, plan.index.dtype)
             del gxcl
         if need_offset or need_mask:
             def rows(full):
