@@ -214,7 +214,7 @@ def test_real_cpu_benchmark_smoke(tmp_path, capsys):
     assert ("dcn_cupy", "forward") in modes and ("dcn_cupy", "forward+backward") in modes
     for algorithm in ("cpu/numba", "cpu/channels-last"):  # each CPU algorithm, forced
         assert (f"dcn_cupy {algorithm}", "forward+backward") in modes
-    assert "dcn_cupy's automatic choice: forward: cpu/numba" in out  # 4 channels: runs under 8
+    assert "dcn_cupy's automatic choice: forward: cpu/numba" in out  # 4 channels: runs under 16
 
 
 def test_ab_benchmark_parses_its_cases_and_steps_aside_without_a_gpu(capsys, monkeypatch):

@@ -41,7 +41,7 @@ from .cpu import POSITION_BLOCK, _kernel, _parallel_for
 
 #: Shortest run of channels (one offset group, one mask group, one conv group) for which plans
 #: choose this algorithm over ``cpu/numba`` (measured, benchmarks/README.md "CPU kernels").
-MIN_CHANNELS = 8
+MIN_CHANNELS = 16
 
 #: Fewest channels of the input gradient one scatter job owns (a 64-byte line of float32).
 CHANNEL_BLOCK = 16
