@@ -68,7 +68,7 @@ def test_check_cpu_passes(capsys):
 def test_check_reports_a_wrong_forward(monkeypatch, capsys):
     original = cpu.conv_forward
 
-    def wrong(x, weight, offset, mask, bias, geom):
+    def wrong(x, weight, offset, mask, bias, geom, out=None):
         y = original(x, weight, offset, mask, bias, geom)
         return y + np.asarray(1e-3, dtype=y.dtype)
 

@@ -275,3 +275,26 @@ def test_non_finite_and_huge_offsets_give_finite_zero_contributions(bad):
     grads = case.backward(np.ones(out.shape), **arrays, **case.params)
     for name in ARGUMENTS:
         assert np.isfinite(getattr(grads, name)).all(), name
+
+
+def test_forward_into_out_even_where_it_is_an_input(algorithm, monkeypatch):
+    """A plan's forward computes into a C-contiguous ``out`` directly, unless ``out`` overlaps an
+    input: then into a new array first, so that ``out=input`` gives the same result, even where
+    the work is cut into boxes of positions that read the input after earlier boxes' output."""
+    from dcn_cupy._backends import cpu
+
+    monkeypatch.setattr(cpu, "WORKSPACE_LIMIT_BYTES", 40_000)  # boxes of a few rows
+    rng = np.random.default_rng(14)
+    x = rng.standard_normal((2, 16, 9, 9)).astype(np.float32)
+    w = (rng.standard_normal((16, 16, 3, 3)) * 0.1).astype(np.float32)
+    off = rng.uniform(-2, 2, (2, 18, 9, 9)).astype(np.float32)
+    m = rng.uniform(0, 1, (2, 9, 9, 9)).astype(np.float32)
+    p = dcn_cupy.plan(x, w, off, m, padding=1, algorithm=algorithm)
+    assert p.algorithm.startswith(f"forward: {algorithm}")
+    expected = p.forward(x, w, off, m)
+    fresh = np.full_like(expected, np.nan)
+    assert p.forward(x, w, off, m, out=fresh) is fresh
+    np.testing.assert_array_equal(fresh, expected)
+    aliased = x.copy()
+    assert p.forward(aliased, w, off, m, out=aliased) is aliased
+    np.testing.assert_array_equal(aliased, expected)

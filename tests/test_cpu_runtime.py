@@ -19,7 +19,7 @@ import pytest
 
 import dcn_cupy
 from dcn_cupy import _geometry
-from dcn_cupy._backends import cpu
+from dcn_cupy._backends import cpu, cpu_channels_last, use_algorithm
 from dcn_cupy._limits import format_size, parse_size
 
 from cases import ARGUMENTS, random_case, relative_error
@@ -27,6 +27,9 @@ from snapshot import source_snapshot
 
 REPO = Path(__file__).resolve().parent.parent
 FULL = frozenset({"input", "weight", "offset", "mask"})
+
+#: The CPU algorithms' modules (cpu/numba, cpu/channels-last): the same entry points, chunks and bound.
+ALGORITHMS = [pytest.param(cpu, id="cpu/numba"), pytest.param(cpu_channels_last, id="cpu/channels-last")]
 
 
 def _python(code, *, env=None, timeout=300, cwd=None, check=True, prefix=()):
@@ -128,9 +131,15 @@ class _ChunkSpy:
         monkeypatch.setattr(cpu._Workspace, "chunks", chunks)
 
 
+@pytest.mark.parametrize("algorithm", ["cpu/numba", "cpu/channels-last"])
 @pytest.mark.parametrize("ndim", [1, 2, 3])
 @pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])
-def test_chunks_within_a_sample_give_the_same_results(ndim, transposed, monkeypatch):
+def test_chunks_within_a_sample_give_the_same_results(ndim, transposed, algorithm, monkeypatch):
+    with use_algorithm(algorithm):
+        _chunks_within_a_sample_give_the_same_results(ndim, transposed, monkeypatch)
+
+
+def _chunks_within_a_sample_give_the_same_results(ndim, transposed, monkeypatch):
     rng = np.random.default_rng(30 + ndim)
     case = random_case(rng, ndim, transposed, batch=2)
     grad_output = rng.standard_normal(case.reference().shape)
@@ -177,24 +186,26 @@ def _problem(rng, batch, channels, size, dtype=np.float64):
     return x, w, off, m
 
 
+@pytest.mark.parametrize("module", ALGORITHMS)
 @pytest.mark.parametrize("limit", [64 * 2**10, 256 * 2**10, 2**20])
-def test_workspace_stays_within_the_limit(limit, monkeypatch):
+def test_workspace_stays_within_the_limit(limit, module, monkeypatch):
     """Peak memory NumPy allocates during a call, less the outputs, is at most the limit."""
     rng = np.random.default_rng(5)
     x, w, off, m = _problem(rng, 3, 16, 20)
     geom = _geometry_of(x, w, off, m, padding=1)
     gy = rng.standard_normal(geom.y_shape)
     monkeypatch.setattr(cpu, "WORKSPACE_LIMIT_BYTES", limit)
-    cpu.conv_forward(x, w, off, m, None, geom)  # compiled before tracing
-    y, peak = _traced_peak(lambda: cpu.conv_forward(x, w, off, m, None, geom))
+    module.conv_forward(x, w, off, m, None, geom)  # compiled before tracing
+    y, peak = _traced_peak(lambda: module.conv_forward(x, w, off, m, None, geom))
     slack = 32 * 2**10  # index arrays of the geometry, Python objects
     assert peak - y.nbytes <= limit + slack, (format_size(peak - y.nbytes), format_size(limit))
-    grads, peak = _traced_peak(lambda: cpu.conv_backward(gy, x, w, off, m, geom, FULL))
+    grads, peak = _traced_peak(lambda: module.conv_backward(gy, x, w, off, m, geom, FULL))
     outputs = sum(g.nbytes for g in grads)
     assert peak - outputs <= limit + slack, (format_size(peak - outputs), format_size(limit))
 
 
-def test_impossible_request_is_refused_before_anything_is_allocated(monkeypatch):
+@pytest.mark.parametrize("module", ALGORITHMS)
+def test_impossible_request_is_refused_before_anything_is_allocated(module, monkeypatch):
     rng = np.random.default_rng(6)
     x, w, off, m = _problem(rng, 2, 64, 12)
     geom = _geometry_of(x, w, off, m, padding=1)
@@ -204,9 +215,9 @@ def test_impossible_request_is_refused_before_anything_is_allocated(monkeypatch)
     tracemalloc.start()
     try:
         with pytest.raises(MemoryError, match=pattern):
-            cpu.conv_forward(x, w, off, m, None, geom)
+            module.conv_forward(x, w, off, m, None, geom)
         with pytest.raises(MemoryError, match=pattern):
-            cpu.conv_backward(x, x, w, off, m, geom, FULL)
+            module.conv_backward(x, x, w, off, m, geom, FULL)
         assert tracemalloc.get_traced_memory()[1] < 64 * 2**10
     finally:
         tracemalloc.stop()
@@ -214,7 +225,8 @@ def test_impossible_request_is_refused_before_anything_is_allocated(monkeypatch)
         dcn_cupy.deform_conv2d(x, w, off, m, padding=1)
 
 
-def test_broadcast_batch_is_not_copied_whole():
+@pytest.mark.parametrize("module", ALGORITHMS)
+def test_broadcast_batch_is_not_copied_whole(module):
     rng = np.random.default_rng(7)
     one = _problem(rng, 1, 8, 24)
     batch = 64
@@ -226,17 +238,17 @@ def test_broadcast_batch_is_not_copied_whole():
     dense = [np.ascontiguousarray(a) for a in (x, off, m)]
     # A limit of about two samples: the batch is gathered chunk by chunk, never as a whole.
     limit = x.nbytes // 4
-    cpu.conv_forward(x, w, off, m, None, geom)
+    module.conv_forward(x, w, off, m, None, geom)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpu, "WORKSPACE_LIMIT_BYTES", limit)
-        y, peak = _traced_peak(lambda: cpu.conv_forward(x, w, off, m, None, geom))
+        y, peak = _traced_peak(lambda: module.conv_forward(x, w, off, m, None, geom))
     assert peak - y.nbytes <= limit + 32 * 2**10, format_size(peak)
     assert peak - y.nbytes < x.nbytes // 2, format_size(peak)
-    np.testing.assert_array_equal(y, cpu.conv_forward(dense[0], w, dense[1], dense[2], None, geom))
+    np.testing.assert_array_equal(y, module.conv_forward(dense[0], w, dense[1], dense[2], None, geom))
     for sample in y[1:]:
         np.testing.assert_array_equal(sample, y[0])
-    grads = cpu.conv_backward(gy, x, w, off, m, geom, FULL)
-    for got, expected in zip(grads, cpu.conv_backward(gy, dense[0], w, dense[1], dense[2], geom, FULL)):
+    grads = module.conv_backward(gy, x, w, off, m, geom, FULL)
+    for got, expected in zip(grads, module.conv_backward(gy, dense[0], w, dense[1], dense[2], geom, FULL)):
         np.testing.assert_array_equal(got, expected)
 
 

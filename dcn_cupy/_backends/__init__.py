@@ -308,8 +308,10 @@ class _NumbaExecutable:
     def run(self, args, out, workspace):
         cpu, geom = self._cpu, self.geom
         if self.primitive == "conv_forward":
-            y = cpu.conv_forward(args["input"], args["weight"], args["offset"], args["mask"], args["bias"], geom)
-            out[...] = y
+            y = cpu.conv_forward(args["input"], args["weight"], args["offset"], args["mask"], args["bias"], geom,
+                                 out=out)
+            if y is not out:
+                out[...] = y
             return
         grads = cpu.conv_backward(args["grad_output"], args["input"], args["weight"], args["offset"],
                                   args["mask"], geom, args["wanted"], bias=args.get("bias"))

@@ -457,7 +457,7 @@ CHANNEL_BLOCK = 8
 INDEX32_LIMIT = 2**32 - 1
 
 #: Output positions a kernel job covers: one block's sampling plan (12 KiB in 2D float32) stays in
-#: L1 while every channel reads it (benchmarks/README.md, "CPU kernels").
+#: L1 while every channel reads it.
 POSITION_BLOCK = 256
 
 
@@ -472,6 +472,13 @@ def _sampling_plan(offset, has_offset, n_offset_groups, ndim, in_shape, out_shap
     taps = index.shape[2]
     positions = index.shape[3]
     corners = index.shape[4]
+    # The shapes and hyper-parameters in locals: read from arrays, they would be read again after
+    # every store (the compiler cannot tell the arrays apart).
+    size0, size1, size2 = in_shape[0], in_shape[1], in_shape[2]
+    out1, out2 = out_shape[1], out_shape[2]
+    stride0, stride1, stride2 = stride[0], stride[1], stride[2]
+    pad0, pad1, pad2 = padding[0], padding[1], padding[2]
+    dil0, dil1, dil2 = dilation[0], dilation[1], dilation[2]
     for job in range(start, stop):  # jobs: batch * n_offset_groups * taps
         b = job // (n_offset_groups * taps)
         g = (job // taps) % n_offset_groups
@@ -486,15 +493,15 @@ def _sampling_plan(offset, has_offset, n_offset_groups, ndim, in_shape, out_shap
                 q0 = q1 = q2 = 0
             else:
                 q2 += 1
-                if q2 == out_shape[2]:
+                if q2 == out2:
                     q2 = 0
                     q1 += 1
-                    if q1 == out_shape[1]:
+                    if q1 == out1:
                         q1 = 0
                         q0 += 1
-            p0 = float(q0 * stride[0] - padding[0] + t0 * dilation[0])
-            p1 = float(q1 * stride[1] - padding[1] + t1 * dilation[1])
-            p2 = float(q2 * stride[2] - padding[2] + t2 * dilation[2])
+            p0 = float(q0 * stride0 - pad0 + t0 * dil0)
+            p1 = float(q1 * stride1 - pad1 + t1 * dil1)
+            p2 = float(q2 * stride2 - pad2 + t2 * dil2)
             if has_offset:
                 if ndim == 3:
                     p0 += offset[b, base, q]
@@ -508,8 +515,7 @@ def _sampling_plan(offset, has_offset, n_offset_groups, ndim, in_shape, out_shap
             # NaN fails every comparison, +-inf fails the range: both sample zero. A coordinate
             # of exactly -1 stays: its corner 0 has weight 0 but slope 1 (torchvision's
             # one-sided offset derivative there); below -1 and from S on no corner is inside.
-            valid = (p0 >= -1.0 and p0 < in_shape[0] and p1 >= -1.0 and p1 < in_shape[1]
-                     and p2 >= -1.0 and p2 < in_shape[2])
+            valid = p0 >= -1.0 and p0 < size0 and p1 >= -1.0 and p1 < size1 and p2 >= -1.0 and p2 < size2
             if not valid:
                 for c in range(corners):
                     index[b, g, t, q, c] = 0
@@ -555,9 +561,9 @@ def _sampling_plan(offset, has_offset, n_offset_groups, ndim, in_shape, out_shap
                     s2 = 1.0
                 else:
                     w2 = 1.0 - f2
-                inside = (0 <= i0 < in_shape[0] and 0 <= i1 < in_shape[1] and 0 <= i2 < in_shape[2])
+                inside = 0 <= i0 < size0 and 0 <= i1 < size1 and 0 <= i2 < size2
                 if inside:
-                    index[b, g, t, q, c] = (i0 * in_shape[1] + i1) * in_shape[2] + i2
+                    index[b, g, t, q, c] = (i0 * size1 + i1) * size2 + i2
                     weight[b, g, t, q, c] = w0 * w1 * w2
                 else:
                     index[b, g, t, q, c] = 0
@@ -1062,18 +1068,30 @@ def _add_bias(out, bias, ndim):
         out += np.asarray(bias, dtype=out.dtype).reshape((1, -1) + (1,) * ndim)
 
 
-def conv_forward(x, weight, offset, mask, bias, geom):
-    """``y = deform_conv(x) (+ bias)``, shape ``geom.y_shape``, in ``x``'s dtype."""
+def _output(out, geom, dtype, inputs):
+    """``(y, into_out)``: the (B, G, C_out/G, P) output to compute into, a view of ``out`` where
+    that is C-contiguous in the compute dtype and overlaps none of ``inputs`` (no copy
+    afterwards), else a new array."""
+    shape = (geom.batch, geom.groups, geom.out_channels_per_group, geom.output_size)
+    if (out is not None and out.dtype == dtype and out.flags.c_contiguous and out.flags.writeable
+            and not any(a is not None and np.may_share_memory(a, out) for a in inputs)):
+        return out.reshape(shape), True
+    return np.empty(shape, dtype=dtype), False
+
+
+def conv_forward(x, weight, offset, mask, bias, geom, out=None):
+    """``y = deform_conv(x) (+ bias)``, shape ``geom.y_shape``, in ``x``'s dtype: ``out`` (of that
+    shape) where given and C-contiguous in the compute dtype, else a new array."""
     with _single_threaded_blas:
-        return _conv_forward(x, weight, offset, mask, bias, geom)
+        return _conv_forward(x, weight, offset, mask, bias, geom, out)
 
 
-def _conv_forward(x, weight, offset, mask, bias, geom):
+def _conv_forward(x, weight, offset, mask, bias, geom, out):
     dtype = compute_dtype(x.dtype)
     space = _Workspace(geom, dtype, columns=True, column_grads=False, dweight=False, grads=False,
                        input_copy=_needs_copy(x, dtype))
     w = _grouped_weight(weight, geom, dtype)
-    y = np.empty((geom.batch, geom.groups, geom.out_channels_per_group, geom.output_size), dtype=dtype)
+    y, into_out = _output(out, geom, dtype, (x, weight, offset, mask, bias))
     staged = None
     for chunk in space.chunks():
         if staged is None or staged[0] != (chunk.b0, chunk.b1):
@@ -1087,7 +1105,7 @@ def _conv_forward(x, weight, offset, mask, bias, geom):
         del plan, columns, cols, off, msk  # before the next chunk allocates its own
     y = y.reshape(geom.y_shape)
     _add_bias(y, bias, geom.ndim)
-    return y.astype(x.dtype, copy=False)
+    return out if into_out else y.astype(x.dtype, copy=False)
 
 
 def conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias=None):

@@ -23,10 +23,12 @@ alone, so results are bitwise the same at any thread count; the sums over channe
 and mask gradients are vectorised (re-associated), so their bits may differ from ``cpu/numba``'s
 and between CPUs of different vector widths.
 
-Where it serves: every configuration. Where it is chosen (``recommends``): where every run of
-channels that shares an offset group, a mask group and a conv group has at least
-``MIN_CHANNELS`` channels; shorter runs leave its vector loops mostly empty, and ``cpu/numba``'s
-loops along positions are faster there (benchmarks/README.md, "CPU kernels").
+Where it serves: every configuration; a call whose sample's channels-last copies (input, and
+input gradient) do not fit ``DCN_CUPY_CPU_WORKSPACE_BYTES`` with one position's work runs
+``cpu/numba``'s loops instead. Where it is chosen (``recommends``): where every run of channels
+that shares an offset group, a mask group and a conv group has at least ``MIN_CHANNELS``
+channels; shorter runs leave its loops along channels mostly empty, and ``cpu/numba``'s loops
+along positions are faster there (benchmarks/README.md, "CPU algorithms").
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from . import cpu
 from .cpu import POSITION_BLOCK, _kernel, _parallel_for
 
 #: Shortest run of channels (one offset group, one mask group, one conv group) for which plans
-#: choose this algorithm over ``cpu/numba`` (measured, benchmarks/README.md "CPU kernels").
+#: choose this algorithm over ``cpu/numba`` (measured, benchmarks/README.md "CPU algorithms").
 MIN_CHANNELS = 16
 
 #: Fewest channels of the input gradient one scatter job owns (a 64-byte line of float32).
@@ -95,7 +97,8 @@ def _im2col_cl(x, mask, has_mask, n_mask_groups, n_groups, index, weight, column
                     c0, c1, o = runs[r, 0], runs[r, 1], runs[r, 5]
                     g, go, m_row = np.int64(runs[r, 2]), np.int64(runs[r, 3]), np.int64(runs[r, 4]) * taps + t
                     m = mask[b, m_row, q] if has_mask else mask[0, 0, 0]
-                    # The sum over the corners of non-zero weight, in corner order, in float64.
+                    # The sum over the corners of non-zero weight, in corner order, in the compute
+                    # dtype where every corner counts (float64 in the rest).
                     w0, w1 = weight[b, go, t, q, 0], weight[b, go, t, q, 1]
                     if corners == 4:
                         w2, w3 = weight[b, go, t, q, 2], weight[b, go, t, q, 3]
@@ -103,14 +106,13 @@ def _im2col_cl(x, mask, has_mask, n_mask_groups, n_groups, index, weight, column
                             i0, i1 = index[b, go, t, q, 0], index[b, go, t, q, 1]
                             i2, i3 = index[b, go, t, q, 2], index[b, go, t, q, 3]
                             for j in range(c0, c1):
-                                value = (((0.0 + w0 * x[b, i0, j]) + w1 * x[b, i1, j]) + w2 * x[b, i2, j]
-                                         ) + w3 * x[b, i3, j]
+                                value = ((w0 * x[b, i0, j] + w1 * x[b, i1, j]) + w2 * x[b, i2, j]) + w3 * x[b, i3, j]
                                 columns[b, g, q, t, j - o] = value * m if has_mask else value
                             continue
                     elif corners == 2 and w0 != 0.0 and w1 != 0.0:
                         i0, i1 = index[b, go, t, q, 0], index[b, go, t, q, 1]
                         for j in range(c0, c1):
-                            value = (0.0 + w0 * x[b, i0, j]) + w1 * x[b, i1, j]
+                            value = w0 * x[b, i0, j] + w1 * x[b, i1, j]
                             columns[b, g, q, t, j - o] = value * m if has_mask else value
                         continue
                     values[c0:c1] = 0.0
@@ -334,25 +336,32 @@ def _columns(xcl, mask, plan, geom, dtype):
 
 
 def _workspace(geom, dtype, *, columns, column_grads, dweight, grads, input_copy, grad_copy):
-    """cpu/numba's chunking, with this algorithm's per-sample copies: the channels-last input
-    (``input_copy``) and input gradient (``grad_copy``)."""
-    space = cpu._Workspace(geom, dtype, columns=columns, column_grads=column_grads, dweight=dweight, grads=grads,
-                           input_copy=input_copy, copies=int(input_copy) + int(grad_copy))
-    return space
+    """cpu/numba's chunking, with this algorithm's per-sample copies: ``input_copy`` of the input
+    (the channels-last one, and the staged one where the staging converts or gathers first) and
+    the channels-last input gradient where ``grad_copy``. None where one sample's copies and one
+    position's work exceed the limit."""
+    copies = int(input_copy) + int(grad_copy)
+    try:
+        return cpu._Workspace(geom, dtype, columns=columns, column_grads=column_grads, dweight=dweight,
+                              grads=grads, input_copy=bool(input_copy), copies=copies)
+    except MemoryError:
+        return None
 
 
-def conv_forward(x, weight, offset, mask, bias, geom):
-    """``y = deform_conv(x) (+ bias)``, shape ``geom.y_shape``, in ``x``'s dtype."""
+def conv_forward(x, weight, offset, mask, bias, geom, out=None):
+    """``cpu.conv_forward``'s contract, computed channels-last."""
     with cpu._single_threaded_blas:
-        return _conv_forward(x, weight, offset, mask, bias, geom)
+        return _conv_forward(x, weight, offset, mask, bias, geom, out)
 
 
-def _conv_forward(x, weight, offset, mask, bias, geom):
+def _conv_forward(x, weight, offset, mask, bias, geom, out):
     dtype = cpu.compute_dtype(x.dtype)
     space = _workspace(geom, dtype, columns=True, column_grads=False, dweight=False, grads=False,
-                       input_copy=True, grad_copy=False)
+                       input_copy=1 + cpu._needs_copy(x, dtype), grad_copy=False)
+    if space is None:  # a sample's channels-last copy does not fit: cpu/numba's loops, without it
+        return cpu._conv_forward(x, weight, offset, mask, bias, geom, out)
     w = _reordered_weight(weight, geom, dtype).reshape(geom.groups, geom.out_channels_per_group, -1)
-    y = np.empty((geom.batch, geom.groups, geom.out_channels_per_group, geom.output_size), dtype=dtype)
+    y, into_out = cpu._output(out, geom, dtype, (x, weight, offset, mask, bias))
     staged = None
     for chunk in space.chunks():
         if staged is None or staged[0] != (chunk.b0, chunk.b1):
@@ -367,7 +376,7 @@ def _conv_forward(x, weight, offset, mask, bias, geom):
         del plan, columns, off, msk  # before the next chunk allocates its own
     y = y.reshape(geom.y_shape)
     cpu._add_bias(y, bias, geom.ndim)
-    return y.astype(x.dtype, copy=False)
+    return out if into_out else y.astype(x.dtype, copy=False)
 
 
 def conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias=None):
@@ -385,7 +394,10 @@ def _conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias):
     need_grads = need_input or need_offset or need_mask
     need_x = need_weight or need_offset or need_mask
     space = _workspace(geom, dtype, columns=need_weight, column_grads=need_grads, dweight=need_offset,
-                       grads=need_offset or need_mask, input_copy=need_x, grad_copy=need_input)
+                       grads=need_offset or need_mask, input_copy=need_x and 1 + cpu._needs_copy(x, dtype),
+                       grad_copy=need_input)
+    if space is None:  # a sample's channels-last copies do not fit: cpu/numba's loops, without them
+        return cpu._conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias)
     w = _reordered_weight(weight, geom, dtype).reshape(geom.groups, geom.out_channels_per_group, -1)
     grad_x = np.zeros((geom.batch, geom.in_channels, geom.input_size), dtype=dtype) if need_input else None
     grad_w = np.zeros(w.shape, dtype=np.float64) if need_weight else None
