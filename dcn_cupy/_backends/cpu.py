@@ -530,6 +530,10 @@ def _sampling_plan(offset, has_offset, n_offset_groups, ndim, in_shape, out_shap
             f0 = p0 - l0
             f1 = p1 - l1
             f2 = p2 - l2
+            if ndim == 2:  # the loop below written out (the same values): 4x faster
+                _bilinear_corners(int(l1), int(l2), f1, f2, size1, size2, b, g, t, q, index, weight, dweight,
+                                  want_dweight)
+                continue
             for c in range(corners):
                 # Bit 0 of c picks the corner along the last axis, bit 1 the second last, bit 2 the first.
                 i0 = int(l0)
@@ -580,6 +584,25 @@ def _sampling_plan(offset, has_offset, n_offset_groups, ndim, in_shape, out_shap
                             dweight[b, g, t, q, c, a] = w0 * s1 * w2
                         else:
                             dweight[b, g, t, q, c, a] = w0 * w1 * s2
+
+
+@njit(nogil=True, error_model="numpy", inline="always")
+def _bilinear_corners(i1, i2, f1, f2, size1, size2, b, g, t, q, index, weight, dweight, want_dweight):
+    """``_sampling_plan``'s corners in 2D, from the lower corner (i1, i2) and fractions (f1, f2)
+    of a valid position: corner c = 2 * (row bit) + (column bit); weight and slopes zero outside."""
+    lo1, lo2 = 1.0 - f1, 1.0 - f2
+    rows_in = (0 <= i1, i1 + 1 < size1)  # i1 >= -1 and i2 >= -1 for a valid position
+    cols_in = (0 <= i2, i2 + 1 < size2)
+    for c in range(4):
+        r, k = c >> 1, c & 1
+        w1, s1 = (f1, 1.0) if r else (lo1, -1.0)
+        w2, s2 = (f2, 1.0) if k else (lo2, -1.0)
+        inside = rows_in[r] and cols_in[k]
+        index[b, g, t, q, c] = (i1 + r) * size2 + i2 + k if inside else 0
+        weight[b, g, t, q, c] = w1 * w2 if inside else 0.0
+        if want_dweight:
+            dweight[b, g, t, q, c, 0] = s1 * w2 if inside else 0.0
+            dweight[b, g, t, q, c, 1] = w1 * s2 if inside else 0.0
 
 
 @njit(nogil=True, error_model="numpy")
