@@ -8,7 +8,8 @@ import pytest
 import dcn_cupy
 from dcn_cupy._interop import BFLOAT16
 
-from dcn_cupy.testing import ARGUMENTS, directional_derivative, random_case, relative_error
+from dcn_cupy.testing import (ARGUMENTS, Case, directional_derivative, fractional_offsets, random_case,
+                              relative_error)
 
 SEEDS = range(6)
 
@@ -79,28 +80,33 @@ def test_gradients_match_finite_differences(ndim, transposed, seed):
         assert actual == pytest.approx(expected, rel=1e-6, abs=1e-8), f"{name}: {case.label}"
 
 
-def _sampled_channels_per_run(case, transposed):
-    """The channels a sampling kernel takes together at most: those of one offset group and one
-    mask group (the output channels in the transposed operation)."""
-    a, ndim = case.arrays_, case.arrays_["input"].ndim - 2
-    taps = int(np.prod(a["weight"].shape[2:]))
-    channels = a["weight"].shape[1] * case.params["groups"] if transposed else a["input"].shape[1]
-    offset_groups, mask_groups = a["offset"].shape[1] // (taps * ndim), a["mask"].shape[1] // taps
-    return min(channels // offset_groups, channels // mask_groups)
+def _mixed_runs_case(rng, ndim, transposed):
+    """24 sampled channels in 2 conv groups, 3 offset groups and 4 mask groups: runs of channels
+    sharing all three of 6, 2, 4, 4, 2 and 6 (cpu/channels-last loops over each run)."""
+    groups, offset_groups, mask_groups, channels, other = 2, 3, 4, 24, 4
+    kernel, stride, padding, dilation = (2,) * ndim, (1,) * ndim, (1,) * ndim, (1,) * ndim
+    spatial = (5,) * ndim
+    # The transposed op's offsets and masks lie on its input grid; the convolution's on its output.
+    grid = spatial if transposed else tuple(s + 2 * p - d * (k - 1) for s, k, p, d in zip(spatial, kernel, padding, dilation))
+    x = rng.standard_normal((2, other if transposed else channels) + spatial)
+    w = rng.standard_normal((other, channels // groups) + kernel)
+    taps = 2 ** ndim
+    arrays = {"input": x, "weight": w,
+              "offset": fractional_offsets(rng, (2, offset_groups * taps * ndim) + grid),
+              "mask": rng.uniform(0.1, 1.5, (2, mask_groups * taps) + grid), "bias": rng.standard_normal(
+                  channels if transposed else other)}
+    params = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+    return Case(ndim, transposed, arrays, params, f"mixed runs {ndim}d{' transposed' if transposed else ''}")
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["conv", "transpose"])
 @pytest.mark.parametrize("ndim", [1, 2, 3])
-def test_channel_quads_and_single_channels_match_the_reference(ndim, transposed):
-    """Runs of ``cpu.QUAD`` channels of one offset group and one mask group read each position's
-    corners once; the channels left over run one by one. Both, in one call, against the float64
+def test_runs_of_channels_of_several_groups_match_the_reference(ndim, transposed):
+    """Channels of different conv, offset and mask groups interleaved in runs of 2 to 6 (each
+    run one loop in cpu/channels-last), forward and every gradient, against the float64
     reference and finite differences."""
-    from dcn_cupy._backends import cpu
-
-    rng = np.random.default_rng(6000 + (3 if transposed else 0))
-    case = random_case(rng, ndim, transposed, channels_scale=3)
-    run = _sampled_channels_per_run(case, transposed)
-    assert run > cpu.QUAD and run % cpu.QUAD, case.label  # quads and single channels
+    rng = np.random.default_rng(6000 + ndim + 10 * transposed)
+    case = _mixed_runs_case(rng, ndim, transposed)
     out = case.forward(**case.arrays(), **case.params)
     assert relative_error(out, case.reference()) < 1e-10, case.label
     grad_output = rng.standard_normal(out.shape)

@@ -445,21 +445,9 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-#: Channels whose samples of one position are computed together, from one read of its corners.
-QUAD = 4
-
-#: Input channels a ``_col2im`` job covers: they share each tap's plan while it is in cache. The
-#: order of the additions within a channel does not depend on it.
-CHANNEL_BLOCK = 8
-
 #: Largest input size (positions of one channel) whose sampling plans index in uint32; tests lower
 #: it to run the int64 indices on small problems.
 INDEX32_LIMIT = 2**32 - 1
-
-#: Output positions a kernel job covers: one block's sampling plan (12 KiB in 2D float32) stays in
-#: L1 while every channel reads it.
-POSITION_BLOCK = 256
-
 
 # ---------------------------------------------------------------------------------------------
 # Numba kernels. Spatial parameters are int64 arrays of length 3 (padded in front). Each kernel
@@ -530,10 +518,6 @@ def _sampling_plan(offset, has_offset, n_offset_groups, ndim, in_shape, out_shap
             f0 = p0 - l0
             f1 = p1 - l1
             f2 = p2 - l2
-            if ndim == 2:  # the loop below written out (the same values): 4x faster
-                _bilinear_corners(int(l1), int(l2), f1, f2, size1, size2, b, g, t, q, index, weight, dweight,
-                                  want_dweight)
-                continue
             for c in range(corners):
                 # Bit 0 of c picks the corner along the last axis, bit 1 the second last, bit 2 the first.
                 i0 = int(l0)
@@ -586,25 +570,6 @@ def _sampling_plan(offset, has_offset, n_offset_groups, ndim, in_shape, out_shap
                             dweight[b, g, t, q, c, a] = w0 * w1 * s2
 
 
-@njit(nogil=True, error_model="numpy", inline="always")
-def _bilinear_corners(i1, i2, f1, f2, size1, size2, b, g, t, q, index, weight, dweight, want_dweight):
-    """``_sampling_plan``'s corners in 2D, from the lower corner (i1, i2) and fractions (f1, f2)
-    of a valid position: corner c = 2 * (row bit) + (column bit); weight and slopes zero outside."""
-    lo1, lo2 = 1.0 - f1, 1.0 - f2
-    rows_in = (0 <= i1, i1 + 1 < size1)  # i1 >= -1 and i2 >= -1 for a valid position
-    cols_in = (0 <= i2, i2 + 1 < size2)
-    for c in range(4):
-        r, k = c >> 1, c & 1
-        w1, s1 = (f1, 1.0) if r else (lo1, -1.0)
-        w2, s2 = (f2, 1.0) if k else (lo2, -1.0)
-        inside = rows_in[r] and cols_in[k]
-        index[b, g, t, q, c] = (i1 + r) * size2 + i2 + k if inside else 0
-        weight[b, g, t, q, c] = w1 * w2 if inside else 0.0
-        if want_dweight:
-            dweight[b, g, t, q, c, 0] = s1 * w2 if inside else 0.0
-            dweight[b, g, t, q, c, 1] = w1 * s2 if inside else 0.0
-
-
 @njit(nogil=True, error_model="numpy")
 def _exact_sample(x, b, c, index, weight, g, t, q, corners):
     """The N-linear sample over the corners of non-zero weight only: a zero-weight corner
@@ -625,91 +590,22 @@ def _im2col(x, mask, has_mask, n_mask_groups, index, weight, columns, start, sto
     taps = index.shape[2]
     positions = index.shape[3]
     corners = index.shape[4]
-    blocks = (positions + POSITION_BLOCK - 1) // POSITION_BLOCK
-    for job in range(start, stop):  # jobs: batch * taps * blocks, each owns columns[b, c*K + t, block], every c
-        b = job // (taps * blocks)
-        t = (job // blocks) % taps
-        q0 = (job % blocks) * POSITION_BLOCK
-        q1 = min(q0 + POSITION_BLOCK, positions)
-        # Every channel reads this block's plan, which stays in L1 meanwhile; runs of QUAD channels
-        # of one offset group and one mask group read each position's corners once.
-        c = 0
-        while c < channels:
-            g = c // (channels // n_offset_groups)
-            m_row = (c // (channels // n_mask_groups)) * taps + t if has_mask else 0
-            run = _quad_run(c, channels, n_offset_groups, n_mask_groups, channels)
-            if run == QUAD:
-                _sample_quad(x[b, c:c + QUAD], index[b, g, t], weight[b, g, t], mask[b, m_row], has_mask, q0, q1,
-                             columns[b, c * taps + t:(c + QUAD) * taps:taps])
-            else:
-                _sample_row(x[b, c], index[b, g, t], weight[b, g, t], mask[b, m_row], has_mask, q0, q1,
-                            columns[b, c * taps + t])
-            for i in range(c, c + run):
-                row = i * taps + t
-                for q in range(q0, q1):
-                    if not math.isfinite(columns[b, row, q]):  # rare: sum the non-zero corners only
-                        value = _exact_sample(x, b, i, index, weight, g, t, q, corners)
-                        columns[b, row, q] = value * mask[b, m_row, q] if has_mask else value
-            c += run
-
-
-@njit(nogil=True, error_model="numpy")
-def _quad_run(c, end, n_offset_groups, n_mask_groups, channels):
-    """QUAD where channels [c, c + QUAD) lie below ``end`` and share an offset group and a mask
-    group (of ``channels`` in all), else 1."""
-    last = c + QUAD - 1
-    if last >= end:
-        return 1
-    per_offset, per_mask = channels // n_offset_groups, channels // n_mask_groups
-    if last // per_offset != c // per_offset or last // per_mask != c // per_mask:
-        return 1
-    return QUAD
-
-
-@njit(nogil=True, error_model="numpy")
-def _sample_quad(xc, index, weight, mask, has_mask, q0, q1, out):
-    """``_sample_row`` for the QUAD channels ``xc[i]`` into ``out[i]`` at once: each position's
-    corners and weights are read once for all of them. The same arithmetic, so the same bits."""
-    corners = index.shape[1]
-    for q in range(q0, q1):
-        m = mask[q] if has_mask else 1.0
-        if corners == 4:
-            i0, i1, i2, i3 = index[q, 0], index[q, 1], index[q, 2], index[q, 3]
-            w0, w1, w2, w3 = weight[q, 0], weight[q, 1], weight[q, 2], weight[q, 3]
-            for i in range(QUAD):
-                value = (((0.0 + w0 * xc[i, i0]) + w1 * xc[i, i1]) + w2 * xc[i, i2]) + w3 * xc[i, i3]
-                out[i, q] = value * m if has_mask else value
-        elif corners == 2:
-            i0, i1 = index[q, 0], index[q, 1]
-            w0, w1 = weight[q, 0], weight[q, 1]
-            for i in range(QUAD):
-                value = (0.0 + w0 * xc[i, i0]) + w1 * xc[i, i1]
-                out[i, q] = value * m if has_mask else value
-        else:
-            for i in range(QUAD):
+    for job in range(start, stop):  # jobs: batch * channels
+        b = job // channels
+        c = job % channels
+        g = c // (channels // n_offset_groups)
+        m_row = (c // (channels // n_mask_groups)) * taps if has_mask else 0
+        for t in range(taps):
+            row = c * taps + t
+            for q in range(positions):
                 value = 0.0
                 for k in range(corners):
-                    value += weight[q, k] * xc[i, index[q, k]]
-                out[i, q] = value * m if has_mask else value
-
-
-@njit(nogil=True, error_model="numpy")
-def _sample_row(xc, index, weight, mask, has_mask, q0, q1, out):
-    """``out[q] = mask[q] * sum_k weight[q, k] * xc[index[q, k]]`` for q in [q0, q1) (no mask
-    where not ``has_mask``): one channel's N-linear samples, summed in float64 in corner order.
-    Written out per corner count so that the loop body has no inner loop."""
-    corners = index.shape[1]
-    for q in range(q0, q1):
-        if corners == 4:
-            value = (((0.0 + weight[q, 0] * xc[index[q, 0]]) + weight[q, 1] * xc[index[q, 1]])
-                     + weight[q, 2] * xc[index[q, 2]]) + weight[q, 3] * xc[index[q, 3]]
-        elif corners == 2:
-            value = (0.0 + weight[q, 0] * xc[index[q, 0]]) + weight[q, 1] * xc[index[q, 1]]
-        else:
-            value = 0.0
-            for k in range(corners):
-                value += weight[q, k] * xc[index[q, k]]
-        out[q] = value * mask[q] if has_mask else value
+                    value += weight[b, g, t, q, k] * x[b, c, index[b, g, t, q, k]]
+                if not math.isfinite(value):
+                    value = _exact_sample(x, b, c, index, weight, g, t, q, corners)
+                if has_mask:
+                    value *= mask[b, m_row + t, q]
+                columns[b, row, q] = value
 
 
 @_kernel
@@ -717,150 +613,27 @@ def _col2im(column_grads, mask, has_mask, n_mask_groups, index, weight, grad_x, 
     batch, channels, _ = grad_x.shape
     n_offset_groups = index.shape[1]
     taps = index.shape[2]
-    blocks = (channels + CHANNEL_BLOCK - 1) // CHANNEL_BLOCK
-    for job in range(start, stop):  # batch * blocks jobs, each owns grad_x[b, c] for a block of channels
-        b = job // blocks
-        c0 = (job % blocks) * CHANNEL_BLOCK
-        c1 = min(c0 + CHANNEL_BLOCK, channels)
-        for t in range(taps):  # the block's channels share each tap's plan while it is in cache
-            c = c0
-            while c < c1:
-                g = c // (channels // n_offset_groups)
-                m_row = (c // (channels // n_mask_groups)) * taps + t if has_mask else 0
-                run = _quad_run(c, c1, n_offset_groups, n_mask_groups, channels)
-                if run == QUAD:
-                    _scatter_quad(column_grads[b, c * taps + t:(c + QUAD) * taps:taps], mask[b, m_row], has_mask,
-                                  index[b, g, t], weight[b, g, t], grad_x[b, c:c + QUAD])
-                else:
-                    _scatter_row(column_grads[b, c * taps + t], mask[b, m_row], has_mask, index[b, g, t],
-                                 weight[b, g, t], grad_x[b, c])
-                c += run
-
-
-@njit(nogil=True, error_model="numpy")
-def _scatter_row(grads, mask, has_mask, index, weight, out):
-    """``out[index[q, k]] += mask[q] * grads[q] * weight[q, k]`` over q and k in order: one
-    channel's column gradients of one tap scattered to its input gradient; a non-finite value
-    reaches only the corners of non-zero weight (not 0 * inf)."""
-    corners = index.shape[1]
-    for q in range(index.shape[0]):
-        value = grads[q] * mask[q] if has_mask else grads[q]
-        if not math.isfinite(value):
-            for k in range(corners):
-                if weight[q, k] != 0.0:
-                    out[index[q, k]] += value * weight[q, k]
-        elif corners == 4:
-            out[index[q, 0]] += value * weight[q, 0]
-            out[index[q, 1]] += value * weight[q, 1]
-            out[index[q, 2]] += value * weight[q, 2]
-            out[index[q, 3]] += value * weight[q, 3]
-        else:
-            for k in range(corners):
-                out[index[q, k]] += value * weight[q, k]
-
-
-@njit(nogil=True, error_model="numpy")
-def _corner_row(xc, grads, mask, has_mask, index, weight, q0, q1, want_offset, corner_grads, want_mask, grad_mask):
-    """One channel's share, over positions [q0, q1) of one tap: ``corner_grads[q - q0, k] +=
-    mask * grad * x[corner k]`` (the offset gradient's per-corner sums) and ``grad_mask[q] +=
-    grad * sample``, where a non-finite term is recomputed from the corners of non-zero weight
-    only (zero where the tap samples nothing)."""
-    corners = index.shape[1]
-    for q in range(q0, q1):
-        grad = grads[q]
-        scaled = grad * mask[q] if has_mask else grad
-        if corners == 4:  # written out: no inner loop
-            v0, v1, v2, v3 = xc[index[q, 0]], xc[index[q, 1]], xc[index[q, 2]], xc[index[q, 3]]
-            value = (((0.0 + weight[q, 0] * v0) + weight[q, 1] * v1) + weight[q, 2] * v2) + weight[q, 3] * v3
-            if want_offset:
-                corner_grads[q - q0, 0] += scaled * v0
-                corner_grads[q - q0, 1] += scaled * v1
-                corner_grads[q - q0, 2] += scaled * v2
-                corner_grads[q - q0, 3] += scaled * v3
-        else:
-            value = 0.0
-            for k in range(corners):
-                v = xc[index[q, k]]
-                value += weight[q, k] * v
-                if want_offset:
-                    corner_grads[q - q0, k] += scaled * v
-        if want_mask:
-            term = grad * value
-            if not math.isfinite(term):
-                used = False
-                value = 0.0
-                for k in range(corners):
-                    if weight[q, k] != 0.0:
-                        used = True
-                        value += weight[q, k] * xc[index[q, k]]
-                term = grad * value if used else 0.0
-            grad_mask[q] += term
-
-
-@njit(nogil=True, error_model="numpy")
-def _scatter_quad(grads, mask, has_mask, index, weight, out):
-    """``_scatter_row`` for QUAD channels (``grads[i]`` into ``out[i]``), each position's corners
-    read once for all of them; every plane gets its additions in the same order, so the same bits."""
-    corners = index.shape[1]
-    values = np.empty(QUAD, dtype=grads.dtype)
-    for q in range(index.shape[0]):
-        finite = True
-        for i in range(QUAD):
-            values[i] = grads[i, q] * mask[q] if has_mask else grads[i, q]
-            finite = finite and math.isfinite(values[i])
-        if finite and corners == 4:
-            i0, i1, i2, i3 = index[q, 0], index[q, 1], index[q, 2], index[q, 3]
-            w0, w1, w2, w3 = weight[q, 0], weight[q, 1], weight[q, 2], weight[q, 3]
-            for i in range(QUAD):
-                v = values[i]
-                out[i, i0] += v * w0
-                out[i, i1] += v * w1
-                out[i, i2] += v * w2
-                out[i, i3] += v * w3
-        else:
-            for i in range(QUAD):
-                v = values[i]
-                for k in range(corners):
-                    if math.isfinite(v) or weight[q, k] != 0.0:  # not 0 * inf
-                        out[i, index[q, k]] += v * weight[q, k]
-
-
-@njit(nogil=True, error_model="numpy")
-def _corner_quad(xc, grads, mask, has_mask, index, weight, q0, q1, want_offset, corner_grads, want_mask, grad_mask):
-    """``_corner_row`` for QUAD channels of four corners (``xc[i]``, ``grads[i]``), each
-    position's corners read once and its sums kept in registers across the channels, added in
-    channel order: the same bits."""
-    for q in range(q0, q1):
-        i0, i1, i2, i3 = index[q, 0], index[q, 1], index[q, 2], index[q, 3]
-        w0, w1, w2, w3 = weight[q, 0], weight[q, 1], weight[q, 2], weight[q, 3]
-        s0 = s1 = s2 = s3 = 0.0
-        if want_offset:
-            s0, s1, s2, s3 = corner_grads[q - q0, 0], corner_grads[q - q0, 1], corner_grads[q - q0, 2], corner_grads[q - q0, 3]
-        total = grad_mask[q] if want_mask else 0.0
-        for i in range(QUAD):
-            grad = grads[i, q]
-            scaled = grad * mask[q] if has_mask else grad  # in the input's dtype, as in _corner_row
-            v0, v1, v2, v3 = xc[i, i0], xc[i, i1], xc[i, i2], xc[i, i3]
-            if want_offset:
-                s0 += scaled * v0
-                s1 += scaled * v1
-                s2 += scaled * v2
-                s3 += scaled * v3
-            if want_mask:
-                term = grad * ((((0.0 + w0 * v0) + w1 * v1) + w2 * v2) + w3 * v3)
-                if not math.isfinite(term):
-                    used = False
-                    value = 0.0
-                    for k in range(4):
-                        if weight[q, k] != 0.0:
-                            used = True
-                            value += weight[q, k] * xc[i, index[q, k]]
-                    term = grad * value if used else 0.0
-                total += term
-        if want_offset:
-            corner_grads[q - q0, 0], corner_grads[q - q0, 1], corner_grads[q - q0, 2], corner_grads[q - q0, 3] = s0, s1, s2, s3
-        if want_mask:
-            grad_mask[q] = total
+    positions = index.shape[3]
+    corners = index.shape[4]
+    for job in range(start, stop):  # batch * channels jobs, each owns grad_x[b, c]
+        b = job // channels
+        c = job % channels
+        g = c // (channels // n_offset_groups)
+        m_row = (c // (channels // n_mask_groups)) * taps if has_mask else 0
+        for t in range(taps):
+            row = c * taps + t
+            for q in range(positions):
+                value = column_grads[b, row, q]
+                if has_mask:
+                    value *= mask[b, m_row + t, q]
+                if math.isfinite(value):
+                    for k in range(corners):
+                        grad_x[b, c, index[b, g, t, q, k]] += value * weight[b, g, t, q, k]
+                else:  # zero-weight corners receive nothing, not 0 * inf
+                    for k in range(corners):
+                        w = weight[b, g, t, q, k]
+                        if w != 0.0:
+                            grad_x[b, c, index[b, g, t, q, k]] += value * w
 
 
 @_kernel
@@ -871,46 +644,50 @@ def _offset_mask_grads(x, column_grads, mask, has_mask, n_mask_groups, index, we
     taps = index.shape[2]
     positions = index.shape[3]
     corners = index.shape[4]
-    blocks = (positions + POSITION_BLOCK - 1) // POSITION_BLOCK
-    # corner_grads[g, q, k] = sum over the channels c of offset group g of grad_column[c] * mask *
-    # x[c, corner k]; the offset gradient is then one dot product with the corner weights' slopes
-    # per position, not one per channel.
-    corner_grads = np.empty((n_offset_groups if want_offset else 1, POSITION_BLOCK, corners))
-    for job in range(start, stop):  # batch * taps * blocks jobs, each owns tap t of sample b in a block
-        b = job // (taps * blocks)
-        t = (job // blocks) % taps
-        q0 = (job % blocks) * POSITION_BLOCK
-        q1 = min(q0 + POSITION_BLOCK, positions)
-        corner_grads[:] = 0.0
-        c = 0
-        while c < channels:
+    for job in range(start, stop):  # batch * taps jobs, each owns the entries of tap t of sample b
+        b = job // taps
+        t = job % taps
+        # corner_grads[g, q, k] = sum over the channels c of offset group g of
+        # grad_column[c] * mask * x[c, corner k]; the offset gradient is then one dot product
+        # with the corner weights' slopes per position, not one per channel.
+        corner_grads = np.zeros((n_offset_groups if want_offset else 1, positions, corners))
+        for c in range(channels):
             g = c // (channels // n_offset_groups)
             m_row = (c // (channels // n_mask_groups)) * taps + t if has_mask else 0
-            run = _quad_run(c, channels, n_offset_groups, n_mask_groups, channels) if corners == 4 else 1
-            sums = corner_grads[g if want_offset else 0]
-            mask_grads = grad_mask[b, m_row] if want_mask else grad_mask[0, 0]
-            if run == QUAD:
-                _corner_quad(x[b, c:c + QUAD], column_grads[b, c * taps + t:(c + QUAD) * taps:taps], mask[b, m_row],
-                             has_mask, index[b, g, t], weight[b, g, t], q0, q1, want_offset, sums, want_mask,
-                             mask_grads)
-            else:
-                _corner_row(x[b, c], column_grads[b, c * taps + t], mask[b, m_row], has_mask, index[b, g, t],
-                            weight[b, g, t], q0, q1, want_offset, sums, want_mask, mask_grads)
-            c += run
+            row = c * taps + t
+            for q in range(positions):
+                grad = column_grads[b, row, q]
+                scaled = grad * mask[b, m_row, q] if has_mask else grad
+                value = 0.0
+                for k in range(corners):
+                    v = x[b, c, index[b, g, t, q, k]]
+                    value += weight[b, g, t, q, k] * v
+                    if want_offset:
+                        corner_grads[g, q, k] += scaled * v
+                if want_mask:
+                    term = grad * value
+                    if not math.isfinite(term):
+                        # A tap that samples nothing has a zero gradient whatever grad holds.
+                        used = False
+                        for k in range(corners):
+                            used = used or weight[b, g, t, q, k] != 0.0
+                        value = _exact_sample(x, b, c, index, weight, g, t, q, corners)
+                        term = grad * value if used else 0.0
+                    grad_mask[b, m_row, q] += term
         if want_offset:
             for g in range(n_offset_groups):
                 o_row = (g * taps + t) * ndim
-                for q in range(q0, q1):
+                for q in range(positions):
                     for a in range(ndim):
                         total = 0.0
                         for k in range(corners):
-                            total += dweight[b, g, t, q, k, a] * corner_grads[g, q - q0, k]
+                            total += dweight[b, g, t, q, k, a] * corner_grads[g, q, k]
                         if not math.isfinite(total):  # outside and zero-slope corners add nothing
                             total = 0.0
                             for k in range(corners):
                                 slope = dweight[b, g, t, q, k, a]
                                 if slope != 0.0:
-                                    total += slope * corner_grads[g, q - q0, k]
+                                    total += slope * corner_grads[g, q, k]
                         grad_offset[b, o_row + a, q] = total
 
 
@@ -1059,10 +836,6 @@ class _Plan:
         _parallel_for("_sampling_plan", dtype, self.index.dtype, args, chunk.batch * groups * geom.kernel_volume)
 
 
-def _position_blocks(positions):
-    return -(-positions // POSITION_BLOCK)
-
-
 def _grouped_weight(weight, geom, dtype):
     """(C_out, C_in/G, *k) -> (G, C_out/G, C_in/G * K)."""
     return np.asarray(weight, dtype=dtype).reshape(
@@ -1082,7 +855,7 @@ def _columns(x, mask, plan, geom, dtype):
     columns = np.empty((batch, geom.in_channels * geom.kernel_volume, positions), dtype=dtype)
     m, has_mask, mask_groups = _mask_args(mask, geom, dtype)
     _parallel_for("_im2col", dtype, plan.index.dtype, (x, m, has_mask, mask_groups, plan.index, plan.weight, columns),
-                  batch * geom.kernel_volume * _position_blocks(positions))
+                  batch * geom.in_channels)
     return columns
 
 
@@ -1179,7 +952,7 @@ def _conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias):
         if need_input:
             _parallel_for("_col2im", dtype, plan.index.dtype, (column_grads, m, has_mask, mask_groups, plan.index,
                                                                 plan.weight, grad_x[chunk.b0:chunk.b1]),
-                          batch * -(-geom.in_channels // CHANNEL_BLOCK))
+                          batch * geom.in_channels)
         if need_offset or need_mask:
             def rows(full):
                 if full is None:
@@ -1190,7 +963,7 @@ def _conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias):
             g_off, g_m = rows(grad_off), rows(grad_m)
             _parallel_for("_offset_mask_grads", dtype, plan.index.dtype, (
                 xc, column_grads, m, has_mask, mask_groups, plan.index, plan.weight, plan.dweight,
-                geom.ndim, need_offset, need_mask, g_off, g_m), batch * geom.kernel_volume * _position_blocks(positions))
+                geom.ndim, need_offset, need_mask, g_off, g_m), batch * geom.kernel_volume)
             if not chunk.all_positions:
                 if need_offset:
                     grad_off[chunk.b0:chunk.b1, :, chunk.q0:chunk.q1] = g_off

@@ -39,11 +39,14 @@ import numpy as np
 from numba import njit
 
 from . import cpu
-from .cpu import POSITION_BLOCK, _kernel, _parallel_for
+from .cpu import _kernel, _parallel_for
 
 #: Shortest run of channels (one offset group, one mask group, one conv group) for which plans
 #: choose this algorithm over ``cpu/numba`` (measured, benchmarks/README.md "CPU algorithms").
 MIN_CHANNELS = 16
+
+#: Output positions of one job of the sampling kernels.
+POSITION_BLOCK = 256
 
 #: Fewest channels of the input gradient one scatter job owns (a 64-byte line of float32).
 CHANNEL_BLOCK = 16
@@ -296,6 +299,10 @@ def _add_channels_first(part, out, dtype, index_dtype):
     _parallel_for("_add_channels_first", dtype, index_dtype, (part, out), part.shape[0] * _transpose_blocks(part.shape[1]))
 
 
+def _position_blocks(positions):
+    return -(-positions // POSITION_BLOCK)
+
+
 def _transpose_blocks(size):
     return -(-size // TRANSPOSE_POSITIONS)
 
@@ -331,7 +338,7 @@ def _columns(xcl, mask, plan, geom, dtype):
     m, has_mask, mask_groups = cpu._mask_args(mask, geom, dtype)
     _parallel_for("_im2col_cl", dtype, plan.index.dtype,
                   (xcl, m, has_mask, mask_groups, geom.groups, plan.index, plan.weight, columns),
-                  batch * cpu._position_blocks(positions))
+                  batch * _position_blocks(positions))
     return columns
 
 
@@ -444,7 +451,7 @@ def _conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias):
             g_off, g_m = rows(grad_off), rows(grad_m)
             _parallel_for("_offset_mask_grads_cl", dtype, plan.index.dtype, (
                 xcl, column_grads, m, has_mask, mask_groups, geom.groups, plan.index, plan.weight, plan.dweight,
-                geom.ndim, need_offset, need_mask, g_off, g_m), batch * cpu._position_blocks(positions))
+                geom.ndim, need_offset, need_mask, g_off, g_m), batch * _position_blocks(positions))
             if not chunk.all_positions:
                 if need_offset:
                     grad_off[chunk.b0:chunk.b1, :, chunk.q0:chunk.q1] = g_off
