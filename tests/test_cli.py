@@ -217,6 +217,15 @@ def test_real_cpu_benchmark_smoke(tmp_path, capsys):
     assert "dcn_cupy's automatic choice: forward: cpu/numba" in out  # 4 channels: runs under 16
 
 
+def test_cpu_algorithms_benchmark_smoke(capsys):
+    """benchmarks/cpu_algorithms.py --quick: a row per case, both CPU algorithms timed."""
+    module = _bench.load_script(REPO / "benchmarks" / "cpu_algorithms.py", "_test_cpu_algorithms")
+    assert module.main(["--quick", "--repeats", "1"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0].split()[:3] == ["case", "numba", "fwd"] and len(rows) == 1 + len(module.QUICK)
+    assert all(len(row.split()) == 10 for row in rows[1:]), rows  # label (4 words), 6 numbers
+
+
 def test_ab_benchmark_parses_its_cases_and_steps_aside_without_a_gpu(capsys, monkeypatch):
     """benchmarks/ab.py: cases are gpu.py's shapes by key with a precision, values Python literals
     (a value may repeat), a bad one named in the error; without a CUDA device it says so and
