@@ -876,8 +876,8 @@ def _output(out, geom, dtype, inputs):
 
 
 def conv_forward(x, weight, offset, mask, bias, geom, out=None):
-    """``y = deform_conv(x) (+ bias)``, shape ``geom.y_shape``, in ``x``'s dtype: ``out`` (of that
-    shape) where given and C-contiguous in the compute dtype, else a new array."""
+    """``y = deform_conv(x) (+ bias)``, shape ``geom.y_shape``, in ``x``'s dtype: computed into
+    ``out`` (of that shape) where ``_output`` allows, and then ``out`` itself, else a new array."""
     with _single_threaded_blas:
         return _conv_forward(x, weight, offset, mask, bias, geom, out)
 

@@ -18,10 +18,12 @@ and the weights are reordered to ``(G, C_out/G, K, C_in/G)`` for the GEMMs:
 
 A corner of weight zero is skipped, which gives the exact rule of the reference (it reads
 nothing, so no 0 * inf) with no test of the values: an accumulator that starts at +0 is the same
-with or without a zero term. Every job owns what it writes and the parts are cut by the shape
-alone, so results are bitwise the same at any thread count; the sums over channels of the offset
-and mask gradients are vectorised (re-associated), so their bits may differ from ``cpu/numba``'s
-and between CPUs of different vector widths.
+with or without a zero term. Every job owns what it writes, and each value is summed in an
+order fixed by the shape alone, so results are bitwise the same at any thread count. They may
+differ in the last bits from ``cpu/numba``'s: a sample of four (two) corners of non-zero weight
+is summed in the compute dtype (float64 in ``cpu/numba``), the GEMMs reduce over (tap, channel)
+rather than (channel, tap), and the offset and mask gradients' sums over channels are
+re-associated to vectorise (so they may also differ between CPUs of different vector widths).
 
 Where it serves: every configuration; a call whose sample's channels-last copies (input, and
 input gradient) do not fit ``DCN_CUPY_CPU_WORKSPACE_BYTES`` with one position's work runs
@@ -90,7 +92,6 @@ def _im2col_cl(x, mask, has_mask, n_mask_groups, n_groups, index, weight, column
     runs = _runs(channels, n_offset_groups, n_mask_groups, n_groups)
     blocks = (positions + POSITION_BLOCK - 1) // POSITION_BLOCK
     values = np.zeros(channels)  # float64 sums, corner by corner, where a corner's weight is 0
-    # (No sub-array views in the loops: each would count a reference to its array.)
     for job in range(start, stop):  # jobs: batch * blocks, each owns columns[b, :, block]
         b = job // blocks
         q0 = (job % blocks) * POSITION_BLOCK
