@@ -24,7 +24,8 @@ if str(HERE.parent) not in sys.path and (HERE.parent / "dcn_cupy").is_dir():
 
 ALGORITHMS = ("cpu/numba", "cpu/channels-last")
 
-#: (label, N, batch, channels, size, offset groups): 3x3(x3) kernels, padding 1, masks, float32.
+#: (label, N, batch, channels, size, offset groups): 3x3(x3) kernels, padding 1, masks, float32;
+#: "T" rows are transposed, stride 2 (output padding 1: twice the size out).
 CASES = [
     ("2D C64 run 64", 2, 2, 64, 56, 1),
     ("2D C64 og8 run 8", 2, 2, 64, 56, 8),
@@ -38,11 +39,12 @@ CASES = [
     ("1D C64 L4096", 1, 2, 64, 4096, 1),
     ("3D C32 16^3", 3, 1, 32, 16, 1),
     ("3D C8 16^3", 3, 1, 8, 16, 1),
+    ("T2D C64 28x28 s2", 2, 2, 64, 28, 1),
 ]
 QUICK = [("2D C16 run 16", 2, 1, 16, 12, 1), ("2D C4 run 4", 2, 1, 4, 12, 1)]
 
 
-def _calls(rng, ndim, batch, channels, size, offset_groups):
+def _calls(rng, ndim, batch, channels, size, offset_groups, transposed=False):
     import dcn_cupy
 
     shape, taps = (size,) * ndim, 3 ** ndim
@@ -51,8 +53,12 @@ def _calls(rng, ndim, batch, channels, size, offset_groups):
     off = rng.uniform(-2, 2, (batch, offset_groups * taps * ndim) + shape).astype(np.float32)
     m = rng.random((batch, taps) + shape).astype(np.float32)
     gy = rng.standard_normal((batch, channels) + shape).astype(np.float32)
-    forward, backward = getattr(dcn_cupy, f"deform_conv{ndim}d"), getattr(dcn_cupy, f"deform_conv{ndim}d_backward")
-    return (lambda: forward(x, w, off, m, None, padding=1)), (lambda: backward(gy, x, w, off, m, None, padding=1))
+    name, params = f"deform_conv{ndim}d", {"padding": 1}
+    if transposed:
+        name, params = f"deform_conv_transpose{ndim}d", {"padding": 1, "stride": 2, "output_padding": 1}
+        gy = rng.standard_normal((batch, channels) + (2 * size,) * ndim).astype(np.float32)
+    forward, backward = getattr(dcn_cupy, name), getattr(dcn_cupy, name + "_backward")
+    return (lambda: forward(x, w, off, m, None, **params)), (lambda: backward(gy, x, w, off, m, None, **params))
 
 
 def main(argv=None) -> int:
@@ -65,7 +71,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     print(f"{'case':20s} {'numba fwd':>10s} {'cl fwd':>8s} {'ratio':>6s} {'numba f+b':>10s} {'cl f+b':>8s} {'ratio':>6s}")
     for label, *shape in (QUICK if args.quick else CASES):
-        forward, backward = _calls(rng, *shape)
+        forward, backward = _calls(rng, *shape, transposed=label.startswith("T"))
         times = {(a, mode): [] for a in ALGORITHMS for mode in ("fwd", "f+b")}
         for algorithm in ALGORITHMS:  # compilation and first-call work, untimed
             with use_algorithm(algorithm):
