@@ -927,8 +927,7 @@ def _conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias):
     w = _grouped_weight(weight, geom, dtype)
     grad_x = np.zeros((geom.batch, geom.in_channels, geom.input_size), dtype=dtype) if need_input else None
     grad_w = np.zeros(w.shape, dtype=np.float64) if need_weight else None
-    grad_off = np.zeros(geom.offset_shape[:2] + (geom.output_size,), np.float64) if need_offset else None
-    grad_m = np.zeros(geom.mask_shape[:2] + (geom.output_size,), np.float64) if need_mask else None
+    grad_off, grad_m = _offset_mask_accumulators(geom, need_offset, need_mask)
     staged = None
     for chunk in space.chunks():
         batch, positions = chunk.batch, chunk.positions
@@ -954,31 +953,50 @@ def _conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias):
                                                                 plan.weight, grad_x[chunk.b0:chunk.b1]),
                           batch * geom.in_channels)
         if need_offset or need_mask:
-            def rows(full):
-                if full is None:
-                    return np.zeros((1, 1, 1))
-                if chunk.all_positions:
-                    return full[chunk.b0:chunk.b1]
-                return np.zeros((batch, full.shape[1], positions))
-            g_off, g_m = rows(grad_off), rows(grad_m)
+            g_off, g_m = _chunk_rows(grad_off, chunk), _chunk_rows(grad_m, chunk)
             _parallel_for("_offset_mask_grads", dtype, plan.index.dtype, (
                 xc, column_grads, m, has_mask, mask_groups, plan.index, plan.weight, plan.dweight,
                 geom.ndim, need_offset, need_mask, g_off, g_m), batch * geom.kernel_volume)
-            if not chunk.all_positions:
-                if need_offset:
-                    grad_off[chunk.b0:chunk.b1, :, chunk.q0:chunk.q1] = g_off
-                if need_mask:
-                    grad_m[chunk.b0:chunk.b1, :, chunk.q0:chunk.q1] = g_m
+            _store_chunk_rows(grad_off, g_off, chunk)
+            _store_chunk_rows(grad_m, g_m, chunk)
             del g_off, g_m
         del plan, column_grads, off, msk, gy  # before the next chunk allocates its own
-    if need_input:
+    return _gradients(grad_x, grad_w, grad_off, grad_m, geom, bias, out_dtype)
+
+
+def _offset_mask_accumulators(geom, need_offset, need_mask):
+    """The float64 (B, rows, P) offset and mask gradients, None where not wanted."""
+    return (np.zeros(geom.offset_shape[:2] + (geom.output_size,), np.float64) if need_offset else None,
+            np.zeros(geom.mask_shape[:2] + (geom.output_size,), np.float64) if need_mask else None)
+
+
+def _chunk_rows(full, chunk):
+    """What a chunk's offset/mask kernel writes of ``full`` (an accumulator, or None): its view where
+    the chunk holds every position, else zeros for ``_store_chunk_rows``; a dummy for None."""
+    if full is None:
+        return np.zeros((1, 1, 1))
+    if chunk.all_positions:
+        return full[chunk.b0:chunk.b1]
+    return np.zeros((chunk.batch, full.shape[1], chunk.positions))
+
+
+def _store_chunk_rows(full, rows, chunk):
+    """``rows`` (from ``_chunk_rows``) into ``full`` where they are not already its view."""
+    if full is not None and not chunk.all_positions:
+        full[chunk.b0:chunk.b1, :, chunk.q0:chunk.q1] = rows
+
+
+def _gradients(grad_x, grad_w, grad_off, grad_m, geom, bias, dtype):
+    """The backward's result: the accumulators in their shapes and ``dtype``, ``bias`` added to the
+    input gradient (the transposed forward); ``grad_w`` already in the weight's order."""
+    if grad_x is not None:
         grad_x = grad_x.reshape(geom.x_shape)
         _add_bias(grad_x, bias, geom.ndim)
     return (
-        None if grad_x is None else grad_x.astype(out_dtype, copy=False),
-        None if grad_w is None else grad_w.reshape(geom.weight_shape).astype(out_dtype, copy=False),
-        None if grad_off is None else grad_off.reshape(geom.offset_shape).astype(out_dtype, copy=False),
-        None if grad_m is None else grad_m.reshape(geom.mask_shape).astype(out_dtype, copy=False),
+        None if grad_x is None else grad_x.astype(dtype, copy=False),
+        None if grad_w is None else grad_w.reshape(geom.weight_shape).astype(dtype, copy=False),
+        None if grad_off is None else grad_off.reshape(geom.offset_shape).astype(dtype, copy=False),
+        None if grad_m is None else grad_m.reshape(geom.mask_shape).astype(dtype, copy=False),
     )
 
 

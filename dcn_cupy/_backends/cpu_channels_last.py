@@ -288,16 +288,20 @@ def _add_channels_first(x, out, start, stop):
 # Driver
 
 
-def _channels_last(part, dtype, index_dtype):
+#: The layout copies read no sampling plan: one compilation whatever the plans' index dtype.
+_NO_INDEX = np.uint32
+
+
+def _channels_last(part, dtype):
     """The staged chunk ``part`` (Bc, C, S) in ``dtype`` as a C-contiguous (Bc, S, C) copy."""
     out = np.empty((part.shape[0], part.shape[2], part.shape[1]), dtype=dtype)
-    _parallel_for("_to_channels_last", dtype, index_dtype, (part, out), part.shape[0] * _transpose_blocks(part.shape[2]))
+    _parallel_for("_to_channels_last", dtype, _NO_INDEX, (part, out), part.shape[0] * _transpose_blocks(part.shape[2]))
     return out
 
 
-def _add_channels_first(part, out, dtype, index_dtype):
+def _add_channels_first(part, out, dtype):
     """``out`` (Bc, C, S) += ``part`` (Bc, S, C)."""
-    _parallel_for("_add_channels_first", dtype, index_dtype, (part, out), part.shape[0] * _transpose_blocks(part.shape[1]))
+    _parallel_for("_add_channels_first", dtype, _NO_INDEX, (part, out), part.shape[0] * _transpose_blocks(part.shape[1]))
 
 
 def _position_blocks(positions):
@@ -374,8 +378,7 @@ def _conv_forward(x, weight, offset, mask, bias, geom, out):
     for chunk in space.chunks():
         if staged is None or staged[0] != (chunk.b0, chunk.b1):
             staged = None  # free the last copy first
-            staged = ((chunk.b0, chunk.b1), _channels_last(cpu._stage(x, chunk, dtype, positions=False), dtype,
-                                                           cpu.plan_index_dtype(geom)))
+            staged = ((chunk.b0, chunk.b1), _channels_last(cpu._stage(x, chunk, dtype, positions=False), dtype))
         off = None if offset is None else cpu._stage(offset, chunk, dtype)
         msk = None if mask is None else cpu._stage(mask, chunk, dtype)
         plan = cpu._Plan(geom, chunk, off, False, dtype)
@@ -409,15 +412,13 @@ def _conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias):
     w = _reordered_weight(weight, geom, dtype).reshape(geom.groups, geom.out_channels_per_group, -1)
     grad_x = np.zeros((geom.batch, geom.in_channels, geom.input_size), dtype=dtype) if need_input else None
     grad_w = np.zeros(w.shape, dtype=np.float64) if need_weight else None
-    grad_off = np.zeros(geom.offset_shape[:2] + (geom.output_size,), np.float64) if need_offset else None
-    grad_m = np.zeros(geom.mask_shape[:2] + (geom.output_size,), np.float64) if need_mask else None
+    grad_off, grad_m = cpu._offset_mask_accumulators(geom, need_offset, need_mask)
     staged = None
     for chunk in space.chunks():
         batch, positions = chunk.batch, chunk.positions
         if need_x and (staged is None or staged[0] != (chunk.b0, chunk.b1)):
-            staged = None
-            staged = ((chunk.b0, chunk.b1), _channels_last(cpu._stage(x, chunk, dtype, positions=False), dtype,
-                                                           cpu.plan_index_dtype(geom)))
+            staged = None  # free the last copy first
+            staged = ((chunk.b0, chunk.b1), _channels_last(cpu._stage(x, chunk, dtype, positions=False), dtype))
         xcl = None if staged is None else staged[1]
         off = None if offset is None else cpu._stage(offset, chunk, dtype)
         msk = None if mask is None else cpu._stage(mask, chunk, dtype)
@@ -440,35 +441,18 @@ def _conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias):
             _parallel_for("_col2im_cl", dtype, plan.index.dtype, (
                 column_grads, m, has_mask, mask_groups, geom.groups, plan.index, plan.weight, block, gxcl),
                 batch * -(-geom.in_channels // block))
-            _add_channels_first(gxcl, grad_x[chunk.b0:chunk.b1], dtype, plan.index.dtype)
+            _add_channels_first(gxcl, grad_x[chunk.b0:chunk.b1], dtype)
             del gxcl
         if need_offset or need_mask:
-            def rows(full):
-                if full is None:
-                    return np.zeros((1, 1, 1))
-                if chunk.all_positions:
-                    return full[chunk.b0:chunk.b1]
-                return np.zeros((batch, full.shape[1], positions))
-            g_off, g_m = rows(grad_off), rows(grad_m)
+            g_off, g_m = cpu._chunk_rows(grad_off, chunk), cpu._chunk_rows(grad_m, chunk)
             _parallel_for("_offset_mask_grads_cl", dtype, plan.index.dtype, (
                 xcl, column_grads, m, has_mask, mask_groups, geom.groups, plan.index, plan.weight, plan.dweight,
                 geom.ndim, need_offset, need_mask, g_off, g_m), batch * _position_blocks(positions))
-            if not chunk.all_positions:
-                if need_offset:
-                    grad_off[chunk.b0:chunk.b1, :, chunk.q0:chunk.q1] = g_off
-                if need_mask:
-                    grad_m[chunk.b0:chunk.b1, :, chunk.q0:chunk.q1] = g_m
+            cpu._store_chunk_rows(grad_off, g_off, chunk)
+            cpu._store_chunk_rows(grad_m, g_m, chunk)
             del g_off, g_m
         del plan, column_grads, off, msk, gy  # before the next chunk allocates its own
-    if need_input:
-        grad_x = grad_x.reshape(geom.x_shape)
-        cpu._add_bias(grad_x, bias, geom.ndim)
     if need_weight:  # (G, C_out/G, K, C_in/G) -> the weight's own order
         grad_w = grad_w.reshape(geom.groups, geom.out_channels_per_group, geom.kernel_volume,
                                 geom.in_channels_per_group).transpose(0, 1, 3, 2)
-    return (
-        None if grad_x is None else grad_x.astype(out_dtype, copy=False),
-        None if grad_w is None else grad_w.reshape(geom.weight_shape).astype(out_dtype, copy=False),
-        None if grad_off is None else grad_off.reshape(geom.offset_shape).astype(out_dtype, copy=False),
-        None if grad_m is None else grad_m.reshape(geom.mask_shape).astype(out_dtype, copy=False),
-    )
+    return cpu._gradients(grad_x, grad_w, grad_off, grad_m, geom, bias, out_dtype)
