@@ -3,7 +3,9 @@
 Shape of the CPU targets in benchmarks/README.md ("## Targets"): B=2, C 64->64, 56x56, 3x3, padding 1, offsets and masks
 (DCNv2), float32, NumPy arrays. Times the forward and the forward+backward (the backward is
 ``deform_conv2d_backward`` for all five gradients); each measurement is the median of
-``--repeats`` runs after ``--warmup`` runs (the Numba JIT compilation is excluded). The rows
+``--repeats`` runs after ``--warmup`` runs (the Numba JIT compilation is excluded), and the
+candidates are timed in rounds, one run of each per round, so that a shared machine's drift
+reaches every row alike and their ratios stay fair. The rows
 ``dcn_cupy`` are the automatic choice of CPU algorithm (named above the table); each CPU
 algorithm is then timed forced (``dcn_cupy cpu/numba``, ...). When they import, torchvision's
 ``deform_conv2d`` and ``torch.nn.functional.conv2d`` are timed the same way. Prints a table
@@ -55,15 +57,22 @@ def read_targets(path=TARGETS_FILE) -> dict:
     return targets
 
 
-def _time(fn, warmup: int, repeats: int) -> list:
+def _time_rounds(candidates, warmup: int, repeats: int) -> list:
+    """Results of ``candidates`` [(library, mode, fn)], timed in rounds: each round runs every
+    candidate in turn, so that the load of a shared machine is spread over all of them. Each
+    timed run follows an untimed one of the same candidate: torch's OpenMP threads spin for a
+    while after their work, which would slow whatever ran right after them (5.7 -> 11.4 ms)."""
     for _ in range(warmup):
-        fn()
-    times = []
+        for _, _, fn in candidates:
+            fn()
+    times = [[] for _ in candidates]
     for _ in range(repeats):
-        tic = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - tic) * 1e3)
-    return times
+        for (_, _, fn), mine in zip(candidates, times):
+            fn()
+            tic = time.perf_counter()
+            fn()
+            mine.append((time.perf_counter() - tic) * 1e3)
+    return [_result(library, mode, mine) for (library, mode, _), mine in zip(candidates, times)]
 
 
 def _inputs(args):
@@ -85,7 +94,7 @@ def _inputs(args):
 ALGORITHMS = ("cpu/numba", "cpu/channels-last")
 
 
-def _bench_dcn_cupy(data, args) -> list:
+def _dcn_cupy_candidates(data) -> list:
     import dcn_cupy
     from dcn_cupy._backends import use_algorithm
 
@@ -100,27 +109,30 @@ def _bench_dcn_cupy(data, args) -> list:
         dcn_cupy.deform_conv2d(x, w, off, m, bias, padding=1)
         return dcn_cupy.deform_conv2d_backward(gy, x, w, off, m, bias, padding=1)
 
-    results = []
+    def forced(algorithm, fn):
+        def run():
+            with use_algorithm(algorithm):
+                return fn()
+        return run
+
     tic = time.perf_counter()
     forward_backward()  # JIT compilation (or loading Numba's cache), excluded from the timings
     print(f"  dcn_cupy first call (JIT compile / cache load): {time.perf_counter() - tic:.1f} s", flush=True)
-    for mode, fn in (("forward", forward), ("forward+backward", forward_backward)):
-        results.append(_result("dcn_cupy", mode, _time(fn, args.warmup, args.repeats)))
+    candidates = [("dcn_cupy", "forward", forward), ("dcn_cupy", "forward+backward", forward_backward)]
     for algorithm in ALGORITHMS:
-        with use_algorithm(algorithm):
-            forward_backward()  # its own compilation, excluded
-            for mode, fn in (("forward", forward), ("forward+backward", forward_backward)):
-                results.append(_result(f"dcn_cupy {algorithm}", mode, _time(fn, args.warmup, args.repeats)))
-    return results
+        forced(algorithm, forward_backward)()  # its own compilation, excluded
+        candidates += [(f"dcn_cupy {algorithm}", "forward", forced(algorithm, forward)),
+                       (f"dcn_cupy {algorithm}", "forward+backward", forced(algorithm, forward_backward))]
+    return candidates
 
 
-def _bench_torch(data, args) -> list:
+def _torch_candidates(data) -> list:
     try:
         import torch
     except Exception as error:
         print(f"  torch not importable ({type(error).__name__}: {error}): skipping torch and torchvision")
         return []
-    results = []
+    candidates = []
     t = {k: torch.from_numpy(v.copy()) for k, v in data.items()}
 
     def leaves(*names):
@@ -143,8 +155,8 @@ def _bench_torch(data, args) -> list:
             y.backward(t["grad_output"])
             return x.grad
 
-        for mode, fn in (("forward", tv_forward), ("forward+backward", tv_forward_backward)):
-            results.append(_result("torchvision deform_conv2d", mode, _time(fn, args.warmup, args.repeats)))
+        candidates += [("torchvision deform_conv2d", "forward", tv_forward),
+                       ("torchvision deform_conv2d", "forward+backward", tv_forward_backward)]
 
     def dense_forward():
         with torch.no_grad():
@@ -156,9 +168,8 @@ def _bench_torch(data, args) -> list:
         y.backward(t["grad_output"])
         return x.grad
 
-    for mode, fn in (("forward", dense_forward), ("forward+backward", dense_forward_backward)):
-        results.append(_result("torch conv2d (dense)", mode, _time(fn, args.warmup, args.repeats)))
-    return results
+    return candidates + [("torch conv2d (dense)", "forward", dense_forward),
+                         ("torch conv2d (dense)", "forward+backward", dense_forward_backward)]
 
 
 def _result(library: str, mode: str, times: list) -> dict:
@@ -274,9 +285,10 @@ def main(argv=None) -> int:
     print(f"  Numba threads: {threads} (os.cpu_count() = {os.cpu_count()})", flush=True)
 
     data = _inputs(args)
-    results = _bench_dcn_cupy(data, args)
+    candidates = _dcn_cupy_candidates(data)
     if not args.no_torch:
-        results += _bench_torch(data, args)
+        candidates += _torch_candidates(data)
+    results = _time_rounds(candidates, args.warmup, args.repeats)
 
     print()
     _print_table(results)

@@ -244,7 +244,10 @@ def test_broadcast_batch_is_not_copied_whole(module):
         y, peak = _traced_peak(lambda: module.conv_forward(x, w, off, m, None, geom))
     assert peak - y.nbytes <= limit + 32 * 2**10, format_size(peak)
     assert peak - y.nbytes < x.nbytes // 2, format_size(peak)
-    np.testing.assert_array_equal(y, module.conv_forward(dense[0], w, dense[1], dense[2], None, geom))
+    # The limit cuts each sample's positions in two boxes, and the forward's GEMMs get other rows
+    # than the whole grid's (cpu/channels-last's parts), which may move BLAS's last bits.
+    np.testing.assert_allclose(y, module.conv_forward(dense[0], w, dense[1], dense[2], None, geom),
+                               rtol=1e-12, atol=1e-12)
     for sample in y[1:]:
         np.testing.assert_array_equal(sample, y[0])
     grads = module.conv_backward(gy, x, w, off, m, geom, FULL)

@@ -146,7 +146,7 @@ def _signature(name, dtype, index_dtype):
                                weight, array(f, 6, True), i64, flag, flag, array(types.float64, 3),
                                array(types.float64, 3)),
         # cpu_channels_last's: the conv groups' count follows the mask groups'
-        "_im2col_cl": (array(f, 3, True), array(f, 3, True), flag, i64, i64, index, weight, array(f, 5)),
+        "_im2col_cl": (array(f, 3, True), array(f, 3, True), flag, i64, i64, index, weight, array(f, 5), i64, i64),
         "_col2im_cl": (array(f, 5, True), array(f, 3, True), flag, i64, i64, index, weight, i64, array(f, 3)),
         "_offset_mask_grads_cl": (array(f, 3, True), array(f, 5, True), array(f, 3, True), flag, i64, i64, index,
                                   weight, array(f, 6, True), i64, flag, flag, array(types.float64, 3),
@@ -362,7 +362,11 @@ def _matmul(a, b, out):
         _run_parts(lambda i: np.matmul(a, b[..., columns[i]:columns[i + 1]],
                                        out=out[..., columns[i]:columns[i + 1]]), len(columns) - 1)
         return
-    rows = _blocks(a.shape[-2], least=64)
+    # Blocks of 1024 rows or more where there are rows enough (cpu/channels-last's column
+    # gradients, P x C_out/G @ C_out/G x C_in*K/G: 0.85x the backward's time of blocks of 196)
+    rows = _blocks(a.shape[-2], least=_GEMM_COLUMNS)
+    if len(rows) <= 2:
+        rows = _blocks(a.shape[-2], least=64)
     _run_parts(lambda i: np.matmul(a[..., rows[i]:rows[i + 1], :], b, out=out[..., rows[i]:rows[i + 1], :]),
                len(rows) - 1)
 
@@ -518,6 +522,23 @@ def _sampling_plan(offset, has_offset, n_offset_groups, ndim, in_shape, out_shap
             f0 = p0 - l0
             f1 = p1 - l1
             f2 = p2 - l2
+            if corners == 4 and not want_dweight:
+                # 2D without slopes (every forward's plan), written out without branches: 2x
+                # faster than the loop below (10 against 20 ns a point on one core).
+                i1 = int(l1)
+                i2 = int(l2)
+                lo1, hi1, lo2, hi2 = i1 >= 0, i1 + 1 < size1, i2 >= 0, i2 + 1 < size2
+                in00, in01, in10, in11 = lo1 & lo2, lo1 & hi2, hi1 & lo2, hi1 & hi2
+                first = i1 * size2 + i2
+                index[b, g, t, q, 0] = first if in00 else 0
+                index[b, g, t, q, 1] = first + 1 if in01 else 0
+                index[b, g, t, q, 2] = first + size2 if in10 else 0
+                index[b, g, t, q, 3] = first + size2 + 1 if in11 else 0
+                weight[b, g, t, q, 0] = (1.0 - f1) * (1.0 - f2) if in00 else 0.0
+                weight[b, g, t, q, 1] = (1.0 - f1) * f2 if in01 else 0.0
+                weight[b, g, t, q, 2] = f1 * (1.0 - f2) if in10 else 0.0
+                weight[b, g, t, q, 3] = f1 * f2 if in11 else 0.0
+                continue
             for c in range(corners):
                 # Bit 0 of c picks the corner along the last axis, bit 1 the second last, bit 2 the first.
                 i0 = int(l0)

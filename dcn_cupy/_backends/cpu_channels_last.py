@@ -9,7 +9,10 @@ laid out to match, ``(B, G, P, K, C_in/G)`` (position, then tap, then channel of
 and the weights are reordered to ``(G, C_out/G, K, C_in/G)`` for the GEMMs:
 
 * forward:   columns[b, g, q, t, :] = mask * sum_corners weight * x_cl[b, index, channels of g];
-  y[b, g] = W'_g @ columns[b, g]^T
+  y[b, g]^T = columns[b, g] @ W'_g^T, transposed into place with the bias added. A sample's
+  positions go in parts of a few hundred, each part's columns, GEMM and store run in a row on
+  one thread while its columns are still in the caches (the columns of a whole sample are not
+  made)
 * to input:  column grads[b, g] = grad_y[b, g]^T @ W'_g, scattered back into a channels-last
   input gradient (each job owns a block of channels), then transposed into place
 * weight:    grad_W'_g = sum_b grad_y[b, g] @ columns[b, g]
@@ -48,7 +51,11 @@ from .cpu import _kernel, _parallel_for
 MIN_CHANNELS = 16
 
 #: Output positions of one job of the sampling kernels.
-POSITION_BLOCK = 256
+POSITION_BLOCK = 64
+
+#: Fewest jobs of the columns kernel in one part of the forward (256 positions): GEMMs of fewer
+#: rows run slower in BLAS (52 parts of 64 rows took 1.2x the time of 16 of 196 at C=128, 28x28).
+_PART_UNITS = 4
 
 #: Fewest channels of the input gradient one scatter job owns (a 64-byte line of float32).
 CHANNEL_BLOCK = 16
@@ -86,16 +93,19 @@ def _runs(channels, n_offset_groups, n_mask_groups, n_groups):
 
 
 @_kernel
-def _im2col_cl(x, mask, has_mask, n_mask_groups, n_groups, index, weight, columns, start, stop):
+def _im2col_cl(x, mask, has_mask, n_mask_groups, n_groups, index, weight, columns, b_first, q_first, start, stop):
     batch, _, channels = x.shape
     n_offset_groups, taps, positions, corners = index.shape[1], index.shape[2], index.shape[3], index.shape[4]
     runs = _runs(channels, n_offset_groups, n_mask_groups, n_groups)
     blocks = (positions + POSITION_BLOCK - 1) // POSITION_BLOCK
     values = np.zeros(channels)  # float64 sums, corner by corner, where a corner's weight is 0
-    for job in range(start, stop):  # jobs: batch * blocks, each owns columns[b, :, block]
+    # columns[b - b_first, :, q - q_first] holds sample b's position q: all of them, or a part's
+    for job in range(start, stop):  # jobs: batch * blocks, each owns the columns of a block
         b = job // blocks
         q0 = (job % blocks) * POSITION_BLOCK
+        cb = b - b_first
         for q in range(q0, min(q0 + POSITION_BLOCK, positions)):
+            cq = q - q_first
             for t in range(taps):
                 for r in range(runs.shape[0]):
                     c0, c1, o = runs[r, 0], runs[r, 1], runs[r, 5]
@@ -111,13 +121,13 @@ def _im2col_cl(x, mask, has_mask, n_mask_groups, n_groups, index, weight, column
                             i2, i3 = index[b, go, t, q, 2], index[b, go, t, q, 3]
                             for j in range(c0, c1):
                                 value = ((w0 * x[b, i0, j] + w1 * x[b, i1, j]) + w2 * x[b, i2, j]) + w3 * x[b, i3, j]
-                                columns[b, g, q, t, j - o] = value * m if has_mask else value
+                                columns[cb, g, cq, t, j - o] = value * m if has_mask else value
                             continue
                     elif corners == 2 and w0 != 0.0 and w1 != 0.0:
                         i0, i1 = index[b, go, t, q, 0], index[b, go, t, q, 1]
                         for j in range(c0, c1):
                             value = w0 * x[b, i0, j] + w1 * x[b, i1, j]
-                            columns[b, g, q, t, j - o] = value * m if has_mask else value
+                            columns[cb, g, cq, t, j - o] = value * m if has_mask else value
                         continue
                     values[c0:c1] = 0.0
                     for k in range(corners):
@@ -127,7 +137,7 @@ def _im2col_cl(x, mask, has_mask, n_mask_groups, n_groups, index, weight, column
                             for j in range(c0, c1):
                                 values[j] += w * x[b, i, j]
                     for j in range(c0, c1):
-                        columns[b, g, q, t, j - o] = values[j] * m if has_mask else values[j]
+                        columns[cb, g, cq, t, j - o] = values[j] * m if has_mask else values[j]
 
 
 @_kernel
@@ -342,7 +352,7 @@ def _columns(xcl, mask, plan, geom, dtype):
     columns = _layout(geom, batch, positions, dtype)
     m, has_mask, mask_groups = cpu._mask_args(mask, geom, dtype)
     _parallel_for("_im2col_cl", dtype, plan.index.dtype,
-                  (xcl, m, has_mask, mask_groups, geom.groups, plan.index, plan.weight, columns),
+                  (xcl, m, has_mask, mask_groups, geom.groups, plan.index, plan.weight, columns, 0, 0),
                   batch * _position_blocks(positions))
     return columns
 
@@ -360,6 +370,38 @@ def _workspace(geom, dtype, *, columns, column_grads, dweight, grads, input_copy
         return None
 
 
+def _forward_parts(xcl, mask, plan, w_t, bias_row, has_bias, geom, chunk, y, dtype):
+    """A chunk's forward in parts of a sample's positions, each part's columns, GEMM and output
+    store in a row on one thread, while its columns are still in the caches."""
+    batch, positions = chunk.batch, chunk.positions
+    units = _position_blocks(positions)
+    # By the positions alone, not the batch: BLAS's bits may depend on the GEMM's rows, and a
+    # sample's result does not depend on the samples beside it. So a sample of fewer than
+    # 2 * _PART_UNITS blocks is one part, on one thread (smaller parts made 14x14, C=256 1.29x
+    # slower at batch 8 and 0.86x at batch 1).
+    edges = cpu._blocks(units, least=_PART_UNITS)
+    parts = len(edges) - 1
+    m, has_mask, mask_groups = cpu._mask_args(mask, geom, dtype)
+    im2col = cpu._compiled_kernel("_im2col_cl", dtype, plan.index.dtype)
+
+    def part(i):
+        b, k = divmod(i, parts)
+        q0, q1 = edges[k] * POSITION_BLOCK, min(edges[k + 1] * POSITION_BLOCK, positions)
+        columns = _layout(geom, 1, q1 - q0, dtype)  # a part's own: it stays in the caches
+        im2col(xcl, m, has_mask, mask_groups, geom.groups, plan.index, plan.weight, columns, b, q0,
+               b * units + edges[k], b * units + edges[k + 1])
+        y_t = np.matmul(columns[0].reshape(geom.groups, q1 - q0, -1), w_t)  # (G, rows, C_out/G)
+        # Transposed into place with the bias (numpy's strided copy of a part still in the caches
+        # was as fast as a Numba kernel's, and compiles nothing)
+        target = y[chunk.b0 + b, :, :, chunk.q0 + q0:chunk.q0 + q1]
+        if has_bias:
+            np.add(y_t.transpose(0, 2, 1), bias_row.reshape(geom.groups, -1, 1), out=target)
+        else:  # a copy, not + 0: that would turn -0 into +0
+            target[...] = y_t.transpose(0, 2, 1)
+
+    cpu._run_parts(part, batch * parts)
+
+
 def conv_forward(x, weight, offset, mask, bias, geom, out=None):
     """``cpu.conv_forward``'s contract, computed channels-last."""
     with cpu._single_threaded_blas:
@@ -372,7 +414,11 @@ def _conv_forward(x, weight, offset, mask, bias, geom, out):
                        input_copy=1 + cpu._needs_copy(x, dtype), grad_copy=False)
     if space is None:  # a sample's channels-last copy does not fit: cpu/numba's loops, without it
         return cpu._conv_forward(x, weight, offset, mask, bias, geom, out)
-    w = _reordered_weight(weight, geom, dtype).reshape(geom.groups, geom.out_channels_per_group, -1)
+    # The GEMM's output is (P, C_out/G) per conv group, rows of the columns times the weight's
+    # transpose: OpenBLAS took 2.6-2.8 ms for it where the (C_out/G, P) product through the
+    # columns' transpose took 3.2-3.3 (benchmarks/README.md, "CPU algorithms").
+    w_t = _reordered_weight(weight, geom, dtype).reshape(geom.groups, geom.out_channels_per_group, -1).transpose(0, 2, 1)
+    bias_row = np.zeros(1, dtype) if bias is None else np.ascontiguousarray(bias, dtype=dtype).reshape(-1)
     y, into_out = cpu._output(out, geom, dtype, (x, weight, offset, mask, bias))
     staged = None
     for chunk in space.chunks():
@@ -382,11 +428,9 @@ def _conv_forward(x, weight, offset, mask, bias, geom, out):
         off = None if offset is None else cpu._stage(offset, chunk, dtype)
         msk = None if mask is None else cpu._stage(mask, chunk, dtype)
         plan = cpu._Plan(geom, chunk, off, False, dtype)
-        columns = _columns(staged[1], msk, plan, geom, dtype)
-        cpu._matmul(w[None], _gemm_view(columns, geom), y[chunk.b0:chunk.b1, :, :, chunk.q0:chunk.q1])
-        del plan, columns, off, msk  # before the next chunk allocates its own
+        _forward_parts(staged[1], msk, plan, w_t, bias_row, bias is not None, geom, chunk, y, dtype)
+        del plan, off, msk  # before the next chunk allocates its own
     y = y.reshape(geom.y_shape)
-    cpu._add_bias(y, bias, geom.ndim)
     return out if into_out else y.astype(x.dtype, copy=False)
 
 
