@@ -60,14 +60,17 @@ def read_targets(path=TARGETS_FILE) -> dict:
 def _time_rounds(candidates, warmup: int, repeats: int) -> list:
     """Results of ``candidates`` [(library, mode, fn)], timed in rounds: each round runs every
     candidate in turn, so that the load of a shared machine is spread over all of them. Each
-    timed run follows an untimed one of the same candidate: torch's OpenMP threads spin for a
-    while after their work, which would slow whatever ran right after them (5.7 -> 11.4 ms)."""
+    timed run follows an untimed one of the same candidate, and each round runs them in another
+    order (seeded): torch's OpenMP threads spin for a while after their work, which slowed
+    whatever ran right after them (5.7 -> 11.4 ms, and still 5.0 -> 6.4 after an untimed run)."""
     for _ in range(warmup):
         for _, _, fn in candidates:
             fn()
     times = [[] for _ in candidates]
+    order = np.random.default_rng(0)
     for _ in range(repeats):
-        for (_, _, fn), mine in zip(candidates, times):
+        for i in order.permutation(len(candidates)):
+            (_, _, fn), mine = candidates[i], times[i]
             fn()
             tic = time.perf_counter()
             fn()
