@@ -370,7 +370,7 @@ def _workspace(geom, dtype, *, columns, column_grads, dweight, grads, input_copy
         return None
 
 
-def _forward_parts(xcl, mask, plan, w_t, bias_row, has_bias, geom, chunk, y, dtype):
+def _forward_parts(xcl, mask, plan, w_t, bias_row, geom, chunk, y, dtype):
     """A chunk's forward in parts of a sample's positions, each part's columns, GEMM and output
     store in a row on one thread, while its columns are still in the caches."""
     batch, positions = chunk.batch, chunk.positions
@@ -394,7 +394,7 @@ def _forward_parts(xcl, mask, plan, w_t, bias_row, has_bias, geom, chunk, y, dty
         # Transposed into place with the bias (numpy's strided copy of a part still in the caches
         # was as fast as a Numba kernel's, and compiles nothing)
         target = y[chunk.b0 + b, :, :, chunk.q0 + q0:chunk.q0 + q1]
-        if has_bias:
+        if bias_row is not None:
             np.add(y_t.transpose(0, 2, 1), bias_row.reshape(geom.groups, -1, 1), out=target)
         else:  # a copy, not + 0: that would turn -0 into +0
             target[...] = y_t.transpose(0, 2, 1)
@@ -418,7 +418,7 @@ def _conv_forward(x, weight, offset, mask, bias, geom, out):
     # transpose: OpenBLAS took 2.6-2.8 ms for it where the (C_out/G, P) product through the
     # columns' transpose took 3.2-3.3 (benchmarks/README.md, "CPU algorithms").
     w_t = _reordered_weight(weight, geom, dtype).reshape(geom.groups, geom.out_channels_per_group, -1).transpose(0, 2, 1)
-    bias_row = np.zeros(1, dtype) if bias is None else np.ascontiguousarray(bias, dtype=dtype).reshape(-1)
+    bias_row = None if bias is None else np.asarray(bias, dtype=dtype).reshape(-1)
     y, into_out = cpu._output(out, geom, dtype, (x, weight, offset, mask, bias))
     staged = None
     for chunk in space.chunks():
@@ -428,7 +428,7 @@ def _conv_forward(x, weight, offset, mask, bias, geom, out):
         off = None if offset is None else cpu._stage(offset, chunk, dtype)
         msk = None if mask is None else cpu._stage(mask, chunk, dtype)
         plan = cpu._Plan(geom, chunk, off, False, dtype)
-        _forward_parts(staged[1], msk, plan, w_t, bias_row, bias is not None, geom, chunk, y, dtype)
+        _forward_parts(staged[1], msk, plan, w_t, bias_row, geom, chunk, y, dtype)
         del plan, off, msk  # before the next chunk allocates its own
     y = y.reshape(geom.y_shape)
     return out if into_out else y.astype(x.dtype, copy=False)
