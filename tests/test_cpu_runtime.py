@@ -255,6 +255,26 @@ def test_broadcast_batch_is_not_copied_whole(module):
         np.testing.assert_array_equal(got, expected)
 
 
+@pytest.mark.parametrize("channels, offset_groups, mask_groups, groups",
+                         [(1, 1, 1, 1), (64, 1, 1, 1), (24, 3, 4, 2), (24, 12, 1, 8), (30, 5, 3, 2), (16, 16, 16, 16)])
+def test_channel_runs_follow_every_group(channels, offset_groups, mask_groups, groups):
+    """cpu/channels-last's runs of channels: consecutive, covering every channel once, each run
+    the longest stretch of channels that share a conv, an offset and a mask group, with those
+    groups and the conv group's first channel."""
+    runs = cpu_channels_last._channel_runs(channels, offset_groups, mask_groups, groups)
+    assert runs.dtype == np.uint64 and runs.flags.c_contiguous and runs.shape[1] == 6
+    owner = [(c * groups // channels, c * offset_groups // channels, c * mask_groups // channels)
+             for c in range(channels)]
+    expected = []
+    for c in range(channels):
+        if c == 0 or owner[c] != owner[c - 1]:
+            g, o, m = owner[c]
+            expected.append([c, c + 1, g, o, m, g * (channels // groups)])
+        else:
+            expected[-1][1] = c + 1
+    np.testing.assert_array_equal(runs, np.array(expected, dtype=np.uint64))
+
+
 # ---------------------------------------------------------------------------------------------
 # Compilation
 

@@ -136,6 +136,7 @@ def _signature(name, dtype, index_dtype):
         return types.Array(dt, ndim, "C", readonly=readonly)
 
     ints = array(i64, 1, True)
+    runs = array(types.uint64, 2, True)
     index, weight = array(i, 5, True), array(f, 5, True)
     args = {
         "_sampling_plan": (array(f, 3, True), flag, i64, i64, ints, ints, ints, ints, ints, ints,
@@ -145,10 +146,10 @@ def _signature(name, dtype, index_dtype):
         "_offset_mask_grads": (array(f, 3, True), array(f, 3, True), array(f, 3, True), flag, i64, index,
                                weight, array(f, 6, True), i64, flag, flag, array(types.float64, 3),
                                array(types.float64, 3)),
-        # cpu_channels_last's: the conv groups' count follows the mask groups'
-        "_im2col_cl": (array(f, 3, True), array(f, 3, True), flag, i64, i64, index, weight, array(f, 5), i64, i64),
-        "_col2im_cl": (array(f, 5, True), array(f, 3, True), flag, i64, i64, index, weight, i64, array(f, 3)),
-        "_offset_mask_grads_cl": (array(f, 3, True), array(f, 5, True), array(f, 3, True), flag, i64, i64, index,
+        # cpu_channels_last's: the runs of channels (cpu_channels_last._channel_runs) after the mask
+        "_im2col_cl": (array(f, 3, True), array(f, 3, True), flag, runs, index, weight, array(f, 5), i64, i64),
+        "_col2im_cl": (array(f, 5, True), array(f, 3, True), flag, runs, index, weight, i64, array(f, 3)),
+        "_offset_mask_grads_cl": (array(f, 3, True), array(f, 5, True), array(f, 3, True), flag, runs, index,
                                   weight, array(f, 6, True), i64, flag, flag, array(types.float64, 3),
                                   array(types.float64, 3)),
         "_to_channels_last": (array(f, 3, True), array(f, 3)),

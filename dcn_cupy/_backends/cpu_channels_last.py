@@ -68,37 +68,33 @@ def channel_run(geom) -> int:
     return math.gcd(c // max(geom.offset_groups, 1), c // max(geom.mask_groups, 1), c // geom.groups)
 
 
+def _channel_runs(channels, n_offset_groups, n_mask_groups, n_groups):
+    """The runs of channels that share an offset, a mask and a conv group, the kernels' ``runs``
+    (no divisions in their loops): rows of (first channel, end, conv group, offset group, mask
+    group, the conv group's first channel). A run ends at every multiple of each group's size.
+    Unsigned, so that an index computed from them is known to be non-negative: a signed one is
+    tested for Python's negative indices at every element, which keeps the loops along channels
+    from vectorising (4x slower). Made here rather than in the kernels: in them, it cost 0.3 s
+    of the cold compilation."""
+    sizes = (channels // n_offset_groups, channels // n_mask_groups, channels // n_groups)
+    first = np.unique(np.concatenate([np.arange(0, channels, size) for size in sizes]))
+    end = np.append(first[1:], channels)
+    group = first // sizes[2]
+    rows = (first, end, group, first // sizes[0], first // sizes[1], group * sizes[2])
+    return np.ascontiguousarray(np.stack(rows, axis=1), dtype=np.uint64)
+
+
 # ---------------------------------------------------------------------------------------------
 # Numba kernels (signatures in cpu._signature). Each runs the jobs [start, stop) of its loop.
 
 
-@njit(nogil=True, error_model="numpy")
-def _runs(channels, n_offset_groups, n_mask_groups, n_groups):
-    """The runs of channels that share an offset, a mask and a conv group, computed once per call
-    (no divisions in the loops): rows of (first channel, end, conv group, offset group, mask
-    group, the conv group's first channel). Unsigned, so that an index computed from them is
-    known to be non-negative: a signed one is tested for Python's negative indices at every
-    element, which keeps the loops along channels from vectorising (4x slower)."""
-    per_offset, per_mask, per_group = channels // n_offset_groups, channels // n_mask_groups, channels // n_groups
-    runs = np.empty((channels, 6), dtype=np.uint64)
-    n, c = 0, 0
-    while c < channels:
-        end = min(channels, (c // per_offset + 1) * per_offset, (c // per_mask + 1) * per_mask,
-                  (c // per_group + 1) * per_group)
-        g = c // per_group
-        runs[n, 0], runs[n, 1], runs[n, 2], runs[n, 3], runs[n, 4], runs[n, 5] = (
-            c, end, g, c // per_offset, c // per_mask, g * per_group)
-        n, c = n + 1, end
-    return runs[:n]
-
-
 @_kernel
-def _im2col_cl(x, mask, has_mask, n_mask_groups, n_groups, index, weight, columns, b_first, q_first, start, stop):
-    batch, _, channels = x.shape
-    n_offset_groups, taps, positions, corners = index.shape[1], index.shape[2], index.shape[3], index.shape[4]
-    runs = _runs(channels, n_offset_groups, n_mask_groups, n_groups)
+def _im2col_cl(x, mask, has_mask, runs, index, weight, columns, b_first, q_first, start, stop):
+    taps, positions, corners = index.shape[2], index.shape[3], index.shape[4]
     blocks = (positions + POSITION_BLOCK - 1) // POSITION_BLOCK
-    values = np.zeros(channels)  # float64 sums, corner by corner, where a corner's weight is 0
+    # float64 sums, corner by corner, where a corner's weight is 0 (its own array, not the
+    # caller's: one the compiler cannot tell apart from the others made the loops 3% slower)
+    values = np.empty(x.shape[2])
     # columns[b - b_first, :, q - q_first] holds sample b's position q: all of them, or a part's
     for job in range(start, stop):  # jobs: batch * blocks, each owns the columns of a block
         b = job // blocks
@@ -141,11 +137,9 @@ def _im2col_cl(x, mask, has_mask, n_mask_groups, n_groups, index, weight, column
 
 
 @_kernel
-def _col2im_cl(column_grads, mask, has_mask, n_mask_groups, n_groups, index, weight, channel_block, grad_x,
-               start, stop):
-    batch, _, channels = grad_x.shape
-    n_offset_groups, taps, positions, corners = index.shape[1], index.shape[2], index.shape[3], index.shape[4]
-    runs = _runs(channels, n_offset_groups, n_mask_groups, n_groups)
+def _col2im_cl(column_grads, mask, has_mask, runs, index, weight, channel_block, grad_x, start, stop):
+    channels = grad_x.shape[2]
+    taps, positions, corners = index.shape[2], index.shape[3], index.shape[4]
     blocks = (channels + channel_block - 1) // channel_block
     for job in range(start, stop):  # jobs: batch * blocks, each owns grad_x[b, :, block of channels]
         b = job // blocks
@@ -174,14 +168,12 @@ def _col2im_cl(column_grads, mask, has_mask, n_mask_groups, n_groups, index, wei
 
 
 @_kernel
-def _offset_mask_grads_cl(x, column_grads, mask, has_mask, n_mask_groups, n_groups, index, weight, dweight, ndim,
-                          want_offset, want_mask, grad_offset, grad_mask, start, stop):
-    batch, _, channels = x.shape
-    n_offset_groups, taps, positions, corners = index.shape[1], index.shape[2], index.shape[3], index.shape[4]
-    runs = _runs(channels, n_offset_groups, n_mask_groups, n_groups)
+def _offset_mask_grads_cl(x, column_grads, mask, has_mask, runs, index, weight, dweight, ndim, want_offset,
+                          want_mask, grad_offset, grad_mask, start, stop):
+    taps, positions, corners = index.shape[2], index.shape[3], index.shape[4]
     blocks = (positions + POSITION_BLOCK - 1) // POSITION_BLOCK
-    sums = np.zeros(corners)  # per corner: the offset group's sum over channels of mask * grad * x
-    terms = np.zeros(corners)  # per corner: the run's sum over channels of grad * x
+    sums = np.empty(corners)  # per corner: the offset group's sum over channels of mask * grad * x
+    terms = np.empty(corners)  # per corner: the run's sum over channels of grad * x
     for job in range(start, stop):  # jobs: batch * blocks, each owns the gradients' entries of a block
         b = job // blocks
         q0 = (job % blocks) * POSITION_BLOCK
@@ -350,11 +342,17 @@ def _channel_block(channels, batch):
 def _columns(xcl, mask, plan, geom, dtype):
     batch, positions = plan.index.shape[0], plan.index.shape[3]
     columns = _layout(geom, batch, positions, dtype)
-    m, has_mask, mask_groups = cpu._mask_args(mask, geom, dtype)
+    m, has_mask, runs = _mask_runs(mask, plan, geom, dtype)
     _parallel_for("_im2col_cl", dtype, plan.index.dtype,
-                  (xcl, m, has_mask, mask_groups, geom.groups, plan.index, plan.weight, columns, 0, 0),
-                  batch * _position_blocks(positions))
+                  (xcl, m, has_mask, runs, plan.index, plan.weight, columns, 0, 0), batch * _position_blocks(positions))
     return columns
+
+
+def _mask_runs(mask, plan, geom, dtype):
+    """``cpu._mask_args``' mask and flag, and the channel runs (``_channel_runs``) of ``plan``'s
+    offset groups and of the mask's groups (one without a mask)."""
+    m, has_mask, mask_groups = cpu._mask_args(mask, geom, dtype)
+    return m, has_mask, _channel_runs(geom.in_channels, plan.index.shape[1], mask_groups, geom.groups)
 
 
 def _workspace(geom, dtype, *, columns, column_grads, dweight, grads, input_copy, grad_copy):
@@ -381,15 +379,15 @@ def _forward_parts(xcl, mask, plan, w_t, bias_row, geom, chunk, y, dtype):
     # slower at batch 8 and 0.86x at batch 1).
     edges = cpu._blocks(units, least=_PART_UNITS)
     parts = len(edges) - 1
-    m, has_mask, mask_groups = cpu._mask_args(mask, geom, dtype)
+    m, has_mask, runs = _mask_runs(mask, plan, geom, dtype)
     im2col = cpu._compiled_kernel("_im2col_cl", dtype, plan.index.dtype)
 
     def part(i):
         b, k = divmod(i, parts)
         q0, q1 = edges[k] * POSITION_BLOCK, min(edges[k + 1] * POSITION_BLOCK, positions)
         columns = _layout(geom, 1, q1 - q0, dtype)  # a part's own: it stays in the caches
-        im2col(xcl, m, has_mask, mask_groups, geom.groups, plan.index, plan.weight, columns, b, q0,
-               b * units + edges[k], b * units + edges[k + 1])
+        im2col(xcl, m, has_mask, runs, plan.index, plan.weight, columns, b, q0, b * units + edges[k],
+               b * units + edges[k + 1])
         y_t = np.matmul(columns[0].reshape(geom.groups, q1 - q0, -1), w_t)  # (G, rows, C_out/G)
         # Transposed into place with the bias (numpy's strided copy of a part still in the caches
         # was as fast as a Numba kernel's, and compiles nothing)
@@ -478,20 +476,20 @@ def _conv_backward(grad_output, x, weight, offset, mask, geom, wanted, bias):
         column_grads = _layout(geom, batch, positions, dtype)
         cpu._matmul(gy.transpose(0, 1, 3, 2), w[None],
                     column_grads.reshape(batch, geom.groups, positions, -1))
-        m, has_mask, mask_groups = cpu._mask_args(msk, geom, dtype)
+        m, has_mask, runs = _mask_runs(msk, plan, geom, dtype)
         if need_input:
             gxcl = np.zeros((batch, geom.input_size, geom.in_channels), dtype=dtype)
             block = _channel_block(geom.in_channels, batch)
-            _parallel_for("_col2im_cl", dtype, plan.index.dtype, (
-                column_grads, m, has_mask, mask_groups, geom.groups, plan.index, plan.weight, block, gxcl),
-                batch * -(-geom.in_channels // block))
+            _parallel_for("_col2im_cl", dtype, plan.index.dtype,
+                          (column_grads, m, has_mask, runs, plan.index, plan.weight, block, gxcl),
+                          batch * -(-geom.in_channels // block))
             _add_channels_first(gxcl, grad_x[chunk.b0:chunk.b1], dtype)
             del gxcl
         if need_offset or need_mask:
             g_off, g_m = cpu._chunk_rows(grad_off, chunk), cpu._chunk_rows(grad_m, chunk)
             _parallel_for("_offset_mask_grads_cl", dtype, plan.index.dtype, (
-                xcl, column_grads, m, has_mask, mask_groups, geom.groups, plan.index, plan.weight, plan.dweight,
-                geom.ndim, need_offset, need_mask, g_off, g_m), batch * _position_blocks(positions))
+                xcl, column_grads, m, has_mask, runs, plan.index, plan.weight, plan.dweight, geom.ndim, need_offset,
+                need_mask, g_off, g_m), batch * _position_blocks(positions))
             cpu._store_chunk_rows(grad_off, g_off, chunk)
             cpu._store_chunk_rows(grad_m, g_m, chunk)
             del g_off, g_m
