@@ -13,7 +13,9 @@ does it, so that a new framework is added by registering it, not by editing the 
   names a library.
 
 bfloat16 is ``ml_dtypes.bfloat16`` natively; where a producer or consumer cannot exchange
-bfloat16 through DLPack, its bits travel as 16-bit integers.
+bfloat16 through DLPack, its bits travel as 16-bit integers. ml_dtypes is imported where a
+bfloat16 array or dtype first comes (``bfloat16()``), not with dcn_cupy: its import, 0.6-0.8 s,
+was most of ``import dcn_cupy``'s time.
 """
 
 from __future__ import annotations
@@ -21,15 +23,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
+import sys
 import threading
 from typing import Any, NamedTuple, Optional, Protocol, runtime_checkable
 
-import ml_dtypes
 import numpy as np
 
 __all__ = ["ArrayLibrary", "ArrayOrigin", "register_library", "library_of", "to_native", "from_native",
-           "check_same_origin", "check_dtype", "SUPPORTED_DTYPES", "BFLOAT16", "compute_dtype",
-           "cupy_or_none", "is_torch_tensor"]
+           "check_same_origin", "check_dtype", "SUPPORTED_DTYPES", "BFLOAT16", "bfloat16", "is_bfloat16",
+           "compute_dtype", "cupy_or_none", "is_torch_tensor"]
 
 # DLPack device types (dlpack.h).
 _DL_CPU = 1
@@ -37,11 +39,42 @@ _DL_CUDA = 2
 _DL_CUDA_HOST = 3
 _DL_CUDA_MANAGED = 13
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-SUPPORTED_DTYPES = (np.dtype(np.float16), BFLOAT16, np.dtype(np.float32), np.dtype(np.float64))
-_SUPPORTED = frozenset(SUPPORTED_DTYPES)
 _FLOAT64 = np.dtype(np.float64)
 _FLOAT32 = np.dtype(np.float32)
+_FLOAT16 = np.dtype(np.float16)
+#: The supported dtypes, bfloat16 among them once ``bfloat16()`` has made it (a set that only
+#: grows, read on every call's fast path).
+_SUPPORTED = {_FLOAT16, _FLOAT32, _FLOAT64}
+_bfloat16 = None
+
+
+def bfloat16() -> np.dtype:
+    """``ml_dtypes.bfloat16``'s dtype, importing ml_dtypes on first use."""
+    global _bfloat16
+    if _bfloat16 is None:
+        import ml_dtypes
+
+        _SUPPORTED.add(np.dtype(ml_dtypes.bfloat16))
+        _bfloat16 = np.dtype(ml_dtypes.bfloat16)
+    return _bfloat16
+
+
+def is_bfloat16(dtype) -> bool:
+    """Whether ``dtype`` is bfloat16; ml_dtypes is imported only for a dtype of that name."""
+    return getattr(dtype, "name", None) == "bfloat16" and dtype == bfloat16()
+
+
+def __getattr__(name):
+    """``BFLOAT16`` and ``SUPPORTED_DTYPES``, made on first use (they need ml_dtypes)."""
+    if name == "BFLOAT16":
+        return bfloat16()
+    if name == "SUPPORTED_DTYPES":
+        return (_FLOAT16, bfloat16(), _FLOAT32, _FLOAT64)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if "ml_dtypes" in sys.modules:  # already paid for (JAX, TensorFlow): bfloat16 on the fast path now
+    bfloat16()
 
 
 def compute_dtype(dtype: np.dtype) -> np.dtype:
@@ -165,7 +198,7 @@ def library_of(array):
 
 def check_dtype(dtype, name: str) -> np.dtype:
     dtype = np.dtype(dtype)
-    if dtype not in _SUPPORTED:
+    if dtype not in _SUPPORTED and not is_bfloat16(dtype):
         if dtype.kind == "f" and dtype.byteorder == ">" and dtype.newbyteorder("=") in _SUPPORTED:
             raise TypeError(
                 f"{name} must be a native-byte-order array of dtype float16, bfloat16, float32 or "
@@ -324,7 +357,7 @@ class _Torch:
             array = array.resolve_neg().resolve_conj()
         if device == "cpu":
             if array.dtype == torch.bfloat16:
-                return array.view(torch.int16).numpy().view(BFLOAT16), "cpu", 0
+                return array.view(torch.int16).numpy().view(bfloat16()), "cpu", 0
             try:
                 return array.numpy(), "cpu", 0
             except TypeError as error:  # a dtype NumPy does not have
@@ -335,7 +368,7 @@ class _Torch:
             raise TypeError(f"{name} lives on torch device {array.device}; expected a CPU or CUDA tensor")
         index = array.device.index
         cupy = _need_cupy(name, index)
-        dtype = _TORCH_DTYPES.get(str(array.dtype))
+        dtype = torch_dtype(str(array.dtype))
         if dtype is None:
             raise TypeError(f"{name} must have dtype float16, bfloat16, float32 or float64, got {array.dtype}")
         itemsize = dtype.itemsize
@@ -368,17 +401,23 @@ class _Torch:
         import torch
 
         if isinstance(native, np.ndarray):
-            if native.dtype == BFLOAT16:
+            if is_bfloat16(native.dtype):
                 return torch.from_numpy(native.view(np.int16)).view(torch.bfloat16)
             return torch.from_numpy(native)
-        bfloat = native.dtype == BFLOAT16
-        if bfloat:
+        if is_bfloat16(native.dtype):
             return torch.from_dlpack(native.view(np.int16)).view(torch.bfloat16)
         return torch.from_dlpack(native)
 
 
-_TORCH_DTYPES = {"torch.float16": np.dtype(np.float16), "torch.bfloat16": BFLOAT16,
-                 "torch.float32": np.dtype(np.float32), "torch.float64": np.dtype(np.float64)}
+_TORCH_DTYPES = {"torch.float16": _FLOAT16, "torch.float32": _FLOAT32, "torch.float64": _FLOAT64}
+
+
+def torch_dtype(name: str) -> Optional[np.dtype]:
+    """The native dtype of the torch dtype named ``name`` (``str(torch.float16)``), or None."""
+    found = _TORCH_DTYPES.get(name)
+    if found is None and name == "torch.bfloat16":
+        return bfloat16()
+    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -475,7 +514,7 @@ def _import_dlpack(array, name, bits_as_uint16):
         bits = bits_as_uint16(array) if "bfloat16" in str(getattr(array, "dtype", "")) else None
         if bits is None:
             raise TypeError(f"{name} could not be imported through DLPack: {error}") from error
-        native = xp.from_dlpack(bits).view(BFLOAT16)
+        native = xp.from_dlpack(bits).view(bfloat16())
     return native, device, device_id
 
 
@@ -494,7 +533,7 @@ class _Jax(_DLPack):
     def from_native(self, native, origin):
         import jax
         import jax.numpy as jnp
-        if native.dtype == BFLOAT16:
+        if is_bfloat16(native.dtype):
             return jax.lax.bitcast_convert_type(jnp.from_dlpack(native.view(np.int16)), jnp.bfloat16)
         return jnp.from_dlpack(native)
 

@@ -24,8 +24,8 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from . import _backends, _geometry
-from ._interop import (_DLPACK, BFLOAT16, _by_type, _TORCH_DTYPES, check_dtype, compute_dtype, cupy_or_none,
-                       library_of)
+from ._interop import (_DLPACK, _by_type, bfloat16, check_dtype, compute_dtype, cupy_or_none, library_of,
+                       torch_dtype)
 
 __all__ = ["Gradients", "Plan", "plan", "cached_plan", "clear_plan_cache", "PLAN_CACHE_SIZE"]
 
@@ -694,11 +694,11 @@ def _is_array(a) -> bool:
 
 
 def _spec_dtype(dtype, name: str) -> np.dtype:
-    found = _TORCH_DTYPES.get(str(dtype))
+    found = torch_dtype(str(dtype))
     if found is not None:
         return found
     if str(dtype) == "bfloat16":
-        return BFLOAT16
+        return bfloat16()
     try:
         return check_dtype(np.dtype(dtype), name)
     except TypeError:
