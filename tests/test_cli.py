@@ -1,5 +1,6 @@
 """The command line: ``python -m dcn_cupy info / check / bench`` (bench --plot included)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -224,6 +225,20 @@ def test_cpu_algorithms_benchmark_smoke(capsys):
     rows = capsys.readouterr().out.splitlines()
     assert rows[0].split()[:3] == ["case", "numba", "fwd"] and len(rows) == 1 + len(module.QUICK)
     assert all(len(row.split()) == 10 for row in rows[1:]), rows  # label (4 words), 6 numbers
+
+
+def test_cold_start_benchmark_smoke(capsys, tmp_path):
+    """benchmarks/cold_start.py: one cold child process (an empty kernel cache of its own) of this
+    tree, its times in the table and the JSON."""
+    module = _bench.load_script(REPO / "benchmarks" / "cold_start.py", "_test_cold_start")
+    out = tmp_path / "cold.json"
+    assert module.main(["--channels", "8", "--rounds", "1", "--json", str(out)]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[1].split()[:3] == ["tree", "C", "forward"] and len(rows) == 3, rows
+    assert rows[2].split()[1:3] == ["8", "cpu/numba"], rows
+    (case,) = json.loads(out.read_text())
+    (run,) = case["runs"]
+    assert case["channels"] == 8 and 0 < run["import"] < run["process"] and 0 < run["fb"] < run["process"]
 
 
 def test_ab_benchmark_parses_its_cases_and_steps_aside_without_a_gpu(capsys, monkeypatch):
