@@ -262,7 +262,7 @@ def test_channel_runs_follow_every_group(channels, offset_groups, mask_groups, g
     the longest stretch of channels that share a conv, an offset and a mask group, with those
     groups and the conv group's first channel."""
     runs = cpu_channels_last._channel_runs(channels, offset_groups, mask_groups, groups)
-    assert runs.dtype == np.uint64 and runs.flags.c_contiguous and runs.shape[1] == 6
+    assert runs.dtype == np.uint64 and runs.flags.c_contiguous and not runs.flags.writeable and runs.shape[1] == 6
     owner = [(c * groups // channels, c * offset_groups // channels, c * mask_groups // channels)
              for c in range(channels)]
     expected = []

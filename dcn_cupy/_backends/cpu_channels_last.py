@@ -38,6 +38,7 @@ along positions are faster there (benchmarks/README.md, "CPU algorithms").
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -68,6 +69,7 @@ def channel_run(geom) -> int:
     return math.gcd(c // max(geom.offset_groups, 1), c // max(geom.mask_groups, 1), c // geom.groups)
 
 
+@functools.lru_cache(maxsize=64)
 def _channel_runs(channels, n_offset_groups, n_mask_groups, n_groups):
     """The runs of channels that share an offset, a mask and a conv group, the kernels' ``runs``
     (no divisions in their loops): rows of (first channel, end, conv group, offset group, mask
@@ -75,13 +77,15 @@ def _channel_runs(channels, n_offset_groups, n_mask_groups, n_groups):
     Unsigned, so that an index computed from them is known to be non-negative: a signed one is
     tested for Python's negative indices at every element, which keeps the loops along channels
     from vectorising (4x slower). Made here rather than in the kernels: in them, it cost 0.3 s
-    of the cold compilation."""
+    of the cold compilation. Cached (13 us to make), so read-only."""
     sizes = (channels // n_offset_groups, channels // n_mask_groups, channels // n_groups)
     first = np.unique(np.concatenate([np.arange(0, channels, size) for size in sizes]))
     end = np.append(first[1:], channels)
     group = first // sizes[2]
     rows = (first, end, group, first // sizes[0], first // sizes[1], group * sizes[2])
-    return np.ascontiguousarray(np.stack(rows, axis=1), dtype=np.uint64)
+    runs = np.ascontiguousarray(np.stack(rows, axis=1), dtype=np.uint64)
+    runs.flags.writeable = False
+    return runs
 
 
 # ---------------------------------------------------------------------------------------------
