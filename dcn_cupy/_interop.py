@@ -54,8 +54,9 @@ def bfloat16() -> np.dtype:
     if _bfloat16 is None:
         import ml_dtypes
 
-        _SUPPORTED.add(np.dtype(ml_dtypes.bfloat16))
-        _bfloat16 = np.dtype(ml_dtypes.bfloat16)
+        dtype = np.dtype(ml_dtypes.bfloat16)
+        _SUPPORTED.add(dtype)
+        _bfloat16 = dtype
     return _bfloat16
 
 
