@@ -5,6 +5,11 @@ import os
 
 import pytest
 
+# JAX takes 75% of a GPU's memory at its first use unless told not to: with pytest-xdist workers
+# side by side, the second one runs out of memory. Set here, before any test module imports JAX,
+# so that any subset of the suite (not only one that happens to collect test_cuda.py first) runs.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 #: CI sets it: compile tests then fail, instead of skipping, where NVRTC or the headers are missing.
 REQUIRE_NVRTC = bool(os.environ.get("DCN_CUPY_REQUIRE_NVRTC"))
 
