@@ -1,5 +1,11 @@
 """Arrays from NumPy, PyTorch and JAX come back in their own library, dtype and shape."""
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -164,12 +170,7 @@ def test_registering_a_library():
 
 
 def _run_python(code):
-    import os
-    import subprocess
-    import sys
-    import textwrap
-    from pathlib import Path
-
+    """``code``'s standard output, run by a fresh interpreter on this tree."""
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
                             timeout=300)
