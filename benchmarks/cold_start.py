@@ -21,6 +21,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,11 +79,6 @@ def measure(tree: Path, channels: int) -> dict:
     return run
 
 
-def _median(values):
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--channels", default="64,8", help="comma-separated channel counts (default 64,8)")
@@ -105,8 +101,8 @@ def main(argv=None) -> int:
     for (tree, c), runs in results.items():
         def cell(key):
             values = [run[key] for run in runs]
-            return f"{_median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
-        met = "met" if _median([run["fb"] for run in runs]) < TARGET_SECONDS else "NOT met"
+            return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+        met = "met" if statistics.median([run["fb"] for run in runs]) < TARGET_SECONDS else "NOT met"
         forward = runs[0]["algorithm"].split(",")[0].replace("forward: ", "")
         print(f"{str(tree)[-28:]:<28} {c:>4} {forward:<18} {cell('import'):>16} {cell('fb'):>20} "
               f"{cell('process'):>16}  {met}")

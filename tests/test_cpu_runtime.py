@@ -23,6 +23,7 @@ from dcn_cupy._backends import cpu, cpu_channels_last, use_algorithm
 from dcn_cupy._limits import format_size, parse_size
 
 from cases import ARGUMENTS, random_case, relative_error
+from child_process import run_python as _python
 from snapshot import source_snapshot
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,19 +31,6 @@ FULL = frozenset({"input", "weight", "offset", "mask"})
 
 #: The CPU algorithms' modules (cpu/numba, cpu/channels-last): the same entry points, chunks and bound.
 ALGORITHMS = [pytest.param(cpu, id="cpu/numba"), pytest.param(cpu_channels_last, id="cpu/channels-last")]
-
-
-def _python(code, *, env=None, timeout=300, cwd=None, check=True, prefix=()):
-    """Run ``code`` in a fresh interpreter that imports this checkout; returns the CompletedProcess."""
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("NUMBA_", "DCN_CUPY_"))}
-    environment["PYTHONPATH"] = str(REPO) + os.pathsep + str(REPO / "tests")
-    environment.update(env or {})
-    environment = {k: v for k, v in environment.items() if v is not None}
-    result = subprocess.run([*prefix, sys.executable, "-c", textwrap.dedent(code)], env=environment,
-                            capture_output=True, text=True, timeout=timeout, cwd=cwd)
-    if check:
-        assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
-    return result
 
 
 # A small float32 DCNv2 problem whose forward and backward every child process checks.

@@ -1,17 +1,12 @@
 """Arrays from NumPy, PyTorch and JAX come back in their own library, dtype and shape."""
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import dcn_cupy
 from dcn_cupy._interop import BFLOAT16, to_native
 
+from child_process import run_python
 from dcn_cupy.testing import ARGUMENTS, random_case, relative_error
 
 
@@ -169,19 +164,10 @@ def test_registering_a_library():
         _interop._by_type[np.ndarray] = _interop._NUMPY
 
 
-def _run_python(code):
-    """``code``'s standard output, run by a fresh interpreter on this tree."""
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
 def test_ml_dtypes_is_imported_only_for_bfloat16():
     """``import dcn_cupy`` and calls in other dtypes leave ml_dtypes (0.6-0.8 s to import)
     unimported; the first bfloat16 array brings it, and bfloat16 then takes the fast path."""
-    out = _run_python("""
+    out = run_python("""
         import sys, numpy as np, dcn_cupy
         from dcn_cupy import _interop
         y = dcn_cupy.deform_conv1d(np.ones((1, 1, 4), np.float32), np.ones((1, 1, 2), np.float32))
@@ -195,7 +181,7 @@ def test_ml_dtypes_is_imported_only_for_bfloat16():
         y = dcn_cupy.deform_conv1d(x, np.ones((1, 1, 2), ml_dtypes.bfloat16))
         print("BFLOAT16", y.dtype, y.ravel().tolist())
         print("AFTER", np.dtype(ml_dtypes.bfloat16) in _interop._SUPPORTED, _interop.BFLOAT16)
-    """)
+    """).stdout
     assert "REFUSED input must have dtype float16, bfloat16, float32 or float64, got int32" in out
     assert "BEFORE False 3" in out
     assert "BFLOAT16 bfloat16 [2.0, 2.0, 2.0]" in out
@@ -203,9 +189,9 @@ def test_ml_dtypes_is_imported_only_for_bfloat16():
 
 
 def test_bfloat16_is_on_the_fast_path_where_ml_dtypes_came_first():
-    out = _run_python("""
+    out = run_python("""
         import ml_dtypes, numpy as np
         from dcn_cupy import _interop
         print("SUPPORTED", np.dtype(ml_dtypes.bfloat16) in _interop._SUPPORTED)
-    """)
+    """).stdout
     assert "SUPPORTED True" in out

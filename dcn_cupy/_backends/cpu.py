@@ -866,8 +866,11 @@ def _grouped_weight(weight, geom, dtype):
 
 
 def _mask_args(mask, geom, dtype):
+    """The kernels' mask, its flag and its groups. Without a mask, a placeholder of 1: the
+    channels-last kernels multiply by it rather than branch on the flag in their loops (exact,
+    and one loop to compile rather than two); cpu/numba's never read it."""
     if mask is None:
-        return np.zeros((1, 1, 1), dtype), False, 1
+        return np.ones((1, 1, 1), dtype), False, 1
     return mask, True, geom.mask_groups
 
 
